@@ -1,0 +1,1 @@
+"""The torch frontend: array namespace (``array_api``) and the Triton launch (``triton_launch``)."""

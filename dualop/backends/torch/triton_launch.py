@@ -1,0 +1,32 @@
+"""Launch a Triton kernel (``kernels/cuda``) on the caller's arrays.
+
+torch tensors on a CUDA/ROCm device launch directly; CPU tensors launch under Triton's
+interpreter when it is on (``TRITON_INTERPRET=1``, set automatically on a machine with no GPU).
+JAX callers would need jax-triton, which this build does not wire: the launch raises
+NotImplementedError and the dispatcher reports a fallback to ``forward_native``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from dualop.kernels.registry import KernelRef
+
+__all__ = ["call_triton"]
+
+
+def call_triton(frontend: str, kernel: KernelRef, *arrays: Any, **static: Any) -> Any:
+    if frontend != "torch":
+        raise NotImplementedError(
+            f"Triton kernels launch on torch CUDA/ROCm tensors; {frontend} arrays would need jax-triton"
+        )
+    fn = kernel.resolve()  # imports dualop.kernels.cuda, which picks the interpreter if no GPU
+    from dualop.kernels.cuda import interpreting
+
+    x = arrays[0]
+    if x.device.type != "cuda" and not interpreting():
+        raise NotImplementedError(
+            f"a Triton kernel needs a GPU tensor (got one on {x.device}); "
+            "set TRITON_INTERPRET=1 to run it in Triton's CPU interpreter"
+        )
+    return fn(*arrays, **static)

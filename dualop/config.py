@@ -1,0 +1,225 @@
+"""The ``custom_ops`` configuration: which ops take their fast (platform) path.
+
+One parser, one validator, one place that decides the default. The same config governs callers
+with ``torch.Tensor``s and callers with ``jax.Array``s.
+
+Syntax of an entry: ``all``, ``none``, ``+name``, ``-name``; one entry may hold several joined by
+commas (``"none,+rms_norm"``). When neither ``all`` nor ``none`` is given, ``none`` is appended if
+``backend == "inductor"`` and ``mode != CompilationMode.NONE``, else ``all`` (the reference serving
+engine's rule: let Inductor generate fused kernels when it compiles).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import enum
+import os
+import re
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+
+__all__ = [
+    "CompilationMode",
+    "OpsConfig",
+    "get_config",
+    "set_config",
+    "config_from_env",
+    "ENV_CUSTOM_OPS",
+    "ENV_BACKEND",
+    "ENV_MODE",
+]
+
+ENV_CUSTOM_OPS = "DUALOP_CUSTOM_OPS"
+ENV_BACKEND = "DUALOP_BACKEND"
+ENV_MODE = "DUALOP_MODE"
+
+_NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_.]*")
+
+
+class CompilationMode(enum.IntEnum):
+    """Compilation level, as the reference engine numbers it."""
+
+    NONE = 0
+    STOCK_TORCH_COMPILE = 1
+    DYNAMO_TRACE_ONCE = 2
+    FULL = 3
+
+
+def _split_entries(custom_ops: Iterable[str]) -> list[str]:
+    if isinstance(custom_ops, str):
+        raise TypeError(
+            f"OpsConfig: custom_ops must be a list of strings, got the string {custom_ops!r}; "
+            f"write [{custom_ops!r}]"
+        )
+    out: list[str] = []
+    for entry in custom_ops:
+        if not isinstance(entry, str):
+            raise TypeError(f"OpsConfig: custom_ops entries must be strings, got {entry!r}")
+        for part in entry.split(","):
+            part = part.strip()
+            if part:
+                out.append(part)
+    return out
+
+
+def _validate(entries: list[str]) -> None:
+    for e in entries:
+        if e in ("all", "none"):
+            continue
+        if e[0] in "+-" and _NAME_RE.fullmatch(e[1:]):
+            continue
+        raise ValueError(
+            f"OpsConfig: custom_ops entry {e!r} is not one of 'all', 'none', '+<op name>', '-<op name>'"
+        )
+    for word in ("all", "none"):
+        if entries.count(word) > 1:
+            raise ValueError(f"OpsConfig: custom_ops holds {word!r} more than once: {entries}")
+    if "all" in entries and "none" in entries:
+        raise ValueError(f"OpsConfig: custom_ops holds both 'all' and 'none': {entries}")
+    plus = {e[1:] for e in entries if e[0] == "+"}
+    minus = {e[1:] for e in entries if e[0] == "-"}
+    both = sorted(plus & minus)
+    if both:
+        raise ValueError(
+            f"OpsConfig: custom_ops both enables and disables {', '.join(both)} "
+            f"('+{both[0]}' and '-{both[0]}')"
+        )
+
+
+@dataclass(frozen=True)
+class OpsConfig:
+    """Which custom ops are enabled, and the compilation context that decides the default.
+
+    ``custom_ops`` is normalised at construction: comma-joined entries are split, and ``all`` or
+    ``none`` is appended when neither is present. ``strict=True`` turns a ``+name``/``-name`` that
+    names no registered op from a warning into an error (raised at first dispatch, once the
+    registry is populated).
+    """
+
+    custom_ops: tuple[str, ...] = field(default=())
+    backend: str = "eager"
+    mode: CompilationMode = CompilationMode.NONE
+    strict: bool = False
+
+    def __init__(
+        self,
+        custom_ops: Iterable[str] = (),
+        backend: str = "eager",
+        mode: int | CompilationMode = 0,
+        strict: bool = False,
+    ) -> None:
+        if not isinstance(backend, str) or not backend:
+            raise TypeError(f"OpsConfig: backend must be a non-empty string, got {backend!r}")
+        try:
+            mode = CompilationMode(int(mode))
+        except (ValueError, TypeError):
+            raise ValueError(
+                f"OpsConfig: mode must be one of {[m.value for m in CompilationMode]} "
+                f"or a CompilationMode, got {mode!r}"
+            ) from None
+        entries = _split_entries(custom_ops)
+        _validate(entries)
+        if "all" not in entries and "none" not in entries:
+            compiling = backend == "inductor" and mode != CompilationMode.NONE
+            entries.append("none" if compiling else "all")
+        object.__setattr__(self, "custom_ops", tuple(entries))
+        object.__setattr__(self, "backend", backend)
+        object.__setattr__(self, "mode", mode)
+        object.__setattr__(self, "strict", bool(strict))
+        object.__setattr__(
+            self, "_enabled", frozenset(e[1:] for e in entries if e[0] == "+")
+        )
+        object.__setattr__(
+            self, "_disabled", frozenset(e[1:] for e in entries if e[0] == "-")
+        )
+
+    @property
+    def default_on(self) -> bool:
+        """Whether an op not named by ``+``/``-`` takes its fast path: exactly when ``all`` is set."""
+        return "all" in self.custom_ops
+
+    @property
+    def named_ops(self) -> frozenset[str]:
+        """Every op name this config mentions with ``+`` or ``-``."""
+        return self._enabled | self._disabled  # type: ignore[attr-defined]
+
+    def decide(self, name: str | None) -> tuple[bool, str]:
+        """Return ``(enabled, reason)`` for the op registered as ``name`` (None: unregistered)."""
+        if name is not None:
+            if name in self._enabled:  # type: ignore[attr-defined]
+                return True, f"config '+{name}'"
+            if name in self._disabled:  # type: ignore[attr-defined]
+                return False, f"config '-{name}'"
+        if self.default_on:
+            return True, "default: config holds 'all'"
+        return False, "default: config holds 'none'"
+
+    def __repr__(self) -> str:
+        return (
+            f"OpsConfig(custom_ops={list(self.custom_ops)!r}, backend={self.backend!r}, "
+            f"mode={self.mode.name}, strict={self.strict})"
+        )
+
+
+def config_from_env(environ: os._Environ | dict | None = None) -> OpsConfig:
+    """The process default: ``DUALOP_CUSTOM_OPS`` (comma-joined), ``DUALOP_BACKEND``, ``DUALOP_MODE``."""
+    env = os.environ if environ is None else environ
+    raw_ops = env.get(ENV_CUSTOM_OPS, "")
+    backend = env.get(ENV_BACKEND, "eager") or "eager"
+    raw_mode = env.get(ENV_MODE, "0") or "0"
+    try:
+        mode: int | CompilationMode = int(raw_mode)
+    except ValueError:
+        try:
+            mode = CompilationMode[raw_mode.upper()]
+        except KeyError:
+            raise ValueError(
+                f"{ENV_MODE}={raw_mode!r} is not a compilation mode "
+                f"(expected 0-3 or one of {[m.name for m in CompilationMode]})"
+            ) from None
+    try:
+        return OpsConfig([raw_ops] if raw_ops else [], backend=backend, mode=mode)
+    except ValueError as e:
+        raise ValueError(f"{ENV_CUSTOM_OPS}={raw_ops!r}: {e}") from None
+
+
+_process_default: OpsConfig | None = None
+_current: contextvars.ContextVar[OpsConfig | None] = contextvars.ContextVar(
+    "dualop_config", default=None
+)
+
+
+def _default() -> OpsConfig:
+    global _process_default
+    if _process_default is None:
+        _process_default = config_from_env()
+    return _process_default
+
+
+def get_config() -> OpsConfig:
+    """The active config: the innermost ``set_config`` of this context, else the process default."""
+    cfg = _current.get()
+    return cfg if cfg is not None else _default()
+
+
+@contextlib.contextmanager
+def set_config(cfg: OpsConfig) -> Iterator[OpsConfig]:
+    """Make ``cfg`` the active config inside a ``with`` block.
+
+    Context-local (a ``ContextVar``): other threads and other asyncio tasks keep their own config.
+    """
+    if not isinstance(cfg, OpsConfig):
+        raise TypeError(f"set_config: expected an OpsConfig, got {type(cfg).__name__}")
+    token = _current.set(cfg)
+    try:
+        yield cfg
+    finally:
+        _current.reset(token)
+
+
+def reload_process_default() -> OpsConfig:
+    """Re-read the environment variables (for tests and long-lived processes that change them)."""
+    global _process_default
+    _process_default = None
+    return _default()

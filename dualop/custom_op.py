@@ -1,0 +1,337 @@
+"""``CustomOp``: the base class of every dualop op, its registries and its dispatcher.
+
+An op subclass says *what* it computes in ``forward_native`` (written once, against the array
+namespace of whichever frontend the caller uses) and may offer faster *hows* per platform:
+``forward_tpu`` (Pallas), ``forward_cuda``/``forward_hip`` (Triton), ``forward_cpu``,
+``forward_xpu``, ``forward_oot`` (plugins).
+
+Calling an op instance picks one of those methods from (frontend of the first array argument,
+active ``OpsConfig``, platform of that frontend). The choice is resolved once per
+(instance, frontend, config, platform) and cached, so the per-call cost is a type lookup, a
+context-variable read and a dict lookup.
+
+Enabled rules (the reference serving engine's): ``+name`` enables, ``-name`` disables, otherwise
+the op follows the default, which is on exactly when the config holds ``all``. An unregistered
+subclass follows its parent's registered name. ``enforce_enable=True`` forces one instance's fast
+path without changing ``enabled()``.
+"""
+
+from __future__ import annotations
+
+import difflib
+import logging
+import threading
+import warnings
+from typing import Any, ClassVar
+
+from dualop import config as _config
+from dualop import platforms as _platforms
+
+__all__ = ["CustomOp", "dispatch_report", "PLATFORM_METHOD"]
+
+logger = logging.getLogger("dualop")
+
+# The method each platform dispatches to when the op is enabled.
+PLATFORM_METHOD = {
+    "cpu": "forward_cpu",
+    "cuda": "forward_cuda",
+    "rocm": "forward_hip",
+    "tpu": "forward_tpu",
+    "xpu": "forward_xpu",
+    "oot": "forward_oot",
+}
+# Where a missing (or not-implemented) platform method falls back to, in order.
+_FALLBACKS = {
+    "forward_hip": ("forward_cuda", "forward_native"),
+    "forward_cuda": ("forward_native",),
+    "forward_cpu": ("forward_native",),
+    "forward_xpu": ("forward_native",),
+    "forward_tpu": ("forward_native",),
+    "forward_oot": ("forward_native",),
+    "forward_native": (),
+}
+
+# (op class, frontend, platform) -> report row; see dispatch_report().
+_report: dict[tuple[type, str, str], dict[str, Any]] = {}
+_report_lock = threading.Lock()
+# Configs whose +name/-name entries have been checked against the registry.
+_checked_configs: set[_config.OpsConfig] = set()
+
+
+def dispatch_report() -> list[dict[str, Any]]:
+    """One row per (op class, frontend, platform) resolved so far in this process.
+
+    Keys: ``op`` (registered name or None), ``cls``, ``frontend``, ``platform``, ``method`` (the
+    method that ran), ``enabled``, ``reason`` (why that method).
+    """
+    with _report_lock:
+        rows = [dict(row) for row in _report.values()]
+    return sorted(rows, key=lambda r: (str(r["op"]), r["cls"], r["frontend"], r["platform"]))
+
+
+def clear_dispatch_report() -> None:
+    with _report_lock:
+        _report.clear()
+
+
+def _check_config_names(cfg: _config.OpsConfig) -> None:
+    """Warn once (or raise, if ``cfg.strict``) for ``+name``/``-name`` that name no registered op."""
+    if cfg in _checked_configs:
+        return
+    known = set(CustomOp.op_registry)
+    unknown = sorted(n for n in cfg.named_ops if n not in known)
+    for name in unknown:
+        close = difflib.get_close_matches(name, sorted(known), n=3, cutoff=0.5)
+        hint = f"; did you mean {', '.join(repr(c) for c in close)}?" if close else ""
+        msg = f"custom_ops names {name!r}, which is not a registered op{hint}"
+        if cfg.strict:
+            raise ValueError(f"OpsConfig(strict=True): {msg}")
+        warnings.warn(msg, UserWarning, stacklevel=4)
+    _checked_configs.add(cfg)
+
+
+class CustomOp:
+    """Base class of every op. Subclass, register, implement ``forward_native`` and fast paths."""
+
+    op_registry: ClassVar[dict[str, type[CustomOp]]] = {}
+    op_registry_oot: ClassVar[dict[str, type[CustomOp]]] = {}
+    name: ClassVar[str | None] = None
+
+    # ---------------------------------------------------------------- construction
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> CustomOp:
+        replacement = CustomOp.op_registry_oot.get(cls.__name__)
+        if replacement is None or replacement is cls:
+            obj = super().__new__(cls)
+            obj._dispatch_cache = {}
+            obj.enforce_enable = False
+            return obj
+        logger.debug("dualop: building OOT %s in place of %s", replacement.__qualname__, cls.__qualname__)
+        obj = super().__new__(replacement)
+        obj._dispatch_cache = {}
+        obj.enforce_enable = False
+        if not isinstance(obj, cls):
+            # Python only runs __init__ itself when the object is an instance of cls.
+            obj.__init__(*args, **kwargs)
+        return obj
+
+    def __init__(self, *, enforce_enable: bool = False) -> None:
+        self.enforce_enable = bool(enforce_enable)
+        self._dispatch_cache.clear()
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        for attr in ("__call__", "forward"):
+            if attr in cls.__dict__:
+                warnings.warn(
+                    f"{cls.__module__}.{cls.__qualname__} overrides {attr}, which bypasses dualop's "
+                    f"dispatch (config, platform paths, report). Override forward_native / "
+                    f"forward_<platform> instead.",
+                    UserWarning,
+                    stacklevel=2,
+                )
+
+    # ---------------------------------------------------------------- registries
+
+    @classmethod
+    def register(cls, name: str):
+        """Class decorator: register an in-tree op under ``name`` and set ``op_cls.name``."""
+        if not isinstance(name, str) or not name:
+            raise TypeError(f"CustomOp.register: name must be a non-empty string, got {name!r}")
+
+        def decorator(op_cls: type[CustomOp]) -> type[CustomOp]:
+            if not (isinstance(op_cls, type) and issubclass(op_cls, CustomOp)):
+                raise TypeError(f"CustomOp.register({name!r}): {op_cls!r} is not a CustomOp subclass")
+            existing = CustomOp.op_registry.get(name)
+            if existing is not None and existing is not op_cls:
+                raise ValueError(
+                    f"CustomOp.register: duplicate op name {name!r}: already registered to "
+                    f"{existing.__module__}.{existing.__qualname__}"
+                )
+            op_cls.name = name
+            CustomOp.op_registry[name] = op_cls
+            return op_cls
+
+        return decorator
+
+    @classmethod
+    def register_oot(cls, _decorated_op_cls: Any = None, name: str | None = None):
+        """Register an out-of-tree replacement for an in-tree op class.
+
+        Forms: ``@CustomOp.register_oot("ClassName")``, ``@CustomOp.register_oot(name="ClassName")``,
+        ``CustomOp.register_oot(_decorated_op_cls=C, name="ClassName")``, and bare
+        ``@SomeOp.register_oot`` on a subclass of ``SomeOp`` (keyed by ``"SomeOp"``). Constructing
+        the in-tree class afterwards builds the replacement.
+        """
+        if isinstance(_decorated_op_cls, str):  # @CustomOp.register_oot("ClassName")
+            if name is not None:
+                raise TypeError("CustomOp.register_oot: give the name once, positionally or as name=")
+            name, _decorated_op_cls = _decorated_op_cls, None
+        if name is None:
+            if cls is CustomOp:
+                if _decorated_op_cls is None:
+                    raise TypeError("CustomOp.register_oot: name the in-tree class to replace")
+                raise TypeError(
+                    "CustomOp.register_oot: bare use needs the in-tree class "
+                    "(@SomeOp.register_oot) or a name (@CustomOp.register_oot('SomeOp'))"
+                )
+            name = cls.__name__
+        if not isinstance(name, str) or not name:
+            raise TypeError(f"CustomOp.register_oot: name must be a non-empty string, got {name!r}")
+
+        def decorator(op_cls: type[CustomOp]) -> type[CustomOp]:
+            if not (isinstance(op_cls, type) and issubclass(op_cls, CustomOp)):
+                raise TypeError(f"CustomOp.register_oot({name!r}): {op_cls!r} is not a CustomOp subclass")
+            existing = CustomOp.op_registry_oot.get(name)
+            if existing is op_cls:
+                return op_cls
+            if existing is not None:
+                raise ValueError(
+                    f"CustomOp.register_oot: {name!r} is already replaced by "
+                    f"{existing.__module__}.{existing.__qualname__}; cannot also register "
+                    f"{op_cls.__module__}.{op_cls.__qualname__}"
+                )
+            CustomOp.op_registry_oot[name] = op_cls
+            _platforms.invalidate()
+            return op_cls
+
+        if _decorated_op_cls is not None:
+            return decorator(_decorated_op_cls)
+        return decorator
+
+    # ---------------------------------------------------------------- enabled rules
+
+    @classmethod
+    def enabled(cls) -> bool:
+        """Whether this op class takes its platform path under the active config."""
+        return _config.get_config().decide(cls.name)[0]
+
+    @staticmethod
+    def default_on() -> bool:
+        """Whether ops not named by ``+``/``-`` are on: exactly when the config holds ``all``."""
+        return _config.get_config().default_on
+
+    # ---------------------------------------------------------------- the implementations
+
+    def forward_native(self, *args: Any, **kwargs: Any) -> Any:
+        """The reference body, written once for both frontends. Every op must implement it."""
+        raise NotImplementedError(f"{type(self).__qualname__} does not implement forward_native")
+
+    def forward_cpu(self, *args: Any, **kwargs: Any) -> Any:
+        raise NotImplementedError
+
+    def forward_cuda(self, *args: Any, **kwargs: Any) -> Any:
+        raise NotImplementedError
+
+    def forward_hip(self, *args: Any, **kwargs: Any) -> Any:
+        raise NotImplementedError
+
+    def forward_xpu(self, *args: Any, **kwargs: Any) -> Any:
+        raise NotImplementedError
+
+    def forward_tpu(self, *args: Any, **kwargs: Any) -> Any:
+        raise NotImplementedError
+
+    def forward_oot(self, *args: Any, **kwargs: Any) -> Any:
+        raise NotImplementedError
+
+    def check_inputs(self, *args: Any, **kwargs: Any) -> None:
+        """Validate arguments before any path runs; raise ValueError/TypeError naming the op."""
+
+    # ---------------------------------------------------------------- dispatch
+
+    @classmethod
+    def _implements(cls, method: str) -> bool:
+        return getattr(cls, method) is not getattr(CustomOp, method)
+
+    def _resolve(self, frontend: str, cfg: _config.OpsConfig, generation: int):
+        """Choose the method for (frontend, cfg, platform) and record why."""
+        _check_config_names(cfg)
+        cls = type(self)
+        platform = _platforms.current_platform(frontend)
+        if self.enforce_enable:
+            enabled, reason = True, "enforce_enable=True"
+        else:
+            enabled, reason = cfg.decide(cls.name)
+        method = PLATFORM_METHOD[platform] if enabled else "forward_native"
+        if not enabled:
+            reason += " (disabled, so forward_native)"
+        wanted = method
+        for candidate in (method, *_FALLBACKS[method]):
+            if candidate == "forward_native" or cls._implements(candidate):
+                method = candidate
+                break
+        if method != wanted:
+            reason += f"; {wanted} not implemented, fell back to {method}"
+        bound = getattr(self, method)
+        self._dispatch_cache[(frontend, cfg, generation)] = bound
+        self._record(frontend, platform, method, enabled, reason)
+        return bound
+
+    def _record(self, frontend: str, platform: str, method: str, enabled: bool, reason: str) -> None:
+        cls = type(self)
+        row = {
+            "op": cls.name,
+            "cls": f"{cls.__module__}.{cls.__qualname__}",
+            "frontend": frontend,
+            "platform": platform,
+            "method": method,
+            "enabled": enabled,
+            "reason": reason,
+        }
+        with _report_lock:
+            _report[(cls, frontend, platform)] = row
+
+    def _frontend_error(self, args: tuple, kwargs: dict) -> TypeError:
+        first = args[0] if args else next(iter(kwargs.values()), None)
+        return TypeError(
+            f"{type(self).name or type(self).__qualname__}: expected a torch.Tensor or jax.Array as the "
+            f"first argument, got {type(first).__module__}.{type(first).__qualname__}"
+        )
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        first = args[0] if args else next(iter(kwargs.values()), None)
+        frontend = _platforms.frontend_of(first)
+        if frontend is None:
+            raise self._frontend_error(args, kwargs)
+        cfg = _config._current.get() or _config._default()
+        key = (frontend, cfg, _platforms._generation)
+        method = self._dispatch_cache.get(key)
+        if method is None:
+            method = self._resolve(frontend, cfg, key[2])
+        self.check_inputs(*args, **kwargs)
+        try:
+            return method(*args, **kwargs)
+        except NotImplementedError as err:
+            if method.__name__ == "forward_native":
+                raise
+            return self._fall_back(method.__name__, frontend, err, args, kwargs)
+
+    forward = __call__
+
+    def _fall_back(self, method: str, frontend: str, err: NotImplementedError, args, kwargs):
+        """A platform method declined this call: run forward_native and say so in the report."""
+        detail = str(err) or "NotImplementedError"
+        platform = _platforms.current_platform(frontend)
+        enabled = self.enforce_enable or self.enabled()
+        self._record(
+            frontend,
+            platform,
+            "forward_native",
+            enabled,
+            f"{method} raised NotImplementedError ({detail}); fell back to forward_native",
+        )
+        return self.forward_native(*args, **kwargs)
+
+    def dispatched_method(self, frontend: str) -> str:
+        """Name of the method a call from ``frontend`` resolves to under the active config."""
+        cfg = _config.get_config()
+        gen = _platforms.dispatch_generation()
+        method = self._dispatch_cache.get((frontend, cfg, gen)) or self._resolve(frontend, cfg, gen)
+        return method.__name__
+
+    def extra_repr(self) -> str:
+        return ""
+
+    def __repr__(self) -> str:
+        return f"{type(self).__qualname__}({self.extra_repr()})"

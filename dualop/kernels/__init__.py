@@ -1,0 +1,1 @@
+"""Kernels: ``pallas/`` (TPU, JAX functions) and ``cuda/`` (Triton, for CUDA and ROCm)."""

@@ -1,0 +1,94 @@
+"""RMSNorm (optionally fused with a residual add) as a Triton kernel: one program per row.
+
+Same contract as ``kernels/pallas/rms_norm.py``: float32 statistics, ``cast(x*rsqrt(mean(x²)+eps))``
+then times weight; with a residual, normalises x + residual and returns that sum (cast) too. Rows
+up to ``MAX_SINGLE_PASS`` wide are held in registers in one pass; wider rows take two passes over
+memory (sum of squares, then normalise), recomputing x + residual from the inputs so the statistic
+is the float32 sum, never a rounded copy.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from dualop.kernels.cuda.common import cast_out, needs_exact_bf16, rows_view
+
+__all__ = ["rms_norm", "MAX_SINGLE_PASS"]
+
+MAX_SINGLE_PASS = 8192
+
+
+@triton.jit
+def _rms_norm_kernel(
+    x_ptr, w_ptr, r_ptr, out_ptr, res_out_ptr,
+    x_row_stride, r_row_stride, out_row_stride,
+    hidden, eps,
+    HAS_WEIGHT: tl.constexpr, HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, SINGLE_PASS: tl.constexpr,
+    EXACT_BF16: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    x_row = x_ptr + row * x_row_stride
+    r_row = r_ptr + row * r_row_stride
+    o_row = out_ptr + row * out_row_stride
+    ro_row = res_out_ptr + row * out_row_stride
+    if SINGLE_PASS:
+        cols = tl.arange(0, BLOCK)
+        mask = cols < hidden
+        x = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
+        if HAS_RESIDUAL:
+            x += tl.load(r_row + cols, mask=mask, other=0.0).to(tl.float32)
+            tl.store(ro_row + cols, cast_out(x, res_out_ptr, EXACT_BF16), mask=mask)
+        inv_rms = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / hidden + eps)
+        y = cast_out(x * inv_rms, out_ptr, EXACT_BF16)
+        if HAS_WEIGHT:
+            w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+            y = cast_out(y.to(tl.float32) * w, out_ptr, EXACT_BF16)
+        tl.store(o_row + cols, y, mask=mask)
+    else:
+        acc = tl.zeros([BLOCK], dtype=tl.float32)
+        for start in range(0, hidden, BLOCK):
+            cols = start + tl.arange(0, BLOCK)
+            mask = cols < hidden
+            x = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
+            if HAS_RESIDUAL:
+                x += tl.load(r_row + cols, mask=mask, other=0.0).to(tl.float32)
+                tl.store(ro_row + cols, cast_out(x, res_out_ptr, EXACT_BF16), mask=mask)
+            acc += x * x
+        inv_rms = 1.0 / tl.sqrt(tl.sum(acc, axis=0) / hidden + eps)
+        for start in range(0, hidden, BLOCK):
+            cols = start + tl.arange(0, BLOCK)
+            mask = cols < hidden
+            x = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
+            if HAS_RESIDUAL:
+                x += tl.load(r_row + cols, mask=mask, other=0.0).to(tl.float32)
+            y = cast_out(x * inv_rms, out_ptr, EXACT_BF16)
+            if HAS_WEIGHT:
+                w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+                y = cast_out(y.to(tl.float32) * w, out_ptr, EXACT_BF16)
+            tl.store(o_row + cols, y, mask=mask)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None = None, residual: torch.Tensor | None = None, *, eps: float = 1e-6):
+    """RMSNorm over the last dim; returns ``out`` or ``(out, new_residual)`` (new tensors)."""
+    shape, hidden = x.shape, x.shape[-1]
+    x2 = rows_view(x)
+    rows = x2.shape[0]
+    out = torch.empty((rows, hidden), dtype=x.dtype, device=x.device)
+    res_out = torch.empty_like(out) if residual is not None else out
+    if rows > 0 and hidden > 0:
+        r2 = rows_view(residual) if residual is not None else x2
+        w = weight.contiguous() if weight is not None else x2
+        single = hidden <= MAX_SINGLE_PASS
+        block = triton.next_power_of_2(hidden) if single else 4096
+        _rms_norm_kernel[(rows,)](
+            x2, w, r2, out, res_out,
+            x2.stride(0), r2.stride(0), out.stride(0),
+            hidden, float(eps),
+            HAS_WEIGHT=weight is not None, HAS_RESIDUAL=residual is not None,
+            BLOCK=block, SINGLE_PASS=single, EXACT_BF16=needs_exact_bf16(x.dtype),
+            num_warps=min(max(block // 256, 1), 16),
+        )
+    out = out.reshape(shape)
+    return (out, res_out.reshape(shape)) if residual is not None else out

@@ -1,0 +1,2 @@
+"""Pallas TPU kernels. Each module: one kernel family, a plain ``*_reference`` beside it, a cost
+estimate on the call. They run compiled on a TPU and in interpret mode elsewhere."""

@@ -1,0 +1,129 @@
+"""RMSNorm (optionally fused with a residual add) as a row-wise Pallas TPU kernel.
+
+out = cast(x * rsqrt(mean(x**2) + eps), dtype) * weight, computed in float32; with a residual,
+x is first replaced by x + residual (in float32) and that sum, cast to x's dtype, is returned as
+the new residual. ``rms_norm_reference`` beside the kernel is the plain-jnp statement of it.
+
+Each grid step normalises ``block_rows`` full rows held in VMEM; the row dimension is
+``parallel`` so megacore chips split it. The hidden dimension is never tiled (a row's statistic
+needs all of it), which also makes any hidden size legal: a block that spans the whole last dim is
+exempt from the 128-lane rule.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from dualop.kernels.pallas.common import compiler_params, row_blocks, rowwise_batching, to_rows
+
+__all__ = ["rms_norm", "rms_norm_reference", "rms_norm_cost"]
+
+
+def rms_norm_reference(x, weight=None, residual=None, *, eps: float = 1e-6):
+    """The plain jax.numpy statement of the kernel (used by tests and docs)."""
+    orig = x.dtype
+    xf = x.astype(jnp.float32)
+    new_residual = None
+    if residual is not None:
+        xf = xf + residual.astype(jnp.float32)
+        new_residual = xf.astype(orig)
+    y = (xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)).astype(orig)
+    if weight is not None:
+        y = (y.astype(jnp.float32) * weight.astype(jnp.float32)).astype(orig)
+    return y if residual is None else (y, new_residual)
+
+
+def rms_norm_cost(rows: int, hidden: int, itemsize: int, has_weight: bool, has_residual: bool) -> pl.CostEstimate:
+    """Bytes and flops one call must move and do (read inputs once, write outputs once)."""
+    n = rows * hidden
+    reads = n * itemsize * (2 if has_residual else 1) + (hidden * itemsize if has_weight else 0)
+    writes = n * itemsize * (2 if has_residual else 1)
+    flops = n * (3 + (1 if has_weight else 0) + (1 if has_residual else 0))
+    return pl.CostEstimate(flops=flops, transcendentals=rows, bytes_accessed=reads + writes)
+
+
+def _kernel(*refs, eps: float, has_weight: bool, has_residual: bool):
+    it = iter(refs)
+    x_ref = next(it)
+    w_ref = next(it) if has_weight else None
+    r_ref = next(it) if has_residual else None
+    o_ref = next(it)
+    ro_ref = next(it) if has_residual else None
+
+    x = x_ref[...].astype(jnp.float32)
+    if has_residual:
+        x = x + r_ref[...].astype(jnp.float32)
+        ro_ref[...] = x.astype(ro_ref.dtype)
+    inv_rms = jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps)
+    y = (x * inv_rms).astype(o_ref.dtype)
+    if has_weight:
+        y = (y.astype(jnp.float32) * w_ref[...].astype(jnp.float32)).astype(o_ref.dtype)
+    o_ref[...] = y
+
+
+@functools.partial(jax.jit, static_argnames=("eps", "interpret", "block_rows"))
+def rms_norm(
+    x: jax.Array,
+    weight: jax.Array | None = None,
+    residual: jax.Array | None = None,
+    *,
+    eps: float = 1e-6,
+    interpret=False,
+    block_rows: int | None = None,
+):
+    """RMSNorm over the last dim of ``x`` (any leading shape). Returns ``out`` or ``(out, new_residual)``.
+
+    ``block_rows`` overrides the VMEM-budget choice of rows per grid step (a multiple of the
+    sublane tile); tests use it to force several blocks and a ragged last one.
+    """
+    call = _build(float(eps), interpret, block_rows, weight is not None, residual is not None)
+    rowwise = (x,) if residual is None else (x, residual)
+    params = () if weight is None else (weight,)
+    return call(*rowwise, *params)
+
+
+@functools.lru_cache(maxsize=None)
+def _build(eps: float, interpret, block_rows: int | None, has_weight: bool, has_residual: bool):
+    kernel = functools.partial(_kernel, eps=eps, has_weight=has_weight, has_residual=has_residual)
+
+    def call(x, *rest):
+        residual = rest[0] if has_residual else None
+        weight = rest[-1] if has_weight else None
+        shape, dtype = x.shape, x.dtype
+        hidden = shape[-1]
+        x2 = to_rows(x)
+        rows = x2.shape[0]
+        if rows == 0:
+            out = jnp.zeros(shape, dtype)
+            return (out, jnp.zeros(shape, dtype)) if has_residual else out
+        n_io = 2 + (2 if has_residual else 0)  # row arrays: x, out (+ residual in and out)
+        blocks = row_blocks(rows, hidden, dtype, bytes_per_elem=2 * n_io * dtype.itemsize + 8)
+        br = blocks.block_rows if block_rows is None else min(block_rows, rows)
+        row_spec = pl.BlockSpec((br, hidden), lambda i: (i, 0))
+        in_specs, operands = [row_spec], [x2]
+        if has_weight:
+            in_specs.append(pl.BlockSpec((1, hidden), lambda i: (0, 0)))
+            operands.append(weight.reshape(1, hidden))
+        if has_residual:
+            in_specs.append(row_spec)
+            operands.append(to_rows(residual))
+        n_out = 2 if has_residual else 1
+        outs = pl.pallas_call(
+            kernel,
+            grid=(pl.cdiv(rows, br),),
+            in_specs=in_specs,
+            out_specs=[row_spec] * n_out,
+            out_shape=[jax.ShapeDtypeStruct((rows, hidden), dtype)] * n_out,
+            compiler_params=compiler_params(1),
+            cost_estimate=rms_norm_cost(rows, hidden, dtype.itemsize, has_weight, has_residual),
+            interpret=interpret,
+            name="dualop_rms_norm",
+        )(*operands)
+        out = outs[0].reshape(shape)
+        return (out, outs[1].reshape(shape)) if has_residual else out
+
+    return rowwise_batching(call, n_rowwise=1 + has_residual)

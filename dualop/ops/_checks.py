@@ -1,0 +1,77 @@
+"""Input validation shared by every op: one place for the wording of bad-input errors.
+
+Every check runs before any kernel launches and raises ``TypeError`` (wrong kind or dtype) or
+``ValueError`` (wrong shape), naming the op, the argument and what was expected. Under ``jax.jit``
+they run once, at trace time, on static shapes and dtypes.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from dualop.platforms import family_of, frontend_of
+
+__all__ = ["FLOAT_DTYPES", "dtype_name", "check_array", "check_optional_like"]
+
+# The floating dtypes every dualop kernel takes.
+FLOAT_DTYPES = frozenset({"float32", "bfloat16", "float16"})
+
+
+def dtype_name(x: Any) -> str:
+    """``float32``, ``bfloat16``, ... for a torch or jax array."""
+    return str(x.dtype).removeprefix("torch.")
+
+
+def _describe(x: Any) -> str:
+    return f"{type(x).__module__}.{type(x).__qualname__}"
+
+
+def check_array(op: str, arg: str, x: Any, *, min_ndim: int = 1, dtypes: frozenset[str] = FLOAT_DTYPES) -> str:
+    """Check one required array argument; return its frontend."""
+    fe = frontend_of(x)
+    if fe is None:
+        raise TypeError(f"{op}: argument '{arg}' must be a torch.Tensor or jax.Array, got {_describe(x)}")
+    if x.ndim < min_ndim:
+        raise ValueError(f"{op}: argument '{arg}' must have at least {min_ndim} dimension(s), got shape {tuple(x.shape)}")
+    name = dtype_name(x)
+    if name not in dtypes:
+        raise TypeError(f"{op}: argument '{arg}' has dtype {name}; expected one of {', '.join(sorted(dtypes))}")
+    return fe
+
+
+def check_optional_like(
+    op: str,
+    arg: str,
+    value: Any,
+    ref_arg: str,
+    ref: Any,
+    ref_frontend: str,
+    *,
+    shape: tuple[int, ...] | None = None,
+    same_dtype: bool = False,
+) -> None:
+    """Check an optional array that must live with ``ref``: same frontend family and device, the
+    given ``shape`` (default: ``ref``'s), and optionally ``ref``'s dtype."""
+    if value is None:
+        return
+    fe = frontend_of(value)
+    if fe is None:
+        raise TypeError(f"{op}: argument '{arg}' must be None, a torch.Tensor or a jax.Array, got {_describe(value)}")
+    if family_of(fe) != family_of(ref_frontend):
+        raise TypeError(
+            f"{op}: argument '{arg}' is a {family_of(fe)} array but '{ref_arg}' is a "
+            f"{family_of(ref_frontend)} array; pass arrays of one frontend"
+        )
+    if fe != ref_frontend or (family_of(fe) == "torch" and value.device != ref.device):
+        raise ValueError(
+            f"{op}: argument '{arg}' is on {getattr(value, 'device', fe)} but '{ref_arg}' is on "
+            f"{getattr(ref, 'device', ref_frontend)}; expected the same device"
+        )
+    expected = tuple(ref.shape) if shape is None else shape
+    if tuple(value.shape) != expected:
+        raise ValueError(f"{op}: argument '{arg}' has shape {tuple(value.shape)}; expected {expected}")
+    name = dtype_name(value)
+    if same_dtype and name != dtype_name(ref):
+        raise TypeError(f"{op}: argument '{arg}' has dtype {name}; expected {dtype_name(ref)} (the dtype of '{ref_arg}')")
+    if name not in FLOAT_DTYPES:
+        raise TypeError(f"{op}: argument '{arg}' has dtype {name}; expected one of {', '.join(sorted(FLOAT_DTYPES))}")
