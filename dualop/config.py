@@ -87,7 +87,7 @@ def _validate(entries: list[str]) -> None:
         )
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class OpsConfig:
     """Which custom ops are enabled, and the compilation context that decides the default.
 
@@ -133,6 +133,11 @@ class OpsConfig:
         object.__setattr__(
             self, "_disabled", frozenset(e[1:] for e in entries if e[0] == "-")
         )
+        # A str identity of the config: hashing a str is cached by Python, so the dispatcher can
+        # key its per-call cache lookup on it at almost no cost (a dataclass __hash__ cannot).
+        object.__setattr__(
+            self, "dispatch_key", "\x1f".join((*entries, backend, str(int(mode)), str(bool(strict))))
+        )
 
     @property
     def default_on(self) -> bool:
@@ -154,6 +159,12 @@ class OpsConfig:
         if self.default_on:
             return True, "default: config holds 'all'"
         return False, "default: config holds 'none'"
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, OpsConfig) and other.dispatch_key == self.dispatch_key
+
+    def __hash__(self) -> int:
+        return hash(self.dispatch_key)
 
     def __repr__(self) -> str:
         return (
@@ -184,16 +195,14 @@ def config_from_env(environ: os._Environ | dict | None = None) -> OpsConfig:
         raise ValueError(f"{ENV_CUSTOM_OPS}={raw_ops!r}: {e}") from None
 
 
-_process_default: OpsConfig | None = None
 _current: contextvars.ContextVar[OpsConfig | None] = contextvars.ContextVar(
     "dualop_config", default=None
 )
+# Read once at import (the environment variables are the process default); see reload_process_default.
+_process_default: OpsConfig = config_from_env()
 
 
 def _default() -> OpsConfig:
-    global _process_default
-    if _process_default is None:
-        _process_default = config_from_env()
     return _process_default
 
 
@@ -221,5 +230,5 @@ def set_config(cfg: OpsConfig) -> Iterator[OpsConfig]:
 def reload_process_default() -> OpsConfig:
     """Re-read the environment variables (for tests and long-lived processes that change them)."""
     global _process_default
-    _process_default = None
-    return _default()
+    _process_default = config_from_env()
+    return _process_default

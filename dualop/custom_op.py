@@ -90,6 +90,15 @@ def _check_config_names(cfg: _config.OpsConfig) -> None:
     _checked_configs.add(cfg)
 
 
+def _fresh(cls: type) -> CustomOp:
+    """A new instance with empty dispatch state (so subclasses that skip __init__ still work)."""
+    obj = object.__new__(cls)
+    obj._dispatch_cache = {}
+    obj._last_hit = None
+    obj.enforce_enable = False
+    return obj
+
+
 class CustomOp:
     """Base class of every op. Subclass, register, implement ``forward_native`` and fast paths."""
 
@@ -102,14 +111,9 @@ class CustomOp:
     def __new__(cls, *args: Any, **kwargs: Any) -> CustomOp:
         replacement = CustomOp.op_registry_oot.get(cls.__name__)
         if replacement is None or replacement is cls:
-            obj = super().__new__(cls)
-            obj._dispatch_cache = {}
-            obj.enforce_enable = False
-            return obj
+            return _fresh(cls)
         logger.debug("dualop: building OOT %s in place of %s", replacement.__qualname__, cls.__qualname__)
-        obj = super().__new__(replacement)
-        obj._dispatch_cache = {}
-        obj.enforce_enable = False
+        obj = _fresh(replacement)
         if not isinstance(obj, cls):
             # Python only runs __init__ itself when the object is an instance of cls.
             obj.__init__(*args, **kwargs)
@@ -118,6 +122,7 @@ class CustomOp:
     def __init__(self, *, enforce_enable: bool = False) -> None:
         self.enforce_enable = bool(enforce_enable)
         self._dispatch_cache.clear()
+        self._last_hit = None
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -264,7 +269,7 @@ class CustomOp:
         if method != wanted:
             reason += f"; {wanted} not implemented, fell back to {method}"
         bound = getattr(self, method)
-        self._dispatch_cache[(frontend, cfg, generation)] = bound
+        self._dispatch_cache[(frontend, cfg.dispatch_key, generation)] = bound
         self._record(frontend, platform, method, enabled, reason)
         return bound
 
@@ -282,30 +287,39 @@ class CustomOp:
         with _report_lock:
             _report[(cls, frontend, platform)] = row
 
-    def _frontend_error(self, args: tuple, kwargs: dict) -> TypeError:
-        first = args[0] if args else next(iter(kwargs.values()), None)
-        return TypeError(
-            f"{type(self).name or type(self).__qualname__}: expected a torch.Tensor or jax.Array as the "
-            f"first argument, got {type(first).__module__}.{type(first).__qualname__}"
-        )
-
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         first = args[0] if args else next(iter(kwargs.values()), None)
-        frontend = _platforms.frontend_of(first)
-        if frontend is None:
-            raise self._frontend_error(args, kwargs)
-        cfg = _config._current.get() or _config._default()
-        key = (frontend, cfg, _platforms._generation)
-        method = self._dispatch_cache.get(key)
-        if method is None:
-            method = self._resolve(frontend, cfg, key[2])
+        cfg = _config._current.get() or _config._process_default
+        # Fast path: same array type, same config object, nothing re-registered since last call.
+        hit = self._last_hit
+        if hit is not None and hit[0] is type(first) and hit[1] is cfg and hit[2] == _platforms._generation:
+            method = hit[3]
+        else:
+            method = self._lookup(first, cfg)
         self.check_inputs(*args, **kwargs)
         try:
             return method(*args, **kwargs)
         except NotImplementedError as err:
             if method.__name__ == "forward_native":
                 raise
-            return self._fall_back(method.__name__, frontend, err, args, kwargs)
+            return self._fall_back(method.__name__, _platforms.frontend_of(first), err, args, kwargs)
+
+    def _lookup(self, first: Any, cfg: _config.OpsConfig):
+        """The cached method for (frontend of ``first``, cfg, platform generation), resolving on a miss."""
+        frontend = _platforms.frontend_of(first)
+        if frontend is None:
+            raise TypeError(
+                f"{type(self).name or type(self).__qualname__}: expected a torch.Tensor or jax.Array as the "
+                f"first argument, got {type(first).__module__}.{type(first).__qualname__}"
+            )
+        gen = _platforms._generation
+        method = self._dispatch_cache.get((frontend, cfg.dispatch_key, gen))
+        if method is None:
+            method = self._resolve(frontend, cfg, gen)
+        # A torch.Tensor's frontend depends on its device once torch_xla is loaded: no fast path then.
+        if not _platforms.frontend_depends_on_device(type(first)):
+            self._last_hit = (type(first), cfg, gen, method)
+        return method
 
     forward = __call__
 
@@ -326,8 +340,8 @@ class CustomOp:
     def dispatched_method(self, frontend: str) -> str:
         """Name of the method a call from ``frontend`` resolves to under the active config."""
         cfg = _config.get_config()
-        gen = _platforms.dispatch_generation()
-        method = self._dispatch_cache.get((frontend, cfg, gen)) or self._resolve(frontend, cfg, gen)
+        gen = _platforms._generation
+        method = self._dispatch_cache.get((frontend, cfg.dispatch_key, gen)) or self._resolve(frontend, cfg, gen)
         return method.__name__
 
     def extra_repr(self) -> str:

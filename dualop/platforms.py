@@ -94,6 +94,11 @@ def frontend_of(x: Any) -> str | None:
     return fe
 
 
+def frontend_depends_on_device(tp: type) -> bool:
+    """True for ``torch.Tensor`` once torch_xla is loaded: its frontend is torch or torch_xla by device."""
+    return _frontend_by_type.get(tp) == "torch" and "torch_xla" in sys.modules
+
+
 # --- platform of a frontend -------------------------------------------------------------------
 
 

@@ -1,0 +1,243 @@
+"""``dualop check``: run every registered op through every implementation reachable here and
+compare each against ``forward_native`` on the same inputs.
+
+A cell is (op case, frontend, platform); within it every dtype and every shape of the case runs.
+Statuses: ``pass``/``fail`` (the fast path ran and did / did not match within the tolerance
+table), ``fallback`` (the platform path declined and forward_native ran, so nothing was checked;
+the reason is reported), ``error`` (an exception), ``unavailable`` (the frontend cannot be
+imported here).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Iterable
+from typing import Any
+
+import numpy as np
+
+from dualop import testing
+from dualop.config import OpsConfig, set_config
+from dualop.custom_op import CustomOp, dispatch_report
+from dualop.platforms import override_platform
+
+__all__ = ["CellResult", "DEFAULT_CELLS", "run_check", "default_cells"]
+
+# (frontend, platform) pairs that take a distinct path.
+DEFAULT_CELLS: tuple[tuple[str, str], ...] = (
+    ("torch", "cpu"),
+    ("torch", "cuda"),
+    ("torch", "rocm"),
+    ("jax", "cpu"),
+    ("jax", "tpu"),
+    ("jax", "cuda"),
+    ("torch_xla", "tpu"),
+    ("torchax", "tpu"),
+)
+
+
+@dataclasses.dataclass
+class CellResult:
+    op: str
+    case: str
+    frontend: str
+    platform: str
+    dtype: str
+    status: str
+    method: str = ""
+    path: str = ""
+    max_abs: float = 0.0
+    max_rel: float = 0.0
+    atol: float = 0.0
+    rtol: float = 0.0
+    shapes: int = 0
+    detail: str = ""
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def default_cells(frontends: Iterable[str] | None = None, platforms: Iterable[str] | None = None):
+    fr = set(frontends) if frontends else None
+    pl = set(platforms) if platforms else None
+    return [
+        (f, p) for f, p in DEFAULT_CELLS if (fr is None or f in fr) and (pl is None or p in pl)
+    ]
+
+
+def _path(method: str, frontend: str) -> str:
+    """Human description of what a method ran on this machine."""
+    if method in ("forward_tpu",):
+        from dualop.kernels.pallas.common import interpret_mode
+
+        mode = interpret_mode(frontend)
+        kind = "compiled" if mode is False else ("interpret" if mode is True else "tpu-interpret")
+        bridge = {"jax": "", "torch_xla": " via torch_xla call_jax", "torchax": " via torchax call_jax"}[frontend]
+        return f"pallas ({kind}){bridge}"
+    if method in ("forward_cuda", "forward_hip"):
+        from dualop.kernels.cuda import interpreting
+
+        return "triton (interpreter)" if interpreting() else "triton"
+    if method == "forward_cpu":
+        return "xla cpu" if frontend in ("jax", "torchax") else "torch cpu"
+    return method.removeprefix("forward_")
+
+
+def _outputs(result: Any) -> tuple:
+    return result if isinstance(result, tuple) else (result,)
+
+
+def _run_cell(case: testing.OpCase, frontend: str, platform: str, dtype: str, seed: int) -> CellResult:
+    tol = testing.TOLERANCES[dtype]
+    res = CellResult(case.op, case.label, frontend, platform, dtype, "pass", atol=tol.atol, rtol=tol.rtol)
+    rng = np.random.default_rng(seed)
+    with override_platform(platform), set_config(OpsConfig(["all"])), testing.frontend_context(frontend):
+        for shape in case.shapes:
+            op = case.make_op(shape)
+            args = tuple(testing.to_frontend(a, frontend, dtype) for a in case.make_inputs(shape, rng))
+            got = _outputs(op(*args))
+            row = next(
+                r for r in dispatch_report()
+                if r["cls"].endswith(type(op).__qualname__) and r["frontend"] == frontend and r["platform"] == platform
+            )
+            res.method = row["method"]
+            if res.method == "forward_native":
+                res.status, res.detail, res.path = "fallback", row["reason"], "native"
+                return res
+            res.path = _path(res.method, frontend)
+            want = _outputs(op.forward_native(*args))
+            for g, w in zip(got, want, strict=True):
+                cmp = testing.compare(testing.to_numpy(g), testing.to_numpy(w), dtype)
+                res.max_abs = max(res.max_abs, cmp.max_abs)
+                res.max_rel = max(res.max_rel, cmp.max_rel)
+                if not cmp.ok and res.status == "pass":
+                    res.status = "fail"
+                    res.detail = f"shape {shape}: {cmp.detail or 'outside tolerance'}"
+            res.shapes += 1
+    return res
+
+
+def run_check(
+    ops: list[str] | None = None,
+    frontends: list[str] | None = None,
+    platforms: list[str] | None = None,
+    dtypes: list[str] | None = None,
+    progress: bool = True,
+    seed: int = 0,
+) -> list[CellResult]:
+    """Run the check matrix; return one result per (case, frontend, platform, dtype)."""
+    from tqdm import tqdm
+
+    dtypes = list(dtypes or ("float32", "bfloat16"))
+    for d in dtypes:
+        if d not in testing.TOLERANCES:
+            raise ValueError(f"dualop check: unknown dtype {d!r}; expected one of {list(testing.TOLERANCES)}")
+    if ops:
+        unknown = [o for o in ops if o not in CustomOp.op_registry]
+        if unknown:
+            raise ValueError(f"dualop check: unknown op(s) {unknown}; registered: {sorted(CustomOp.op_registry)}")
+    cells = default_cells(frontends, platforms)
+    if any(p in ("cuda", "rocm") for _, p in cells):
+        testing.prepare_triton()  # before torch_xla can import triton in compiled mode
+    cases = list(testing.cases_for(ops))
+    results: list[CellResult] = []
+    unavailable = {}
+    for fe in {f for f, _ in cells}:
+        why = testing.frontend_available(fe)
+        if why is not None:
+            unavailable[fe] = why
+    work = [(c, f, p, d) for c in cases for f, p in cells for d in dtypes]
+    bar = tqdm(work, desc="dualop check", unit="cell", disable=not progress, dynamic_ncols=True)
+    for case, fe, platform, dtype in bar:
+        bar.set_postfix_str(f"{case.label} {fe}/{platform} {dtype}", refresh=False)
+        if fe in unavailable:
+            results.append(CellResult(case.op, case.label, fe, platform, dtype, "unavailable", detail=unavailable[fe]))
+            continue
+        try:
+            results.append(_run_cell(case, fe, platform, dtype, seed))
+        except Exception as err:  # reported as a failing cell, never swallowed
+            _reset_pallas_interpreter()
+            results.append(
+                CellResult(case.op, case.label, fe, platform, dtype, "error", detail=f"{type(err).__name__}: {err}")
+            )
+    return results
+
+
+def _reset_pallas_interpreter() -> None:
+    """After an exception inside a TPU-interpreted kernel, its simulated state must be reset."""
+    import sys
+
+    pltpu = sys.modules.get("jax.experimental.pallas.tpu")
+    reset = getattr(pltpu, "reset_tpu_interpret_mode_state", None) if pltpu else None
+    if reset is not None:
+        try:
+            reset()
+        except Exception:
+            pass
+
+
+def registered_without_case() -> list[str]:
+    covered = {c.op for c in testing.cases_for(None)}
+    return sorted(set(CustomOp.op_registry) - covered)
+
+
+def failed(results: list[CellResult]) -> bool:
+    return any(r.status in ("fail", "error") for r in results)
+
+
+def format_table(results: list[CellResult]) -> str:
+    """Long table (one line per cell and dtype) followed by a compact op x cell matrix."""
+    head = ("op case", "frontend", "platform", "path", "dtype", "status", "max_abs", "max_rel", "atol", "rtol")
+    rows = [head]
+    for r in results:
+        if r.status == "unavailable":
+            continue
+        checked = r.status in ("pass", "fail")
+        rows.append((
+            r.case, r.frontend, r.platform, r.path or "-", r.dtype, r.status.upper(),
+            f"{r.max_abs:.2e}" if checked else "-", f"{r.max_rel:.2e}" if checked else "-",
+            f"{r.atol:.0e}", f"{r.rtol:.1e}",
+        ))
+    widths = [max(len(str(row[i])) for row in rows) for i in range(len(head))]
+    lines = ["  ".join(str(v).ljust(w) for v, w in zip(row, widths)).rstrip() for row in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+
+    # matrix: one line per case, one column per (frontend, platform); worst status over dtypes
+    order = {"error": 0, "fail": 1, "fallback": 2, "pass": 3, "unavailable": 4}
+    cells = list(dict.fromkeys((r.frontend, r.platform) for r in results))
+    cases = list(dict.fromkeys(r.case for r in results))
+    worst: dict[tuple, str] = {}
+    for r in results:
+        key = (r.case, r.frontend, r.platform)
+        if key not in worst or order[r.status] < order[worst[key]]:
+            worst[key] = r.status
+    mark = {"pass": "ok", "fail": "FAIL", "error": "ERROR", "fallback": "native", "unavailable": "n/a"}
+    col_names = [f"{f}/{p}" for f, p in cells]
+    case_w = max(len(c) for c in cases + ["op case"])
+    col_w = [max(len(n), 6) for n in col_names]
+    lines += ["", "matrix (worst over dtypes):", "  ".join(["op case".ljust(case_w)] + [n.ljust(w) for n, w in zip(col_names, col_w)])]
+    for c in cases:
+        lines.append("  ".join([c.ljust(case_w)] + [mark[worst[(c, f, p)]].ljust(w) for (f, p), w in zip(cells, col_w)]).rstrip())
+
+    grouped: dict[tuple[str, str, str], list[str]] = {}
+    for r in results:
+        if r.status in ("fail", "error", "fallback") and r.detail:
+            grouped.setdefault((f"{r.frontend}/{r.platform}", r.status, r.detail), []).append(r.case)
+    notes = [
+        f"{cell} {status} ({', '.join(dict.fromkeys(cases))}): {detail}"
+        for (cell, status, detail), cases in grouped.items()
+    ]
+    unavailable = sorted({(r.frontend, r.detail) for r in results if r.status == "unavailable"})
+    if unavailable:
+        notes += [f"frontend {f} unavailable here: {d}" for f, d in unavailable]
+    missing = registered_without_case()
+    if missing:
+        notes.append(f"registered ops with no check case: {', '.join(missing)}")
+    if notes:
+        lines += ["", "notes:"] + [f"  {n}" for n in dict.fromkeys(notes)]
+    passed = sum(r.status == "pass" for r in results)
+    bad = sum(r.status in ("fail", "error") for r in results)
+    fell = sum(r.status == "fallback" for r in results)
+    lines += ["", f"{passed} passed, {bad} failed, {fell} fell back to native"]
+    return "\n".join(lines)

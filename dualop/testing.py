@@ -1,0 +1,247 @@
+"""What ``dualop check`` and the test suite share: the one tolerance table, the op cases (inputs
+and shapes for every registered op), and moving numpy data into and out of each frontend.
+
+Comparison rule: ``|got - want| <= atol + rtol * |want|`` elementwise, NaN only where the
+reference has NaN. Kernels and native bodies both compute in float32 and cast once, so the table
+allows for summation order in float32 and two units in the last place of a 16-bit result.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+
+__all__ = [
+    "TOLERANCES",
+    "Tolerance",
+    "OpCase",
+    "CASES",
+    "cases_for",
+    "compare",
+    "to_frontend",
+    "to_numpy",
+    "frontend_available",
+    "frontend_context",
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class Tolerance:
+    atol: float
+    rtol: float
+
+
+# One tolerance table for every comparison of a fast path against forward_native.
+TOLERANCES: dict[str, Tolerance] = {
+    "float32": Tolerance(atol=1e-5, rtol=1e-5),
+    "bfloat16": Tolerance(atol=1e-5, rtol=1.6e-2),  # 2 ulp of an 8-bit significand
+    "float16": Tolerance(atol=1e-5, rtol=2e-3),  # 2 ulp of an 11-bit significand
+}
+DTYPES = tuple(TOLERANCES)
+
+
+@dataclasses.dataclass(frozen=True)
+class Comparison:
+    ok: bool
+    max_abs: float
+    max_rel: float
+    detail: str = ""
+
+
+def compare(got: np.ndarray, want: np.ndarray, dtype: str) -> Comparison:
+    """Compare two float32 numpy arrays under ``TOLERANCES[dtype]``."""
+    tol = TOLERANCES[dtype]
+    if got.shape != want.shape:
+        return Comparison(False, float("inf"), float("inf"), f"shape {got.shape} != {want.shape}")
+    if got.size == 0:
+        return Comparison(True, 0.0, 0.0)
+    nan_got, nan_want = np.isnan(got), np.isnan(want)
+    if not np.array_equal(nan_got, nan_want):
+        return Comparison(False, float("nan"), float("nan"), "NaN positions differ")
+    finite = ~nan_want
+    g, w = got[finite], want[finite]
+    same_inf = (g == w)  # equal infinities compare as exact
+    diff = np.where(same_inf, 0.0, np.abs(g - w))
+    rel = diff / np.maximum(np.abs(w), np.finfo(np.float32).tiny)
+    ok = bool(np.all(diff <= tol.atol + tol.rtol * np.abs(w)))
+    max_abs = float(diff.max()) if diff.size else 0.0
+    max_rel = float(rel.max()) if rel.size else 0.0
+    return Comparison(ok, max_abs, max_rel)
+
+
+# --- frontends ------------------------------------------------------------------------------
+
+
+def _ensure_pjrt_device() -> None:
+    """torch_xla needs PJRT_DEVICE; with no TPU attached, use its CPU client."""
+    if "PJRT_DEVICE" not in os.environ:
+        import glob
+
+        has_tpu = bool(glob.glob("/dev/accel*") or glob.glob("/dev/vfio/[0-9]*"))
+        os.environ["PJRT_DEVICE"] = "TPU" if has_tpu else "CPU"
+
+
+def prepare_triton() -> str | None:
+    """Import dualop's Triton package first (it picks the interpreter when there is no GPU);
+    return why Triton cannot be used here, or None."""
+    try:
+        import dualop.kernels.cuda  # noqa: F401
+        import triton  # noqa: F401
+    except ImportError as err:
+        return f"{type(err).__name__}: {err}"
+    return None
+
+
+def frontend_available(frontend: str) -> str | None:
+    """None if ``frontend`` can run here, else the reason it cannot."""
+    try:
+        if frontend == "torch":
+            import torch  # noqa: F401
+        elif frontend == "jax":
+            import jax  # noqa: F401
+        elif frontend == "torch_xla":
+            _ensure_pjrt_device()
+            import torch_xla  # noqa: F401
+            import jax  # noqa: F401
+        elif frontend == "torchax":
+            import torchax  # noqa: F401
+            import torchax.interop  # noqa: F401
+        else:
+            return f"unknown frontend {frontend!r}"
+    except Exception as err:  # ImportError, or a broken install
+        return f"{type(err).__name__}: {err}"
+    return None
+
+
+def frontend_context(frontend: str):
+    """The context torch code on this frontend's tensors must run in (torchax's environment)."""
+    import contextlib
+
+    if frontend == "torchax":
+        import torchax
+
+        return torchax.default_env()
+    return contextlib.nullcontext()
+
+
+def _torch_dtype(dtype: str):
+    import torch
+
+    return getattr(torch, dtype)
+
+
+def to_frontend(a: np.ndarray | None, frontend: str, dtype: str) -> Any:
+    """float32 numpy -> an array of ``frontend`` in ``dtype`` (None stays None)."""
+    if a is None:
+        return None
+    if frontend == "jax":
+        import jax.numpy as jnp
+
+        return jnp.asarray(a).astype(dtype)
+    import torch
+
+    t = torch.from_numpy(np.ascontiguousarray(a)).to(_torch_dtype(dtype))
+    if frontend == "torch":
+        return t
+    if frontend == "torch_xla":
+        import torch_xla
+
+        return t.to(torch_xla.device())
+    if frontend == "torchax":
+        import torchax
+
+        return torchax.default_env().to_xla(t)
+    raise ValueError(f"unknown frontend {frontend!r}")
+
+
+def to_numpy(x: Any) -> np.ndarray:
+    """Any frontend's array -> float32 numpy."""
+    mod = type(x).__module__
+    if mod.startswith("torchax"):
+        from torchax.interop import jax_view
+
+        return np.asarray(jax_view(x)).astype(np.float32)
+    if "torch" in sys.modules and isinstance(x, sys.modules["torch"].Tensor):
+        return x.detach().to("cpu").float().numpy()
+    return np.asarray(x).astype(np.float32)
+
+
+# --- op cases -------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class OpCase:
+    """One way to call a registered op, with the shapes ``dualop check`` and the tests use.
+
+    ``make_op(shape)`` builds the op for inputs of ``shape``; ``make_inputs(shape, rng)`` returns
+    float32 numpy positional arguments (None for absent optional ones).
+    """
+
+    op: str
+    label: str
+    make_op: Callable[[tuple[int, ...]], Any]
+    make_inputs: Callable[[tuple[int, ...], np.random.Generator], tuple]
+    shapes: tuple[tuple[int, ...], ...]
+
+
+def _normal(shape, rng):
+    return rng.standard_normal(shape).astype(np.float32)
+
+
+def _rms_inputs(weight: bool, residual: bool):
+    def make(shape, rng):
+        w = (1.0 + 0.5 * _normal(shape[-1:], rng)) if weight else None
+        r = _normal(shape, rng) if residual else None
+        return (_normal(shape, rng) * 3.0, w, r)
+
+    return make
+
+
+def _x_only(scale: float = 3.0):
+    def make(shape, rng):
+        return (_normal(shape, rng) * scale,)
+
+    return make
+
+
+# Hidden sizes off the 128-lane grid, a single token, zero tokens, and a 3-D input.
+_NORM_SHAPES = ((0, 128), (1, 200), (13, 384), (2, 3, 136))
+_GATED_SHAPES = ((0, 256), (1, 200), (13, 768), (2, 3, 272))
+
+
+def _build_cases() -> list[OpCase]:
+    from dualop import ops
+
+    cases = []
+    for weight, residual, label in (
+        (False, False, "rms_norm"),
+        (True, False, "rms_norm[weight]"),
+        (True, True, "rms_norm[weight,residual]"),
+    ):
+        cases.append(
+            OpCase("rms_norm", label, lambda s: ops.RMSNorm(s[-1]), _rms_inputs(weight, residual), _NORM_SHAPES)
+        )
+    cases += [
+        OpCase("silu_and_mul", "silu_and_mul", lambda s: ops.SiluAndMul(), _x_only(), _GATED_SHAPES),
+        OpCase("gelu_and_mul", "gelu_and_mul", lambda s: ops.GeluAndMul(), _x_only(), _GATED_SHAPES),
+        OpCase("gelu_and_mul", "gelu_and_mul[tanh]", lambda s: ops.GeluAndMul("tanh"), _x_only(), _GATED_SHAPES),
+        OpCase("relu2", "relu2", lambda s: ops.ReLUSquaredActivation(), _x_only(), _GATED_SHAPES),
+    ]
+    return cases
+
+
+CASES: list[OpCase] = []
+
+
+def cases_for(names: list[str] | None = None) -> Iterator[OpCase]:
+    """The cases of the named ops (all registered ops with a case when None)."""
+    if not CASES:
+        CASES.extend(_build_cases())
+    for case in CASES:
+        if names is None or case.op in names or case.label in names:
+            yield case
