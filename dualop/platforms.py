@@ -66,18 +66,18 @@ def family_of(frontend: str) -> str:
 _frontend_by_type: dict[type, str | None] = {}
 
 
-def _classify_type(tp: type) -> str | None:
-    torchax_tensor = None
-    if "torchax" in sys.modules or "torchax.tensor" in sys.modules:
-        mod = sys.modules.get("torchax.tensor")
-        torchax_tensor = getattr(mod, "Tensor", None) if mod is not None else None
+def _classify(x: Any) -> str | None:
+    tp = type(x)
+    mod = sys.modules.get("torchax.tensor")  # None when absent (or blocked)
+    torchax_tensor = getattr(mod, "Tensor", None) if mod is not None else None
     if torchax_tensor is not None and issubclass(tp, torchax_tensor):
         return "torchax"
     torch = sys.modules.get("torch")
     if torch is not None and issubclass(tp, torch.Tensor):
         return "torch"
     jax = sys.modules.get("jax")
-    if jax is not None and issubclass(tp, jax.Array):
+    # isinstance, not issubclass: jax tracers are jax.Arrays only through an instance check.
+    if jax is not None and isinstance(x, jax.Array):
         return "jax"
     return None
 
@@ -88,15 +88,15 @@ def frontend_of(x: Any) -> str | None:
     try:
         fe = _frontend_by_type[tp]
     except KeyError:
-        fe = _frontend_by_type[tp] = _classify_type(tp)
-    if fe == "torch" and "torch_xla" in sys.modules and x.device.type == "xla":
+        fe = _frontend_by_type[tp] = _classify(x)
+    if fe == "torch" and sys.modules.get("torch_xla") is not None and x.device.type == "xla":
         return "torch_xla"
     return fe
 
 
 def frontend_depends_on_device(tp: type) -> bool:
     """True for ``torch.Tensor`` once torch_xla is loaded: its frontend is torch or torch_xla by device."""
-    return _frontend_by_type.get(tp) == "torch" and "torch_xla" in sys.modules
+    return _frontend_by_type.get(tp) == "torch" and sys.modules.get("torch_xla") is not None
 
 
 # --- platform of a frontend -------------------------------------------------------------------
@@ -131,7 +131,7 @@ def _detect_torch() -> str:
     xpu = getattr(torch, "xpu", None)
     if xpu is not None and xpu.is_available():
         return "xpu"
-    if "torch_xla" in sys.modules:
+    if sys.modules.get("torch_xla") is not None:
         return _detect_torch_xla()
     return "cpu"
 

@@ -166,7 +166,8 @@ def to_numpy(x: Any) -> np.ndarray:
         from torchax.interop import jax_view
 
         return np.asarray(jax_view(x)).astype(np.float32)
-    if "torch" in sys.modules and isinstance(x, sys.modules["torch"].Tensor):
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(x, torch.Tensor):
         return x.detach().to("cpu").float().numpy()
     return np.asarray(x).astype(np.float32)
 

@@ -22,18 +22,24 @@ esac
 
 python="${DUALOP_PYTHON:-python3}"
 root="${DUALOP_ENV_ROOT:-$HOME/.cache/dualop/envs}"
-key="$(cat "$repo/pyproject.toml" "$constraints" | sha256sum | cut -c1-12)"
+# Key on what decides the installed packages: the dependency tables of pyproject.toml and the pins.
+deps="$(sed -n '/^dependencies = \[/,/^\[project.scripts\]/p' "$repo/pyproject.toml")"
+key="$(printf '%s\n%s\n%s' "$deps" "$(cat "$constraints")" "$extras" | sha256sum | cut -c1-12)"
 env="$root/$name-$key"
 
 if [ ! -f "$env/.complete" ]; then
   echo "env.sh: building the '$name' environment in $env (first run only; the xla one is ~7.6 GB)" >&2
   rm -rf "$env"
   mkdir -p "$root"
-  "$python" -m venv "$env"
-  "$env/bin/python" -m pip install --quiet --upgrade "pip>=24" "setuptools>=69" wheel >&2
-  "$env/bin/python" -m pip install --quiet -c "$constraints" -e "$repo[$extras]" >&2
+  log="$root/$name-$key.log"
+  {
+    "$python" -m venv "$env" &&
+    "$env/bin/python" -m pip install --upgrade "pip>=24" "setuptools>=77" wheel &&
+    "$env/bin/python" -m pip install -c "$constraints" -e "$repo[$extras]"
+  } >"$log" 2>&1 || { tail -n 40 "$log" >&2; echo "env.sh: building '$name' failed; full log: $log" >&2; exit 1; }
   touch "$env/.complete"
 fi
 # Point the environment at this checkout (cheap; no dependency resolution).
-"$env/bin/python" -m pip install --quiet --no-deps --no-build-isolation -e "$repo" >&2
+"$env/bin/python" -m pip install --quiet --no-deps --no-build-isolation -e "$repo" >/dev/null 2>&1 ||
+  "$env/bin/python" -m pip install --no-deps --no-build-isolation -e "$repo" >&2
 echo "$env"

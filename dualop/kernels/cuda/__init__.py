@@ -31,7 +31,7 @@ def interpreting() -> bool:
 
 
 def _check_interpreter_consistent() -> None:
-    if not interpreting() or "triton.language" not in sys.modules:
+    if not interpreting() or sys.modules.get("triton.language") is None:
         return
     import triton.language as tl
     from triton.runtime.interpreter import InterpretedFunction

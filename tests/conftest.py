@@ -1,0 +1,54 @@
+"""Test setup: this machine has no accelerator, so every platform path runs through an
+interpreter (Triton's, Pallas's) or a CPU client (torch_xla's PJRT CPU device)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+# Before anything imports triton (torch_xla does): Triton picks interpreter vs compiler when each
+# @triton.jit function, its own standard library included, is defined.
+if shutil.which("nvidia-smi") is None and shutil.which("rocm-smi") is None:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+os.environ.setdefault("PJRT_DEVICE", "CPU")
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import pytest  # noqa: E402
+
+import dualop  # noqa: E402
+from dualop import testing  # noqa: E402
+from dualop.custom_op import CustomOp, clear_dispatch_report  # noqa: E402
+from dualop.platforms import invalidate  # noqa: E402
+
+testing.prepare_triton()
+
+# Which environment this run is (scripts/test.sh sets it); names where the frontends are installed.
+TEST_ENV = os.environ.get("DUALOP_TEST_ENV", "")
+
+
+def require_frontend(frontend: str) -> None:
+    """Skip (saying why) when ``frontend`` cannot be imported in this environment."""
+    why = testing.frontend_available(frontend)
+    if why is not None:
+        where = "the 'xla' environment of scripts/test.sh" if frontend in ("torch_xla", "torchax") else "an environment with it installed"
+        pytest.skip(f"{frontend} is not installed in this environment ({why}); it is tested in {where}")
+
+
+@pytest.fixture
+def clean_registry():
+    """Snapshot and restore both registries, so a test may register ops freely."""
+    saved = dict(CustomOp.op_registry), dict(CustomOp.op_registry_oot)
+    yield
+    CustomOp.op_registry.clear()
+    CustomOp.op_registry.update(saved[0])
+    CustomOp.op_registry_oot.clear()
+    CustomOp.op_registry_oot.update(saved[1])
+    invalidate()
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dispatch_state():
+    clear_dispatch_report()
+    invalidate()
+    yield
+    invalidate()

@@ -1,0 +1,365 @@
+"""CustomOp: registries, OOT replacement, enabled rules, dispatch and its report."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+import dualop
+from dualop import CustomOp, OpsConfig, dispatch_report, override_platform, set_config
+from dualop.platforms import PLATFORMS
+
+
+def _x():
+    return torch.zeros(2, 4)
+
+
+class _Recorder(CustomOp):
+    """Returns the name of the method that ran."""
+
+    def forward_native(self, x):
+        return "forward_native"
+
+
+@pytest.fixture
+def op_classes(clean_registry):
+    @CustomOp.register("test_full")
+    class Full(_Recorder):
+        def forward_cpu(self, x):
+            return "forward_cpu"
+
+        def forward_cuda(self, x):
+            return "forward_cuda"
+
+        def forward_tpu(self, x):
+            return "forward_tpu"
+
+        def forward_xpu(self, x):
+            return "forward_xpu"
+
+        def forward_oot(self, x):
+            return "forward_oot"
+
+    @CustomOp.register("test_native_only")
+    class NativeOnly(_Recorder):
+        pass
+
+    return Full, NativeOnly
+
+
+# ---- registries ------------------------------------------------------------------------------
+
+
+def test_register_sets_name_and_registry(op_classes):
+    full, native_only = op_classes
+    assert full.name == "test_full"
+    assert CustomOp.op_registry["test_full"] is full
+    assert CustomOp.op_registry["test_native_only"] is native_only
+
+
+def test_register_rejects_a_duplicate_name(op_classes):
+    with pytest.raises(ValueError, match="duplicate op name 'test_full'"):
+
+        @CustomOp.register("test_full")
+        class Other(_Recorder):
+            pass
+
+
+def test_register_rejects_non_ops(clean_registry):
+    with pytest.raises(TypeError, match="not a CustomOp subclass"):
+        CustomOp.register("x")(object)
+
+
+def test_in_tree_ops_are_registered():
+    assert {"rms_norm", "silu_and_mul", "gelu_and_mul", "relu2"} <= set(CustomOp.op_registry)
+    assert CustomOp.op_registry["rms_norm"] is dualop.ops.RMSNorm
+
+
+@pytest.mark.parametrize("form", ["positional", "keyword", "direct", "bare"])
+def test_register_oot_forms_swap_the_class(op_classes, form):
+    full, _ = op_classes
+
+    class Replacement(full):
+        def forward_oot(self, x):
+            return "replacement"
+
+    if form == "positional":
+        CustomOp.register_oot("Full")(Replacement)
+    elif form == "keyword":
+        CustomOp.register_oot(name="Full")(Replacement)
+    elif form == "direct":
+        assert CustomOp.register_oot(_decorated_op_cls=Replacement, name="Full") is Replacement
+    else:
+        assert full.register_oot(Replacement) is Replacement  # bare @Full.register_oot
+    assert CustomOp.op_registry_oot["Full"] is Replacement
+    op = full()
+    assert type(op) is Replacement
+    assert op.name == "test_full"  # the replacement follows its parent's registered name
+    with override_platform("oot"):
+        assert op(_x()) == "replacement"
+
+
+def test_register_oot_same_class_twice_is_a_no_op_other_class_is_an_error(op_classes):
+    full, _ = op_classes
+
+    class A(full):
+        pass
+
+    class B(full):
+        pass
+
+    CustomOp.register_oot("Full")(A)
+    CustomOp.register_oot("Full")(A)
+    with pytest.raises(ValueError, match="already replaced"):
+        CustomOp.register_oot("Full")(B)
+
+
+def test_register_oot_needs_a_name_or_a_parent(clean_registry):
+    class Loose(_Recorder):
+        pass
+
+    with pytest.raises(TypeError, match="bare use needs the in-tree class"):
+        CustomOp.register_oot(Loose)
+    with pytest.raises(TypeError, match="name the in-tree class"):
+        CustomOp.register_oot()
+
+
+def test_oot_replacement_that_is_not_a_subclass_is_initialised(op_classes):
+    full, _ = op_classes
+
+    class Unrelated(CustomOp):
+        def __init__(self, tag="t"):
+            super().__init__()
+            self.tag = tag
+
+        def forward_native(self, x):
+            return self.tag
+
+    CustomOp.register_oot(_decorated_op_cls=Unrelated, name="Full")
+    op = full(tag="hello")
+    assert type(op) is Unrelated and op.tag == "hello"
+
+
+def test_constructor_arguments_reach_the_replacement(clean_registry):
+    class Base(CustomOp):
+        def __init__(self, size, *, enforce_enable=False):
+            super().__init__(enforce_enable=enforce_enable)
+            self.size = size
+
+        def forward_native(self, x):
+            return self.size
+
+    @Base.register_oot
+    class Replacement(Base):
+        pass
+
+    op = Base(7)
+    assert type(op) is Replacement and op.size == 7
+
+
+# ---- enabled rules ---------------------------------------------------------------------------
+
+
+def test_enabled_and_default_on(op_classes):
+    full, _ = op_classes
+    with set_config(OpsConfig(["all"])):
+        assert full.enabled() and full().enabled() and CustomOp.default_on()
+    with set_config(OpsConfig(["none"])):
+        assert not full.enabled() and not CustomOp.default_on()
+    with set_config(OpsConfig(["none", "+test_full"])):
+        assert full.enabled() and not CustomOp.default_on()
+    with set_config(OpsConfig(["all", "-test_full"])):
+        assert not full.enabled() and CustomOp.default_on()
+
+
+def test_unregistered_subclass_follows_parent_name(op_classes):
+    full, _ = op_classes
+
+    class Child(full):
+        pass
+
+    assert Child.name == "test_full"
+    with set_config(OpsConfig(["all", "-test_full"])):
+        assert not Child.enabled()
+        with override_platform("tpu"):
+            assert Child()(_x()) == "forward_native"
+
+
+def test_unregistered_op_follows_the_default(clean_registry):
+    class Loose(_Recorder):
+        def forward_cpu(self, x):
+            return "forward_cpu"
+
+    with set_config(OpsConfig(["all"])), override_platform("cpu"):
+        assert Loose()(_x()) == "forward_cpu"
+    with set_config(OpsConfig(["none"])), override_platform("cpu"):
+        assert Loose()(_x()) == "forward_native"
+
+
+def test_enforce_enable_forces_the_fast_path_only_for_that_instance(op_classes):
+    full, _ = op_classes
+    with set_config(OpsConfig(["none"])), override_platform("tpu"):
+        forced, plain = full(enforce_enable=True), full()
+        assert forced(_x()) == "forward_tpu"
+        (row,) = dispatch_report()  # one row per (class, frontend, platform): the latest resolution
+        assert (row["method"], row["reason"]) == ("forward_tpu", "enforce_enable=True")
+        assert plain(_x()) == "forward_native"
+        assert not full.enabled() and not forced.enabled()
+
+
+# ---- dispatch ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("platform", PLATFORMS)
+def test_each_platform_takes_its_method(op_classes, platform):
+    full, _ = op_classes
+    expected = {"rocm": "forward_cuda"}.get(platform, f"forward_{'hip' if platform == 'rocm' else platform}")
+    with override_platform(platform):
+        assert full()(_x()) == expected
+
+
+def test_rocm_falls_back_to_cuda_and_says_so(op_classes):
+    full, _ = op_classes
+    with override_platform("rocm"):
+        assert full()(_x()) == "forward_cuda"
+    (row,) = [r for r in dispatch_report() if r["op"] == "test_full"]
+    assert row["method"] == "forward_cuda" and "forward_hip not implemented" in row["reason"]
+
+
+def test_rocm_uses_forward_hip_when_present(clean_registry):
+    @CustomOp.register("test_hip")
+    class Hip(_Recorder):
+        def forward_hip(self, x):
+            return "forward_hip"
+
+        def forward_cuda(self, x):
+            return "forward_cuda"
+
+    with override_platform("rocm"):
+        assert Hip()(_x()) == "forward_hip"
+
+
+@pytest.mark.parametrize("platform", ["cpu", "cuda", "rocm", "tpu", "xpu", "oot"])
+def test_missing_platform_method_falls_back_to_native(op_classes, platform):
+    _, native_only = op_classes
+    with override_platform(platform):
+        assert native_only()(_x()) == "forward_native"
+    (row,) = [r for r in dispatch_report() if r["op"] == "test_native_only"]
+    assert row["method"] == "forward_native"
+    assert "not implemented, fell back to forward_native" in row["reason"]
+    assert row["enabled"] is True
+
+
+def test_not_implemented_at_call_time_falls_back_and_reports(clean_registry):
+    @CustomOp.register("test_declines")
+    class Declines(_Recorder):
+        def forward_tpu(self, x):
+            raise NotImplementedError("no bridge for this array")
+
+    with override_platform("tpu"):
+        assert Declines()(_x()) == "forward_native"
+    (row,) = [r for r in dispatch_report() if r["op"] == "test_declines"]
+    assert row["method"] == "forward_native"
+    assert "forward_tpu raised NotImplementedError (no bridge for this array)" in row["reason"]
+
+
+def test_native_not_implemented_propagates(clean_registry):
+    class Empty(CustomOp):
+        pass
+
+    with override_platform("cpu"), pytest.raises(NotImplementedError, match="forward_native"):
+        Empty()(_x())
+
+
+def test_dispatch_is_resolved_once_and_cached(op_classes, monkeypatch):
+    full, _ = op_classes
+    op = full()
+    calls = []
+    original = CustomOp._resolve
+
+    def counting(self, *args):
+        calls.append(args[0])
+        return original(self, *args)
+
+    monkeypatch.setattr(CustomOp, "_resolve", counting)
+    with override_platform("tpu"):
+        for _ in range(5):
+            assert op(_x()) == "forward_tpu"
+    assert len(calls) == 1
+    with override_platform("cpu"):  # a platform change invalidates the cache
+        assert op(_x()) == "forward_cpu"
+    assert len(calls) == 2
+    cfg = OpsConfig(["none"])
+    with override_platform("cpu"), set_config(cfg):
+        assert op(_x()) == "forward_native"
+        assert op(_x()) == "forward_native"
+    assert len(calls) == 3
+
+
+def test_config_switch_changes_dispatch_of_existing_instances(op_classes):
+    full, _ = op_classes
+    op = full()
+    with override_platform("tpu"):
+        with set_config(OpsConfig(["all"])):
+            assert op(_x()) == "forward_tpu"
+        with set_config(OpsConfig(["none"])):
+            assert op(_x()) == "forward_native"
+        with set_config(OpsConfig(["none", "+test_full"])):
+            assert op(_x()) == "forward_tpu"
+
+
+def test_non_array_first_argument_is_a_type_error(op_classes):
+    full, _ = op_classes
+    with pytest.raises(TypeError, match="test_full: expected a torch.Tensor or jax.Array"):
+        full()([1.0, 2.0])
+
+
+def test_keyword_only_call_dispatches(op_classes):
+    full, _ = op_classes
+    with override_platform("cpu"):
+        assert full()(x=_x()) == "forward_cpu"
+
+
+def test_overriding_call_or_forward_warns_at_class_creation():
+    for attr in ("__call__", "forward"):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            type("Bypass", (CustomOp,), {attr: lambda self, x: x})
+        assert any("bypasses dualop's dispatch" in str(w.message) for w in caught), attr
+
+
+def test_unknown_config_names_warn_once_with_close_matches(op_classes):
+    full, _ = op_classes
+    cfg = OpsConfig(["none", "+test_ful"])
+    with set_config(cfg), override_platform("cpu"):
+        with pytest.warns(UserWarning, match=r"'test_ful'.*did you mean 'test_full'"):
+            full()(_x())
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            full()(_x())  # once per config: no second warning
+
+
+def test_strict_config_rejects_unknown_names(op_classes):
+    full, _ = op_classes
+    with set_config(OpsConfig(["all", "-rms_nrom"], strict=True)), override_platform("cpu"):
+        with pytest.raises(ValueError, match=r"strict=True.*'rms_nrom'.*did you mean 'rms_norm'"):
+            full()(_x())
+
+
+def test_report_rows_have_the_documented_keys(op_classes):
+    full, _ = op_classes
+    with override_platform("tpu"), set_config(OpsConfig(["none", "+test_full"])):
+        full()(_x())
+    (row,) = [r for r in dispatch_report() if r["op"] == "test_full"]
+    assert set(row) == {"op", "cls", "frontend", "platform", "method", "enabled", "reason"}
+    assert row == {
+        "op": "test_full",
+        "cls": f"{__name__}.op_classes.<locals>.Full",
+        "frontend": "torch",
+        "platform": "tpu",
+        "method": "forward_tpu",
+        "enabled": True,
+        "reason": "config '+test_full'",
+    }

@@ -1,0 +1,61 @@
+"""``import dualop`` imports neither torch nor jax; with one blocked, the other's paths all work."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+
+def _run(code: str, **env):
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith("DUALOP_")}
+    full_env.update(env)
+    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=full_env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc.stdout
+
+
+def test_import_dualop_imports_neither_torch_nor_jax():
+    out = _run("""
+        import sys, dualop
+        print(sorted(m for m in ("torch", "jax", "jaxlib", "triton", "torch_xla", "numpy.testing") if m in sys.modules))
+        dualop.CustomOp.op_registry["rms_norm"]
+        dualop.OpsConfig(["none,+rms_norm"])
+    """)
+    assert out.strip() == "[]"
+
+
+CELL_SCRIPT = """
+    import sys
+    sys.modules[{blocked!r}] = None
+    import dualop
+    from dualop import check, testing
+    cases = list(testing.cases_for(["rms_norm", "silu_and_mul"]))
+    for frontend, platform in {cells!r}:
+        for case in cases:
+            for dtype in ("float32", "bfloat16"):
+                r = check._run_cell(case, frontend, platform, dtype, seed=0)
+                assert r.status == "pass" and r.method != "forward_native", (case.label, frontend, platform, r)
+    assert {blocked!r} not in {{m for m, v in sys.modules.items() if v is not None}}
+    print("ok")
+"""
+
+
+def test_jax_paths_work_without_torch():
+    pytest.importorskip("jax", reason="jax is part of both test environments")
+    out = _run(CELL_SCRIPT.format(blocked="torch", cells=[("jax", "cpu"), ("jax", "tpu")]))
+    assert out.strip().endswith("ok")
+
+
+def test_torch_paths_work_without_jax():
+    pytest.importorskip("torch", reason="torch is part of both test environments")
+    pytest.importorskip("triton", reason="triton is part of both test environments")
+    out = _run(
+        CELL_SCRIPT.format(blocked="jax", cells=[("torch", "cpu"), ("torch", "cuda"), ("torch", "rocm")]),
+        TRITON_INTERPRET="1",
+    )
+    assert out.strip().endswith("ok")

@@ -1,0 +1,144 @@
+"""The kernels themselves: several grid blocks with a ragged last one, the Triton two-pass path,
+the vmap/jit behaviour of the Pallas wrappers, and their cost estimates."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from dualop import testing
+
+jax = pytest.importorskip("jax", reason="the Pallas kernels need jax")
+jnp = jax.numpy
+
+
+def _close(got, want, dtype):
+    cmp = testing.compare(np.asarray(got, np.float32), np.asarray(want, np.float32), dtype)
+    assert cmp.ok, (cmp.max_abs, cmp.max_rel, cmp.detail)
+
+
+@pytest.fixture(scope="module")
+def interpret():
+    from dualop.kernels.pallas.common import interpret_mode
+
+    return interpret_mode("jax")
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("rows, hidden, block_rows", [(37, 200, 16), (19, 384, 8), (33, 128, 32)])
+def test_pallas_rms_norm_ragged_row_blocks(interpret, dtype, rows, hidden, block_rows):
+    from dualop.kernels.pallas.rms_norm import rms_norm, rms_norm_reference
+
+    key = jax.random.split(jax.random.key(0), 3)
+    x = jax.random.normal(key[0], (rows, hidden)).astype(dtype)
+    w = jax.random.normal(key[1], (hidden,)).astype(dtype)
+    r = jax.random.normal(key[2], (rows, hidden)).astype(dtype)
+    out, res = rms_norm(x, w, r, eps=1e-6, interpret=interpret, block_rows=block_rows)
+    want_out, want_res = rms_norm_reference(x, w, r, eps=1e-6)
+    _close(out, want_out, dtype)
+    _close(res, want_res, dtype)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("rows, d", [(21, 100), (21, 256), (3, 2176)])
+def test_pallas_gated_ragged_blocks_both_layouts(interpret, dtype, rows, d):
+    """d % 128 == 0 takes the two-column-block layout, otherwise the full-row layout."""
+    from dualop.kernels.pallas.gated_activation import gated_activation, gated_activation_reference
+
+    x = jax.random.normal(jax.random.key(1), (rows, 2 * d)).astype(dtype)
+    for act in ("silu", "gelu", "gelu_tanh"):
+        got = gated_activation(x, activation=act, interpret=interpret, block_rows=8)
+        _close(got, gated_activation_reference(x, activation=act), dtype)
+
+
+def test_pallas_lane_block_divides_d():
+    from dualop.kernels.pallas.gated_activation import _lane_block
+
+    for d in (128, 256, 384, 2176, 14336, 4096 * 3):
+        b = _lane_block(d)
+        assert b % 128 == 0 and d % b == 0 and b <= 2048
+
+
+def test_row_blocks_respect_tpu_tiling():
+    from dualop.kernels.pallas.common import row_blocks
+
+    for rows in (1, 7, 8, 9, 100, 5000, 100000):
+        for dtype, tile in (("float32", 8), ("bfloat16", 16)):
+            b = row_blocks(rows, 4096, jnp.dtype(dtype), bytes_per_elem=16)
+            assert b.block_rows == rows or b.block_rows % tile == 0, (rows, dtype, b)
+            assert b.block_rows * 4096 * 16 <= 4 * 1024 * 1024 or b.block_rows == tile
+
+
+def test_pallas_under_jit_and_vmap(interpret):
+    from dualop.kernels.pallas.gated_activation import gated_activation, gated_activation_reference
+    from dualop.kernels.pallas.rms_norm import rms_norm, rms_norm_reference
+
+    x = jax.random.normal(jax.random.key(2), (3, 20, 256))
+    w = jax.random.normal(jax.random.key(3), (3, 256))  # a batched weight: mapped, not folded
+    got = jax.jit(jax.vmap(lambda t: rms_norm(t, interpret=interpret, block_rows=8)))(x)
+    _close(got, rms_norm_reference(x), "float32")
+    got = jax.vmap(lambda t, ww: rms_norm(t, ww, interpret=interpret))(x, w)
+    _close(got, jax.vmap(lambda t, ww: rms_norm_reference(t, ww))(x, w), "float32")
+    got = jax.vmap(jax.vmap(lambda t: gated_activation(t, interpret=interpret)))(x)
+    _close(got, gated_activation_reference(x), "float32")
+
+
+def test_pallas_cost_estimates_count_bytes_once():
+    from dualop.kernels.pallas.gated_activation import gated_activation_cost
+    from dualop.kernels.pallas.rms_norm import rms_norm_cost
+
+    c = rms_norm_cost(rows=10, hidden=128, itemsize=2, has_weight=True, has_residual=True)
+    assert c.bytes_accessed == 10 * 128 * 2 * 4 + 128 * 2
+    assert c.transcendentals == 10
+    c = gated_activation_cost(rows=10, d=64, itemsize=4, activation="silu")
+    assert c.bytes_accessed == 10 * 64 * 4 * 3
+
+
+torch = pytest.importorskip("torch", reason="the Triton kernels launch on torch tensors")
+
+
+@pytest.fixture(scope="module")
+def triton_kernels():
+    why = testing.prepare_triton()
+    if why is not None:
+        pytest.skip(f"triton is not installed in this environment: {why}")
+    from dualop.kernels.cuda import gated_activation, rms_norm
+
+    return rms_norm, gated_activation
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_triton_rms_norm_two_pass_path(triton_kernels, dtype):
+    """Rows wider than MAX_SINGLE_PASS take the two-pass loop."""
+    rms_mod, _ = triton_kernels
+    from dualop.ops import RMSNorm
+
+    hidden = rms_mod.MAX_SINGLE_PASS + 136
+    tdtype = getattr(torch, dtype)
+    g = torch.Generator().manual_seed(0)
+    x, r = (torch.randn(3, hidden, generator=g).to(tdtype) for _ in range(2))
+    w = torch.randn(hidden, generator=g).to(tdtype)
+    out, res = rms_mod.rms_norm(x, w, r, eps=1e-6)
+    want_out, want_res = RMSNorm(hidden).forward_native(x, w, r)
+    _close(out.float(), want_out.float(), dtype)
+    assert torch.equal(res, want_res)
+
+
+def test_triton_non_contiguous_input(triton_kernels):
+    rms_mod, gated_mod = triton_kernels
+    from dualop.ops import RMSNorm, SiluAndMul
+
+    x = torch.randn(64, 12).t()  # (12, 64) with a non-unit last stride
+    _close(rms_mod.rms_norm(x), RMSNorm(64).forward_native(x), "float32")
+    _close(gated_mod.gated_activation(x), SiluAndMul().forward_native(x), "float32")
+
+
+def test_triton_bf16_rounding_matches_torch(triton_kernels):
+    """The interpreter truncates float32 -> bfloat16; the kernels round to nearest even as a GPU does."""
+    _, gated_mod = triton_kernels
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(16, 512, generator=g).to(torch.bfloat16)
+    want = (torch.nn.functional.silu(x[:, :256].float()) * x[:, 256:].float()).to(torch.bfloat16)
+    got = gated_mod.gated_activation(x)
+    assert (got.float() - want.float()).abs().max().item() <= 2 ** -7 * want.float().abs().max().item()
+    assert (got != want).float().mean().item() < 0.01
