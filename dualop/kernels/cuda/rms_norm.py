@@ -4,7 +4,8 @@ Same contract as ``kernels/pallas/rms_norm.py``: float32 statistics, ``cast(x*rs
 then times weight; with a residual, normalises x + residual and returns that sum (cast) too. Rows
 up to ``MAX_SINGLE_PASS`` wide are held in registers in one pass; wider rows take two passes over
 memory (sum of squares, then normalise), recomputing x + residual from the inputs so the statistic
-is the float32 sum, never a rounded copy.
+is the float32 sum, never a rounded copy. The chunk count is a compile-time constant (one hidden
+size per model); Triton 3.5's interpreter cannot loop to a runtime bound under numpy 2.4.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ def _rms_norm_kernel(
     x_row_stride, r_row_stride, out_row_stride,
     hidden, eps,
     HAS_WEIGHT: tl.constexpr, HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, SINGLE_PASS: tl.constexpr,
-    EXACT_BF16: tl.constexpr,
+    EXACT_BF16: tl.constexpr, N_CHUNKS: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * x_row_stride
@@ -48,8 +49,8 @@ def _rms_norm_kernel(
         tl.store(o_row + cols, y, mask=mask)
     else:
         acc = tl.zeros([BLOCK], dtype=tl.float32)
-        for start in range(0, hidden, BLOCK):
-            cols = start + tl.arange(0, BLOCK)
+        for chunk in range(N_CHUNKS):
+            cols = chunk * BLOCK + tl.arange(0, BLOCK)
             mask = cols < hidden
             x = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
             if HAS_RESIDUAL:
@@ -57,8 +58,8 @@ def _rms_norm_kernel(
                 tl.store(ro_row + cols, cast_out(x, res_out_ptr, EXACT_BF16), mask=mask)
             acc += x * x
         inv_rms = 1.0 / tl.sqrt(tl.sum(acc, axis=0) / hidden + eps)
-        for start in range(0, hidden, BLOCK):
-            cols = start + tl.arange(0, BLOCK)
+        for chunk in range(N_CHUNKS):
+            cols = chunk * BLOCK + tl.arange(0, BLOCK)
             mask = cols < hidden
             x = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
             if HAS_RESIDUAL:
@@ -88,6 +89,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None = None, residual: torc
             hidden, float(eps),
             HAS_WEIGHT=weight is not None, HAS_RESIDUAL=residual is not None,
             BLOCK=block, SINGLE_PASS=single, EXACT_BF16=needs_exact_bf16(x.dtype),
+            N_CHUNKS=triton.cdiv(hidden, block),
             num_warps=min(max(block // 256, 1), 16),
         )
     out = out.reshape(shape)
