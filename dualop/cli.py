@@ -23,9 +23,11 @@ def _table(rows: list[dict[str, Any]], columns: list[str]) -> str:
 
 
 def _available_frontends(requested: list[str] | None) -> list[str]:
+    """The requested frontends (default: all four) that can be imported here."""
     from dualop import testing
 
-    names = requested or ["torch", "jax"]
+    testing.prepare_triton()  # before torch_xla imports triton (see dualop.kernels.cuda)
+    names = requested or ["torch", "jax", "torch_xla", "torchax"]
     return [f for f in names if testing.frontend_available(f) is None]
 
 
@@ -109,7 +111,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from dualop import bench
 
     records = bench.dispatch_overhead(
-        frontends=_available_frontends(_csv(args.frontends) if args.frontends else None),
+        frontends=_available_frontends(_csv(args.frontends) if args.frontends else ["torch", "jax"]),
         rounds=args.rounds,
         progress=not args.no_progress,
     )
@@ -132,7 +134,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(fn=cmd_ops)
 
     s = sub.add_parser("report", help="which method each op dispatches to, and why, under the current config")
-    s.add_argument("--frontends", help="comma-separated: torch, jax, torch_xla, torchax (default: torch,jax)")
+    s.add_argument("--frontends", help="comma-separated: torch, jax, torch_xla, torchax (default: all importable)")
     s.add_argument("--no-run", action="store_true", help="only resolve; do not call each op on a tiny input")
     s.add_argument("--json", action="store_true", help="print JSON")
     s.set_defaults(fn=cmd_report)

@@ -137,10 +137,12 @@ def _detect_torch() -> str:
 
 
 def _detect_torch_xla() -> str:
-    import torch_xla.core.xla_model as xm  # noqa: PLC0415
+    import torch_xla
+    import torch_xla.core.xla_model as xm
 
     try:
-        kind = xm.xla_device_hw(xm.xla_device())
+        device = torch_xla.device() if hasattr(torch_xla, "device") else xm.xla_device()
+        kind = xm.xla_device_hw(device)
     except Exception:  # no XLA device could be opened
         return "cpu"
     return {"TPU": "tpu", "CUDA": "cuda", "GPU": "cuda", "ROCM": "rocm", "NEURON": "oot"}.get(

@@ -27,6 +27,11 @@ def call_pallas(frontend: str, kernel_ref: KernelRef, *arrays: Any, **static: An
             f"Pallas kernels run on jax arrays, torch_xla tensors or torchax tensors; "
             f"a {frontend} tensor has no TPU bridge"
         )
+    if frontend == "torch_xla":
+        # torch_xla must own the TPU before JAX is imported, or the process can hang on a TPU host.
+        from torch_xla._internal.jax_workarounds import jax_import_guard
+
+        jax_import_guard()
     kernel = kernel_ref.resolve()
     from dualop.kernels.pallas.common import interpret_mode
 
