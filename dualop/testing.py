@@ -41,8 +41,17 @@ TOLERANCES: dict[str, Tolerance] = {
     "float32": Tolerance(atol=1e-5, rtol=1e-5),
     "bfloat16": Tolerance(atol=1e-5, rtol=1.6e-2),  # 2 ulp of an 8-bit significand
     "float16": Tolerance(atol=1e-5, rtol=2e-3),  # 2 ulp of an 11-bit significand
+    "float8_e4m3fn": Tolerance(atol=0.0, rtol=0.125),  # 1 ulp of a 4-bit significand
 }
-DTYPES = tuple(TOLERANCES)
+# The input dtypes ops are checked in; outputs are compared under their own dtype's row.
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+def tolerance_for(input_dtype: str, output: Any) -> tuple[str, Tolerance]:
+    """The row of TOLERANCES for one output: its own dtype's if listed, else the input dtype's."""
+    name = str(output.dtype).removeprefix("torch.")
+    key = name if name in TOLERANCES else input_dtype
+    return key, TOLERANCES[key]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,10 +144,21 @@ def _torch_dtype(dtype: str):
     return getattr(torch, dtype)
 
 
-def to_frontend(a: np.ndarray | None, frontend: str, dtype: str) -> Any:
-    """float32 numpy -> an array of ``frontend`` in ``dtype`` (None stays None)."""
-    if a is None:
-        return None
+@dataclasses.dataclass(frozen=True)
+class Pinned:
+    """An input whose dtype does not follow the case's dtype (a float32 scale, an int index)."""
+
+    array: np.ndarray
+    dtype: str
+
+
+def to_frontend(a: Any, frontend: str, dtype: str) -> Any:
+    """float32 numpy -> an array of ``frontend`` in ``dtype``. None and Python scalars pass through;
+    a ``Pinned`` input keeps its own dtype."""
+    if a is None or isinstance(a, (bool, int, float)):
+        return a
+    if isinstance(a, Pinned):
+        a, dtype = a.array, a.dtype
     if frontend == "jax":
         import jax.numpy as jnp
 
@@ -160,7 +180,7 @@ def to_frontend(a: np.ndarray | None, frontend: str, dtype: str) -> Any:
 
 
 def to_numpy(x: Any) -> np.ndarray:
-    """Any frontend's array -> float32 numpy."""
+    """Any frontend's array -> float32 numpy (float8 and bfloat16 values are exact in float32)."""
     mod = type(x).__module__
     if mod.startswith("torchax"):
         from torchax.interop import jax_view
@@ -168,7 +188,7 @@ def to_numpy(x: Any) -> np.ndarray:
         return np.asarray(jax_view(x)).astype(np.float32)
     torch = sys.modules.get("torch")
     if torch is not None and isinstance(x, torch.Tensor):
-        return x.detach().to("cpu").float().numpy()
+        return x.detach().to("cpu").to(torch.float32).numpy()
     return np.asarray(x).astype(np.float32)
 
 
@@ -190,49 +210,36 @@ class OpCase:
     shapes: tuple[tuple[int, ...], ...]
 
 
-def _normal(shape, rng):
-    return rng.standard_normal(shape).astype(np.float32)
+# Shapes most cases use: a hidden size off the 128-lane grid, a single token, zero tokens, 3-D.
+NORM_SHAPES = ((0, 128), (1, 200), (13, 384), (2, 3, 136))
+GATED_SHAPES = ((0, 256), (1, 200), (13, 768), (2, 3, 272))
 
 
-def _rms_inputs(weight: bool, residual: bool):
+def normal(shape, rng, scale: float = 1.0) -> np.ndarray:
+    return (rng.standard_normal(shape) * scale).astype(np.float32)
+
+
+def x_only(scale: float = 3.0):
+    """``make_inputs`` for ops called as ``op(x)``."""
+
     def make(shape, rng):
-        w = (1.0 + 0.5 * _normal(shape[-1:], rng)) if weight else None
-        r = _normal(shape, rng) if residual else None
-        return (_normal(shape, rng) * 3.0, w, r)
+        return (normal(shape, rng, scale),)
 
     return make
-
-
-def _x_only(scale: float = 3.0):
-    def make(shape, rng):
-        return (_normal(shape, rng) * scale,)
-
-    return make
-
-
-# Hidden sizes off the 128-lane grid, a single token, zero tokens, and a 3-D input.
-_NORM_SHAPES = ((0, 128), (1, 200), (13, 384), (2, 3, 136))
-_GATED_SHAPES = ((0, 256), (1, 200), (13, 768), (2, 3, 272))
 
 
 def _build_cases() -> list[OpCase]:
-    from dualop import ops
+    """Every op module's ``check_cases()``, in registry order (an op family defines its own)."""
+    import importlib
 
-    cases = []
-    for weight, residual, label in (
-        (False, False, "rms_norm"),
-        (True, False, "rms_norm[weight]"),
-        (True, True, "rms_norm[weight,residual]"),
-    ):
-        cases.append(
-            OpCase("rms_norm", label, lambda s: ops.RMSNorm(s[-1]), _rms_inputs(weight, residual), _NORM_SHAPES)
-        )
-    cases += [
-        OpCase("silu_and_mul", "silu_and_mul", lambda s: ops.SiluAndMul(), _x_only(), _GATED_SHAPES),
-        OpCase("gelu_and_mul", "gelu_and_mul", lambda s: ops.GeluAndMul(), _x_only(), _GATED_SHAPES),
-        OpCase("gelu_and_mul", "gelu_and_mul[tanh]", lambda s: ops.GeluAndMul("tanh"), _x_only(), _GATED_SHAPES),
-        OpCase("relu2", "relu2", lambda s: ops.ReLUSquaredActivation(), _x_only(), _GATED_SHAPES),
-    ]
+    from dualop.custom_op import CustomOp
+
+    modules = dict.fromkeys(cls.__module__ for cls in CustomOp.op_registry.values())
+    cases: list[OpCase] = []
+    for name in modules:
+        provider = getattr(importlib.import_module(name), "check_cases", None)
+        if provider is not None:
+            cases.extend(provider())
     return cases
 
 

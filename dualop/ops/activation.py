@@ -105,3 +105,15 @@ class ReLUSquaredActivation(CustomOp):
         xp = array_namespace(x)
         r = xp.maximum(xp.astype(x, xp.float32), 0.0)
         return xp.astype(r * r, x.dtype)
+
+
+def check_cases():
+    """The shapes and inputs ``dualop check`` and the tests run this family with."""
+    from dualop.testing import GATED_SHAPES, OpCase, x_only
+
+    return [
+        OpCase("silu_and_mul", "silu_and_mul", lambda s: SiluAndMul(), x_only(), GATED_SHAPES),
+        OpCase("gelu_and_mul", "gelu_and_mul", lambda s: GeluAndMul(), x_only(), GATED_SHAPES),
+        OpCase("gelu_and_mul", "gelu_and_mul[tanh]", lambda s: GeluAndMul("tanh"), x_only(), GATED_SHAPES),
+        OpCase("relu2", "relu2", lambda s: ReLUSquaredActivation(), x_only(), GATED_SHAPES),
+    ]

@@ -85,3 +85,25 @@ class RMSNorm(CustomOp):
 
     def forward_tpu(self, x: Any, weight: Any = None, residual: Any = None) -> Any:
         return call_pallas(frontend_of(x), _PALLAS_RMS_NORM, x, weight, residual, eps=self.eps)
+
+
+def check_cases():
+    """The shapes and inputs ``dualop check`` and the tests run this family with."""
+    from dualop.testing import NORM_SHAPES, OpCase, normal
+
+    def inputs(weight: bool, residual: bool):
+        def make(shape, rng):
+            w = 1.0 + 0.5 * normal(shape[-1:], rng) if weight else None
+            r = normal(shape, rng) if residual else None
+            return (normal(shape, rng, 3.0), w, r)
+
+        return make
+
+    return [
+        OpCase("rms_norm", label, lambda s: RMSNorm(s[-1]), inputs(w, r), NORM_SHAPES)
+        for w, r, label in (
+            (False, False, "rms_norm"),
+            (True, False, "rms_norm[weight]"),
+            (True, True, "rms_norm[weight,residual]"),
+        )
+    ]
