@@ -24,7 +24,6 @@ def test_ops_lists_every_registered_op(capsys):
     rows = {r["op"]: r for r in json.loads(capsys.readouterr().out)}
     assert {"rms_norm", "silu_and_mul", "gelu_and_mul", "relu2"} <= set(rows)
     assert rows["rms_norm"]["implements"] == "native,cpu,cuda,tpu"
-    assert rows["relu2"]["implements"] == "native"
 
 
 def test_report_under_platform_tpu():
@@ -36,7 +35,6 @@ def test_report_under_platform_tpu():
     assert rows[("rms_norm", "jax")]["reason"] == "default: config holds 'all'"
     torch_row = rows[("rms_norm", "torch")]  # a CPU torch tensor has no TPU bridge
     assert torch_row["method"] == "forward_native" and "no TPU bridge" in torch_row["reason"]
-    assert "forward_tpu not implemented" in rows[("relu2", "jax")]["reason"]
     assert all(r["platform"] == "tpu" for r in rows.values())
 
 

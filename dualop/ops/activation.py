@@ -1,5 +1,5 @@
-"""Activation ops. The gated ones (``act(x[..., :d]) * x[..., d:]``) share one kernel family per
-platform, with the activation as a parameter."""
+"""Gated activation ops (``act(gate) * up`` over the two halves of the last dim). They share one
+kernel family per platform, with the activation as a parameter."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from dualop.kernels.registry import KernelRef
 from dualop.ops._checks import check_array
 from dualop.platforms import frontend_of
 
-__all__ = ["GeluAndMul", "ReLUSquaredActivation", "SiluAndMul"]
+__all__ = ["GeluAndMul", "SiluAndMul"]
 
 _PALLAS_GATED = KernelRef("dualop.kernels.pallas.gated_activation", "gated_activation")
 _TRITON_GATED = KernelRef("dualop.kernels.cuda.gated_activation", "gated_activation")
@@ -63,7 +63,9 @@ class _GatedActivation(CustomOp):
         return call_triton(frontend_of(x), _TRITON_GATED, x, activation=self.activation)
 
     def forward_tpu(self, x: Any) -> Any:
-        return call_pallas(frontend_of(x), _PALLAS_GATED, x, activation=self.activation)
+        return call_pallas(
+            frontend_of(x), _PALLAS_GATED, x, activation=self.activation, native=self.forward_native
+        )
 
 
 @CustomOp.register("silu_and_mul")
@@ -91,22 +93,6 @@ class GeluAndMul(_GatedActivation):
         return f"approximate={self.approximate!r}"
 
 
-@CustomOp.register("relu2")
-class ReLUSquaredActivation(CustomOp):
-    """``relu(x) ** 2`` (Primer's squared ReLU)."""
-
-    def __init__(self, *, enforce_enable: bool = False) -> None:
-        super().__init__(enforce_enable=enforce_enable)
-
-    def check_inputs(self, x: Any) -> None:
-        check_array("relu2", "x", x, min_ndim=0)
-
-    def forward_native(self, x: Any) -> Any:
-        xp = array_namespace(x)
-        r = xp.maximum(xp.astype(x, xp.float32), 0.0)
-        return xp.astype(r * r, x.dtype)
-
-
 def check_cases():
     """The shapes and inputs ``dualop check`` and the tests run this family with."""
     from dualop.testing import GATED_SHAPES, OpCase, x_only
@@ -115,5 +101,4 @@ def check_cases():
         OpCase("silu_and_mul", "silu_and_mul", lambda s: SiluAndMul(), x_only(), GATED_SHAPES),
         OpCase("gelu_and_mul", "gelu_and_mul", lambda s: GeluAndMul(), x_only(), GATED_SHAPES),
         OpCase("gelu_and_mul", "gelu_and_mul[tanh]", lambda s: GeluAndMul("tanh"), x_only(), GATED_SHAPES),
-        OpCase("relu2", "relu2", lambda s: ReLUSquaredActivation(), x_only(), GATED_SHAPES),
     ]

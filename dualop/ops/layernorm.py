@@ -84,7 +84,9 @@ class RMSNorm(CustomOp):
         return call_triton(frontend_of(x), _TRITON_RMS_NORM, x, weight, residual, eps=self.eps)
 
     def forward_tpu(self, x: Any, weight: Any = None, residual: Any = None) -> Any:
-        return call_pallas(frontend_of(x), _PALLAS_RMS_NORM, x, weight, residual, eps=self.eps)
+        return call_pallas(
+            frontend_of(x), _PALLAS_RMS_NORM, x, weight, residual, eps=self.eps, native=self.forward_native
+        )
 
 
 def check_cases():

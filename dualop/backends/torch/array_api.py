@@ -51,3 +51,62 @@ def maximum(x: torch.Tensor, y) -> torch.Tensor:
 
 def where(cond: torch.Tensor, x, y) -> torch.Tensor:
     return torch.where(cond, x, y)
+
+
+float8_e4m3fn = torch.float8_e4m3fn
+
+
+def abs(x: torch.Tensor) -> torch.Tensor:  # noqa: A001 - the array API's name
+    return torch.abs(x)
+
+
+def sqrt(x: torch.Tensor) -> torch.Tensor:
+    return torch.sqrt(x)
+
+
+def square(x: torch.Tensor) -> torch.Tensor:
+    return torch.square(x)
+
+
+def log1p(x: torch.Tensor) -> torch.Tensor:
+    return torch.log1p(x)
+
+
+def expm1(x: torch.Tensor) -> torch.Tensor:
+    return torch.expm1(x)
+
+
+def softplus(x: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.softplus(x)
+
+
+def minimum(x: torch.Tensor, y) -> torch.Tensor:
+    if not isinstance(y, torch.Tensor):
+        return torch.clamp(x, max=y)
+    return torch.minimum(x, y)
+
+
+def clip(x: torch.Tensor, min=None, max=None) -> torch.Tensor:  # noqa: A002 - the array API's names
+    return torch.clamp(x, min=min, max=max)
+
+
+def amax(x: torch.Tensor, axis=None, keepdims: bool = False) -> torch.Tensor:
+    if axis is None:
+        return torch.amax(x) if not keepdims else torch.amax(x, dim=tuple(range(x.ndim)), keepdim=True)
+    return torch.amax(x, dim=axis, keepdim=keepdims)
+
+
+def sum(x: torch.Tensor, axis=None, keepdims: bool = False) -> torch.Tensor:  # noqa: A001
+    if axis is None:
+        return torch.sum(x)
+    return torch.sum(x, dim=axis, keepdim=keepdims)
+
+
+def std(x: torch.Tensor, axis: int = -1, keepdims: bool = False) -> torch.Tensor:
+    """Population standard deviation (ddof 0)."""
+    return torch.std(x, dim=axis, keepdim=keepdims, correction=0)
+
+
+def asarray(value, like: torch.Tensor, dtype=None) -> torch.Tensor:
+    """A tensor holding ``value`` on ``like``'s device."""
+    return torch.as_tensor(value, dtype=dtype if dtype is not None else like.dtype, device=like.device)

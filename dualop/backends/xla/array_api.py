@@ -46,3 +46,56 @@ def maximum(x: jax.Array, y) -> jax.Array:
 
 def where(cond: jax.Array, x, y) -> jax.Array:
     return jnp.where(cond, x, y)
+
+
+float8_e4m3fn = jnp.float8_e4m3fn
+
+
+def abs(x: jax.Array) -> jax.Array:  # noqa: A001 - the array API's name
+    return jnp.abs(x)
+
+
+def sqrt(x: jax.Array) -> jax.Array:
+    return jnp.sqrt(x)
+
+
+def square(x: jax.Array) -> jax.Array:
+    return jnp.square(x)
+
+
+def log1p(x: jax.Array) -> jax.Array:
+    return jnp.log1p(x)
+
+
+def expm1(x: jax.Array) -> jax.Array:
+    return jnp.expm1(x)
+
+
+def softplus(x: jax.Array) -> jax.Array:
+    return jax.nn.softplus(x)
+
+
+def minimum(x: jax.Array, y) -> jax.Array:
+    return jnp.minimum(x, y)
+
+
+def clip(x: jax.Array, min=None, max=None) -> jax.Array:  # noqa: A002 - the array API's names
+    return jnp.clip(x, min, max)
+
+
+def amax(x: jax.Array, axis=None, keepdims: bool = False) -> jax.Array:
+    return jnp.max(x, axis=axis, keepdims=keepdims)
+
+
+def sum(x: jax.Array, axis=None, keepdims: bool = False) -> jax.Array:  # noqa: A001
+    return jnp.sum(x, axis=axis, keepdims=keepdims)
+
+
+def std(x: jax.Array, axis: int = -1, keepdims: bool = False) -> jax.Array:
+    """Population standard deviation (ddof 0)."""
+    return jnp.std(x, axis=axis, keepdims=keepdims)
+
+
+def asarray(value, like: jax.Array, dtype=None) -> jax.Array:
+    """An array holding ``value`` (jax places it; ``like`` fixes the default dtype)."""
+    return jnp.asarray(value, dtype=dtype if dtype is not None else like.dtype)

@@ -12,16 +12,21 @@ which the dispatcher turns into a reported fallback to ``forward_native``.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 from dualop.kernels.registry import KernelRef
 
 __all__ = ["call_pallas"]
 
 
-def call_pallas(frontend: str, kernel_ref: KernelRef, *arrays: Any, **static: Any) -> Any:
+def call_pallas(frontend: str, kernel_ref: KernelRef, *arrays: Any, native: Callable | None = None, **static: Any) -> Any:
     """Run ``kernel(*arrays, interpret=..., **static)`` on the caller's arrays, returning the
-    caller's array type. ``arrays`` may hold None for absent optional inputs."""
+    caller's array type. ``arrays`` may hold None for absent optional inputs.
+
+    ``native(*arrays)`` (the op's forward_native, same outputs) gives JAX callers a gradient:
+    Pallas kernels have no autodiff rule, so the kernel runs forward and the backward pass is the
+    VJP of the native body (``jax.custom_vjp``).
+    """
     if frontend not in ("jax", "torch_xla", "torchax"):
         raise NotImplementedError(
             f"Pallas kernels run on jax arrays, torch_xla tensors or torchax tensors; "
@@ -37,7 +42,9 @@ def call_pallas(frontend: str, kernel_ref: KernelRef, *arrays: Any, **static: An
 
     interpret = interpret_mode(frontend)
     if frontend == "jax":
-        return kernel(*arrays, interpret=interpret, **static)
+        if native is None:
+            return kernel(*arrays, interpret=interpret, **static)
+        return _with_native_vjp(kernel, native, interpret, static)(*arrays)
     if frontend == "torch_xla":
         from torch_xla.core.xla_builder import call_jax
 
@@ -47,3 +54,22 @@ def call_pallas(frontend: str, kernel_ref: KernelRef, *arrays: Any, **static: An
 
         return call_jax(kernel, *arrays, interpret=interpret, **static)
     raise AssertionError(frontend)
+
+
+def _with_native_vjp(kernel: Callable, native: Callable, interpret: Any, static: dict) -> Callable:
+    """``kernel`` forward, the VJP of ``native`` backward."""
+    import jax
+
+    @jax.custom_vjp
+    def fn(*arrays):
+        return kernel(*arrays, interpret=interpret, **static)
+
+    def fwd(*arrays):
+        return fn(*arrays), arrays
+
+    def bwd(arrays, cotangent):
+        _, vjp = jax.vjp(native, *arrays)
+        return vjp(cotangent)
+
+    fn.defvjp(fwd, bwd)
+    return fn
