@@ -27,6 +27,9 @@ deps="$(sed -n '/^dependencies = \[/,/^\[project.scripts\]/p' "$repo/pyproject.t
 key="$(printf '%s\n%s\n%s' "$deps" "$(cat "$constraints")" "$extras" | sha256sum | cut -c1-12)"
 env="$root/$name-$key"
 
+mkdir -p "$root"
+exec 9>"$root/$name.lock"
+flock 9  # one build (or re-point) of an environment at a time
 if [ ! -f "$env/.complete" ]; then
   echo "env.sh: building the '$name' environment in $env (first run only; the xla one is ~7.6 GB)" >&2
   rm -rf "$env"

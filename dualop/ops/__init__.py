@@ -1,8 +1,17 @@
 """Frontend-neutral op definitions, one module per family. Importing this package registers
 every op (it imports no torch or jax)."""
 
-from dualop.ops.activation import GeluAndMul, SiluAndMul
-from dualop.ops.layernorm import RMSNorm
-from dualop.ops.pointwise import ReLUSquaredActivation
+from dualop.ops.activation import *  # noqa: F403
+from dualop.ops.gated_norm import *  # noqa: F403
+from dualop.ops.layernorm import *  # noqa: F403
+from dualop.ops.pointwise import *  # noqa: F403
+from dualop.ops.quantization import *  # noqa: F403
+from dualop.ops import activation, gated_norm, layernorm, pointwise, quantization
 
-__all__ = ["GeluAndMul", "ReLUSquaredActivation", "RMSNorm", "SiluAndMul"]
+__all__ = [
+    *activation.__all__,
+    *gated_norm.__all__,
+    *layernorm.__all__,
+    *pointwise.__all__,
+    *quantization.__all__,
+]

@@ -1,0 +1,3 @@
+"""Gated RMS normalisation (being written: RMSNormGated)."""
+
+__all__: list[str] = []

@@ -1,0 +1,3 @@
+"""Quantisation ops (being written: QuantFP8)."""
+
+__all__: list[str] = []
