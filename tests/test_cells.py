@@ -22,7 +22,10 @@ KERNEL_CELLS = [
     ("torch_xla", "tpu", "forward_tpu"),
     ("torchax", "tpu", "forward_tpu"),
 ]
-KERNEL_OPS = ("rms_norm", "silu_and_mul", "gelu_and_mul")
+KERNEL_OPS = (
+    "rms_norm", "gemma_rms_norm", "silu_and_mul", "mul_and_silu", "gelu_and_mul", "gelu_and_mul_sparse",
+    "fatrelu_and_mul", "swigluoai_and_mul",
+)
 CASES = [c for c in testing.cases_for(list(KERNEL_OPS))]
 
 

@@ -33,8 +33,15 @@ def test_pallas_rms_norm_ragged_row_blocks(interpret, dtype, rows, hidden, block
     x = jax.random.normal(key[0], (rows, hidden)).astype(dtype)
     w = jax.random.normal(key[1], (hidden,)).astype(dtype)
     r = jax.random.normal(key[2], (rows, hidden)).astype(dtype)
-    out, res = rms_norm(x, w, r, eps=1e-6, interpret=interpret, block_rows=block_rows)
-    want_out, want_res = rms_norm_reference(x, w, r, eps=1e-6)
+    from dualop.kernels.norm_math import NormSpec
+
+    for spec in (NormSpec(), NormSpec(var_size=hidden // 2), NormSpec(weight_offset=1.0, weight_in_f32=True)):
+        out, res = rms_norm(x, w, r, spec=spec, interpret=interpret, block_rows=block_rows)
+        want_out, want_res = rms_norm_reference(x, w, r, spec=spec)
+        _close(out, want_out, dtype)
+        _close(res, want_res, dtype)
+    out, res = rms_norm(x, w, r, interpret=interpret, block_rows=block_rows)
+    want_out, want_res = rms_norm_reference(x, w, r)
     _close(out, want_out, dtype)
     _close(res, want_res, dtype)
 
@@ -43,12 +50,19 @@ def test_pallas_rms_norm_ragged_row_blocks(interpret, dtype, rows, hidden, block
 @pytest.mark.parametrize("rows, d", [(21, 100), (21, 256), (3, 2176)])
 def test_pallas_gated_ragged_blocks_both_layouts(interpret, dtype, rows, d):
     """d % 128 == 0 takes the two-column-block layout, otherwise the full-row layout."""
+    from dualop.kernels.gate_math import GateSpec
     from dualop.kernels.pallas.gated_activation import gated_activation, gated_activation_reference
 
     x = jax.random.normal(jax.random.key(1), (rows, 2 * d)).astype(dtype)
-    for act in ("silu", "gelu", "gelu_tanh"):
-        got = gated_activation(x, activation=act, interpret=interpret, block_rows=8)
-        _close(got, gated_activation_reference(x, activation=act), dtype)
+    specs = [GateSpec(a) for a in ("silu", "gelu", "gelu_tanh")] + [
+        GateSpec("silu", act_on="second"),
+        GateSpec("fatrelu", threshold=0.2),
+        GateSpec("swigluoai", interleaved=True),
+        GateSpec("gelu", sparsity=0.9),
+    ]
+    for spec in specs:
+        got = gated_activation(x, spec=spec, interpret=interpret, block_rows=8)
+        _close(got, gated_activation_reference(x, spec=spec), dtype)
 
 
 def test_pallas_lane_block_divides_d():
@@ -90,7 +104,7 @@ def test_pallas_cost_estimates_count_bytes_once():
     c = rms_norm_cost(rows=10, hidden=128, itemsize=2, has_weight=True, has_residual=True)
     assert c.bytes_accessed == 10 * 128 * 2 * 4 + 128 * 2
     assert c.transcendentals == 10
-    c = gated_activation_cost(rows=10, d=64, itemsize=4, activation="silu")
+    c = gated_activation_cost(rows=10, d=64, itemsize=4)
     assert c.bytes_accessed == 10 * 64 * 4 * 3
 
 
@@ -118,10 +132,13 @@ def test_triton_rms_norm_two_pass_path(triton_kernels, dtype):
     g = torch.Generator().manual_seed(0)
     x, r = (torch.randn(3, hidden, generator=g).to(tdtype) for _ in range(2))
     w = torch.randn(hidden, generator=g).to(tdtype)
-    out, res = rms_mod.rms_norm(x, w, r, eps=1e-6)
-    want_out, want_res = RMSNorm(hidden).forward_native(x, w, r)
-    _close(out.float(), want_out.float(), dtype)
-    assert torch.equal(res, want_res)
+    from dualop.ops import GemmaRMSNorm
+
+    for op in (RMSNorm(hidden), RMSNorm(hidden, var_hidden_size=hidden - 200), GemmaRMSNorm(hidden)):
+        out, res = rms_mod.rms_norm(x, w, r, spec=op.spec)
+        want_out, want_res = op.forward_native(x, w, r)
+        _close(out.float(), want_out.float(), dtype)
+        assert torch.equal(res, want_res)
 
 
 def test_triton_non_contiguous_input(triton_kernels):

@@ -3,79 +3,89 @@ kernel family per platform, with the activation as a parameter."""
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 from dualop.backends import array_namespace
 from dualop.backends.torch.triton_launch import call_triton
 from dualop.backends.xla.pallas_bridge import call_pallas
 from dualop.custom_op import CustomOp
+from dualop.kernels.gate_math import GateSpec, apply_gate, gate_and_up
 from dualop.kernels.registry import KernelRef
 from dualop.ops._checks import check_array
 from dualop.platforms import frontend_of
 
-__all__ = ["GeluAndMul", "SiluAndMul"]
+__all__ = [
+    "FatreluAndMul",
+    "GeluAndMul",
+    "GeluAndMulSparse",
+    "MulAndSilu",
+    "SiluAndMul",
+    "SwigluOAIAndMul",
+]
 
 _PALLAS_GATED = KernelRef("dualop.kernels.pallas.gated_activation", "gated_activation")
 _TRITON_GATED = KernelRef("dualop.kernels.cuda.gated_activation", "gated_activation")
-_SQRT_HALF = 1.0 / math.sqrt(2.0)
-_SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
-
-
-def _silu(xp, g):
-    return g * xp.sigmoid(g)
-
-
-def _gelu(xp, g):
-    return 0.5 * g * (1.0 + xp.erf(g * _SQRT_HALF))
-
-
-def _gelu_tanh(xp, g):
-    return 0.5 * g * (1.0 + xp.tanh(_SQRT_2_OVER_PI * (g + 0.044715 * g * g * g)))
-
-
-_GATE_FUNCTIONS = {"silu": _silu, "gelu": _gelu, "gelu_tanh": _gelu_tanh}
 
 
 class _GatedActivation(CustomOp):
-    """``act(x[..., :d]) * x[..., d:]`` with ``d = x.shape[-1] // 2``, computed in float32.
+    """``act(gate) * up`` over the two halves of the last dim (``d = x.shape[-1] // 2``), in float32.
 
-    Subclasses set ``activation`` (a key of the kernels' activation tables)."""
+    Subclasses set ``self.spec`` (a ``GateSpec``); the formula lives once in ``kernels/gate_math``
+    and serves the native body and the Pallas kernel alike."""
 
-    activation: str = "silu"
+    spec: GateSpec = GateSpec()
 
     def check_inputs(self, x: Any) -> None:
         op = type(self).name
         check_array(op, "x", x)
         if x.shape[-1] % 2:
-            raise ValueError(f"{op}: argument 'x' must have an even last dim (gate and up halves), got shape {tuple(x.shape)}")
+            raise ValueError(
+                f"{op}: argument 'x' must have an even last dim (gate and up halves), got shape {tuple(x.shape)}"
+            )
 
     def forward_native(self, x: Any) -> Any:
         xp = array_namespace(x)
-        d = x.shape[-1] // 2
-        xf = xp.astype(x, xp.float32)
-        return xp.astype(_GATE_FUNCTIONS[self.activation](xp, xf[..., :d]) * xf[..., d:], x.dtype)
+        gate, up = gate_and_up(xp.astype(x, xp.float32), x.shape[-1] // 2, self.spec)
+        return xp.astype(apply_gate(xp, gate, up, self.spec), x.dtype)
 
     def forward_cpu(self, x: Any) -> Any:
+        """CPU: the native body (torch eager or XLA on CPU)."""
         return self.forward_native(x)
 
     def forward_cuda(self, x: Any) -> Any:
-        return call_triton(frontend_of(x), _TRITON_GATED, x, activation=self.activation)
+        return call_triton(frontend_of(x), _TRITON_GATED, x, spec=self.spec)
 
     def forward_tpu(self, x: Any) -> Any:
-        return call_pallas(
-            frontend_of(x), _PALLAS_GATED, x, activation=self.activation, native=self.forward_native
-        )
+        return call_pallas(frontend_of(x), _PALLAS_GATED, x, spec=self.spec, native=self.forward_native)
+
+    def extra_repr(self) -> str:
+        return repr(self.spec)
 
 
 @CustomOp.register("silu_and_mul")
 class SiluAndMul(_GatedActivation):
     """SwiGLU gate: ``silu(x[..., :d]) * x[..., d:]``."""
 
-    activation = "silu"
+    spec = GateSpec("silu")
 
     def __init__(self, *, enforce_enable: bool = False) -> None:
         super().__init__(enforce_enable=enforce_enable)
+
+
+@CustomOp.register("mul_and_silu")
+class MulAndSilu(_GatedActivation):
+    """``x[..., :d] * silu(x[..., d:])`` (the halves the other way round)."""
+
+    spec = GateSpec("silu", act_on="second")
+
+    def __init__(self, *, enforce_enable: bool = False) -> None:
+        super().__init__(enforce_enable=enforce_enable)
+
+
+def _check_approximate(op: str, approximate: str) -> str:
+    if approximate not in ("none", "tanh"):
+        raise ValueError(f"{op}: approximate must be 'none' or 'tanh', got {approximate!r}")
+    return "gelu" if approximate == "none" else "gelu_tanh"
 
 
 @CustomOp.register("gelu_and_mul")
@@ -84,13 +94,59 @@ class GeluAndMul(_GatedActivation):
 
     def __init__(self, approximate: str = "none", *, enforce_enable: bool = False) -> None:
         super().__init__(enforce_enable=enforce_enable)
-        if approximate not in ("none", "tanh"):
-            raise ValueError(f"gelu_and_mul: approximate must be 'none' or 'tanh', got {approximate!r}")
         self.approximate = approximate
-        self.activation = "gelu" if approximate == "none" else "gelu_tanh"
+        self.spec = GateSpec(_check_approximate("gelu_and_mul", approximate))
 
-    def extra_repr(self) -> str:
-        return f"approximate={self.approximate!r}"
+
+@CustomOp.register("gelu_and_mul_sparse")
+class GeluAndMulSparse(_GatedActivation):
+    """GeGLU with activation sparsity (Gemma 3n): keep only the top ``1 - activation_sparsity`` of
+    each gate row, assuming it is normally distributed, then ``gelu(gate) * up``:
+    ``gate = relu(g - (mean(g) + std(g) * Phi^-1(activation_sparsity)))`` over the last dim, std with
+    ddof 0. Sparsity 0 is plain GeluAndMul (use that op)."""
+
+    def __init__(self, activation_sparsity: float, approximate: str = "none", *, enforce_enable: bool = False) -> None:
+        super().__init__(enforce_enable=enforce_enable)
+        act = _check_approximate("gelu_and_mul_sparse", approximate)
+        if isinstance(activation_sparsity, bool) or not isinstance(activation_sparsity, (int, float)):
+            raise TypeError(f"gelu_and_mul_sparse: activation_sparsity must be a float, got {activation_sparsity!r}")
+        if activation_sparsity == 0.0:
+            raise ValueError("gelu_and_mul_sparse: activation_sparsity 0.0 means no sparsity; use GeluAndMul")
+        if not 0.0 < activation_sparsity < 1.0:
+            raise ValueError(
+                f"gelu_and_mul_sparse: activation_sparsity must be in (0, 1), got {activation_sparsity!r}"
+            )
+        self.activation_sparsity = float(activation_sparsity)
+        self.approximate = approximate
+        self.spec = GateSpec(act, sparsity=self.activation_sparsity)
+
+
+@CustomOp.register("fatrelu_and_mul")
+class FatreluAndMul(_GatedActivation):
+    """FATReLU gate (MiniCPM): ``where(x1 > threshold, x1, 0) * x[..., d:]`` with ``x1 = x[..., :d]``."""
+
+    def __init__(self, threshold: float = 0.0, *, enforce_enable: bool = False) -> None:
+        super().__init__(enforce_enable=enforce_enable)
+        if isinstance(threshold, bool) or not isinstance(threshold, (int, float)):
+            raise TypeError(f"fatrelu_and_mul: threshold must be a float, got {threshold!r}")
+        self.threshold = float(threshold)
+        self.spec = GateSpec("fatrelu", threshold=self.threshold)
+
+
+@CustomOp.register("swigluoai_and_mul")
+class SwigluOAIAndMul(_GatedActivation):
+    """gpt-oss's clamped SwiGLU on interleaved gate/up: ``gate = x[..., 0::2].clamp(max=limit)``,
+    ``up = x[..., 1::2].clamp(-limit, limit)``, ``(up + 1) * gate * sigmoid(alpha * gate)``."""
+
+    def __init__(self, alpha: float = 1.702, limit: float = 7.0, *, enforce_enable: bool = False) -> None:
+        super().__init__(enforce_enable=enforce_enable)
+        for name, value in (("alpha", alpha), ("limit", limit)):
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise TypeError(f"swigluoai_and_mul: {name} must be a float, got {value!r}")
+        if not limit > 0:
+            raise ValueError(f"swigluoai_and_mul: limit must be positive, got {limit!r}")
+        self.alpha, self.limit = float(alpha), float(limit)
+        self.spec = GateSpec("swigluoai", interleaved=True, alpha=self.alpha, limit=self.limit)
 
 
 def check_cases():
@@ -101,4 +157,9 @@ def check_cases():
         OpCase("silu_and_mul", "silu_and_mul", lambda s: SiluAndMul(), x_only(), GATED_SHAPES),
         OpCase("gelu_and_mul", "gelu_and_mul", lambda s: GeluAndMul(), x_only(), GATED_SHAPES),
         OpCase("gelu_and_mul", "gelu_and_mul[tanh]", lambda s: GeluAndMul("tanh"), x_only(), GATED_SHAPES),
+        OpCase("mul_and_silu", "mul_and_silu", lambda s: MulAndSilu(), x_only(), GATED_SHAPES),
+        OpCase("gelu_and_mul_sparse", "gelu_and_mul_sparse[0.95]", lambda s: GeluAndMulSparse(0.95), x_only(), GATED_SHAPES),
+        OpCase("gelu_and_mul_sparse", "gelu_and_mul_sparse[0.5,tanh]", lambda s: GeluAndMulSparse(0.5, "tanh"), x_only(), GATED_SHAPES),
+        OpCase("fatrelu_and_mul", "fatrelu_and_mul[0.3]", lambda s: FatreluAndMul(0.3), x_only(), GATED_SHAPES),
+        OpCase("swigluoai_and_mul", "swigluoai_and_mul", lambda s: SwigluOAIAndMul(), x_only(4.0), GATED_SHAPES),
     ]

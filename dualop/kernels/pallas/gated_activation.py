@@ -1,70 +1,62 @@
-"""Gated activations ``act(x[..., :d]) * x[..., d:]`` as one Pallas TPU kernel family.
+"""Gated activations ``act(gate) * up`` as one Pallas TPU kernel family.
 
-SiluAndMul, GeluAndMul (and later MulAndSilu, FatreluAndMul, ...) share this kernel; the
-activation is a static parameter. Computation is in float32, the result cast to x's dtype.
+SiluAndMul, MulAndSilu, GeluAndMul, GeluAndMulSparse, FatreluAndMul and SwigluOAIAndMul share this
+kernel; a ``GateSpec`` (static) says which, and the formulas are the same ones the native bodies
+use (``kernels/gate_math.py``). Computation is in float32, the result cast to x's dtype.
 
-Tiling: rows are blocked along sublanes. When ``d`` is a multiple of 128 lanes, the two halves are
-read as two lane-aligned column blocks of the same input (no copy of the halves is ever made) and
-columns are tiled too, so very wide MLPs stay inside VMEM. Otherwise one block spans the full
-``2*d`` row (legal for any width) and the halves are static slices inside the kernel.
+Layouts:
+- halves with ``d`` a multiple of 128 lanes: the two halves are read as two lane-aligned column
+  blocks of the same input (no copy of the halves is made), and columns are tiled too so very wide
+  MLPs stay inside VMEM; a gate that needs row statistics (sparsity) keeps whole half-rows.
+- halves otherwise: one block spans the full ``2*d`` row (legal for any width); the halves are
+  static slices inside the kernel.
+- interleaved (gate, up alternate): XLA de-interleaves first (one extra pass over x), then the
+  two-input kernel runs on full-width blocks.
 """
 
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from dualop.backends.xla import array_api as xp
+from dualop.kernels.gate_math import GateSpec, apply_gate, gate_and_up
 from dualop.kernels.pallas.common import compiler_params, row_blocks, rowwise_batching, to_rows
 
-__all__ = ["gated_activation", "gated_activation_reference", "gated_activation_cost", "ACTIVATIONS"]
+__all__ = ["gated_activation", "gated_activation_reference", "gated_activation_cost", "GateSpec"]
 
-_SQRT_HALF = 1.0 / math.sqrt(2.0)
-_SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
-
-
-def _silu(g):
-    return g * jax.nn.sigmoid(g)
-
-
-def _gelu(g):
-    return 0.5 * g * (1.0 + jax.lax.erf(g * _SQRT_HALF))
-
-
-def _gelu_tanh(g):
-    return 0.5 * g * (1.0 + jnp.tanh(_SQRT_2_OVER_PI * (g + 0.044715 * g * g * g)))
-
-
-# name -> (float32 activation, transcendentals per element)
-ACTIVATIONS = {"silu": (_silu, 1), "gelu": (_gelu, 1), "gelu_tanh": (_gelu_tanh, 1)}
 _LANE_BLOCK_MAX = 2048
 
 
-def gated_activation_reference(x, *, activation: str = "silu"):
+def gated_activation_reference(x, *, spec: GateSpec = GateSpec()):
+    """The plain jax.numpy statement of the kernel."""
     d = x.shape[-1] // 2
-    act = ACTIVATIONS[activation][0]
-    xf = x.astype(jnp.float32)
-    return (act(xf[..., :d]) * xf[..., d:]).astype(x.dtype)
+    gate, up = gate_and_up(x.astype(jnp.float32), d, spec)
+    return apply_gate(xp, gate, up, spec).astype(x.dtype)
 
 
-def gated_activation_cost(rows: int, d: int, itemsize: int, activation: str) -> pl.CostEstimate:
+def gated_activation_cost(rows: int, d: int, itemsize: int, spec: GateSpec = GateSpec()) -> pl.CostEstimate:
     n = rows * d
+    transcendental = spec.activation in ("silu", "gelu", "gelu_tanh", "swigluoai")
     return pl.CostEstimate(
-        flops=n * 6, transcendentals=n * ACTIVATIONS[activation][1], bytes_accessed=3 * n * itemsize
+        flops=n * (8 if spec.sparsity else 6),
+        transcendentals=n if transcendental else 0,
+        bytes_accessed=3 * n * itemsize,
     )
 
 
-def _split_kernel(g_ref, u_ref, o_ref, *, act):
+def _two_input_kernel(g_ref, u_ref, o_ref, *, spec: GateSpec):
     g = g_ref[...].astype(jnp.float32)
-    o_ref[...] = (act(g) * u_ref[...].astype(jnp.float32)).astype(o_ref.dtype)
+    u = u_ref[...].astype(jnp.float32)
+    o_ref[...] = apply_gate(xp, g, u, spec).astype(o_ref.dtype)
 
 
-def _full_row_kernel(x_ref, o_ref, *, act, d: int):
-    x = x_ref[...].astype(jnp.float32)
-    o_ref[...] = (act(x[:, :d]) * x[:, d:]).astype(o_ref.dtype)
+def _full_row_kernel(x_ref, o_ref, *, spec: GateSpec, d: int):
+    gate, up = gate_and_up(x_ref[...].astype(jnp.float32), d, spec)
+    o_ref[...] = apply_gate(xp, gate, up, spec).astype(o_ref.dtype)
 
 
 def _lane_block(d: int) -> int:
@@ -76,17 +68,15 @@ def _lane_block(d: int) -> int:
     return best
 
 
-@functools.partial(jax.jit, static_argnames=("activation", "interpret", "block_rows"))
-def gated_activation(x: jax.Array, *, activation: str = "silu", interpret=False, block_rows: int | None = None):
-    """``act(x[..., :d]) * x[..., d:]`` with ``d = x.shape[-1] // 2`` (the last dim must be even)."""
-    if activation not in ACTIVATIONS:
-        raise ValueError(f"gated_activation: activation {activation!r} is not one of {sorted(ACTIVATIONS)}")
-    return _build(activation, interpret, block_rows)(x)
+@functools.partial(jax.jit, static_argnames=("spec", "interpret", "block_rows"))
+def gated_activation(x: jax.Array, *, spec: GateSpec = GateSpec(), interpret=False, block_rows: int | None = None):
+    """The spec's gated activation over the last dim of ``x`` (even), any leading shape."""
+    return _build(spec, interpret, block_rows)(x)
 
 
 @functools.lru_cache(maxsize=None)
-def _build(activation: str, interpret, block_rows: int | None):
-    act = ACTIVATIONS[activation][0]
+def _build(spec: GateSpec, interpret, block_rows: int | None):
+    name = f"dualop_gated_{spec.activation}"
 
     def call(x):
         shape, dtype = x.shape, x.dtype
@@ -96,33 +86,44 @@ def _build(activation: str, interpret, block_rows: int | None):
         rows = x2.shape[0]
         if rows == 0 or d == 0:
             return jnp.zeros(out_shape, dtype)
-        cost = gated_activation_cost(rows, d, dtype.itemsize, activation)
+        cost = gated_activation_cost(rows, d, dtype.itemsize, spec)
         # bytes per output element in VMEM: two inputs + one output, double-buffered, + f32 temps
         per_elem = 2 * 3 * dtype.itemsize + 8
-        if d % 128 == 0:
-            bd = _lane_block(d)
+
+        def two_input_call(g_arr, u_arr, g_col0: int, u_col0: int, bd: int):
             blocks = row_blocks(rows, d, dtype, per_elem, block_cols=bd)
             br = blocks.block_rows if block_rows is None else min(block_rows, rows)
-            n_col = d // bd
-            out = pl.pallas_call(
-                functools.partial(_split_kernel, act=act),
-                grid=(pl.cdiv(rows, br), n_col),
+            return pl.pallas_call(
+                functools.partial(_two_input_kernel, spec=spec),
+                grid=(pl.cdiv(rows, br), d // bd),
                 in_specs=[
-                    pl.BlockSpec((br, bd), lambda i, j: (i, j)),
-                    pl.BlockSpec((br, bd), lambda i, j: (i, j + n_col)),
+                    pl.BlockSpec((br, bd), lambda i, j: (i, j + g_col0)),
+                    pl.BlockSpec((br, bd), lambda i, j: (i, j + u_col0)),
                 ],
                 out_specs=pl.BlockSpec((br, bd), lambda i, j: (i, j)),
                 out_shape=jax.ShapeDtypeStruct((rows, d), dtype),
                 compiler_params=compiler_params(2),
                 cost_estimate=cost,
                 interpret=interpret,
-                name=f"dualop_{activation}_and_mul",
-            )(x2, x2)
+                name=name,
+            )(g_arr, u_arr)
+
+        if spec.interleaved:
+            pairs = x2.reshape(rows, d, 2)
+            first, second = pairs[..., 0], pairs[..., 1]
+            gate, up = (first, second) if spec.act_on == "first" else (second, first)
+            bd = d if (spec.needs_row_statistics or d % 128) else _lane_block(d)
+            out = two_input_call(gate, up, 0, 0, bd)
+        elif d % 128 == 0:
+            bd = d if spec.needs_row_statistics else _lane_block(d)
+            n_col = d // bd
+            g0, u0 = (0, n_col) if spec.act_on == "first" else (n_col, 0)
+            out = two_input_call(x2, x2, g0, u0, bd)
         else:
             blocks = row_blocks(rows, 2 * d, dtype, per_elem)
             br = blocks.block_rows if block_rows is None else min(block_rows, rows)
             out = pl.pallas_call(
-                functools.partial(_full_row_kernel, act=act, d=d),
+                functools.partial(_full_row_kernel, spec=spec, d=d),
                 grid=(pl.cdiv(rows, br),),
                 in_specs=[pl.BlockSpec((br, 2 * d), lambda i: (i, 0))],
                 out_specs=pl.BlockSpec((br, d), lambda i: (i, 0)),
@@ -130,7 +131,7 @@ def _build(activation: str, interpret, block_rows: int | None):
                 compiler_params=compiler_params(1),
                 cost_estimate=cost,
                 interpret=interpret,
-                name=f"dualop_{activation}_and_mul",
+                name=name,
             )(x2)
         return out.reshape(out_shape)
 

@@ -1,8 +1,10 @@
 """RMSNorm (optionally fused with a residual add) as a row-wise Pallas TPU kernel.
 
-out = cast(x * rsqrt(mean(x**2) + eps), dtype) * weight, computed in float32; with a residual,
-x is first replaced by x + residual (in float32) and that sum, cast to x's dtype, is returned as
-the new residual. ``rms_norm_reference`` beside the kernel is the plain-jnp statement of it.
+out = cast(x * rsqrt(mean(x**2) + eps), dtype) * weight, computed in float32, with the variants of
+a ``NormSpec`` (statistic over the first ``var_size`` features, Gemma's ``(1 + weight)`` applied in
+float32); with a residual, x is first replaced by x + residual (in float32) and that sum, cast to
+x's dtype, is returned as the new residual. The formula is ``kernels/norm_math.rms_normalize``,
+shared with the native bodies; ``rms_norm_reference`` states the whole kernel in plain jnp.
 
 Each grid step normalises ``block_rows`` full rows held in VMEM; the row dimension is
 ``parallel`` so megacore chips split it. The hidden dimension is never tiled (a row's statistic
@@ -18,22 +20,21 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from dualop.backends.xla import array_api as xp
+from dualop.kernels.norm_math import NormSpec, rms_normalize
 from dualop.kernels.pallas.common import compiler_params, row_blocks, rowwise_batching, to_rows
 
 __all__ = ["rms_norm", "rms_norm_reference", "rms_norm_cost"]
 
 
-def rms_norm_reference(x, weight=None, residual=None, *, eps: float = 1e-6):
+def rms_norm_reference(x, weight=None, residual=None, *, spec: NormSpec = NormSpec()):
     """The plain jax.numpy statement of the kernel (used by tests and docs)."""
-    orig = x.dtype
     xf = x.astype(jnp.float32)
     new_residual = None
     if residual is not None:
         xf = xf + residual.astype(jnp.float32)
-        new_residual = xf.astype(orig)
-    y = (xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)).astype(orig)
-    if weight is not None:
-        y = (y.astype(jnp.float32) * weight.astype(jnp.float32)).astype(orig)
+        new_residual = xf.astype(x.dtype)
+    y = rms_normalize(xp, xf, weight, spec, x.dtype)
     return y if residual is None else (y, new_residual)
 
 
@@ -46,7 +47,7 @@ def rms_norm_cost(rows: int, hidden: int, itemsize: int, has_weight: bool, has_r
     return pl.CostEstimate(flops=flops, transcendentals=rows, bytes_accessed=reads + writes)
 
 
-def _kernel(*refs, eps: float, has_weight: bool, has_residual: bool):
+def _kernel(*refs, spec: NormSpec, has_weight: bool, has_residual: bool):
     it = iter(refs)
     x_ref = next(it)
     w_ref = next(it) if has_weight else None
@@ -58,20 +59,16 @@ def _kernel(*refs, eps: float, has_weight: bool, has_residual: bool):
     if has_residual:
         x = x + r_ref[...].astype(jnp.float32)
         ro_ref[...] = x.astype(ro_ref.dtype)
-    inv_rms = jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps)
-    y = (x * inv_rms).astype(o_ref.dtype)
-    if has_weight:
-        y = (y.astype(jnp.float32) * w_ref[...].astype(jnp.float32)).astype(o_ref.dtype)
-    o_ref[...] = y
+    o_ref[...] = rms_normalize(xp, x, w_ref[...] if has_weight else None, spec, o_ref.dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("eps", "interpret", "block_rows"))
+@functools.partial(jax.jit, static_argnames=("spec", "interpret", "block_rows"))
 def rms_norm(
     x: jax.Array,
     weight: jax.Array | None = None,
     residual: jax.Array | None = None,
     *,
-    eps: float = 1e-6,
+    spec: NormSpec = NormSpec(),
     interpret=False,
     block_rows: int | None = None,
 ):
@@ -80,15 +77,15 @@ def rms_norm(
     ``block_rows`` overrides the VMEM-budget choice of rows per grid step (a multiple of the
     sublane tile); tests use it to force several blocks and a ragged last one.
     """
-    call = _build(float(eps), interpret, block_rows, weight is not None, residual is not None)
+    call = _build(spec, interpret, block_rows, weight is not None, residual is not None)
     rowwise = (x,) if residual is None else (x, residual)
     params = () if weight is None else (weight,)
     return call(*rowwise, *params)
 
 
 @functools.lru_cache(maxsize=None)
-def _build(eps: float, interpret, block_rows: int | None, has_weight: bool, has_residual: bool):
-    kernel = functools.partial(_kernel, eps=eps, has_weight=has_weight, has_residual=has_residual)
+def _build(spec: NormSpec, interpret, block_rows: int | None, has_weight: bool, has_residual: bool):
+    kernel = functools.partial(_kernel, spec=spec, has_weight=has_weight, has_residual=has_residual)
 
     def call(x, *rest):
         residual = rest[0] if has_residual else None

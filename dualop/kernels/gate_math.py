@@ -1,0 +1,97 @@
+"""Gated-activation formulas, written once against an array namespace ``xp``.
+
+The native op bodies call them with torch's or jax's namespace; the Pallas kernels call them with
+jax's inside the kernel. (Triton kernels restate them in ``tl``; ``kernels/cuda`` cannot share
+Python-level array code.) Every function takes float32 arrays.
+
+A ``GateSpec`` names one gated activation: which activation, which half it applies to, how the
+halves are laid out, and its parameters. It is hashable, so kernels take it as a static argument.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from statistics import NormalDist
+
+__all__ = ["GateSpec", "gate_and_up", "apply_gate", "ACTIVATIONS"]
+
+_SQRT_HALF = 1.0 / math.sqrt(2.0)
+_SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
+
+
+def silu(xp, g):
+    return g * xp.sigmoid(g)
+
+
+def gelu(xp, g):
+    return 0.5 * g * (1.0 + xp.erf(g * _SQRT_HALF))
+
+
+def gelu_tanh(xp, g):
+    return 0.5 * g * (1.0 + xp.tanh(_SQRT_2_OVER_PI * (g + 0.044715 * g * g * g)))
+
+
+ACTIVATIONS = {"silu": silu, "gelu": gelu, "gelu_tanh": gelu_tanh}
+
+
+@dataclasses.dataclass(frozen=True)
+class GateSpec:
+    """One gated activation.
+
+    activation: ``silu``, ``gelu``, ``gelu_tanh``, ``fatrelu`` (``where(g > threshold, g, 0)``),
+        ``swigluoai`` (``(clip(up) + 1) * clip(g) * sigmoid(alpha * clip(g))``).
+    act_on: ``first`` (``act(x[..., :d]) * x[..., d:]``) or ``second`` (``x[..., :d] * act(x[..., d:])``).
+    interleaved: gate and up alternate along the last dim (gate = ``x[..., 0::2]``) instead of halves.
+    threshold: fatrelu's threshold. alpha, limit: swigluoai's.
+    sparsity: if > 0, keep only the top (1 - sparsity) of each gate row before the activation
+        (gate = relu(g - (mean(g) + std(g) * Phi^-1(sparsity))), std with ddof 0).
+    """
+
+    activation: str = "silu"
+    act_on: str = "first"
+    interleaved: bool = False
+    threshold: float = 0.0
+    alpha: float = 1.702
+    limit: float = 7.0
+    sparsity: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.activation not in (*ACTIVATIONS, "fatrelu", "swigluoai"):
+            raise ValueError(f"GateSpec: unknown activation {self.activation!r}")
+        if self.act_on not in ("first", "second"):
+            raise ValueError(f"GateSpec: act_on must be 'first' or 'second', got {self.act_on!r}")
+
+    @property
+    def needs_row_statistics(self) -> bool:
+        """Whether the gate needs statistics of the whole gate row (so rows cannot be tiled)."""
+        return self.sparsity > 0.0
+
+    @property
+    def std_multiplier(self) -> float:
+        return NormalDist().inv_cdf(self.sparsity)
+
+
+def gate_and_up(x, d: int, spec: GateSpec):
+    """Split ``x`` (..., 2d) into (gate, up) per the spec's layout and ``act_on``."""
+    if spec.interleaved:
+        first, second = x[..., 0::2], x[..., 1::2]
+    else:
+        first, second = x[..., :d], x[..., d:]
+    return (first, second) if spec.act_on == "first" else (second, first)
+
+
+def apply_gate(xp, gate, up, spec: GateSpec):
+    """``act(gate) * up`` in float32 for the spec (row statistics over the last dim of ``gate``)."""
+    if spec.sparsity > 0.0:
+        mean = xp.mean(gate, axis=-1, keepdims=True)
+        centred = gate - mean
+        std = xp.sqrt(xp.mean(centred * centred, axis=-1, keepdims=True))
+        gate = xp.maximum(gate - (mean + std * spec.std_multiplier), 0.0)
+    if spec.activation == "fatrelu":
+        return xp.where(gate > spec.threshold, gate, 0.0) * up
+    if spec.activation == "swigluoai":
+        gate = xp.minimum(gate, spec.limit)
+        up = xp.clip(up, -spec.limit, spec.limit)
+        return (up + 1.0) * (gate * xp.sigmoid(gate * spec.alpha))
+    return ACTIVATIONS[spec.activation](xp, gate) * up
