@@ -19,7 +19,10 @@ path without changing ``enabled()``.
 from __future__ import annotations
 
 import difflib
+import inspect
+import json
 import logging
+import sys
 import threading
 import warnings
 from typing import Any, ClassVar
@@ -90,12 +93,43 @@ def _check_config_names(cfg: _config.OpsConfig) -> None:
     _checked_configs.add(cfg)
 
 
-def _fresh(cls: type) -> CustomOp:
+# torch.compile support, installed once torch is in the process (see _install_torch_support):
+# ``_torch_compiling()`` is True only while Dynamo traces, and ``_compile_hook`` is what a call
+# becomes then. Until torch is loaded the check is the C builtin ``bool()`` (always False).
+_torch_compiling: Any = bool
+_compile_hook: Any = None
+
+
+def _install_torch_support() -> None:
+    """Register every op with torch.library and route calls traced by torch.compile there."""
+    global _torch_compiling, _compile_hook
+    if _compile_hook is not None:
+        return
+    from dualop.backends.torch import library
+
+    for name in CustomOp.op_registry:
+        library.library_op(name)
+    _compile_hook = library.compiled_call
+    _torch_compiling = library.is_compiling
+
+
+def _ctor_spec(cls: type, args: tuple, kwargs: dict) -> str | None:
+    """The constructor call as JSON (how torch.library rebuilds the op), or None if not JSON-able."""
+    try:
+        return json.dumps([f"{cls.__module__}:{cls.__qualname__}", list(args), kwargs], sort_keys=True)
+    except (TypeError, ValueError):
+        return None
+
+
+def _fresh(cls: type, args: tuple = (), kwargs: dict | None = None) -> CustomOp:
     """A new instance with empty dispatch state (so subclasses that skip __init__ still work)."""
     obj = object.__new__(cls)
     obj._dispatch_cache = {}
     obj._last_hit = None
     obj.enforce_enable = False
+    obj._ctor = _ctor_spec(cls, args, kwargs or {})
+    if _compile_hook is None and sys.modules.get("torch") is not None:
+        _install_torch_support()
     return obj
 
 
@@ -111,9 +145,9 @@ class CustomOp:
     def __new__(cls, *args: Any, **kwargs: Any) -> CustomOp:
         replacement = CustomOp.op_registry_oot.get(cls.__name__)
         if replacement is None or replacement is cls:
-            return _fresh(cls)
+            return _fresh(cls, args, kwargs)
         logger.debug("dualop: building OOT %s in place of %s", replacement.__qualname__, cls.__qualname__)
-        obj = _fresh(replacement)
+        obj = _fresh(replacement, args, kwargs)
         if not isinstance(obj, cls):
             # Python only runs __init__ itself when the object is an instance of cls.
             obj.__init__(*args, **kwargs)
@@ -155,6 +189,10 @@ class CustomOp:
                 )
             op_cls.name = name
             CustomOp.op_registry[name] = op_cls
+            if _compile_hook is not None:
+                from dualop.backends.torch.library import library_op
+
+                library_op(name)
             return op_cls
 
         return decorator
@@ -288,6 +326,8 @@ class CustomOp:
             _report[(cls, frontend, platform)] = row
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if _torch_compiling():  # Dynamo is tracing: see dualop/backends/torch/library.py
+            return _compile_hook(self, args, kwargs)
         first = args[0] if args else next(iter(kwargs.values()), None)
         cfg = _config._current.get() or _config._process_default
         # Fast path: same array type, same config object, nothing re-registered since last call.
@@ -316,6 +356,8 @@ class CustomOp:
         method = self._dispatch_cache.get((frontend, cfg.dispatch_key, gen))
         if method is None:
             method = self._resolve(frontend, cfg, gen)
+        if _compile_hook is None and frontend != "jax":
+            _install_torch_support()
         # A torch.Tensor's frontend depends on its device once torch_xla is loaded: no fast path then.
         if not _platforms.frontend_depends_on_device(type(first)):
             self._last_hit = (type(first), cfg, gen, method)
@@ -336,6 +378,18 @@ class CustomOp:
             f"{method} raised NotImplementedError ({detail}); fell back to forward_native",
         )
         return self.forward_native(*args, **kwargs)
+
+    @classmethod
+    def _call_parameters(cls) -> tuple[str, ...]:
+        """Names of the call's parameters (those of forward_native), in order."""
+        cached = cls.__dict__.get("_call_parameter_names")
+        if cached is None:
+            params = list(inspect.signature(cls.forward_native).parameters.values())[1:]
+            if any(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in params):
+                raise TypeError(f"{cls.__qualname__}.forward_native must name its parameters for torch.compile")
+            cached = tuple(p.name for p in params)
+            cls._call_parameter_names = cached
+        return cached
 
     def dispatched_method(self, frontend: str) -> str:
         """Name of the method a call from ``frontend`` resolves to under the active config."""
