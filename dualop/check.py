@@ -19,7 +19,7 @@ import numpy as np
 
 from dualop import testing
 from dualop.config import OpsConfig, set_config
-from dualop.custom_op import CustomOp, dispatch_report
+from dualop.custom_op import CustomOp, report_row
 from dualop.platforms import override_platform
 
 __all__ = ["CellResult", "DEFAULT_CELLS", "run_check", "default_cells"]
@@ -97,10 +97,7 @@ def _run_cell(case: testing.OpCase, frontend: str, platform: str, dtype: str, se
             op = case.make_op(shape)
             args = tuple(testing.to_frontend(a, frontend, dtype) for a in case.make_inputs(shape, rng))
             got = _outputs(op(*args))
-            row = next(
-                r for r in dispatch_report()
-                if r["cls"].endswith(type(op).__qualname__) and r["frontend"] == frontend and r["platform"] == platform
-            )
+            row = report_row(type(op), frontend, platform)
             res.method = row["method"]
             if res.method == "forward_native":
                 res.status, res.detail, res.path = "fallback", row["reason"], "native"

@@ -72,6 +72,13 @@ def dispatch_report() -> list[dict[str, Any]]:
     return sorted(rows, key=lambda r: (str(r["op"]), r["cls"], r["frontend"], r["platform"]))
 
 
+def report_row(op_cls: type, frontend: str, platform: str) -> dict[str, Any] | None:
+    """The dispatch-report row of one (op class, frontend, platform), or None if not resolved."""
+    with _report_lock:
+        row = _report.get((op_cls, frontend, platform))
+    return dict(row) if row is not None else None
+
+
 def clear_dispatch_report() -> None:
     with _report_lock:
         _report.clear()

@@ -1,0 +1,82 @@
+"""flax.nnx layers over dualop ops, with the reference serving engine's constructor signatures.
+
+Twin of ``dualop.torch.layers``: each layer owns its parameters (``nnx.Param``) and calls the op,
+so the config, the platform path (Pallas on TPU) and its gradient rule apply unchanged; the
+layers work under ``nnx.jit`` / ``jax.jit``, ``vmap`` and ``grad``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax.numpy as jnp
+from flax import nnx
+
+from dualop import ops
+
+__all__ = [
+    "OpLayer",
+    "RMSNorm",
+    "GemmaRMSNorm",
+    "SiluAndMul",
+    "MulAndSilu",
+    "GeluAndMul",
+    "GeluAndMulSparse",
+    "FatreluAndMul",
+    "SwigluOAIAndMul",
+]
+
+
+class OpLayer(nnx.Module):
+    """An nnx.Module around a parameterless op: ``__call__(*args)`` calls it."""
+
+    op_class: type = ops.SiluAndMul
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self.op = self.op_class(*args, **kwargs)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.op(*args, **kwargs)
+
+
+def _op_layer(op_class: type, doc: str) -> type:
+    return type(op_class.__name__, (OpLayer,), {"op_class": op_class, "__doc__": doc, "__module__": __name__})
+
+
+SiluAndMul = _op_layer(ops.SiluAndMul, "``silu(x[..., :d]) * x[..., d:]``.")
+MulAndSilu = _op_layer(ops.MulAndSilu, "``x[..., :d] * silu(x[..., d:])``.")
+GeluAndMul = _op_layer(ops.GeluAndMul, "``gelu(x[..., :d]) * x[..., d:]``; ``GeluAndMul(approximate='none'|'tanh')``.")
+GeluAndMulSparse = _op_layer(ops.GeluAndMulSparse, "``GeluAndMulSparse(activation_sparsity, approximate='none')``.")
+FatreluAndMul = _op_layer(ops.FatreluAndMul, "``FatreluAndMul(threshold=0.0)``.")
+SwigluOAIAndMul = _op_layer(ops.SwigluOAIAndMul, "``SwigluOAIAndMul(alpha=1.702, limit=7.0)`` on interleaved gate/up.")
+
+
+class RMSNorm(nnx.Module):
+    """``RMSNorm(hidden_size, eps=1e-6, var_hidden_size=None, has_weight=True, dtype=None)``;
+    ``__call__(x, residual=None)`` returns ``out`` or ``(out, x + residual)``. Weight starts at ones."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        eps: float = 1e-6,
+        var_hidden_size: int | None = None,
+        has_weight: bool = True,
+        dtype: Any = None,
+    ) -> None:
+        self.op = ops.RMSNorm(hidden_size, eps, var_hidden_size=var_hidden_size, has_weight=has_weight)
+        self.weight = nnx.Param(jnp.ones((hidden_size,), dtype or jnp.float32)) if has_weight else None
+
+    def __call__(self, x, residual=None):
+        return self.op(x, None if self.weight is None else self.weight[...], residual)
+
+
+class GemmaRMSNorm(nnx.Module):
+    """``GemmaRMSNorm(hidden_size, eps=1e-6, dtype=None)``: scales by ``1 + weight`` (weight starts at
+    zeros); ``__call__(x, residual=None)``."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6, dtype: Any = None) -> None:
+        self.op = ops.GemmaRMSNorm(hidden_size, eps)
+        self.weight = nnx.Param(jnp.zeros((hidden_size,), dtype or jnp.float32))
+
+    def __call__(self, x, residual=None):
+        return self.op(x, self.weight[...], residual)

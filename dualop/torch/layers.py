@@ -1,0 +1,94 @@
+"""nn.Module layers over dualop ops, with the reference serving engine's constructor signatures.
+
+Each layer owns its parameters (a norm's weight) and calls the op in ``forward``; the op's
+dispatch (config, platform path, fallbacks) and its torch.compile support apply unchanged.
+Parameterless ops are wrapped by ``OpLayer`` so they can sit in an ``nn.Sequential``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from dualop import ops
+
+__all__ = [
+    "OpLayer",
+    "RMSNorm",
+    "GemmaRMSNorm",
+    "SiluAndMul",
+    "MulAndSilu",
+    "GeluAndMul",
+    "GeluAndMulSparse",
+    "FatreluAndMul",
+    "SwigluOAIAndMul",
+]
+
+
+class OpLayer(nn.Module):
+    """An nn.Module around a parameterless op: ``forward(*args)`` calls it."""
+
+    op_class: type = ops.SiluAndMul
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__()
+        self.op = self.op_class(*args, **kwargs)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.op(*args, **kwargs)
+
+    def extra_repr(self) -> str:
+        return self.op.extra_repr()
+
+
+def _op_layer(op_class: type, doc: str) -> type:
+    return type(op_class.__name__, (OpLayer,), {"op_class": op_class, "__doc__": doc, "__module__": __name__})
+
+
+SiluAndMul = _op_layer(ops.SiluAndMul, "``silu(x[..., :d]) * x[..., d:]``.")
+MulAndSilu = _op_layer(ops.MulAndSilu, "``x[..., :d] * silu(x[..., d:])``.")
+GeluAndMul = _op_layer(ops.GeluAndMul, "``gelu(x[..., :d]) * x[..., d:]``; ``GeluAndMul(approximate='none'|'tanh')``.")
+GeluAndMulSparse = _op_layer(ops.GeluAndMulSparse, "``GeluAndMulSparse(activation_sparsity, approximate='none')``.")
+FatreluAndMul = _op_layer(ops.FatreluAndMul, "``FatreluAndMul(threshold=0.0)``.")
+SwigluOAIAndMul = _op_layer(ops.SwigluOAIAndMul, "``SwigluOAIAndMul(alpha=1.702, limit=7.0)`` on interleaved gate/up.")
+
+
+class RMSNorm(nn.Module):
+    """``RMSNorm(hidden_size, eps=1e-6, var_hidden_size=None, has_weight=True, dtype=None)``;
+    ``forward(x, residual=None)`` returns ``out`` or ``(out, x + residual)``. Weight starts at ones."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        eps: float = 1e-6,
+        var_hidden_size: int | None = None,
+        has_weight: bool = True,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        self.op = ops.RMSNorm(hidden_size, eps, var_hidden_size=var_hidden_size, has_weight=has_weight)
+        self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype)) if has_weight else None
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        return self.op(x, self.weight, residual)
+
+    def extra_repr(self) -> str:
+        return self.op.extra_repr()
+
+
+class GemmaRMSNorm(nn.Module):
+    """``GemmaRMSNorm(hidden_size, eps=1e-6, dtype=None)``: scales by ``1 + weight`` (weight starts at
+    zeros, as the reference engine's); ``forward(x, residual=None)``."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6, dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        self.op = ops.GemmaRMSNorm(hidden_size, eps)
+        self.weight = nn.Parameter(torch.zeros(hidden_size, dtype=dtype))
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        return self.op(x, self.weight, residual)
+
+    def extra_repr(self) -> str:
+        return self.op.extra_repr()
