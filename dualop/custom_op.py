@@ -120,6 +120,14 @@ def _install_torch_support() -> None:
     _torch_compiling = library.is_compiling
 
 
+def _parameter_names(cls: type) -> tuple[str, ...] | None:
+    """forward_native's parameter names after self, or None if it takes *args/**kwargs."""
+    params = list(inspect.signature(cls.forward_native).parameters.values())[1:]
+    if any(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in params):
+        return None
+    return tuple(p.name for p in params)
+
+
 def _ctor_spec(cls: type, args: tuple, kwargs: dict) -> str | None:
     """The constructor call as JSON (how torch.library rebuilds the op), or None if not JSON-able."""
     try:
@@ -167,6 +175,7 @@ class CustomOp:
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
+        cls._call_parameter_names = _parameter_names(cls)
         for attr in ("__call__", "forward"):
             if attr in cls.__dict__:
                 warnings.warn(
@@ -388,15 +397,12 @@ class CustomOp:
 
     @classmethod
     def _call_parameters(cls) -> tuple[str, ...]:
-        """Names of the call's parameters (those of forward_native), in order."""
-        cached = cls.__dict__.get("_call_parameter_names")
-        if cached is None:
-            params = list(inspect.signature(cls.forward_native).parameters.values())[1:]
-            if any(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in params):
-                raise TypeError(f"{cls.__qualname__}.forward_native must name its parameters for torch.compile")
-            cached = tuple(p.name for p in params)
-            cls._call_parameter_names = cached
-        return cached
+        """Names of the call's parameters (those of forward_native), in order; set at class creation
+        so torch.compile never traces its computation."""
+        names = cls.__dict__.get("_call_parameter_names") or _parameter_names(cls)
+        if names is None:
+            raise TypeError(f"{cls.__qualname__}.forward_native must name its parameters for torch.compile")
+        return names
 
     def dispatched_method(self, frontend: str) -> str:
         """Name of the method a call from ``frontend`` resolves to under the active config."""

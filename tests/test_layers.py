@@ -1,0 +1,109 @@
+"""Layers for both frontends: they own their parameters, call the op (so config and dispatch
+apply), and work under torch.compile / nnx.jit and grad."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from dualop import OpsConfig, dispatch_report, override_platform, set_config, testing
+
+torch = pytest.importorskip("torch")
+jax = pytest.importorskip("jax")
+jnp = jax.numpy
+nnx = pytest.importorskip("flax.nnx", reason="flax is part of dualop[jax]")
+
+from dualop.jax import layers as jl  # noqa: E402
+from dualop.torch import layers as tl  # noqa: E402
+
+
+def _x(*shape, seed=0):
+    return np.random.default_rng(seed).standard_normal(shape).astype(np.float32)
+
+
+def test_torch_norm_layers_own_their_weights():
+    norm, gemma = tl.RMSNorm(64, eps=1e-5), tl.GemmaRMSNorm(64)
+    assert set(norm.state_dict()) == {"weight"} and torch.equal(norm.weight, torch.ones(64))
+    assert torch.equal(gemma.weight, torch.zeros(64))
+    assert tl.RMSNorm(64, has_weight=False).weight is None
+    assert tl.RMSNorm(64, dtype=torch.bfloat16).weight.dtype == torch.bfloat16
+    x, r = torch.from_numpy(_x(3, 64)), torch.from_numpy(_x(3, 64, seed=1))
+    with torch.no_grad():
+        norm.weight.mul_(2)
+    out, res = norm(x, r)
+    want_out, want_res = norm.op.forward_native(x, norm.weight, r)
+    torch.testing.assert_close(out, want_out)
+    torch.testing.assert_close(res, want_res)
+
+
+def test_torch_activation_layers_in_sequential():
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), tl.SiluAndMul(), torch.nn.Linear(16, 8))
+    assert model(torch.randn(4, 16)).shape == (4, 8)
+    for layer, width in ((tl.MulAndSilu(), 32), (tl.GeluAndMul("tanh"), 32), (tl.GeluAndMulSparse(0.9), 32),
+                         (tl.FatreluAndMul(0.1), 32), (tl.SwigluOAIAndMul(), 32)):
+        x = torch.from_numpy(_x(3, width))
+        torch.testing.assert_close(layer(x), layer.op.forward_native(x))
+
+
+def test_torch_layers_follow_the_config():
+    norm = tl.RMSNorm(32)
+    x = torch.randn(2, 32)
+    with override_platform("cpu"):
+        with set_config(OpsConfig(["none"])):
+            norm(x)
+            assert {r["method"] for r in dispatch_report()} == {"forward_native"}
+        with set_config(OpsConfig(["none", "+rms_norm"])):
+            norm(x)
+            assert {r["method"] for r in dispatch_report()} == {"forward_cpu"}
+
+
+def test_torch_layers_compile_fullgraph_and_train():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), tl.SiluAndMul(), tl.RMSNorm(32))
+    x = torch.randn(4, 32)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, fullgraph=True)
+    torch.testing.assert_close(compiled(x), model(x))
+    compiled(x).square().sum().backward()
+    assert model[2].weight.grad is not None and model[0].weight.grad is not None
+
+
+def test_jax_norm_layers_own_their_params():
+    norm, gemma = jl.RMSNorm(64), jl.GemmaRMSNorm(64)
+    params = nnx.state(norm, nnx.Param)
+    assert [p.shape for p in jax.tree.leaves(params)] == [(64,)]
+    assert jnp.all(gemma.weight[...] == 0)
+    assert jl.RMSNorm(64, has_weight=False).weight is None
+    x = jnp.asarray(_x(3, 64))
+    out = norm(x)
+    assert jnp.allclose(out, norm.op.forward_native(x, jnp.ones(64)))
+
+
+@pytest.mark.parametrize("platform", ["cpu", "tpu"])
+def test_jax_layers_under_nnx_jit_and_grad(platform):
+    x = jnp.asarray(_x(5, 64))
+    norm = jl.GemmaRMSNorm(64)
+    norm.weight[...] = jnp.linspace(-0.5, 0.5, 64)
+
+    @nnx.jit
+    def apply(m, v):
+        return m(v)
+
+    def loss(m, v):
+        return jnp.sum(m(v) ** 2)
+
+    with override_platform(platform), set_config(OpsConfig(["all"])):
+        out = apply(norm, x)
+        grads = nnx.grad(loss)(norm, x)
+    want = norm.op.forward_native(x, norm.weight[...])
+    assert testing.compare(np.asarray(out), np.asarray(want), "float32").ok
+    want_grad = jax.grad(lambda w: jnp.sum(norm.op.forward_native(x, w) ** 2))(norm.weight[...])
+    assert testing.compare(np.asarray(grads["weight"][...]), np.asarray(want_grad), "float32").ok
+    assert {r["method"] for r in dispatch_report()} == {f"forward_{platform}"}
+
+
+def test_jax_activation_layers():
+    x = jnp.asarray(_x(3, 32))
+    for layer in (jl.SiluAndMul(), jl.MulAndSilu(), jl.GeluAndMul(), jl.GeluAndMulSparse(0.8),
+                  jl.FatreluAndMul(0.2), jl.SwigluOAIAndMul()):
+        assert testing.compare(np.asarray(layer(x)), np.asarray(layer.op.forward_native(x)), "float32").ok
