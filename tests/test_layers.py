@@ -36,6 +36,16 @@ def test_torch_norm_layers_own_their_weights():
     torch.testing.assert_close(res, want_res)
 
 
+def test_gated_norm_layers():
+    x, z = _x(3, 48), _x(3, 48, seed=2)
+    t = tl.RMSNormGated(48, group_size=16, norm_before_gate=True)
+    torch.testing.assert_close(t(torch.from_numpy(x), torch.from_numpy(z)),
+                               t.op.forward_native(torch.from_numpy(x), torch.ones(48), torch.from_numpy(z)))
+    j = jl.RMSNormGated(48, group_size=16)
+    want = j.op.forward_native(jnp.asarray(x), jnp.ones(48), jnp.asarray(z))
+    assert testing.compare(np.asarray(j(jnp.asarray(x), jnp.asarray(z))), np.asarray(want), "float32").ok
+
+
 def test_torch_activation_layers_in_sequential():
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), tl.SiluAndMul(), torch.nn.Linear(16, 8))
     assert model(torch.randn(4, 16)).shape == (4, 8)

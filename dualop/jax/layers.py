@@ -18,6 +18,7 @@ __all__ = [
     "OpLayer",
     "RMSNorm",
     "GemmaRMSNorm",
+    "RMSNormGated",
     "SiluAndMul",
     "MulAndSilu",
     "GeluAndMul",
@@ -80,3 +81,22 @@ class GemmaRMSNorm(nnx.Module):
 
     def __call__(self, x, residual=None):
         return self.op(x, self.weight[...], residual)
+
+
+class RMSNormGated(nnx.Module):
+    """``RMSNormGated(hidden_size, eps=1e-5, group_size=None, norm_before_gate=False, dtype=None)``;
+    ``__call__(x, z=None)``. Weight starts at ones."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        eps: float = 1e-5,
+        group_size: int | None = None,
+        norm_before_gate: bool = False,
+        dtype: Any = None,
+    ) -> None:
+        self.op = ops.RMSNormGated(hidden_size, eps, group_size=group_size, norm_before_gate=norm_before_gate)
+        self.weight = nnx.Param(jnp.ones((hidden_size,), dtype or jnp.float32))
+
+    def __call__(self, x, z=None):
+        return self.op(x, self.weight[...], z)

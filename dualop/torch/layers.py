@@ -18,6 +18,7 @@ __all__ = [
     "OpLayer",
     "RMSNorm",
     "GemmaRMSNorm",
+    "RMSNormGated",
     "SiluAndMul",
     "MulAndSilu",
     "GeluAndMul",
@@ -89,6 +90,29 @@ class GemmaRMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         return self.op(x, self.weight, residual)
+
+    def extra_repr(self) -> str:
+        return self.op.extra_repr()
+
+
+class RMSNormGated(nn.Module):
+    """``RMSNormGated(hidden_size, eps=1e-5, group_size=None, norm_before_gate=False, dtype=None)``;
+    ``forward(x, z=None)``. Weight starts at ones."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        eps: float = 1e-5,
+        group_size: int | None = None,
+        norm_before_gate: bool = False,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        self.op = ops.RMSNormGated(hidden_size, eps, group_size=group_size, norm_before_gate=norm_before_gate)
+        self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype))
+
+    def forward(self, x: torch.Tensor, z: torch.Tensor | None = None) -> torch.Tensor:
+        return self.op(x, self.weight, z)
 
     def extra_repr(self) -> str:
         return self.op.extra_repr()
