@@ -1,34 +1,271 @@
-"""Pointwise activation ops (``y = f(x)`` elementwise)."""
+"""Pointwise activation ops (``y = f(x)`` elementwise): NewGELU, FastGELU, QuickGELU, ReLU² and
+xIELU. They share one kernel family per platform (``kernels/pallas/pointwise_activation.py``,
+``kernels/cuda/pointwise_activation.py``) with the activation as a static parameter.
+
+Every op takes ``x`` of any rank (0 included) in float32, bfloat16 or float16, computes in float32
+and casts back to x's dtype once.
+"""
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from dualop.backends import array_namespace
+from dualop.backends.torch.triton_launch import call_triton
+from dualop.backends.xla.pallas_bridge import call_pallas
 from dualop.custom_op import CustomOp
-from dualop.ops._checks import check_array
+from dualop.kernels.registry import KernelRef
+from dualop.ops._checks import check_array, check_optional_like, dtype_name
+from dualop.platforms import frontend_of
 
-__all__ = ["ReLUSquaredActivation"]
+__all__ = ["FastGELU", "NewGELU", "QuickGELU", "ReLUSquaredActivation", "XIELU"]
+
+_PALLAS_POINTWISE = KernelRef("dualop.kernels.pallas.pointwise_activation", "pointwise_activation")
+_TRITON_POINTWISE = KernelRef("dualop.kernels.cuda.pointwise_activation", "pointwise_activation")
+_SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
 
 
-@CustomOp.register("relu2")
-class ReLUSquaredActivation(CustomOp):
-    """``relu(x) ** 2`` (Primer's squared ReLU)."""
+def _gelu_new(xp, x):
+    return 0.5 * x * (1.0 + xp.tanh(_SQRT_2_OVER_PI * (x + 0.044715 * (x * x * x))))
+
+
+def _gelu_fast(xp, x):
+    return 0.5 * x * (1.0 + xp.tanh(0.7978845608 * x * (1.0 + 0.044715 * (x * x))))
+
+
+def _quick_gelu(xp, x):
+    return x * xp.sigmoid(1.702 * x)
+
+
+def _relu2(xp, x):
+    r = xp.maximum(x, 0.0)
+    return r * r
+
+
+_FUNCTIONS = {"gelu_new": _gelu_new, "gelu_fast": _gelu_fast, "quick_gelu": _quick_gelu, "relu2": _relu2}
+
+
+def _may_overwrite(torch, xf) -> bool:
+    """Whether a temporary computed from ``xf`` may be overwritten in place: not when autograd
+    is recording, which may have saved it for the backward pass."""
+    return not (torch.is_grad_enabled() and xf.requires_grad)
+
+
+class _PointwiseActivation(CustomOp):
+    """``f(x)`` elementwise in float32. Subclasses set ``activation`` (a key of the kernels'
+    activation tables) and may override ``_torch_cpu`` with a tuned float32 torch body."""
+
+    activation: str = "relu2"
 
     def __init__(self, *, enforce_enable: bool = False) -> None:
         super().__init__(enforce_enable=enforce_enable)
 
     def check_inputs(self, x: Any) -> None:
-        check_array("relu2", "x", x, min_ndim=0)
+        check_array(type(self).name, "x", x, min_ndim=0)
 
     def forward_native(self, x: Any) -> Any:
         xp = array_namespace(x)
-        r = xp.maximum(xp.astype(x, xp.float32), 0.0)
-        return xp.astype(r * r, x.dtype)
+        return xp.astype(_FUNCTIONS[self.activation](xp, xp.astype(x, xp.float32)), x.dtype)
+
+    def forward_cpu(self, x: Any) -> Any:
+        """torch: a tuned float32 body (torch's fused CPU kernels; temporaries reused in place when
+        autograd is not recording); XLA (jax) already fuses the native body into one loop, so it
+        runs that."""
+        if frontend_of(x) != "torch":
+            return self.forward_native(x)
+        import torch
+
+        return self._torch_cpu(torch, x.to(torch.float32)).to(x.dtype)
+
+    def _torch_cpu(self, torch, xf):
+        return _FUNCTIONS[self.activation](array_namespace(xf), xf)
+
+    def forward_cuda(self, x: Any) -> Any:
+        return call_triton(frontend_of(x), _TRITON_POINTWISE, x, activation=self.activation)
+
+    def forward_tpu(self, x: Any) -> Any:
+        return call_pallas(
+            frontend_of(x), _PALLAS_POINTWISE, x, activation=self.activation, native=self.forward_native
+        )
+
+
+@CustomOp.register("gelu_new")
+class NewGELU(_PointwiseActivation):
+    """GPT-2's GELU: ``0.5 * x * (1 + tanh(sqrt(2/pi) * (x + 0.044715 * x**3)))``."""
+
+    activation = "gelu_new"
+
+    def _torch_cpu(self, torch, xf):
+        return torch.nn.functional.gelu(xf, approximate="tanh")  # the same formula, one fused loop
+
+
+@CustomOp.register("gelu_fast")
+class FastGELU(_PointwiseActivation):
+    """``0.5 * x * (1 + tanh(0.7978845608 * x * (1 + 0.044715 * x**2)))``."""
+
+    activation = "gelu_fast"
+
+    def _torch_cpu(self, torch, xf):
+        # 0.7978845608 is sqrt(2/pi) to float32 precision and x*(1 + k*x^2) == x + k*x^3: torch's
+        # tanh GELU is this function up to float32 rounding.
+        return torch.nn.functional.gelu(xf, approximate="tanh")
+
+
+@CustomOp.register("quick_gelu")
+class QuickGELU(_PointwiseActivation):
+    """``x * sigmoid(1.702 * x)``."""
+
+    activation = "quick_gelu"
+
+    def _torch_cpu(self, torch, xf):
+        s = torch.sigmoid(xf * 1.702)
+        return s.mul_(xf) if _may_overwrite(torch, xf) else s * xf
+
+
+@CustomOp.register("relu2")
+class ReLUSquaredActivation(_PointwiseActivation):
+    """``relu(x) ** 2`` (Primer's squared ReLU)."""
+
+    activation = "relu2"
+
+    def _torch_cpu(self, torch, xf):
+        r = torch.relu(xf)  # a new tensor: squaring it in place is safe unless autograd saved it
+        return r.square_() if _may_overwrite(torch, xf) else r * r
+
+
+@CustomOp.register("xielu")
+class XIELU(_PointwiseActivation):
+    """xIELU (arXiv:2411.13010): ``op(x, alpha_p, alpha_n)`` with ``a_p = softplus(alpha_p)``,
+    ``a_n = beta + softplus(alpha_n)``::
+
+        x > 0:  a_p * x**2 + beta * x
+        else:   (expm1(min(x, eps)) - x) * a_n + beta * x
+
+    ``alpha_p`` and ``alpha_n`` are the raw (pre-softplus) trainable parameters, arrays of shape
+    (1,) in float32 or x's dtype, passed on every call (the op holds no state); a layer creates
+    them from ``initial_parameters()``. ``beta`` and ``eps`` are fixed constants.
+    """
+
+    activation = "xielu"
+
+    def __init__(
+        self,
+        alpha_p_init: float = 0.8,
+        alpha_n_init: float = 0.8,
+        beta: float = 0.5,
+        eps: float = -1e-6,
+        *,
+        enforce_enable: bool = False,
+    ) -> None:
+        super().__init__(enforce_enable=enforce_enable)
+        for arg, value in (("alpha_p_init", alpha_p_init), ("alpha_n_init", alpha_n_init), ("beta", beta), ("eps", eps)):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise ValueError(f"xielu: {arg} must be a finite float, got {value!r}")
+        self.alpha_p_init = float(alpha_p_init)
+        self.alpha_n_init = float(alpha_n_init)
+        self.beta = float(beta)
+        self.eps = float(eps)
+
+    def extra_repr(self) -> str:
+        return (
+            f"alpha_p_init={self.alpha_p_init}, alpha_n_init={self.alpha_n_init}, "
+            f"beta={self.beta}, eps={self.eps}"
+        )
+
+    def initial_parameters(self) -> tuple[float, float]:
+        """The raw ``(alpha_p, alpha_n)`` a layer starts from, as the reference engine derives
+        them: the inverse softplus ``log(exp(v) - 1)`` of ``alpha_p_init`` and of
+        ``alpha_n_init - beta``, so that ``softplus(alpha_p) == alpha_p_init`` and
+        ``beta + softplus(alpha_n) == alpha_n_init``. Computed in float64 here; the reference
+        engine computes them in its parameter dtype (bfloat16 by default), so a layer rounds these
+        to its own parameter dtype.
+        """
+        out = []
+        for arg, value in (("alpha_p_init", self.alpha_p_init), ("alpha_n_init - beta", self.alpha_n_init - self.beta)):
+            if not value > 0:
+                raise ValueError(f"xielu: {arg} = {value:g} has no inverse softplus; it must be > 0")
+            out.append(math.log(math.expm1(value)))
+        return out[0], out[1]
+
+    def check_inputs(self, x: Any, alpha_p: Any = None, alpha_n: Any = None) -> None:
+        fe = check_array("xielu", "x", x, min_ndim=0)
+        for arg, value in (("alpha_p", alpha_p), ("alpha_n", alpha_n)):
+            if value is None:
+                raise TypeError(
+                    f"xielu: argument '{arg}' is required: the raw (pre-softplus) parameter, an array "
+                    f"of shape (1,) in float32 or x's dtype (see XIELU.initial_parameters())"
+                )
+            check_optional_like("xielu", arg, value, "x", x, fe, shape=(1,))
+            if dtype_name(value) not in ("float32", dtype_name(x)):
+                raise TypeError(
+                    f"xielu: argument '{arg}' has dtype {dtype_name(value)}; expected float32 or "
+                    f"{dtype_name(x)} (the dtype of 'x')"
+                )
+
+    def forward_native(self, x: Any, alpha_p: Any, alpha_n: Any) -> Any:
+        xp = array_namespace(x)
+        xf = xp.astype(x, xp.float32)
+        a_p = xp.softplus(xp.astype(alpha_p, xp.float32))[0]  # 0-d, so a 0-d x stays 0-d
+        a_n = self.beta + xp.softplus(xp.astype(alpha_n, xp.float32))[0]
+        pos = a_p * xf * xf + self.beta * xf
+        neg = (xp.expm1(xp.minimum(xf, self.eps)) - xf) * a_n + self.beta * xf
+        return xp.astype(xp.where(xf > 0, pos, neg), x.dtype)
+
+    def forward_cpu(self, x: Any, alpha_p: Any, alpha_n: Any) -> Any:
+        """The native body on every frontend: torch has no fused xIELU, and the native body is
+        already a handful of vectorised float32 passes (XLA fuses it into one)."""
+        return self.forward_native(x, alpha_p, alpha_n)
+
+    def forward_cuda(self, x: Any, alpha_p: Any, alpha_n: Any) -> Any:
+        return call_triton(
+            frontend_of(x), _TRITON_POINTWISE, x, alpha_p, alpha_n, activation="xielu", beta=self.beta, eps=self.eps
+        )
+
+    def forward_tpu(self, x: Any, alpha_p: Any, alpha_n: Any) -> Any:
+        return call_pallas(
+            frontend_of(x), _PALLAS_POINTWISE, x, alpha_p, alpha_n,
+            activation="xielu", beta=self.beta, eps=self.eps, native=self.forward_native,
+        )
+
+
+# Shapes of the pointwise cases: zero elements; one element (1-D); a last dim off the 128-lane grid
+# with an element count off it too (the (rows, last dim) layout); 3-D with a last dim off the grid
+# but a lane-dense element count (768 = 6 x 128, the lane-dense layout).
+_POINTWISE_SHAPES = ((0, 128), (1,), (7, 200), (2, 4, 96))
+# Raw xIELU parameters of the check case: softplus gives a_p ~ 0.91, a_n ~ 0.5 + 0.55.
+_XIELU_CASE_ALPHAS = (0.4, -0.3)
+
+
+def _spread(shape, rng) -> Any:
+    """float32 values of both signs whose magnitudes span 1e-3 .. 1e3, with some exact zeros."""
+    import numpy as np
+
+    mag = 10.0 ** rng.uniform(-3.0, 3.0, size=shape)
+    sign = rng.choice(np.array([-1.0, 0.0, 1.0]), size=shape, p=[0.48, 0.04, 0.48])
+    return (sign * mag).astype(np.float32)
 
 
 def check_cases():
     """The shapes and inputs ``dualop check`` and the tests run this family with."""
-    from dualop.testing import GATED_SHAPES, OpCase, x_only
+    import numpy as np
 
-    return [OpCase("relu2", "relu2", lambda s: ReLUSquaredActivation(), x_only(), GATED_SHAPES)]
+    from dualop.testing import OpCase, Pinned
+
+    def x_spread(shape, rng):
+        return (_spread(shape, rng),)
+
+    def xielu_inputs(shape, rng):
+        a_p, a_n = (Pinned(np.array([v], np.float32), "float32") for v in _XIELU_CASE_ALPHAS)
+        return (_spread(shape, rng), a_p, a_n)
+
+    simple = [
+        OpCase(name, name, (lambda s, c=cls: c()), x_spread, _POINTWISE_SHAPES)
+        for name, cls in (
+            ("gelu_new", NewGELU),
+            ("gelu_fast", FastGELU),
+            ("quick_gelu", QuickGELU),
+            ("relu2", ReLUSquaredActivation),
+        )
+    ]
+    return [*simple, OpCase("xielu", "xielu", lambda s: XIELU(), xielu_inputs, _POINTWISE_SHAPES)]
