@@ -61,11 +61,14 @@ class _RMSNormFamily(CustomOp):
         return y if residual is None else (y, residual)
 
     def forward_cpu(self, x: Any, weight: Any = None, residual: Any = None) -> Any:
-        """CPU: torch runs a float32 body that reuses its temporaries; XLA fuses the native body."""
+        """CPU: torch runs a float32 body that reuses its temporaries (in place, so only when autograd
+        is not recording); XLA fuses the native body."""
         if frontend_of(x) != "torch" or self.spec.var_size is not None:
             return self.forward_native(x, weight, residual)
         import torch
 
+        if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, residual)):
+            return self.forward_native(x, weight, residual)
         orig = x.dtype
         xf = x.to(torch.float32)
         owned = xf is not x  # a float32 temporary this call may overwrite

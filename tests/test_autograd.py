@@ -1,0 +1,73 @@
+"""Gradients: every op's torch CPU path and its JAX TPU path (Pallas forward, native VJP backward)
+give the gradients of forward_native."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from dualop import OpsConfig, override_platform, set_config, testing
+
+torch = pytest.importorskip("torch")
+jax = pytest.importorskip("jax")
+jnp = jax.numpy
+
+CASES = list(testing.cases_for(None))
+
+
+def _problem(case, seed=0):
+    shape = next(s for s in case.shapes if s[0] > 0)
+    return case.make_op(shape), list(case.make_inputs(shape, np.random.default_rng(seed)))
+
+
+def _differentiable(case) -> bool:
+    return case.op != "quant_fp8"  # a rounding op: no useful gradient
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("case", [c for c in CASES if _differentiable(c)], ids=lambda c: c.label)
+def test_torch_cpu_path_gradients(case, dtype):
+    op, raw = _problem(case)
+
+    def leaves():
+        return [testing.to_frontend(a, "torch", dtype).detach().requires_grad_() if a is not None else None
+                for a in raw]
+
+    def loss(outputs):
+        outputs = outputs if isinstance(outputs, tuple) else (outputs,)
+        return sum((o.float() * torch.linspace(-1, 1, o.shape[-1])).sum() for o in outputs)
+
+    got_in, want_in = leaves(), leaves()
+    with override_platform("cpu"), set_config(OpsConfig(["all"])):
+        got = torch.autograd.grad(loss(op(*got_in)), [t for t in got_in if t is not None], allow_unused=True)
+    want = torch.autograd.grad(loss(op.forward_native(*want_in)), [t for t in want_in if t is not None],
+                               allow_unused=True)
+    for g, w in zip(got, want):
+        if w is None:
+            assert g is None or torch.count_nonzero(g) == 0
+            continue
+        assert testing.compare(testing.to_numpy(g), testing.to_numpy(w), dtype).ok
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if _differentiable(c)], ids=lambda c: c.label)
+def test_jax_tpu_path_gradients(case):
+    op, raw = _problem(case)
+    args = [jnp.asarray(a.array if isinstance(a, testing.Pinned) else a) if a is not None else None for a in raw]
+    present = [i for i, a in enumerate(args) if a is not None]
+
+    def loss(fn):
+        def inner(*xs):
+            full = list(args)
+            for i, v in zip(present, xs):
+                full[i] = v
+            outs = fn(*full)
+            outs = outs if isinstance(outs, tuple) else (outs,)
+            return sum(jnp.sum(o.astype(jnp.float32) * jnp.linspace(-1, 1, o.shape[-1])) for o in outs)
+        return inner
+
+    xs = [args[i] for i in present]
+    with override_platform("tpu"), set_config(OpsConfig(["all"])):
+        got = jax.grad(loss(op), argnums=tuple(range(len(xs))))(*xs)
+    want = jax.grad(loss(op.forward_native), argnums=tuple(range(len(xs))))(*xs)
+    for g, w in zip(got, want):
+        assert testing.compare(np.asarray(g), np.asarray(w), "float32").ok
