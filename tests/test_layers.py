@@ -117,3 +117,25 @@ def test_jax_activation_layers():
     for layer in (jl.SiluAndMul(), jl.MulAndSilu(), jl.GeluAndMul(), jl.GeluAndMulSparse(0.8),
                   jl.FatreluAndMul(0.2), jl.SwigluOAIAndMul()):
         assert testing.compare(np.asarray(layer(x)), np.asarray(layer.op.forward_native(x)), "float32").ok
+
+
+def test_pointwise_layers_both_frontends():
+    x = _x(4, 40) * 2
+    for name in ("NewGELU", "FastGELU", "QuickGELU", "ReLUSquaredActivation"):
+        t, j = getattr(tl, name)(), getattr(jl, name)()
+        torch.testing.assert_close(t(torch.from_numpy(x)), t.op.forward_native(torch.from_numpy(x)))
+        assert testing.compare(np.asarray(j(jnp.asarray(x))), np.asarray(j.op.forward_native(jnp.asarray(x))), "float32").ok
+
+
+def test_xielu_layers_own_and_train_their_alphas():
+    x = _x(4, 40) * 2
+    t = tl.XIELU()
+    assert set(t.state_dict()) == {"alpha_p", "alpha_n"}
+    out = t(torch.from_numpy(x))
+    torch.testing.assert_close(out, t.op.forward_native(torch.from_numpy(x), t.alpha_p, t.alpha_n))
+    out.sum().backward()
+    assert t.alpha_p.grad is not None and t.alpha_n.grad is not None
+    j = jl.XIELU()
+    assert float(j.alpha_p[...][0]) == pytest.approx(t.op.initial_parameters()[0], rel=1e-6)
+    grads = nnx.grad(lambda m, v: jnp.sum(m(v)))(j, jnp.asarray(x))
+    assert set(grads) == {"alpha_p", "alpha_n"}

@@ -25,6 +25,11 @@ __all__ = [
     "GeluAndMulSparse",
     "FatreluAndMul",
     "SwigluOAIAndMul",
+    "NewGELU",
+    "FastGELU",
+    "QuickGELU",
+    "ReLUSquaredActivation",
+    "XIELU",
 ]
 
 
@@ -50,6 +55,10 @@ GeluAndMul = _op_layer(ops.GeluAndMul, "``gelu(x[..., :d]) * x[..., d:]``; ``Gel
 GeluAndMulSparse = _op_layer(ops.GeluAndMulSparse, "``GeluAndMulSparse(activation_sparsity, approximate='none')``.")
 FatreluAndMul = _op_layer(ops.FatreluAndMul, "``FatreluAndMul(threshold=0.0)``.")
 SwigluOAIAndMul = _op_layer(ops.SwigluOAIAndMul, "``SwigluOAIAndMul(alpha=1.702, limit=7.0)`` on interleaved gate/up.")
+NewGELU = _op_layer(ops.NewGELU, "tanh-approximate GELU (GPT-2's).")
+FastGELU = _op_layer(ops.FastGELU, "``0.5*x*(1 + tanh(0.7978845608*x*(1 + 0.044715*x**2)))``.")
+QuickGELU = _op_layer(ops.QuickGELU, "``x*sigmoid(1.702*x)``.")
+ReLUSquaredActivation = _op_layer(ops.ReLUSquaredActivation, "``relu(x)**2``.")
 
 
 class RMSNorm(nnx.Module):
@@ -100,3 +109,24 @@ class RMSNormGated(nnx.Module):
 
     def __call__(self, x, z=None):
         return self.op(x, self.weight[...], z)
+
+
+class XIELU(nnx.Module):
+    """``XIELU(alpha_p_init=0.8, alpha_n_init=0.8, beta=0.5, eps=-1e-6, dtype=None)``: owns the raw
+    ``alpha_p``/``alpha_n`` parameters (shape (1,)), initialised as the reference engine does."""
+
+    def __init__(
+        self,
+        alpha_p_init: float = 0.8,
+        alpha_n_init: float = 0.8,
+        beta: float = 0.5,
+        eps: float = -1e-6,
+        dtype: Any = None,
+    ) -> None:
+        self.op = ops.XIELU(alpha_p_init, alpha_n_init, beta, eps)
+        alpha_p, alpha_n = self.op.initial_parameters()
+        self.alpha_p = nnx.Param(jnp.asarray([alpha_p], dtype or jnp.float32))
+        self.alpha_n = nnx.Param(jnp.asarray([alpha_n], dtype or jnp.float32))
+
+    def __call__(self, x):
+        return self.op(x, self.alpha_p[...], self.alpha_n[...])

@@ -25,6 +25,11 @@ __all__ = [
     "GeluAndMulSparse",
     "FatreluAndMul",
     "SwigluOAIAndMul",
+    "NewGELU",
+    "FastGELU",
+    "QuickGELU",
+    "ReLUSquaredActivation",
+    "XIELU",
 ]
 
 
@@ -54,6 +59,10 @@ GeluAndMul = _op_layer(ops.GeluAndMul, "``gelu(x[..., :d]) * x[..., d:]``; ``Gel
 GeluAndMulSparse = _op_layer(ops.GeluAndMulSparse, "``GeluAndMulSparse(activation_sparsity, approximate='none')``.")
 FatreluAndMul = _op_layer(ops.FatreluAndMul, "``FatreluAndMul(threshold=0.0)``.")
 SwigluOAIAndMul = _op_layer(ops.SwigluOAIAndMul, "``SwigluOAIAndMul(alpha=1.702, limit=7.0)`` on interleaved gate/up.")
+NewGELU = _op_layer(ops.NewGELU, "tanh-approximate GELU (GPT-2's).")
+FastGELU = _op_layer(ops.FastGELU, "``0.5*x*(1 + tanh(0.7978845608*x*(1 + 0.044715*x**2)))``.")
+QuickGELU = _op_layer(ops.QuickGELU, "``x*sigmoid(1.702*x)``.")
+ReLUSquaredActivation = _op_layer(ops.ReLUSquaredActivation, "``relu(x)**2``.")
 
 
 class RMSNorm(nn.Module):
@@ -113,6 +122,31 @@ class RMSNormGated(nn.Module):
 
     def forward(self, x: torch.Tensor, z: torch.Tensor | None = None) -> torch.Tensor:
         return self.op(x, self.weight, z)
+
+    def extra_repr(self) -> str:
+        return self.op.extra_repr()
+
+
+class XIELU(nn.Module):
+    """``XIELU(alpha_p_init=0.8, alpha_n_init=0.8, beta=0.5, eps=-1e-6, dtype=None)``: owns the raw
+    ``alpha_p``/``alpha_n`` parameters (shape (1,)), initialised as the reference engine does."""
+
+    def __init__(
+        self,
+        alpha_p_init: float = 0.8,
+        alpha_n_init: float = 0.8,
+        beta: float = 0.5,
+        eps: float = -1e-6,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        self.op = ops.XIELU(alpha_p_init, alpha_n_init, beta, eps)
+        alpha_p, alpha_n = self.op.initial_parameters()
+        self.alpha_p = nn.Parameter(torch.tensor([alpha_p], dtype=dtype or torch.float32))
+        self.alpha_n = nn.Parameter(torch.tensor([alpha_n], dtype=dtype or torch.float32))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.op(x, self.alpha_p, self.alpha_n)
 
     def extra_repr(self) -> str:
         return self.op.extra_repr()
