@@ -41,7 +41,7 @@ TOLERANCES: dict[str, Tolerance] = {
     "float32": Tolerance(atol=1e-5, rtol=1e-5),
     "bfloat16": Tolerance(atol=1e-5, rtol=1.6e-2),  # 2 ulp of an 8-bit significand
     "float16": Tolerance(atol=1e-5, rtol=2e-3),  # 2 ulp of an 11-bit significand
-    "float8_e4m3fn": Tolerance(atol=0.0, rtol=0.125),  # 1 ulp of a 4-bit significand
+    "float8_e4m3fn": Tolerance(atol=2.0**-9, rtol=0.125),  # 1 ulp of a 4-bit significand; 2^-9 = one subnormal step
 }
 # The input dtypes ops are checked in; outputs are compared under their own dtype's row.
 DTYPES = ("float32", "bfloat16", "float16")

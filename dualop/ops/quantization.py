@@ -1,3 +1,370 @@
-"""Quantisation ops (being written: QuantFP8)."""
+"""FP8 input quantisation: ``QuantFP8`` (registered ``quant_fp8``), the reference serving engine's
+dynamic/static float8_e4m3fn activation quantiser, and ``GroupShape``, which says how many elements
+share one scale.
 
-__all__: list[str] = []
+``op = QuantFP8(static, group_shape)``; ``x_q, scale = op(x, scale=None, scale_ub=None)``.
+
+- ``x``: float32/bfloat16/float16, 2-D or more; every leading dim is tokens, the last is hidden.
+- ``x_q``: ``x``'s shape, float8_e4m3fn (largest finite value 448).
+- ``scale``: float32, ``x ≈ x_q * scale`` (broadcast per group). Its shape (the reference engine's
+  ``forward_native`` shapes; returned in this shape whether computed or given):
+
+  ============================  ===========================  ==========================================
+  group shape                   returned scale               static ``scale`` accepted
+  ============================  ===========================  ==========================================
+  per tensor ``(-1, -1)``       ``(1,)``                     ``(1,)``, ``()`` or ``(1, 1)``
+  per token ``(1, -1)``         ``(*x.shape[:-1], 1)``       ``(*x.shape[:-1], 1)``
+  group ``(1, g)``              ``(*x.shape[:-1], H // g)``  ``(*x.shape[:-1], H // g)`` (row-major)
+  ============================  ===========================  ==========================================
+
+Dynamic (``static=False``): ``amax`` = max ``|x|`` over the tensor / each row / each ``g``
+consecutive columns of a row; with ``scale_ub`` (dynamic per-token only, one float32 element, as in
+the reference engine) ``amax = min(amax, scale_ub)``; ``scale = max(amax / 448, 1 / (448 * 512))``
+(the floor keeps all-zero rows finite). Static: the given ``scale`` is used as is.
+Then ``x_q = fp8(clip(x * (1 / scale), -448, 448))``, all in float32, the cast rounding to nearest
+even. Zero tokens give empty outputs (per tensor: the floor scale).
+
+Reproducible to the bit: each step is a correctly rounded float32 operation, so the torch and XLA
+native bodies, torch's CPU body and the Pallas and Triton kernels (interpreted here) agree bit for
+bit (the cells check it). Compiled kernels keep that wherever the hardware divides correctly.
+
+- ``amax / 448`` is rounded correctly without a division by a constant (``_div_by_fp8_max``): XLA
+  compiles ``a / 448`` as ``a * f32(1/448)``, one ulp off torch's quotient for some ``a``.
+- ``x`` is multiplied by the reciprocal of the scale (one correctly rounded ``1 / scale`` per
+  scale, one multiply per element), as the reference engine's native body and its per-tensor CUDA
+  kernel do. ``x / scale`` would not be reproducible: XLA (jax 0.10) compiles a division by a
+  broadcast divisor as that same multiply, while torch divides. A multiply is also far cheaper
+  than a divide on TPUs.
+- the float8 cast rounds to nearest even; XLA's convert rounds through float16 in some releases,
+  so the XLA-backed native body rounds onto the e4m3 grid first (``_round_to_fp8_grid``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Any, ClassVar
+
+from dualop.backends import array_namespace
+from dualop.backends.torch.triton_launch import call_triton
+from dualop.backends.xla.pallas_bridge import call_pallas
+from dualop.custom_op import CustomOp
+from dualop.kernels.registry import KernelRef
+from dualop.ops._checks import check_array, check_optional_like, dtype_name
+from dualop.platforms import frontend_of
+
+__all__ = ["QuantFP8", "GroupShape", "FP8_MAX", "FP8_MIN_SCALE"]
+
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+FP8_MIN_SCALE = 1.0 / (FP8_MAX * 512.0)  # the dynamic scale's floor (the reference engine's)
+# The lane width the TPU kernels tile columns by: a group size must be a multiple of it.
+GROUP_MULTIPLE = 128
+
+_PALLAS_QUANT = KernelRef("dualop.kernels.pallas.quant_fp8", "quant_fp8")
+_TRITON_QUANT = KernelRef("dualop.kernels.cuda.quant_fp8", "quant_fp8")
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupShape:
+    """Elements sharing one scale, as (rows, cols) of the 2-D (tokens, hidden) view; ``-1`` means
+    the whole extent. ``PER_TENSOR = (-1, -1)``, ``PER_TOKEN = (1, -1)``, a group ``(1, g)``.
+
+    ``GroupShape.parse`` also takes ``"per_tensor"``, ``"per_token"`` and a ``(row, col)`` tuple
+    (so the reference engine's ``GroupShape`` named tuples work as they are).
+    """
+
+    row: int
+    col: int
+
+    PER_TENSOR: ClassVar[GroupShape]
+    PER_TOKEN: ClassVar[GroupShape]
+
+    def __post_init__(self) -> None:
+        for name in ("row", "col"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or not (v == -1 or v >= 1):
+                raise ValueError(f"GroupShape: {name} must be -1 (whole extent) or a positive int, got {v!r}")
+
+    @classmethod
+    def parse(cls, value: Any) -> GroupShape:
+        if isinstance(value, GroupShape):
+            return value
+        if isinstance(value, str):
+            named = {"per_tensor": cls.PER_TENSOR, "per_token": cls.PER_TOKEN}
+            if value not in named:
+                raise ValueError(f"GroupShape: unknown name {value!r}; expected 'per_tensor', 'per_token' or a (row, col) tuple")
+            return named[value]
+        if isinstance(value, (tuple, list)) and len(value) == 2:
+            return cls(*value)
+        raise ValueError(f"GroupShape: expected 'per_tensor', 'per_token', a (row, col) tuple or a GroupShape, got {value!r}")
+
+    def is_per_tensor(self) -> bool:
+        return self.row == -1 and self.col == -1
+
+    def is_per_token(self) -> bool:
+        return self.row == 1 and self.col == -1
+
+    def is_per_group(self) -> bool:
+        return self.row == 1 and self.col >= 1
+
+    def __str__(self) -> str:
+        if self.is_per_tensor():
+            return "per_tensor"
+        if self.is_per_token():
+            return "per_token"
+        return f"({self.row}, {self.col})"
+
+
+GroupShape.PER_TENSOR = GroupShape(-1, -1)
+GroupShape.PER_TOKEN = GroupShape(1, -1)
+
+
+def _round_to_fp8_grid_body(xp, y: Any) -> Any:
+    """``y`` (float32, |y| <= 448) rounded to the nearest float8_e4m3fn value, ties to even, kept
+    in float32, so the cast that follows is exact.
+
+    XLA's float32 -> float8_e4m3fn convert rounds twice (through float16) in some releases (seen
+    with jax 0.7.1 and torch_xla 2.9: 50.0009765625 became 48, not 52), so the XLA-backed native
+    body rounds here first, with array-namespace arithmetic only (no bit casts: torchax 0.0.6 has
+    no ``view(dtype)``). With ``big = max(|y| * 2**20, 2**14)``, ``(|y| + big) - big`` rounds |y|
+    to a multiple of ulp(big), to nearest even: 2**(e-3) in binade 2**e (the e4m3 quantum), 2**-9
+    below 2**-6 (the subnormal quantum). Only where ``|y| + big`` crosses into the next binade
+    (|y| within 2**-20 of 2**(e+1)) does it land one quantum low, at 15 * 2**(e-3); that is
+    detected (``|y| - r > max(r/16, 2**-10)``, impossible for a correctly rounded ``r``) and
+    replaced by ``r + r * f32(1/15)`` = 2**(e+1). ``big`` depends on the data on purpose: XLA
+    folds ``(a + C) - C`` to ``a`` for a constant ``C``. Every step is exact or one rounding, also
+    if a multiply-add is contracted to an FMA. Checked against torch's cast for every float32 in
+    [-448, 448].
+    """
+    m = xp.abs(y)
+    big = xp.maximum(m * 2.0**20, 16384.0)
+    r = (m + big) - big
+    r = xp.where(m - r > xp.maximum(r * 0.0625, 2.0**-10), r + r * (1.0 / 15.0), r)
+    r = xp.where(y < 0, -r, r)
+    return xp.where(m == 0, y, r)  # keeps the sign of zero; NaN stays NaN
+
+
+def _round_to_fp8_grid(xp, y: Any) -> Any:
+    """``_round_to_fp8_grid_body``; for jax arrays one compiled (fused) function rather than a
+    dozen eagerly dispatched ops (jax is imported only once a jax array is here)."""
+    if xp.name == "jax":
+        return _jax_round_to_fp8_grid(xp)(y)
+    return _round_to_fp8_grid_body(xp, y)
+
+
+@functools.lru_cache(maxsize=None)
+def _jax_round_to_fp8_grid(xp):
+    import jax
+
+    return jax.jit(functools.partial(_round_to_fp8_grid_body, xp))
+
+
+def _div_by_fp8_max(xp, amax: Any) -> Any:
+    """``amax / 448`` correctly rounded in float32, using only multiplies and adds.
+
+    ``q0 = amax * f32(1/448)`` is within 1.5 ulp of the quotient. ``res = amax/64 - 7*q0`` is
+    computed exactly (``amax/64`` and ``8*q0`` are exact; both subtractions are exact by Sterbenz's
+    lemma), so ``q0 + res * f32(1/7)`` is the quotient plus an error far below the distance from
+    any float32 midpoint (which a quotient by 448 keeps, 7 being 3 bits wide): one rounding gives
+    the correctly rounded result, also if the last multiply-add is contracted to an FMA. Checked
+    against float64 division for every float32 in [2**-10, 2**17] (below, the scale floor
+    applies anyway). ``inf`` stays ``inf``.
+    """
+    q0 = amax * (1.0 / FP8_MAX)
+    res = (amax * (1.0 / 64.0) - q0 * 8.0) + q0
+    return xp.where(res == res, q0 + res * (1.0 / 7.0), q0)
+
+
+def _scale_shapes(group_shape: GroupShape, lead: tuple[int, ...], hidden: int) -> tuple[tuple[int, ...], ...]:
+    """The static ``scale`` shapes accepted for ``x`` of shape ``(*lead, hidden)`` (first: canonical)."""
+    if group_shape.is_per_tensor():
+        return ((1,), (), (1, 1))
+    if group_shape.is_per_token():
+        return ((*lead, 1),)
+    return ((*lead, hidden // group_shape.col),)
+
+
+@CustomOp.register("quant_fp8")
+class QuantFP8(CustomOp):
+    """Quantise activations to float8_e4m3fn with per-tensor, per-token or per-group (1, g) scales,
+    dynamic (computed from ``x``) or static (given). See the module docstring for the contract.
+
+    Fast paths: ``forward_cuda`` a Triton kernel, ``forward_tpu`` a Pallas kernel, ``forward_cpu``
+    a torch body that skips temporaries (the native body elsewhere).
+    """
+
+    def __init__(self, static: bool, group_shape: Any = GroupShape.PER_TENSOR, *, enforce_enable: bool = False) -> None:
+        super().__init__(enforce_enable=enforce_enable)
+        if not isinstance(static, bool):
+            raise TypeError(f"quant_fp8: static must be a bool, got {static!r}")
+        try:
+            gs = GroupShape.parse(group_shape)
+        except ValueError as err:
+            raise ValueError(f"quant_fp8: group_shape: {err}") from None
+        if not (gs.is_per_tensor() or gs.is_per_token() or (gs.is_per_group() and gs.col % GROUP_MULTIPLE == 0)):
+            raise ValueError(
+                f"quant_fp8: group_shape {tuple(dataclasses.astuple(gs))} is not supported; expected per_tensor "
+                f"(-1, -1), per_token (1, -1) or (1, g) with g a multiple of {GROUP_MULTIPLE}"
+            )
+        self.static = static
+        self.group_shape = gs
+
+    def extra_repr(self) -> str:
+        return f"static={self.static}, group_shape={self.group_shape}"
+
+    @property
+    def _granularity(self) -> str:
+        gs = self.group_shape
+        return "tensor" if gs.is_per_tensor() else ("token" if gs.is_per_token() else "group")
+
+    # ------------------------------------------------------------------ validation
+
+    def check_inputs(self, x: Any, scale: Any = None, scale_ub: Any = None) -> None:
+        fe = check_array("quant_fp8", "x", x, min_ndim=2)
+        lead, hidden = tuple(x.shape[:-1]), x.shape[-1]
+        gs = self.group_shape
+        if hidden == 0:
+            raise ValueError(f"quant_fp8: argument 'x' has an empty last dim (shape {tuple(x.shape)}); expected hidden >= 1")
+        if gs.is_per_group() and hidden % gs.col:
+            raise ValueError(
+                f"quant_fp8: argument 'x' has last dim {hidden}, which group_shape {gs} does not divide; "
+                f"expected a multiple of {gs.col}"
+            )
+        if self.static:
+            if scale is None:
+                raise ValueError("quant_fp8: argument 'scale' is required for a static op (static=True), got None")
+            self._check_scalar_like("scale", scale, x, fe, _scale_shapes(gs, lead, hidden))
+        elif scale is not None:
+            raise ValueError(
+                "quant_fp8: argument 'scale' must be None for a dynamic op (static=False): its scales are computed from x"
+            )
+        if scale_ub is not None:
+            if self.static or not gs.is_per_token():
+                raise ValueError(
+                    f"quant_fp8: argument 'scale_ub' is supported only by dynamic per-token quantisation; "
+                    f"this op is static={self.static}, group_shape={gs}"
+                )
+            self._check_scalar_like("scale_ub", scale_ub, x, fe, ((), (1,), (1, 1)))
+
+    @staticmethod
+    def _check_scalar_like(arg: str, value: Any, x: Any, fe: str, shapes: tuple[tuple[int, ...], ...]) -> None:
+        """Frontend, device, one of ``shapes``, float32."""
+        shape = tuple(getattr(value, "shape", ()))
+        check_optional_like("quant_fp8", arg, value, "x", x, fe, shape=shape)
+        if shape not in shapes:
+            expected = " or ".join(str(s) for s in shapes)
+            raise ValueError(f"quant_fp8: argument '{arg}' has shape {shape}; expected {expected} for x of shape {tuple(x.shape)}")
+        if dtype_name(value) != "float32":
+            raise TypeError(f"quant_fp8: argument '{arg}' has dtype {dtype_name(value)}; expected float32 (scales are float32)")
+
+    # ------------------------------------------------------------------ implementations
+
+    def forward_native(self, x: Any, scale: Any = None, scale_ub: Any = None) -> Any:
+        xp = array_namespace(x)
+        lead, hidden = tuple(x.shape[:-1]), x.shape[-1]
+        gs = self.group_shape
+        xf = xp.astype(x, xp.float32)
+        if gs.is_per_group():
+            xf = xf.reshape((*lead, hidden // gs.col, gs.col))  # (..., groups, g)
+        if scale is None:
+            if gs.is_per_tensor():
+                if math.prod(x.shape) == 0:
+                    amax = xp.asarray([0.0], like=xf, dtype=xp.float32)
+                else:
+                    # a 1-D reduction over axis 0 (torch_xla's amax of no dims reduces none)
+                    amax = xp.amax(xp.abs(xf.reshape((-1,))), axis=0, keepdims=True)
+            else:  # per token: (..., 1); group: (..., groups)
+                amax = xp.amax(xp.abs(xf), axis=-1, keepdims=gs.is_per_token())
+                if scale_ub is not None:
+                    amax = xp.minimum(amax, xp.astype(scale_ub, xp.float32).reshape(()))
+            scale = xp.maximum(_div_by_fp8_max(xp, amax), FP8_MIN_SCALE)
+        else:
+            scale = xp.astype(scale, xp.float32).reshape(_scale_shapes(gs, lead, hidden)[0])
+        inv = 1.0 / scale
+        y = xf * (inv[..., None] if gs.is_per_group() else inv)
+        y = xp.clip(y, -FP8_MAX, FP8_MAX)
+        if frontend_of(x) != "torch":  # XLA-backed arrays (jax, torch_xla, torchax)
+            y = _round_to_fp8_grid(xp, y)
+        return xp.astype(y, xp.float8_e4m3fn).reshape(x.shape), scale
+
+    def forward_cpu(self, x: Any, scale: Any = None, scale_ub: Any = None) -> Any:
+        """CPU: torch gets one min/max pass (``aminmax``, no |x| temporary), scales its float32 copy
+        in place and casts directly (torch's cast already rounds to nearest even); XLA fuses the
+        native body by itself, so jax runs that."""
+        if frontend_of(x) != "torch":
+            return self.forward_native(x, scale, scale_ub)
+        import torch
+
+        lead, hidden = tuple(x.shape[:-1]), x.shape[-1]
+        gs = self.group_shape
+        xv = x.reshape((*lead, hidden // gs.col, gs.col)) if gs.is_per_group() else x
+        if scale is None:
+            if gs.is_per_tensor():
+                if x.numel() == 0:
+                    amax = torch.zeros(1, dtype=torch.float32, device=x.device)
+                else:
+                    lo, hi = torch.aminmax(x)
+                    amax = torch.maximum(hi, lo.neg()).to(torch.float32).reshape(1)
+            else:
+                lo, hi = torch.aminmax(xv, dim=-1, keepdim=gs.is_per_token())
+                amax = torch.maximum(hi, lo.neg_()).to(torch.float32)
+                if scale_ub is not None:
+                    amax = torch.minimum(amax, scale_ub.reshape(()))
+            scale = amax.div_(FP8_MAX).clamp_(min=FP8_MIN_SCALE)  # torch divides correctly
+        else:
+            scale = scale.reshape(_scale_shapes(gs, lead, hidden)[0])
+        xf = xv.to(torch.float32)
+        inv = 1.0 / scale
+        inv = inv.unsqueeze(-1) if gs.is_per_group() else inv
+        y = xf.mul_(inv) if xf is not xv else xf * inv
+        x_q = y.clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+        return x_q.reshape(x.shape), scale
+
+    def forward_cuda(self, x: Any, scale: Any = None, scale_ub: Any = None) -> Any:
+        return call_triton(
+            frontend_of(x), _TRITON_QUANT, x, scale, scale_ub,
+            granularity=self._granularity, group_size=max(self.group_shape.col, 0),
+        )
+
+    def forward_tpu(self, x: Any, scale: Any = None, scale_ub: Any = None) -> Any:
+        return call_pallas(
+            frontend_of(x), _PALLAS_QUANT, x, scale, scale_ub,
+            granularity=self._granularity, group_size=max(self.group_shape.col, 0),
+            native=self.forward_native,
+        )
+
+
+def check_cases():
+    """The shapes and inputs ``dualop check`` and the tests run this family with."""
+    import numpy as np
+
+    from dualop.testing import NORM_SHAPES, OpCase, Pinned, normal
+
+    group_shapes = ((0, 128), (1, 256), (13, 384), (2, 3, 256))
+
+    def spread(shape, rng):
+        """Rows of very different magnitudes (one all-zero), so per-row scales differ."""
+        x = normal(shape, rng, 3.0)
+        rows = x.reshape(-1, shape[-1])
+        if rows.shape[0] >= 3:
+            rows *= np.geomspace(0.05, 20.0, rows.shape[0], dtype=np.float32)[:, None]
+            rows[rows.shape[0] // 2] = 0.0
+        return x
+
+    def dynamic(shape, rng):
+        return (spread(shape, rng),)
+
+    def with_ub(shape, rng):  # an upper bound below the larger rows' amax: those rows saturate
+        return (spread(shape, rng), None, Pinned(np.array([8.0], np.float32), "float32"))
+
+    def static_tensor(shape, rng):  # |x| above 448 * 0.03 = 13.4 saturates
+        return (normal(shape, rng, 3.0), Pinned(np.array([0.03], np.float32), "float32"))
+
+    return [
+        OpCase("quant_fp8", "quant_fp8[dynamic,per_tensor]", lambda s: QuantFP8(False, "per_tensor"), dynamic, NORM_SHAPES),
+        OpCase("quant_fp8", "quant_fp8[dynamic,per_token]", lambda s: QuantFP8(False, "per_token"), dynamic, NORM_SHAPES),
+        OpCase("quant_fp8", "quant_fp8[dynamic,per_token,scale_ub]", lambda s: QuantFP8(False, "per_token"), with_ub, NORM_SHAPES),
+        OpCase("quant_fp8", "quant_fp8[dynamic,group128]", lambda s: QuantFP8(False, (1, 128)), dynamic, group_shapes),
+        OpCase("quant_fp8", "quant_fp8[static,per_tensor]", lambda s: QuantFP8(True, "per_tensor"), static_tensor, NORM_SHAPES),
+    ]

@@ -1,0 +1,201 @@
+"""FP8 (float8_e4m3fn, ``tl.float8e4nv``) input quantisation as Triton kernels: the ``quant_fp8``
+op's CUDA/ROCm path. Same contract as ``kernels/pallas/quant_fp8.py``.
+
+One program per (row, column group), where a column group is the whole row (per tensor, per token)
+or ``g`` columns. A dynamic per-token/group program finds its group's amax, stores its scale and
+quantises, holding the group in registers when it fits (``MAX_SINGLE_PASS``) and otherwise reading
+it twice in constexpr-count chunks. Per tensor, dynamic: phase 1 (``_amax_kernel``) folds block
+maxima into one float32 with ``atomic_max`` (|x| >= 0, so float ordering is integer ordering),
+phase 2 is the quantise kernel, which derives the scale from that amax (program (0, 0) stores it).
+``scale = div_rn(amax, 448)`` and ``x_q = fp8(clip(x * div_rn(1, scale)))``: correctly rounded
+divisions (a GPU's ``/`` may approximate), so results match the other backends bit for bit.
+
+GPUs convert float32 -> e4m3 with round-to-nearest-even (``cvt.rn.satfinite``). Triton's CPU
+interpreter does not (it dropped the exponent carry: 31.6 became 16, not 32); when interpreting,
+values are first rounded onto the e4m3 grid here (``EXACT_FP8``), so the cast is exact.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from dualop.kernels.cuda import interpreting
+from dualop.kernels.cuda.common import rows_view
+
+__all__ = ["quant_fp8", "MAX_SINGLE_PASS", "FP8_MAX", "MIN_SCALE"]
+
+FP8_MAX = 448.0
+MIN_SCALE = 1.0 / (FP8_MAX * 512.0)
+_MIN_SCALE = tl.constexpr(MIN_SCALE)  # kernels may only read constexpr globals
+MAX_SINGLE_PASS = 8192
+_CHUNK = 4096
+
+# scale modes of _quant_kernel
+_DYNAMIC, _STATIC_SCALAR, _STATIC_PER_GROUP, _FROM_AMAX = 0, 1, 2, 3
+
+
+@triton.jit
+def _round_to_e4m3(y):
+    """float32 ``y`` (|y| <= 448) rounded to the nearest e4m3 value, ties to even, in float32."""
+    bits = y.to(tl.uint32, bitcast=True)
+    sign = bits & 0x80000000
+    mag = bits & 0x7FFFFFFF
+    normal = (mag + 0x7FFFF + ((mag >> 20) & 1)) & 0xFFF00000  # keep 3 mantissa bits
+    a = mag.to(tl.float32, bitcast=True)
+    sub = ((a + 16384.0) - 16384.0).to(tl.uint32, bitcast=True)  # multiples of 2**-9
+    r = tl.where(a >= 0.015625, normal, sub)
+    return (r | sign).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _e4m3_byte(y):
+    """The float8_e4m3fn bit pattern of ``y`` (float32, already on the e4m3 grid or NaN), as uint8.
+
+    The Triton interpreter's float32 -> float8 cast is wrong near binade edges and maps NaN to a
+    finite value, so when interpreting the kernel writes the bytes itself (into a uint8 view)."""
+    bits = y.to(tl.uint32, bitcast=True)
+    sign = (bits >> 24) & 0x80
+    mag = bits & 0x7FFFFFFF
+    exp = (mag >> 23).to(tl.int32) - 127 + 7
+    normal = ((exp.to(tl.uint32) << 3) | ((mag >> 20) & 0x7)) & 0x7F
+    a = mag.to(tl.float32, bitcast=True)
+    subnormal = (a * 512.0).to(tl.uint32)  # 0..7 multiples of 2**-9
+    byte = tl.where(a >= 0.015625, normal, subnormal)
+    byte = tl.where(y != y, 0x7F, byte)
+    return (byte | sign).to(tl.uint8)
+
+
+@triton.jit
+def _abs_max(x):
+    """max(|x|) over a block, NaN if any element is NaN (tl.max, like fmax, would skip it; torch's
+    amax propagates it)."""
+    has_nan = tl.max((x != x).to(tl.int32), axis=0)
+    return tl.where(has_nan > 0, float("nan"), tl.max(tl.abs(x), axis=0))
+
+
+@triton.jit
+def _keep_nan(a, b):
+    """``b``, unless ``a`` is NaN: min/max/clamp below must propagate NaN as torch does."""
+    return tl.where(a != a, a, b)
+
+
+@triton.jit
+def _quantise(x, inv_scale, q_ptr, EXACT_FP8: tl.constexpr):
+    v = x * inv_scale
+    y = _keep_nan(v, tl.minimum(tl.maximum(v, -448.0), 448.0))
+    if EXACT_FP8:  # q_ptr is a uint8 view of the output (see _e4m3_byte)
+        return _e4m3_byte(_keep_nan(y, _round_to_e4m3(y)))
+    return y.to(q_ptr.dtype.element_ty)
+
+
+@triton.jit
+def _amax_kernel(x_ptr, amax_ptr, x_row_stride, hidden, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < hidden
+    x = tl.load(x_ptr + row * x_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.atomic_max(amax_ptr, _abs_max(x))  # a NaN (positive after abs) wins atomic_max too
+
+
+@triton.jit
+def _quant_kernel(
+    x_ptr, q_ptr, s_ptr, ub_ptr, amax_ptr,
+    x_row_stride, q_row_stride, width, n_groups,
+    MODE: tl.constexpr, HAS_UB: tl.constexpr, BLOCK: tl.constexpr, N_CHUNKS: tl.constexpr,
+    EXACT_FP8: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    group = tl.program_id(1).to(tl.int64)
+    x_grp = x_ptr + row * x_row_stride + group * width
+    q_grp = q_ptr + row * q_row_stride + group * width
+    s_idx = row * n_groups + group
+    if MODE == 0:  # dynamic: this group's amax -> scale
+        if N_CHUNKS == 1:
+            cols = tl.arange(0, BLOCK)
+            x = tl.load(x_grp + cols, mask=cols < width, other=0.0).to(tl.float32)
+            amax = _abs_max(x)
+        else:
+            acc = tl.zeros([BLOCK], dtype=tl.float32)
+            for chunk in range(N_CHUNKS):
+                cols = chunk * BLOCK + tl.arange(0, BLOCK)
+                v = tl.abs(tl.load(x_grp + cols, mask=cols < width, other=0.0).to(tl.float32))
+                acc = _keep_nan(v, _keep_nan(acc, tl.maximum(acc, v)))
+            amax = _abs_max(acc)
+        if HAS_UB:
+            amax = _keep_nan(amax, tl.minimum(amax, tl.load(ub_ptr)))
+        scale = _keep_nan(amax, tl.maximum(tl.math.div_rn(amax, 448.0), _MIN_SCALE))
+        tl.store(s_ptr + s_idx, scale)
+    elif MODE == 1:  # static per tensor
+        scale = tl.load(s_ptr)
+    elif MODE == 2:  # static per token / group
+        scale = tl.load(s_ptr + s_idx)
+    else:  # dynamic per tensor, phase 2: the global amax is in amax_ptr
+        amax = tl.load(amax_ptr)
+        scale = _keep_nan(amax, tl.maximum(tl.math.div_rn(amax, 448.0), _MIN_SCALE))
+        tl.store(s_ptr, scale, mask=s_idx == 0)
+    inv_scale = tl.math.div_rn(1.0, scale)
+    if MODE == 0 and N_CHUNKS == 1:
+        tl.store(q_grp + cols, _quantise(x, inv_scale, q_ptr, EXACT_FP8), mask=cols < width)
+    else:
+        for chunk in range(N_CHUNKS):
+            cols = chunk * BLOCK + tl.arange(0, BLOCK)
+            mask = cols < width
+            x = tl.load(x_grp + cols, mask=mask, other=0.0).to(tl.float32)
+            tl.store(q_grp + cols, _quantise(x, inv_scale, q_ptr, EXACT_FP8), mask=mask)
+
+
+def quant_fp8(
+    x: torch.Tensor,
+    scale: torch.Tensor | None = None,
+    scale_ub: torch.Tensor | None = None,
+    *,
+    granularity: str = "tensor",
+    group_size: int = 0,
+    max_single_pass: int = MAX_SINGLE_PASS,
+    chunk: int = _CHUNK,
+):
+    """Quantise ``x`` to float8_e4m3fn; returns ``(x_q, scale)`` (new tensors; scale shapes as in
+    ``ops/quantization.py``). ``max_single_pass``/``chunk`` let tests force the chunked path."""
+    if granularity not in ("tensor", "token", "group"):
+        raise ValueError(f"quant_fp8: granularity {granularity!r} is not 'tensor', 'token' or 'group'")
+    shape, hidden = x.shape, x.shape[-1]
+    lead = tuple(shape[:-1])
+    width = group_size if granularity == "group" else hidden
+    n_groups = hidden // width
+    x2 = rows_view(x)
+    rows = x2.shape[0]
+    dev = x.device
+    q = torch.empty((rows, hidden), dtype=torch.float8_e4m3fn, device=dev)
+    if granularity == "tensor":
+        scale_shape = (1,)
+    else:
+        scale_shape = (*lead, n_groups)
+    amax = torch.zeros(1, dtype=torch.float32, device=dev)  # also a placeholder pointer
+    if scale is None:
+        mode = _FROM_AMAX if granularity == "tensor" else _DYNAMIC
+        out_scale = torch.empty(scale_shape, dtype=torch.float32, device=dev)
+        if granularity == "tensor" and rows == 0:
+            out_scale.fill_(MIN_SCALE)  # amax of nothing is 0
+    else:
+        mode = _STATIC_SCALAR if granularity == "tensor" else _STATIC_PER_GROUP
+        out_scale = scale.to(torch.float32).reshape(scale_shape).contiguous()
+    ub = scale_ub.to(torch.float32).reshape(1).contiguous() if scale_ub is not None else amax
+    if rows > 0:
+        if mode == _FROM_AMAX:
+            block_a = min(triton.next_power_of_2(hidden), _CHUNK)
+            _amax_kernel[(rows, triton.cdiv(hidden, block_a))](
+                x2, amax, x2.stride(0), hidden, BLOCK=block_a, num_warps=min(max(block_a // 256, 1), 8)
+            )
+        single = width <= max_single_pass
+        block = triton.next_power_of_2(width) if single else chunk
+        exact = interpreting()
+        _quant_kernel[(rows, n_groups)](
+            x2, q.view(torch.uint8) if exact else q, out_scale, ub, amax,
+            x2.stride(0), q.stride(0), width, n_groups,
+            MODE=mode, HAS_UB=scale_ub is not None, BLOCK=block, N_CHUNKS=triton.cdiv(width, block),
+            EXACT_FP8=exact,
+            num_warps=min(max(block // 256, 1), 16),
+        )
+    return q.reshape(shape), out_scale
