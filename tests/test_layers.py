@@ -139,3 +139,13 @@ def test_xielu_layers_own_and_train_their_alphas():
     assert float(j.alpha_p[...][0]) == pytest.approx(t.op.initial_parameters()[0], rel=1e-6)
     grads = nnx.grad(lambda m, v: jnp.sum(m(v)))(j, jnp.asarray(x))
     assert set(grads) == {"alpha_p", "alpha_n"}
+
+
+def test_quant_layers():
+    x = _x(4, 256)
+    t, j = tl.QuantFP8(False, "per_token"), jl.QuantFP8(False, "per_token")
+    q, scale = t(torch.from_numpy(x))
+    assert q.dtype == torch.float8_e4m3fn and scale.shape == (4, 1)
+    jq, jscale = j(jnp.asarray(x))
+    assert np.array_equal(np.asarray(jscale), scale.numpy())
+    assert np.array_equal(np.asarray(jq.astype(jnp.float32)), q.float().numpy())

@@ -30,6 +30,7 @@ __all__ = [
     "QuickGELU",
     "ReLUSquaredActivation",
     "XIELU",
+    "QuantFP8",
 ]
 
 
@@ -63,6 +64,7 @@ NewGELU = _op_layer(ops.NewGELU, "tanh-approximate GELU (GPT-2's).")
 FastGELU = _op_layer(ops.FastGELU, "``0.5*x*(1 + tanh(0.7978845608*x*(1 + 0.044715*x**2)))``.")
 QuickGELU = _op_layer(ops.QuickGELU, "``x*sigmoid(1.702*x)``.")
 ReLUSquaredActivation = _op_layer(ops.ReLUSquaredActivation, "``relu(x)**2``.")
+QuantFP8 = _op_layer(ops.QuantFP8, "``QuantFP8(static, group_shape)``; ``(x, scale=None, scale_ub=None) -> (x_q, scale)``.")
 
 
 class RMSNorm(nn.Module):
