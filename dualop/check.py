@@ -11,7 +11,6 @@ imported here).
 from __future__ import annotations
 
 import dataclasses
-import os
 from collections.abc import Iterable
 from typing import Any
 

@@ -15,7 +15,6 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import pytest  # noqa: E402
 
-import dualop  # noqa: E402
 from dualop import testing  # noqa: E402
 from dualop.custom_op import CustomOp, clear_dispatch_report  # noqa: E402
 from dualop.platforms import invalidate  # noqa: E402
@@ -24,6 +23,19 @@ testing.prepare_triton()
 
 # Which environment this run is (scripts/test.sh sets it); names where the frontends are installed.
 TEST_ENV = os.environ.get("DUALOP_TEST_ENV", "")
+
+
+# The cells every op with kernels must pass: (frontend, platform, the method that must run).
+# ROCm runs the same Triton kernel as CUDA (no op has forward_hip); tests/test_cells.py checks that
+# path once per op rather than repeating the whole sweep.
+KERNEL_CELLS = [
+    ("torch", "cpu", "forward_cpu"),
+    ("torch", "cuda", "forward_cuda"),
+    ("jax", "cpu", "forward_cpu"),
+    ("jax", "tpu", "forward_tpu"),
+    ("torch_xla", "tpu", "forward_tpu"),
+    ("torchax", "tpu", "forward_tpu"),
+]
 
 
 def require_frontend(frontend: str) -> None:

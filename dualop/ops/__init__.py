@@ -8,6 +8,12 @@ from dualop.ops.pointwise import *  # noqa: F403
 from dualop.ops.quantization import *  # noqa: F403
 from dualop.ops import activation, gated_norm, layernorm, pointwise, quantization
 
+# Ops that hold no parameters: the layer modules wrap each as-is (dualop.torch/jax.layers).
+PARAMETERLESS_OPS = (
+    SiluAndMul, MulAndSilu, GeluAndMul, GeluAndMulSparse, FatreluAndMul, SwigluOAIAndMul,  # noqa: F405
+    NewGELU, FastGELU, QuickGELU, ReLUSquaredActivation, QuantFP8,  # noqa: F405
+)
+
 __all__ = [
     *activation.__all__,
     *gated_norm.__all__,

@@ -19,18 +19,7 @@ __all__ = [
     "RMSNorm",
     "GemmaRMSNorm",
     "RMSNormGated",
-    "SiluAndMul",
-    "MulAndSilu",
-    "GeluAndMul",
-    "GeluAndMulSparse",
-    "FatreluAndMul",
-    "SwigluOAIAndMul",
-    "NewGELU",
-    "FastGELU",
-    "QuickGELU",
-    "ReLUSquaredActivation",
     "XIELU",
-    "QuantFP8",
 ]
 
 
@@ -50,21 +39,15 @@ class OpLayer(nn.Module):
         return self.op.extra_repr()
 
 
-def _op_layer(op_class: type, doc: str) -> type:
+def _op_layer(op_class: type) -> type:
+    """A layer class named like ``op_class`` that builds and calls it."""
+    doc = f"Layer over :class:`dualop.ops.{op_class.__name__}`. " + (op_class.__doc__ or "")
     return type(op_class.__name__, (OpLayer,), {"op_class": op_class, "__doc__": doc, "__module__": __name__})
 
 
-SiluAndMul = _op_layer(ops.SiluAndMul, "``silu(x[..., :d]) * x[..., d:]``.")
-MulAndSilu = _op_layer(ops.MulAndSilu, "``x[..., :d] * silu(x[..., d:])``.")
-GeluAndMul = _op_layer(ops.GeluAndMul, "``gelu(x[..., :d]) * x[..., d:]``; ``GeluAndMul(approximate='none'|'tanh')``.")
-GeluAndMulSparse = _op_layer(ops.GeluAndMulSparse, "``GeluAndMulSparse(activation_sparsity, approximate='none')``.")
-FatreluAndMul = _op_layer(ops.FatreluAndMul, "``FatreluAndMul(threshold=0.0)``.")
-SwigluOAIAndMul = _op_layer(ops.SwigluOAIAndMul, "``SwigluOAIAndMul(alpha=1.702, limit=7.0)`` on interleaved gate/up.")
-NewGELU = _op_layer(ops.NewGELU, "tanh-approximate GELU (GPT-2's).")
-FastGELU = _op_layer(ops.FastGELU, "``0.5*x*(1 + tanh(0.7978845608*x*(1 + 0.044715*x**2)))``.")
-QuickGELU = _op_layer(ops.QuickGELU, "``x*sigmoid(1.702*x)``.")
-ReLUSquaredActivation = _op_layer(ops.ReLUSquaredActivation, "``relu(x)**2``.")
-QuantFP8 = _op_layer(ops.QuantFP8, "``QuantFP8(static, group_shape)``; ``(x, scale=None, scale_ub=None) -> (x_q, scale)``.")
+for _op_class in ops.PARAMETERLESS_OPS:
+    globals()[_op_class.__name__] = _op_layer(_op_class)
+    __all__.append(_op_class.__name__)
 
 
 class RMSNorm(nn.Module):
