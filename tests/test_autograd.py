@@ -8,8 +8,8 @@ import pytest
 
 from dualop import OpsConfig, override_platform, set_config, testing
 
-torch = pytest.importorskip("torch")
-jax = pytest.importorskip("jax")
+torch = pytest.importorskip("torch", reason="torch is part of both test environments (dualop[torch], dualop[jax])")
+jax = pytest.importorskip("jax", reason="jax is part of both test environments (dualop[torch], dualop[jax])")
 jnp = jax.numpy
 
 CASES = list(testing.cases_for(None))

@@ -10,8 +10,8 @@ from dualop.ops import GeluAndMul, ReLUSquaredActivation, RMSNorm, SiluAndMul
 from dualop.ops import activation as activation_mod
 from dualop.ops import layernorm as layernorm_mod
 
-torch = pytest.importorskip("torch")
-jnp = pytest.importorskip("jax.numpy")
+torch = pytest.importorskip("torch", reason="torch is part of both test environments (dualop[torch], dualop[jax])")
+jnp = pytest.importorskip("jax.numpy", reason="jax.numpy is part of both test environments (dualop[torch], dualop[jax])")
 
 
 @pytest.fixture(autouse=True)

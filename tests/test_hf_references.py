@@ -11,9 +11,9 @@ import pytest
 
 from dualop import ops, testing
 
-torch = pytest.importorskip("torch")
+torch = pytest.importorskip("torch", reason="torch is part of both test environments (dualop[torch], dualop[jax])")
 transformers = pytest.importorskip("transformers", reason="transformers is in dualop[dev]")
-jax = pytest.importorskip("jax")
+jax = pytest.importorskip("jax", reason="jax is part of both test environments (dualop[torch], dualop[jax])")
 jnp = jax.numpy
 from transformers.activations import ACT2FN  # noqa: E402
 

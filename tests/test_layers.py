@@ -8,8 +8,8 @@ import pytest
 
 from dualop import OpsConfig, dispatch_report, override_platform, set_config, testing
 
-torch = pytest.importorskip("torch")
-jax = pytest.importorskip("jax")
+torch = pytest.importorskip("torch", reason="torch is part of both test environments (dualop[torch], dualop[jax])")
+jax = pytest.importorskip("jax", reason="jax is part of both test environments (dualop[torch], dualop[jax])")
 jnp = jax.numpy
 nnx = pytest.importorskip("flax.nnx", reason="flax is part of dualop[jax]")
 

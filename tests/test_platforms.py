@@ -7,9 +7,9 @@ import pytest
 from dualop import current_platform, override_platform
 from dualop import platforms
 
-torch = pytest.importorskip("torch")
-jnp = pytest.importorskip("jax.numpy")
-jax = pytest.importorskip("jax")
+torch = pytest.importorskip("torch", reason="torch is part of both test environments (dualop[torch], dualop[jax])")
+jnp = pytest.importorskip("jax.numpy", reason="jax.numpy is part of both test environments (dualop[torch], dualop[jax])")
+jax = pytest.importorskip("jax", reason="jax is part of both test environments (dualop[torch], dualop[jax])")
 
 
 def test_frontend_of_arrays_and_tracers():

@@ -81,7 +81,7 @@ def test_inf_and_nan_propagate_as_native(name, frontend, platform, method):
 
 def test_special_values_of_native():
     """What the native bodies give at the edges (the fast paths are held to these above)."""
-    torch = pytest.importorskip("torch")
+    torch = pytest.importorskip("torch", reason="torch is part of both test environments (dualop[torch], dualop[jax])")
     x = torch.tensor([np.inf, -np.inf, np.nan, 0.0, -1e30])
     assert torch.equal(NewGELU().forward_native(x)[[0, 3, 4]], torch.tensor([np.inf, 0.0, 0.0]))
     assert NewGELU().forward_native(x)[1:3].isnan().all()  # -inf * (1 + tanh(-inf)) = -inf * 0
@@ -101,7 +101,7 @@ def _hf():
 
 
 def _hf_xielu(alpha_p, alpha_n, beta=0.5, eps=-1e-6):
-    torch = pytest.importorskip("torch")
+    torch = pytest.importorskip("torch", reason="torch is part of both test environments (dualop[torch], dualop[jax])")
     act = _hf().XIELUActivation(beta=beta, eps=eps, dtype=torch.float32)
     with torch.no_grad():
         act.alpha_p.fill_(alpha_p)
@@ -111,7 +111,7 @@ def _hf_xielu(alpha_p, alpha_n, beta=0.5, eps=-1e-6):
 
 def _hf_reference(name, x_np):
     """Hugging Face's activation of float32 ``x_np``, as float32 numpy."""
-    torch = pytest.importorskip("torch")
+    torch = pytest.importorskip("torch", reason="torch is part of both test environments (dualop[torch], dualop[jax])")
     hf = _hf()
     act = {
         "gelu_new": hf.NewGELUActivation,
@@ -126,7 +126,7 @@ def _hf_reference(name, x_np):
 
 @pytest.mark.parametrize("name", OPS)
 def test_torch_native_matches_transformers(name):
-    torch = pytest.importorskip("torch")
+    torch = pytest.importorskip("torch", reason="torch is part of both test environments (dualop[torch], dualop[jax])")
     hf = _hf()
     x_np = pointwise_mod._spread((5, 333), np.random.default_rng(3))
     x = torch.from_numpy(x_np)
@@ -140,7 +140,7 @@ def test_torch_native_matches_transformers(name):
 
 @pytest.mark.parametrize("name", OPS)
 def test_jax_native_matches_transformers_and_jax_nn(name):
-    jax = pytest.importorskip("jax")
+    jax = pytest.importorskip("jax", reason="jax is part of both test environments (dualop[torch], dualop[jax])")
     jnp = jax.numpy
     x_np = pointwise_mod._spread((5, 333), np.random.default_rng(4))
     x = jnp.asarray(x_np)
@@ -157,7 +157,7 @@ def test_jax_native_matches_transformers_and_jax_nn(name):
 
 
 def test_xielu_initial_parameters_match_transformers():
-    torch = pytest.importorskip("torch")
+    torch = pytest.importorskip("torch", reason="torch is part of both test environments (dualop[torch], dualop[jax])")
     for inits in ((0.8, 0.8, 0.5), (0.3, 1.7, 0.25), (2.0, 0.6, 0.5)):
         op = XIELU(*inits)
         a_p, a_n = op.initial_parameters()

@@ -9,9 +9,9 @@ import pytest
 from dualop import testing
 from dualop.ops import GeluAndMul, ReLUSquaredActivation, RMSNorm, SiluAndMul
 
-torch = pytest.importorskip("torch")
+torch = pytest.importorskip("torch", reason="torch is part of both test environments (dualop[torch], dualop[jax])")
 F = torch.nn.functional
-jax = pytest.importorskip("jax")
+jax = pytest.importorskip("jax", reason="jax is part of both test environments (dualop[torch], dualop[jax])")
 jnp = jax.numpy
 
 
