@@ -10,7 +10,7 @@ import pytest
 from dualop import CustomOp, OpsConfig, set_config, testing
 
 torch = pytest.importorskip("torch", reason="torch is part of both test environments (dualop[torch], dualop[jax])")
-library = pytest.importorskip("dualop.backends.torch.library")
+library = pytest.importorskip("dualop.backends.torch.library", reason="needs torch (dualop[torch])")
 
 CASES = list(testing.cases_for(None))
 
