@@ -231,4 +231,7 @@ def reload_process_default() -> OpsConfig:
     """Re-read the environment variables (for tests and long-lived processes that change them)."""
     global _process_default
     _process_default = config_from_env()
+    from dualop import platforms  # every op's cached dispatch assumed the old default
+
+    platforms.invalidate()
     return _process_default

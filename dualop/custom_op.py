@@ -7,8 +7,9 @@ namespace of whichever frontend the caller uses) and may offer faster *hows* per
 
 Calling an op instance picks one of those methods from (frontend of the first array argument,
 active ``OpsConfig``, platform of that frontend). The choice is resolved once per
-(instance, frontend, config, platform) and cached, so the per-call cost is a type lookup, a
-context-variable read and a dict lookup.
+(instance, frontend, config, platform) and cached. Each subclass gets a generated ``__call__``
+with ``forward_native``'s own signature whose fast path is a handful of identity checks (array
+type, config, platform generation) before the one bound-method call; see ``_fast_call_source``.
 
 Enabled rules (the reference serving engine's): ``+name`` enables, ``-name`` disables, otherwise
 the op follows the default, which is on exactly when the config holds ``all``. An unregistered
@@ -100,6 +101,22 @@ def _check_config_names(cfg: _config.OpsConfig) -> None:
     _checked_configs.add(cfg)
 
 
+# ``_eager()`` is True when Python runs a call and False while Dynamo traces one: a C builtin that
+# _install_torch_support() gives a Dynamo polyfill returning False, so the generated fast path costs
+# one builtin call in eager and is never traced (its per-instance state would become graph guards).
+_eager = "eager".isidentifier
+_current_config = _config._current.get  # the context's config override (None: the process default)
+# Mirror of platforms._generation (bumped when platforms, plugins or the process default change).
+_generation = _platforms._generation
+
+
+def _on_invalidate(generation: int) -> None:
+    global _generation
+    _generation = generation
+
+
+_platforms.add_invalidation_listener(_on_invalidate)
+
 # torch.compile support, installed once torch is in the process (see _install_torch_support):
 # ``_torch_compiling()`` is True only while Dynamo traces, and ``_compile_hook`` is what a call
 # becomes then. Until torch is loaded the check is the C builtin ``bool()`` (always False).
@@ -116,6 +133,7 @@ def _install_torch_support() -> None:
 
     for name in CustomOp.op_registry:
         library.library_op(name)
+    library.trace_as_not_eager(_eager)
     _compile_hook = library.compiled_call
     _torch_compiling = library.is_compiling
 
@@ -126,6 +144,69 @@ def _parameter_names(cls: type) -> tuple[str, ...] | None:
     if any(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in params):
         return None
     return tuple(p.name for p in params)
+
+
+def _fast_call_source(cls: type) -> tuple[str, tuple, dict] | None:
+    """Source of a ``__call__`` with forward_native's parameters, and its defaults.
+
+    The fast path: when Python (not Dynamo) runs the call, the first argument's type, the context's
+    config override and the platform generation are the ones the instance last resolved for, call
+    the cached bound method directly (after ``check_inputs`` if the class defines one). Anything
+    else takes ``_dispatch``, which resolves, records and re-arms the fast path.
+    """
+    sig = inspect.signature(cls.forward_native)
+    params = list(sig.parameters.values())[1:]
+    if not params or any(p.kind not in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) for p in params):
+        return None
+    names = [p.name for p in params]
+    if any(n in ("self", "_args") or n.startswith("__") for n in names):
+        return None
+    positional = [p for p in params if p.kind is p.POSITIONAL_OR_KEYWORD]
+    keyword = [p for p in params if p.kind is p.KEYWORD_ONLY]
+    if not positional:
+        return None
+    sig_text = ", ".join(
+        [p.name if p.default is p.empty else f"{p.name}=None" for p in positional]
+        + (["*"] + [p.name if p.default is p.empty else f"{p.name}=None" for p in keyword] if keyword else [])
+    )
+    pos_args = ", ".join(p.name for p in positional)
+    kw_args = ", ".join(f"{p.name}={p.name}" for p in keyword)
+    call_args = ", ".join(x for x in (pos_args, kw_args) if x)
+    kw_dict = "{" + ", ".join(f"{p.name!r}: {p.name}" for p in keyword) + "}"
+    first = positional[0].name
+    check = f"        self.check_inputs({call_args})\n" if cls.check_inputs is not CustomOp.check_inputs else ""
+    source = (
+        f"def __call__(self, {sig_text}):\n"
+        f"    if _eager() and type({first}) is self._fast_type and _current_config() is self._fast_config "
+        f"and self._fast_generation == _generation:\n"
+        f"{check}"
+        f"        try:\n"
+        f"            return self._fast_method({call_args})\n"
+        f"        except NotImplementedError as err:\n"
+        f"            return self._declined(self._fast_method, err, ({pos_args},), {kw_dict})\n"
+        f"    return self._dispatch(({pos_args},), {kw_dict})\n"
+    )
+    defaults = tuple(p.default for p in positional if p.default is not p.empty)
+    kwdefaults = {p.name: p.default for p in keyword if p.default is not p.empty}
+    return source, defaults, kwdefaults
+
+
+def _install_fast_call(cls: type) -> None:
+    """Give ``cls`` a generated ``__call__`` (and ``forward``) with forward_native's signature."""
+    built = _fast_call_source(cls)
+    if built is None:
+        return  # forward_native takes *args/**kwargs: the generic CustomOp.__call__ serves it
+    source, defaults, kwdefaults = built
+    namespace: dict[str, Any] = {}
+    exec(compile(source, f"<dualop fast call of {cls.__qualname__}>", "exec"), globals(), namespace)
+    fn = namespace["__call__"]
+    fn.__defaults__ = defaults or None
+    fn.__kwdefaults__ = kwdefaults or None
+    fn.__qualname__ = f"{cls.__qualname__}.__call__"
+    fn.__doc__ = f"Dispatch a call of {cls.__qualname__} (generated: {cls.__qualname__}.forward_native's signature)."
+    fn._dualop_generated = True
+    cls.__call__ = fn
+    cls.forward = fn
 
 
 def _ctor_spec(cls: type, args: tuple, kwargs: dict) -> str | None:
@@ -141,6 +222,8 @@ def _fresh(cls: type, args: tuple = (), kwargs: dict | None = None) -> CustomOp:
     obj = object.__new__(cls)
     obj._dispatch_cache = {}
     obj._last_hit = None
+    obj._fast_type = obj._fast_method = None
+    obj._fast_config = obj._fast_generation = None
     obj.enforce_enable = False
     obj._ctor = _ctor_spec(cls, args, kwargs or {})
     if _compile_hook is None and sys.modules.get("torch") is not None:
@@ -171,12 +254,15 @@ class CustomOp:
     def __init__(self, *, enforce_enable: bool = False) -> None:
         self.enforce_enable = bool(enforce_enable)
         self._dispatch_cache.clear()
-        self._last_hit = None
+        self._disarm()
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
         cls._call_parameter_names = _parameter_names(cls)
-        for attr in ("__call__", "forward"):
+        overridden = [attr for attr in ("__call__", "forward") if attr in cls.__dict__]
+        if not overridden:
+            _install_fast_call(cls)
+        for attr in overridden:
             if attr in cls.__dict__:
                 warnings.warn(
                     f"{cls.__module__}.{cls.__qualname__} overrides {attr}, which bypasses dualop's "
@@ -342,26 +428,42 @@ class CustomOp:
             _report[(cls, frontend, platform)] = row
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """Generic entry (for forward_native(*args, **kwargs)); subclasses get a generated one."""
+        return self._dispatch(args, kwargs)
+
+    def _dispatch(self, args: tuple, kwargs: dict) -> Any:
+        """The full dispatch: torch.compile hook, cached resolution, validation, the call, fallback."""
         if _torch_compiling():  # Dynamo is tracing: see dualop/backends/torch/library.py
             return _compile_hook(self, args, kwargs)
         first = args[0] if args else next(iter(kwargs.values()), None)
-        cfg = _config._current.get() or _config._process_default
-        # Fast path: same array type, same config object, nothing re-registered since last call.
+        override = _current_config()
+        cfg = override or _config._process_default
+        # Same array type, same config object, nothing re-registered since the last call.
         hit = self._last_hit
         if hit is not None and hit[0] is type(first) and hit[1] is cfg and hit[2] == _platforms._generation:
             method = hit[3]
         else:
-            method = self._lookup(first, cfg)
+            method = self._lookup(first, cfg, override)
         self.check_inputs(*args, **kwargs)
         try:
             return method(*args, **kwargs)
         except NotImplementedError as err:
-            if method.__name__ == "forward_native":
-                raise
-            return self._fall_back(method.__name__, _platforms.frontend_of(first), err, args, kwargs)
+            return self._declined(method, err, args, kwargs)
 
-    def _lookup(self, first: Any, cfg: _config.OpsConfig):
-        """The cached method for (frontend of ``first``, cfg, platform generation), resolving on a miss."""
+    def _declined(self, method: Any, err: NotImplementedError, args: tuple, kwargs: dict) -> Any:
+        if method.__name__ == "forward_native":
+            raise err
+        first = args[0] if args else next(iter(kwargs.values()), None)
+        return self._fall_back(method.__name__, _platforms.frontend_of(first), err, args, kwargs)
+
+    def _disarm(self) -> None:
+        self._last_hit = None
+        self._fast_type = self._fast_method = self._fast_config = self._fast_generation = None
+
+    def _lookup(self, first: Any, cfg: _config.OpsConfig, override: _config.OpsConfig | None = None):
+        """The cached method for (frontend of ``first``, cfg, platform generation), resolving on a miss.
+        Arms the fast path of the generated ``__call__`` (keyed on ``override``, the context's raw
+        config value, so a context without an override compares ``None is None``)."""
         frontend = _platforms.frontend_of(first)
         if frontend is None:
             raise TypeError(
@@ -377,6 +479,10 @@ class CustomOp:
         # A torch.Tensor's frontend depends on its device once torch_xla is loaded: no fast path then.
         if not _platforms.frontend_depends_on_device(type(first)):
             self._last_hit = (type(first), cfg, gen, method)
+            self._fast_type, self._fast_config, self._fast_generation = type(first), override, gen
+            self._fast_method = method
+        else:
+            self._fast_type = None
         return method
 
     forward = __call__

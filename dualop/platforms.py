@@ -49,11 +49,21 @@ def dispatch_generation() -> int:
     return _generation
 
 
+_listeners: list = []  # called with the new generation (custom_op mirrors it in a module global)
+
+
+def add_invalidation_listener(fn) -> None:
+    """Call ``fn(generation)`` after every ``invalidate()``."""
+    _listeners.append(fn)
+
+
 def invalidate() -> None:
     """Forget cached platforms and every op's cached dispatch."""
     global _generation
     _generation += 1
     _platform_cache.clear()
+    for fn in _listeners:
+        fn(_generation)
 
 
 def family_of(frontend: str) -> str:

@@ -40,6 +40,16 @@ except ImportError:  # pragma: no cover - older torch
     is_compiling = torch.compiler.is_compiling
 
 
+def trace_as_not_eager(eager: Any) -> None:
+    """Have Dynamo trace ``eager()`` (a C builtin that returns True) as False, so the generated
+    ``CustomOp.__call__`` leaves its fast path, untraced and unguarded, to ``compiled_call``."""
+    from torch._dynamo.decorators import substitute_in_graph
+
+    @substitute_in_graph(eager, skip_signature_check=True)
+    def _while_tracing() -> bool:
+        return False
+
+
 @functools.lru_cache(maxsize=None)
 def _build(spec: str) -> CustomOp:
     """The op a spec names: its class (``module:qualname``) built with its constructor arguments."""
