@@ -11,7 +11,7 @@ from typing import Any
 
 from dualop.platforms import family_of, frontend_of
 
-__all__ = ["FLOAT_DTYPES", "dtype_name", "check_array", "check_optional_like"]
+__all__ = ["FLOAT_DTYPES", "dtype_name", "check_array", "check_optional_like", "records_grad"]
 
 # The floating dtypes every dualop kernel takes.
 FLOAT_DTYPES = frozenset({"float32", "bfloat16", "float16"})
@@ -75,3 +75,11 @@ def check_optional_like(
         raise TypeError(f"{op}: argument '{arg}' has dtype {name}; expected {dtype_name(ref)} (the dtype of '{ref_arg}')")
     if name not in FLOAT_DTYPES:
         raise TypeError(f"{op}: argument '{arg}' has dtype {name}; expected one of {', '.join(sorted(FLOAT_DTYPES))}")
+
+
+def records_grad(*tensors: Any) -> bool:
+    """Whether torch autograd is recording for any of these (then CPU kernels, which have no
+    backward, step aside for the differentiable native body)."""
+    import torch
+
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)

@@ -11,7 +11,7 @@ from dualop.backends.xla.pallas_bridge import call_pallas
 from dualop.custom_op import CustomOp
 from dualop.kernels.gate_math import GateSpec, apply_gate, gate_and_up
 from dualop.kernels.registry import KernelRef
-from dualop.ops._checks import check_array
+from dualop.ops._checks import check_array, records_grad as _records_grad
 from dualop.platforms import frontend_of
 
 __all__ = [
@@ -25,6 +25,8 @@ __all__ = [
 
 _PALLAS_GATED = KernelRef("dualop.kernels.pallas.gated_activation", "gated_activation")
 _TRITON_GATED = KernelRef("dualop.kernels.cuda.gated_activation", "gated_activation")
+_CPU_GATED = KernelRef("dualop.kernels.cpu.gated_activation", "gated_activation")
+_CPU_GATED_SUPPORTS = KernelRef("dualop.kernels.cpu.gated_activation", "supports")
 
 
 class _GatedActivation(CustomOp):
@@ -49,8 +51,12 @@ class _GatedActivation(CustomOp):
         return xp.astype(apply_gate(xp, gate, up, self.spec), x.dtype)
 
     def forward_cpu(self, x: Any) -> Any:
-        """CPU: the native body (torch eager or XLA on CPU)."""
-        return self.forward_native(x)
+        """CPU: torch tensors go to the C++ row kernel (``kernels/cpu``) for the gates it has
+        (silu, gelu, gelu-tanh on either half) unless autograd is recording; XLA fuses the native
+        body."""
+        if frontend_of(x) != "torch" or _records_grad(x) or _CPU_GATED_SUPPORTS(x, self.spec) is not None:
+            return self.forward_native(x)
+        return _CPU_GATED(x, spec=self.spec)
 
     def forward_cuda(self, x: Any) -> Any:
         return call_triton(frontend_of(x), _TRITON_GATED, x, spec=self.spec)

@@ -10,13 +10,15 @@ from dualop.backends.xla.pallas_bridge import call_pallas
 from dualop.custom_op import CustomOp
 from dualop.kernels.norm_math import NormSpec, rms_normalize
 from dualop.kernels.registry import KernelRef
-from dualop.ops._checks import check_array, check_optional_like
+from dualop.ops._checks import check_array, check_optional_like, records_grad as _records_grad
 from dualop.platforms import frontend_of
 
 __all__ = ["GemmaRMSNorm", "RMSNorm"]
 
 _PALLAS_RMS_NORM = KernelRef("dualop.kernels.pallas.rms_norm", "rms_norm")
 _TRITON_RMS_NORM = KernelRef("dualop.kernels.cuda.rms_norm", "rms_norm")
+_CPU_RMS_NORM = KernelRef("dualop.kernels.cpu.rms_norm", "rms_norm")
+_CPU_RMS_NORM_SUPPORTS = KernelRef("dualop.kernels.cpu.rms_norm", "supports")
 
 
 def _check_size(op: str, name: str, value: Any) -> int:
@@ -61,32 +63,16 @@ class _RMSNormFamily(CustomOp):
         return y if residual is None else (y, residual)
 
     def forward_cpu(self, x: Any, weight: Any = None, residual: Any = None) -> Any:
-        """CPU: torch runs a float32 body that reuses its temporaries (in place, so only when autograd
-        is not recording); XLA fuses the native body."""
-        if frontend_of(x) != "torch" or self.spec.var_size is not None:
+        """CPU: torch tensors go to the C++ row kernel (``kernels/cpu``: one read, one write; see
+        BENCHMARKS.md) unless autograd is recording or the variant has none; XLA fuses the
+        native body."""
+        if (
+            frontend_of(x) != "torch"
+            or _records_grad(x, weight, residual)
+            or _CPU_RMS_NORM_SUPPORTS(x, weight, residual, self.spec) is not None
+        ):
             return self.forward_native(x, weight, residual)
-        import torch
-
-        if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, residual)):
-            return self.forward_native(x, weight, residual)
-        orig = x.dtype
-        xf = x.to(torch.float32)
-        owned = xf is not x  # a float32 temporary this call may overwrite
-        if residual is not None:
-            xf = xf + residual  # promotes to float32
-            residual = xf.to(orig)
-            owned = residual is not xf
-        inv_rms = xf.square().mean(dim=-1, keepdim=True).add_(self.spec.eps).rsqrt_()
-        y = xf.mul_(inv_rms) if owned else xf * inv_rms
-        if weight is not None:
-            w = weight.to(torch.float32)
-            if self.spec.weight_offset:
-                w = w + self.spec.weight_offset
-            if not self.spec.weight_in_f32:
-                y = y.to(orig).to(torch.float32)
-            y = y.mul_(w)
-        y = y.to(orig)
-        return y if residual is None else (y, residual)
+        return _CPU_RMS_NORM(x, weight, residual, spec=self.spec)
 
     def forward_cuda(self, x: Any, weight: Any = None, residual: Any = None) -> Any:
         return call_triton(frontend_of(x), _TRITON_RMS_NORM, x, weight, residual, spec=self.spec)

@@ -1,0 +1,130 @@
+"""dualop's CPU kernels: C++ row loops (``csrc/``) built once per machine and called with ctypes.
+
+Why hand-written: on the CPU the reference-engine ops are memory-bound row loops, and torch's eager
+ops make several passes over memory (one per elementwise op), while ``torch.compile`` of the same
+body reaches only about half the copy bandwidth in bfloat16 (see BENCHMARKS.md). These kernels
+read each input once and write each output once, a row staying in cache between its statistic and
+its output, with OpenMP over rows and GCC-vectorised bodies.
+
+The library is compiled on first use with the system C++ compiler (``$CXX``, else ``g++``/``c++``),
+for the host CPU (``-march=native``), into ``$DUALOP_CACHE_DIR`` (default ``~/.cache/dualop``),
+keyed by a hash of the sources, the flags, the compiler and the CPU. OpenMP comes from the
+``libgomp`` torch already loaded. Without a compiler, ``load()`` raises ``KernelUnavailable`` and
+the ops' CPU paths fall back to their native bodies (the dispatch report says why).
+``DUALOP_CPU_KERNELS=0`` turns them off.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import fcntl
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+__all__ = ["KernelUnavailable", "load", "library_path", "DTYPE_CODES"]
+
+_SOURCES = ("rms_norm.cc", "gated_activation.cc")
+_HEADERS = ("common.h",)
+# -fno-trapping-math lets GCC if-convert (and so vectorise) the branch-free selects; results are
+# unchanged (it only assumes no floating-point trap handler is installed). No -ffast-math: NaN,
+# infinities and rounding behave as in torch.
+_FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-std=c++20",
+          "-fPIC", "-shared")
+# float32, bfloat16, float16: the codes the C entry points take.
+DTYPE_CODES = {"float32": 0, "bfloat16": 1, "float16": 2}
+
+_lock = threading.Lock()
+_library: ctypes.CDLL | None = None
+_failure: str | None = None
+
+
+class KernelUnavailable(NotImplementedError):
+    """The CPU kernels cannot be built or loaded here (reason in the message)."""
+
+
+def _compiler() -> str | None:
+    for name in (os.environ.get("CXX"), "g++", "c++"):
+        if name and shutil.which(name):
+            return shutil.which(name)
+    return None
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("model name", "flags")):
+                return line
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def library_path(compiler: str) -> Path:
+    """Where the library for these sources, flags, compiler and CPU lives."""
+    src = Path(__file__).parent / "csrc"
+    digest = hashlib.sha256()
+    for name in (*_HEADERS, *_SOURCES):
+        digest.update((src / name).read_bytes())
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
+    for part in (" ".join(_FLAGS), compiler, version, _cpu_model()):
+        digest.update(part.encode())
+    root = Path(os.environ.get("DUALOP_CACHE_DIR") or Path.home() / ".cache" / "dualop")
+    return root / "cpu_kernels" / f"dualop_cpu_{digest.hexdigest()[:16]}.so"
+
+
+def _build(compiler: str, target: Path) -> None:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with open(target.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # one build per machine, whichever process gets here first
+        if target.exists():
+            return
+        src = Path(__file__).parent / "csrc"
+        with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+            out = Path(tmp) / target.name
+            cmd = [compiler, *_FLAGS, *(str(src / s) for s in _SOURCES), "-o", str(out)]
+            proc = subprocess.run(cmd, capture_output=True, text=True)
+            if proc.returncode != 0:
+                raise KernelUnavailable(f"building dualop's CPU kernels failed: {' '.join(cmd)}\n{proc.stderr[-2000:]}")
+            os.replace(out, target)
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    p, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
+    lib.dualop_rms_norm.argtypes = [i32, p, p, p, p, p, i64, i64, f32, i32, i32]
+    lib.dualop_rms_norm.restype = i32
+    lib.dualop_gated_activation.argtypes = [i32, i32, p, p, i64, i64, i32, i32]
+    lib.dualop_gated_activation.restype = i32
+
+
+def load() -> ctypes.CDLL:
+    """The CPU kernel library, built on first use; raises KernelUnavailable if it cannot be."""
+    global _library, _failure
+    if _library is not None:
+        return _library
+    if os.environ.get("DUALOP_CPU_KERNELS", "1") == "0":
+        raise KernelUnavailable("DUALOP_CPU_KERNELS=0")
+    with _lock:
+        if _library is None and _failure is None:
+            compiler = _compiler()
+            try:
+                if compiler is None:
+                    raise KernelUnavailable("no C++ compiler found (set CXX, or install g++)")
+                import torch  # noqa: F401  (its libgomp must be loaded before ours resolves it)
+
+                target = library_path(compiler)
+                if not target.exists():
+                    _build(compiler, target)
+                lib = ctypes.CDLL(str(target))
+                _declare(lib)
+                _library = lib
+            except (KernelUnavailable, OSError) as err:
+                _failure = str(err)
+        if _library is None:
+            raise KernelUnavailable(_failure)
+    return _library

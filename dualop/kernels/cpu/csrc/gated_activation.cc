@@ -1,0 +1,60 @@
+// Gated activations on the CPU: out[r, i] = act(gate[r, i]) * up[r, i] in float32, where gate and
+// up are the two halves of row r of x (N, 2d). Semantics are dualop.kernels.gate_math for the
+// silu, exact gelu and tanh gelu activations, gate on either half.
+#include "common.h"
+
+namespace dualop {
+
+enum Activation { kSilu = 0, kGelu = 1, kGeluTanh = 2 };
+
+template <int kAct>
+DUALOP_INLINE float activate(float g) {
+  if constexpr (kAct == kSilu) return g * sigmoid_f32(g);
+  if constexpr (kAct == kGelu) return 0.5f * g * (1.0f + erf_f32(g * 0.70710678118654752f));
+  if constexpr (kAct == kGeluTanh) {
+    const float inner = 0.79788456080286536f * (g + 0.044715f * g * g * g);
+    return 0.5f * g * (1.0f + tanh_f32(inner));
+  }
+}
+
+template <class T, int kAct>
+static void gated_rows(const T* __restrict x, T* __restrict out, int64_t rows, int64_t d, bool act_on_first,
+                       int threads) {
+  const int64_t gate_col = act_on_first ? 0 : d;
+  const int64_t up_col = act_on_first ? d : 0;
+#pragma omp parallel for schedule(static) num_threads(threads)
+  for (int64_t row = 0; row < rows; ++row) {
+    const T* __restrict gate = x + row * 2 * d + gate_col;
+    const T* __restrict up = x + row * 2 * d + up_col;
+    T* __restrict o = out + row * d;
+#pragma omp simd
+    for (int64_t i = 0; i < d; ++i) o[i] = from_f32<T>(activate<kAct>(to_f32(gate[i])) * to_f32(up[i]));
+  }
+}
+
+template <class T>
+static int by_activation(int activation, const void* x, void* out, int64_t rows, int64_t d, bool first, int threads) {
+  const T* xt = static_cast<const T*>(x);
+  T* ot = static_cast<T*>(out);
+  switch (activation) {
+    case kSilu: gated_rows<T, kSilu>(xt, ot, rows, d, first, threads); return 0;
+    case kGelu: gated_rows<T, kGelu>(xt, ot, rows, d, first, threads); return 0;
+    case kGeluTanh: gated_rows<T, kGeluTanh>(xt, ot, rows, d, first, threads); return 0;
+    default: return -1;
+  }
+}
+
+}  // namespace dualop
+
+// dtype: 0 float32, 1 bfloat16, 2 float16; activation: 0 silu, 1 gelu (erf), 2 gelu (tanh).
+// Returns 0, or -1 for an unknown dtype or activation.
+extern "C" int dualop_gated_activation(int dtype, int activation, const void* x, void* out, int64_t rows, int64_t d,
+                                       int act_on_first, int threads) {
+  using namespace dualop;
+  switch (dtype) {
+    case 0: return by_activation<float>(activation, x, out, rows, d, act_on_first != 0, threads);
+    case 1: return by_activation<bf16>(activation, x, out, rows, d, act_on_first != 0, threads);
+    case 2: return by_activation<f16>(activation, x, out, rows, d, act_on_first != 0, threads);
+    default: return -1;
+  }
+}

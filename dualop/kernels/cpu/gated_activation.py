@@ -1,0 +1,43 @@
+"""Gated activations on the CPU for torch tensors (kernel: ``csrc/gated_activation.cc``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from dualop.kernels.cpu import load
+from dualop.kernels.cpu.common import dtype_code, pointer, threads_for
+from dualop.kernels.gate_math import GateSpec
+
+__all__ = ["gated_activation", "supports"]
+
+_ACTIVATION_CODES = {"silu": 0, "gelu": 1, "gelu_tanh": 2}
+
+
+def supports(x: Any, spec: GateSpec) -> str | None:
+    """None if the kernel takes this input and gate, else why not."""
+    if spec.activation not in _ACTIVATION_CODES or spec.interleaved or spec.sparsity:
+        return f"no CPU kernel for {spec}"
+    if dtype_code(x) is None:
+        return f"dtype {x.dtype} on {x.device} has no CPU kernel"
+    return None
+
+
+def gated_activation(x: Any, *, spec: GateSpec = GateSpec()) -> Any:
+    """``act(gate) * up`` over the two halves of ``x``'s last dim; returns shape ``(..., d)``."""
+    import torch
+
+    lib = load()
+    why = supports(x, spec)
+    if why is not None:
+        raise NotImplementedError(why)
+    d = x.shape[-1] // 2
+    x = x.contiguous()
+    out = torch.empty((*x.shape[:-1], d), dtype=x.dtype, device=x.device)
+    if out.numel():
+        status = lib.dualop_gated_activation(
+            dtype_code(x), _ACTIVATION_CODES[spec.activation], pointer(x), pointer(out),
+            x.numel() // (2 * d), d, spec.act_on == "first", threads_for(x.numel()),
+        )
+        if status != 0:
+            raise NotImplementedError(f"dualop_gated_activation returned {status}")
+    return out

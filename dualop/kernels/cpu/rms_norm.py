@@ -1,0 +1,59 @@
+"""RMS norm on the CPU for torch tensors (kernel: ``csrc/rms_norm.cc``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from dualop.kernels.cpu import load
+from dualop.kernels.cpu.common import dtype_code, pointer, threads_for
+from dualop.kernels.norm_math import NormSpec
+
+__all__ = ["rms_norm", "supports"]
+
+_NO_WEIGHT, _WEIGHT_AFTER_CAST, _WEIGHT_IN_F32 = 0, 1, 2
+
+
+def supports(x: Any, weight: Any, residual: Any, spec: NormSpec) -> str | None:
+    """None if the kernel takes these arguments, else why not."""
+    if spec.var_size is not None:
+        return "var_hidden_size < hidden_size (the statistic over a prefix) has no CPU kernel"
+    if dtype_code(x) is None:
+        return f"dtype {x.dtype} on {x.device} has no CPU kernel"
+    if residual is not None and (residual.dtype != x.dtype or residual.shape != x.shape):
+        return "residual must match x in dtype and shape"
+    if weight is not None and weight.device.type != "cpu":
+        return "weight is not on the CPU"
+    return None
+
+
+def rms_norm(x: Any, weight: Any = None, residual: Any = None, *, spec: NormSpec = NormSpec()) -> Any:
+    """``rms_normalize`` of ``x`` (plus ``residual``) with ``weight``; returns ``out`` or ``(out, x + residual)``."""
+    import torch
+
+    lib = load()
+    why = supports(x, weight, residual, spec)
+    if why is not None:
+        raise NotImplementedError(why)
+    hidden = x.shape[-1]
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    residual_out = None
+    if residual is not None:
+        residual = residual.contiguous()
+        residual_out = torch.empty_like(x)
+    if weight is None:
+        mode, w = _NO_WEIGHT, None
+    else:
+        w = weight.to(torch.float32)
+        if spec.weight_offset:
+            w = w + spec.weight_offset
+        w = w.contiguous()
+        mode = _WEIGHT_IN_F32 if spec.weight_in_f32 else _WEIGHT_AFTER_CAST
+    if x.numel():
+        status = lib.dualop_rms_norm(
+            dtype_code(x), pointer(x), pointer(residual), pointer(w), pointer(out), pointer(residual_out),
+            x.numel() // hidden, hidden, spec.eps, mode, threads_for(x.numel()),
+        )
+        if status != 0:
+            raise NotImplementedError(f"dualop_rms_norm returned {status}")
+    return out if residual is None else (out, residual_out)
