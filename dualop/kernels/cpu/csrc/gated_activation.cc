@@ -1,6 +1,9 @@
 // Gated activations on the CPU: out[r, i] = act(gate[r, i]) * up[r, i] in float32, where gate and
 // up are the two halves of row r of x (N, 2d). Semantics are dualop.kernels.gate_math for the
 // silu, exact gelu and tanh gelu activations, gate on either half.
+#include <type_traits>
+
+#include "avx2.h"
 #include "common.h"
 
 namespace dualop {
@@ -27,8 +30,23 @@ static void gated_rows(const T* __restrict x, T* __restrict out, int64_t rows, i
     const T* __restrict gate = x + row * 2 * d + gate_col;
     const T* __restrict up = x + row * 2 * d + up_col;
     T* __restrict o = out + row * d;
+    int64_t start = 0;
+#ifdef DUALOP_HAVE_AVX2
+    if constexpr (kAct == kSilu && std::is_same_v<T, bf16>) {
+      for (; start + 16 <= d; start += 16) {
+        __m256 g_lo, g_hi, u_lo, u_hi;
+        avx2::load_bf16(gate + start, g_lo, g_hi);
+        avx2::load_bf16(up + start, u_lo, u_hi);
+        avx2::store_bf16<true>(o + start, _mm256_mul_ps(avx2::silu(g_lo), u_lo), _mm256_mul_ps(avx2::silu(g_hi), u_hi));
+      }
+    }
+    if constexpr (kAct == kSilu && std::is_same_v<T, float>) {
+      for (; start + 8 <= d; start += 8)
+        _mm256_storeu_ps(o + start, _mm256_mul_ps(avx2::silu(_mm256_loadu_ps(gate + start)), _mm256_loadu_ps(up + start)));
+    }
+#endif
 #pragma omp simd
-    for (int64_t i = 0; i < d; ++i) o[i] = from_f32<T>(activate<kAct>(to_f32(gate[i])) * to_f32(up[i]));
+    for (int64_t i = start; i < d; ++i) o[i] = from_f32<T>(activate<kAct>(to_f32(gate[i])) * to_f32(up[i]));
   }
 }
 

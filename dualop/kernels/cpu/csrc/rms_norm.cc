@@ -3,17 +3,74 @@
 // residual add of RMSNorm: s = x + residual (float32), residual_out = s in x's dtype, and s is what
 // gets normalised.
 #include <cstddef>
+#include <type_traits>
 
+#include "avx2.h"
 #include "common.h"
 
 namespace dualop {
 
 enum WeightMode { kNoWeight = 0, kWeightAfterCast = 1, kWeightInF32 = 2 };
 
+#ifdef DUALOP_HAVE_AVX2
+// bfloat16 rows with AVX2, 16 elements a step; both return the index the portable tail starts at.
+template <bool kResidual>
+static int64_t sum_sq_bf16(const bf16* xr, const bf16* rr, bf16* ro, int64_t hidden, float& sum_sq) {
+  __m256 acc_lo = _mm256_setzero_ps(), acc_hi = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 16 <= hidden; i += 16) {
+    __m256 lo, hi;
+    avx2::load_bf16(xr + i, lo, hi);
+    if constexpr (kResidual) {
+      __m256 r_lo, r_hi;
+      avx2::load_bf16(rr + i, r_lo, r_hi);
+      lo = _mm256_add_ps(lo, r_lo);
+      hi = _mm256_add_ps(hi, r_hi);
+      avx2::store_bf16<true>(ro + i, lo, hi);
+    }
+    acc_lo = _mm256_fmadd_ps(lo, lo, acc_lo);
+    acc_hi = _mm256_fmadd_ps(hi, hi, acc_hi);
+  }
+  sum_sq = avx2::sum(_mm256_add_ps(acc_lo, acc_hi));
+  return i;
+}
+
+template <bool kResidual, int kWeight, bool kMayBeNaN>
+static int64_t normalize_bf16(const bf16* xr, const bf16* rr, const float* weight, bf16* orow, int64_t hidden,
+                              float inv_rms) {
+  const __m256 inv = _mm256_set1_ps(inv_rms);
+  int64_t i = 0;
+  for (; i + 16 <= hidden; i += 16) {
+    __m256 lo, hi;
+    avx2::load_bf16(xr + i, lo, hi);
+    if constexpr (kResidual) {
+      __m256 r_lo, r_hi;
+      avx2::load_bf16(rr + i, r_lo, r_hi);
+      lo = _mm256_add_ps(lo, r_lo);
+      hi = _mm256_add_ps(hi, r_hi);
+    }
+    lo = _mm256_mul_ps(lo, inv);
+    hi = _mm256_mul_ps(hi, inv);
+    if constexpr (kWeight != kNoWeight) {
+      if constexpr (kWeight == kWeightAfterCast) {
+        lo = avx2::through_bf16<kMayBeNaN>(lo);
+        hi = avx2::through_bf16<kMayBeNaN>(hi);
+      }
+      __m256 w_lo, w_hi;
+      avx2::load_f32_as_bf16_order(weight + i, w_lo, w_hi);
+      lo = _mm256_mul_ps(lo, w_lo);
+      hi = _mm256_mul_ps(hi, w_hi);
+    }
+    avx2::store_bf16<kMayBeNaN>(orow + i, lo, hi);
+  }
+  return i;
+}
+#endif
+
 template <class T, bool kResidual, int kWeight>
 static void rms_norm_rows(const T* __restrict x, const T* __restrict residual, const float* __restrict weight,
                           T* __restrict out, T* __restrict residual_out, int64_t rows, int64_t hidden, float eps,
-                          int threads) {
+                          bool weight_finite, int threads) {
 #pragma omp parallel for schedule(static) num_threads(threads)
   for (int64_t row = 0; row < rows; ++row) {
     const T* __restrict xr = x + row * hidden;
@@ -21,8 +78,12 @@ static void rms_norm_rows(const T* __restrict x, const T* __restrict residual, c
     T* __restrict orow = out + row * hidden;
     T* __restrict ro = kResidual ? residual_out + row * hidden : nullptr;
     float sum_sq = 0.0f;
+    int64_t start = 0;
+#ifdef DUALOP_HAVE_AVX2
+    if constexpr (std::is_same_v<T, bf16>) start = sum_sq_bf16<kResidual>(xr, rr, ro, hidden, sum_sq);
+#endif
 #pragma omp simd reduction(+ : sum_sq)
-    for (int64_t i = 0; i < hidden; ++i) {
+    for (int64_t i = start; i < hidden; ++i) {
       float v = to_f32(xr[i]);
       if constexpr (kResidual) {
         v += to_f32(rr[i]);
@@ -31,8 +92,18 @@ static void rms_norm_rows(const T* __restrict x, const T* __restrict residual, c
       sum_sq = std::fma(v, v, sum_sq);
     }
     const float inv_rms = 1.0f / std::sqrt(sum_sq / static_cast<float>(hidden) + eps);
+    start = 0;
+#ifdef DUALOP_HAVE_AVX2
+    if constexpr (std::is_same_v<T, bf16>) {
+      // A row with only finite values (and a finite weight) cannot produce NaN: skip its check.
+      if (std::isfinite(sum_sq) && std::isfinite(inv_rms) && weight_finite)
+        start = normalize_bf16<kResidual, kWeight, false>(xr, rr, weight, orow, hidden, inv_rms);
+      else
+        start = normalize_bf16<kResidual, kWeight, true>(xr, rr, weight, orow, hidden, inv_rms);
+    }
+#endif
 #pragma omp simd
-    for (int64_t i = 0; i < hidden; ++i) {
+    for (int64_t i = start; i < hidden; ++i) {
       float v = to_f32(xr[i]);
       if constexpr (kResidual) v += to_f32(rr[i]);
       const float y = v * inv_rms;
@@ -50,11 +121,13 @@ static void by_weight(const void* x, const void* residual, const float* weight, 
   const T* rt = static_cast<const T*>(residual);
   T* ot = static_cast<T*>(out);
   T* rot = static_cast<T*>(residual_out);
+  bool weight_finite = true;
+  for (int64_t i = 0; weight != nullptr && i < hidden; ++i) weight_finite = weight_finite && std::isfinite(weight[i]);
   switch (weight_mode) {
-    case kNoWeight: return rms_norm_rows<T, kResidual, kNoWeight>(xt, rt, weight, ot, rot, rows, hidden, eps, threads);
+    case kNoWeight: return rms_norm_rows<T, kResidual, kNoWeight>(xt, rt, weight, ot, rot, rows, hidden, eps, weight_finite, threads);
     case kWeightAfterCast:
-      return rms_norm_rows<T, kResidual, kWeightAfterCast>(xt, rt, weight, ot, rot, rows, hidden, eps, threads);
-    default: return rms_norm_rows<T, kResidual, kWeightInF32>(xt, rt, weight, ot, rot, rows, hidden, eps, threads);
+      return rms_norm_rows<T, kResidual, kWeightAfterCast>(xt, rt, weight, ot, rot, rows, hidden, eps, weight_finite, threads);
+    default: return rms_norm_rows<T, kResidual, kWeightInF32>(xt, rt, weight, ot, rot, rows, hidden, eps, weight_finite, threads);
   }
 }
 
