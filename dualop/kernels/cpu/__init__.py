@@ -100,6 +100,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.dualop_rms_norm.restype = i32
     lib.dualop_gated_activation.argtypes = [i32, i32, p, p, i64, i64, i32, i32]
     lib.dualop_gated_activation.restype = i32
+    lib.dualop_gated_table.argtypes = [i32, p, p, p, i64, i64, i32, i32]
+    lib.dualop_gated_table.restype = i32
 
 
 def load() -> ctypes.CDLL:

@@ -2,15 +2,29 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 from dualop.kernels.cpu import load
 from dualop.kernels.cpu.common import dtype_code, pointer, threads_for
-from dualop.kernels.gate_math import GateSpec
+from dualop.kernels.gate_math import ACTIVATIONS, GateSpec
 
 __all__ = ["gated_activation", "supports"]
 
 _ACTIVATION_CODES = {"silu": 0, "gelu": 1, "gelu_tanh": 2}
+
+
+@functools.lru_cache(maxsize=None)
+def _activation_table(activation: str, dtype: Any) -> Any:
+    """act(g) in float32 for every bit pattern g of a 16-bit dtype, computed by the native formula
+    (``gate_math``) with torch, so the kernel's act(gate) is the native body's."""
+    import torch
+
+    from dualop.backends import array_namespace
+
+    gates = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16)
+    gates = torch.roll(gates, -(2**15)).view(dtype).to(torch.float32)  # index i holds bit pattern i
+    return ACTIVATIONS[activation](array_namespace(gates), gates).contiguous()
 
 
 def supports(x: Any, spec: GateSpec) -> str | None:
@@ -34,10 +48,16 @@ def gated_activation(x: Any, *, spec: GateSpec = GateSpec()) -> Any:
     x = x.contiguous()
     out = torch.empty((*x.shape[:-1], d), dtype=x.dtype, device=x.device)
     if out.numel():
-        status = lib.dualop_gated_activation(
-            dtype_code(x), _ACTIVATION_CODES[spec.activation], pointer(x), pointer(out),
-            x.numel() // (2 * d), d, spec.act_on == "first", threads_for(x.numel()),
-        )
+        rows, first, threads = x.numel() // (2 * d), spec.act_on == "first", threads_for(x.numel())
+        if x.dtype.itemsize == 2:
+            status = lib.dualop_gated_table(
+                dtype_code(x), pointer(_activation_table(spec.activation, x.dtype)), pointer(x), pointer(out),
+                rows, d, first, threads,
+            )
+        else:
+            status = lib.dualop_gated_activation(
+                dtype_code(x), _ACTIVATION_CODES[spec.activation], pointer(x), pointer(out), rows, d, first, threads,
+            )
         if status != 0:
             raise NotImplementedError(f"dualop_gated_activation returned {status}")
     return out

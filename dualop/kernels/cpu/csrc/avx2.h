@@ -84,6 +84,50 @@ inline __attribute__((always_inline)) __m256 silu(__m256 g) {
   return _mm256_mul_ps(g, r);
 }
 
+// common.h's erf_f32, eight lanes at a time (same fits, same pieces, same special values).
+inline __attribute__((always_inline)) __m256 erf(__m256 x) {
+  const __m256 sign = _mm256_and_ps(x, _mm256_set1_ps(-0.0f));
+  const __m256 a = _mm256_andnot_ps(_mm256_set1_ps(-0.0f), x);
+  const __m256 s = _mm256_mul_ps(a, a);
+  __m256 p = _mm256_set1_ps(8.671101280e-05f);
+  p = _mm256_fmadd_ps(p, s, _mm256_set1_ps(-8.210109188e-04f));
+  p = _mm256_fmadd_ps(p, s, _mm256_set1_ps(5.206660757e-03f));
+  p = _mm256_fmadd_ps(p, s, _mm256_set1_ps(-2.686154979e-02f));
+  p = _mm256_fmadd_ps(p, s, _mm256_set1_ps(1.128373236e-01f));
+  p = _mm256_fmadd_ps(p, s, _mm256_set1_ps(-3.761263602e-01f));
+  p = _mm256_fmadd_ps(p, s, _mm256_set1_ps(1.283791669e-01f));
+  const __m256 small = _mm256_fmadd_ps(a, p, a);
+  const __m256 s_err = _mm256_fmsub_ps(a, a, s);
+  const __m256 mid = _mm256_cmp_ps(a, _mm256_set1_ps(2.25f), _CMP_LT_OQ);
+  const __m256 t = _mm256_blendv_ps(_mm256_mul_ps(_mm256_sub_ps(a, _mm256_set1_ps(3.125f)), _mm256_set1_ps(1.0f / 0.875f)),
+                                    _mm256_mul_ps(_mm256_sub_ps(a, _mm256_set1_ps(1.5625f)), _mm256_set1_ps(1.0f / 0.6875f)),
+                                    mid);
+  static constexpr float kMid[] = {1.006916012e-05f, -4.553677185e-05f, 1.707523025e-04f,
+                                   -6.859192242e-04f, 2.652659602e-03f, -9.677651801e-03f,
+                                   3.321732900e-02f,  -1.062030445e-01f, 3.116486067e-01f};
+  static constexpr float kTail[] = {1.463037968e-06f, -7.129386275e-06f, 3.012932832e-05f,
+                                    -1.368658687e-04f, 6.088605831e-04f, -2.623193713e-03f,
+                                    1.095855286e-02f,  -4.427671030e-02f, 1.724443519e-01f};
+  __m256 q = _mm256_blendv_ps(_mm256_set1_ps(kTail[0]), _mm256_set1_ps(kMid[0]), mid);
+#pragma GCC unroll 16
+  for (int k = 1; k < 9; ++k)
+    q = _mm256_fmadd_ps(q, t, _mm256_blendv_ps(_mm256_set1_ps(kTail[k]), _mm256_set1_ps(kMid[k]), mid));
+  // exp(-s) matters only below a = 4 (s < 16; above, erf is 1): no special values to handle
+  const __m256 e = exp_clamped(_mm256_sub_ps(_mm256_setzero_ps(), s));
+  const __m256 large = _mm256_fnmadd_ps(e, _mm256_mul_ps(q, _mm256_sub_ps(_mm256_set1_ps(1.0f), s_err)),
+                                        _mm256_set1_ps(1.0f));
+  __m256 y = _mm256_blendv_ps(large, small, _mm256_cmp_ps(a, _mm256_set1_ps(0.875f), _CMP_LT_OQ));
+  y = _mm256_blendv_ps(y, _mm256_set1_ps(1.0f), _mm256_cmp_ps(a, _mm256_set1_ps(4.0f), _CMP_GE_OQ));
+  y = _mm256_blendv_ps(y, x, _mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+  return _mm256_or_ps(y, sign);
+}
+
+// gelu(g) = 0.5 g (1 + erf(g / sqrt 2)), the native formula's order of operations.
+inline __attribute__((always_inline)) __m256 gelu(__m256 g) {
+  const __m256 e = erf(_mm256_mul_ps(g, _mm256_set1_ps(0.70710678118654752f)));
+  return _mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(0.5f), g), _mm256_add_ps(_mm256_set1_ps(1.0f), e));
+}
+
 inline __attribute__((always_inline)) float sum(__m256 v) {
   __m128 q = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   q = _mm_add_ps(q, _mm_movehl_ps(q, q));

@@ -44,6 +44,10 @@ static void gated_rows(const T* __restrict x, T* __restrict out, int64_t rows, i
       for (; start + 8 <= d; start += 8)
         _mm256_storeu_ps(o + start, _mm256_mul_ps(avx2::silu(_mm256_loadu_ps(gate + start)), _mm256_loadu_ps(up + start)));
     }
+    if constexpr (kAct == kGelu && std::is_same_v<T, float>) {
+      for (; start + 8 <= d; start += 8)
+        _mm256_storeu_ps(o + start, _mm256_mul_ps(avx2::gelu(_mm256_loadu_ps(gate + start)), _mm256_loadu_ps(up + start)));
+    }
 #endif
 #pragma omp simd
     for (int64_t i = start; i < d; ++i) o[i] = from_f32<T>(activate<kAct>(to_f32(gate[i])) * to_f32(up[i]));
@@ -62,7 +66,55 @@ static int by_activation(int activation, const void* x, void* out, int64_t rows,
   }
 }
 
+// 16-bit inputs have 65536 possible gate values, so act(gate) comes from a float32 table indexed by
+// the gate's bits (built by the caller from the native formula): one lookup instead of the
+// transcendental, and the same act(gate) the native body computes.
+template <class T>
+static void gated_table_rows(const float* __restrict table, const T* __restrict x, T* __restrict out, int64_t rows,
+                             int64_t d, bool act_on_first, int threads) {
+  const int64_t gate_col = act_on_first ? 0 : d;
+  const int64_t up_col = act_on_first ? d : 0;
+#pragma omp parallel for schedule(static) num_threads(threads)
+  for (int64_t row = 0; row < rows; ++row) {
+    const T* __restrict gate = x + row * 2 * d + gate_col;
+    const T* __restrict up = x + row * 2 * d + up_col;
+    T* __restrict o = out + row * d;
+    int64_t start = 0;
+#ifdef DUALOP_HAVE_AVX2
+    if constexpr (std::is_same_v<T, bf16>) {
+      const __m256i zero = _mm256_setzero_si256();
+      for (; start + 16 <= d; start += 16) {
+        const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(gate + start));
+        const __m256 a_lo = _mm256_i32gather_ps(table, _mm256_unpacklo_epi16(bits, zero), 4);
+        const __m256 a_hi = _mm256_i32gather_ps(table, _mm256_unpackhi_epi16(bits, zero), 4);
+        __m256 u_lo, u_hi;
+        avx2::load_bf16(up + start, u_lo, u_hi);
+        avx2::store_bf16<true>(o + start, _mm256_mul_ps(a_lo, u_lo), _mm256_mul_ps(a_hi, u_hi));
+      }
+    }
+#endif
+    for (int64_t i = start; i < d; ++i) o[i] = from_f32<T>(table[std::bit_cast<uint16_t>(gate[i])] * to_f32(up[i]));
+  }
+}
+
 }  // namespace dualop
+
+// 16-bit dtypes only (1 bfloat16, 2 float16); table: float32[65536], act of every gate bit pattern.
+extern "C" int dualop_gated_table(int dtype, const float* table, const void* x, void* out, int64_t rows, int64_t d,
+                                  int act_on_first, int threads) {
+  using namespace dualop;
+  switch (dtype) {
+    case 1:
+      gated_table_rows<bf16>(table, static_cast<const bf16*>(x), static_cast<bf16*>(out), rows, d, act_on_first != 0,
+                             threads);
+      return 0;
+    case 2:
+      gated_table_rows<f16>(table, static_cast<const f16*>(x), static_cast<f16*>(out), rows, d, act_on_first != 0,
+                            threads);
+      return 0;
+    default: return -1;
+  }
+}
 
 // dtype: 0 float32, 1 bfloat16, 2 float16; activation: 0 silu, 1 gelu (erf), 2 gelu (tanh).
 // Returns 0, or -1 for an unknown dtype or activation.
