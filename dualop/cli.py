@@ -105,9 +105,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
     """Throughput against peers with the copy roofline, then dispatch overhead; or, with
     ``--roofline-only``, predicted times on an accelerator from the kernels' cost models."""
     from dualop.bench import cases as bench_cases
-    from dualop.bench import memory, roofline, throughput
+    from dualop.bench import memory, roofline, throughput, timing
 
     # Validate every argument before anything is allocated or imported.
+    timing.check_counts(args.rounds, args.warmup)
     cases = bench_cases.select_cases(_csv(args.ops) if args.ops is not None else None)
     shapes = throughput.parse_sizes(_csv(args.sizes) if args.sizes is not None else list(throughput.SIZES))
     dtypes = throughput.check_dtypes(_csv(args.dtypes) if args.dtypes is not None else ["float32", "bfloat16"])

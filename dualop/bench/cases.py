@@ -141,7 +141,6 @@ def _parameterless(cls_name: str, *args: Any) -> Callable[[int], Any]:
 
 def _torch_rms_norm(residual: bool):
     def builtin(op):
-        import torch
         import torch.nn.functional as F
 
         shape, eps = (op.hidden_size,), op.eps
@@ -158,7 +157,6 @@ def _torch_rms_norm(residual: bool):
 
 
 def _torch_gemma_rms_norm(op):
-    import torch
     import torch.nn.functional as F
 
     shape, eps = (op.hidden_size,), op.eps
