@@ -156,7 +156,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
             allocator=allocator, progress=not args.no_progress, device=args.device,
         )
     if not args.no_dispatch:
-        records += bench_dispatch(frontends, args.rounds, not args.no_progress)
+        records += _bench_dispatch(frontends, args.rounds, not args.no_progress)
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(records, fh, indent=2)
@@ -174,7 +174,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
-def bench_dispatch(frontends: list[str], rounds: int, progress: bool) -> list[dict[str, Any]]:
+def _bench_dispatch(frontends: list[str], rounds: int, progress: bool) -> list[dict[str, Any]]:
     """Dispatch-overhead records for the frontends it measures (torch, jax)."""
     from dualop import bench
 

@@ -41,17 +41,20 @@ def format_throughput(records: list[dict]) -> str:
             "vs best peer": _fmt(r.get("vs_best_peer"), ".2f"),
             "warm-up s": _fmt(r.get("warmup_s"), ".2f"),
             "faults/call": _fmt(r.get("minor_faults"), ".0f"),
+            **({"x predicted": _fmt(r.get("vs_predicted"), ".1f")} if "vs_predicted" in r else {}),
         }
         for r in timed
     ]
     parts = []
     if rows:
         allocators = sorted({r["allocator"] for r in timed})
-        parts.append(table(rows))
+        columns = list(dict.fromkeys(c for row in rows for c in row))
+        parts.append(table(rows, columns))
         parts.append(
             "spread = (max - min) / median over rounds; GB/s = the kernel cost model's bytes / median; "
             "% of copy = GB/s / copy GB/s measured in the same rounds; vs best peer = median over rounds "
             "of time / the time in the same round of the peer (torch-*, jax-*) with the lowest median; "
+            "warm-up s = the first call (compilation); faults/call = median minor page faults per call; "
             f"allocator: {', '.join(allocators)}"
         )
     for r in errors:

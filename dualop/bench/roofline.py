@@ -102,16 +102,20 @@ def format_roofline(records: list[dict]) -> str:
             "case": r["op"],
             "shape": "x".join(map(str, r["shape"])),
             "dtype": r["dtype"],
-            "MB": f"{r['bytes'] / 1e6:.2f}",
-            "MFLOP": f"{r['flops'] / 1e6:.1f}",
-            "M transc.": f"{r['transcendentals'] / 1e6:.3f}",
-            "memory us": f"{r['memory_s'] * 1e6:.1f}",
-            "compute us": f"{r['compute_s'] * 1e6:.2f}",
+            "MB": f"{r['bytes'] / 1e6:.4g}",
+            "MFLOP": f"{r['flops'] / 1e6:.4g}",
+            "M transc.": f"{r['transcendentals'] / 1e6:.4g}",
+            "memory us": f"{r['memory_s'] * 1e6:.4g}",
+            "compute us": f"{r['compute_s'] * 1e6:.4g}",
             "bound": r["bound"],
-            "predicted us": f"{r['predicted_s'] * 1e6:.1f}",
+            "predicted us": f"{r['predicted_s'] * 1e6:.4g}",
         }
         for r in records
     ]
     notes = sorted({f"{r['device']}: {r['peak_gbps']:g} GB/s, {r['peak_tflops']:g} TFLOP/s {r['peak_flops_kind']}"
                     for r in records})
-    return table(rows) + "\n\npeaks: " + "; ".join(notes)
+    return (
+        table(rows)
+        + "\n\nbytes, flops, transcendentals: the kernels' cost models (dualop/kernels/cost.py, the numbers "
+        "given to pl.CostEstimate; the Triton kernels move the same bytes)\npeaks: " + "; ".join(notes)
+    )

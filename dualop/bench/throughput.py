@@ -30,6 +30,7 @@ from dualop.bench.cases import ITEMSIZE, BenchCase
 from dualop.bench.memory import ALLOCATOR_REUSE
 from dualop.bench.roofline import check_device, predict
 from dualop.bench.timing import COPY_ENTRY, check_counts, copy_fn, measure, median, paired_ratio, relative_range
+from dualop.config import OpsConfig, set_config
 
 __all__ = [
     "IMPLS",
@@ -58,6 +59,8 @@ FRONTEND_IMPLS: dict[str, tuple[str, ...]] = {
 FRONTENDS: tuple[str, ...] = tuple(FRONTEND_IMPLS)
 # Named sizes of x: (tokens, hidden) for norms, (tokens, 2 * d) for gated activations.
 SIZES: dict[str, tuple[int, int]] = {"small": (4096, 4096), "large": (16384, 4096)}
+# ``dualop-native``: every op takes forward_native.
+NATIVE_CONFIG = OpsConfig(["none"])
 # With freed memory reused, up to this many extra warm-up rounds while the heap still grows (page
 # faults) to the case's working set; with the system allocator every round faults, so none.
 SETTLE_ROUNDS = 8
@@ -116,12 +119,8 @@ def check_frontends(names: Iterable[str]) -> list[str]:
 def _torch_impls(case: BenchCase, op: Any, wanted: Iterable[str]) -> dict[str, Callable[..., Any]]:
     import torch
 
-    from dualop.config import OpsConfig, set_config
-
-    native_cfg = OpsConfig(["none"])
-
     def dualop_native(*args: Any) -> Any:
-        with set_config(native_cfg):
+        with set_config(NATIVE_CONFIG):
             return op(*args)
 
     def compiled() -> Callable[..., Any]:
@@ -160,9 +159,7 @@ def _method(op: Any, frontend: str, impl: str) -> str | None:
     if impl == "dualop-default":
         return op.dispatched_method(frontend)
     if impl == "dualop-native":
-        from dualop.config import OpsConfig, set_config
-
-        with set_config(OpsConfig(["none"])):
+        with set_config(NATIVE_CONFIG):
             return op.dispatched_method(frontend)
     return None
 
