@@ -287,6 +287,29 @@ def test_measure_applies_sync_inside_and_counts_warmup():
     assert synced == [41] * 4 and samples.warmup_rounds == 2 and len(samples.times["x"]) == 2
 
 
+def test_warmup_settles_until_a_whole_rotation_is_free_of_page_faults(monkeypatch):
+    """With ``settle``, warm-up goes on until one round per entry ran without page faults (the heap
+    has grown to the working set), and never beyond ``warmup + settle`` rounds."""
+    counter = {"faults": 0, "calls": 0}
+
+    def fake_faults() -> int:
+        return counter["faults"]
+
+    def fn() -> None:  # the first 5 calls each fault in 1000 pages, then none
+        counter["calls"] += 1
+        if counter["calls"] <= 5:
+            counter["faults"] += 1000
+
+    monkeypatch.setattr(timing, "_minor_faults", fake_faults)
+    samples = timing.measure({"a": fn, "b": lambda: None}, rounds=2, warmup=1, settle=10)
+    # fn runs once per round: 5 faulting rounds, then two clean ones (one per entry) end the warm-up
+    assert samples.warmup_rounds == 5 + 2
+    assert samples.faults == {"a": [0, 0], "b": [0, 0]}
+    counter.update(faults=0, calls=-100)  # fn now faults on every call for 100 calls
+    assert timing.measure({"a": fn}, rounds=1, warmup=1, settle=3).warmup_rounds == 1 + 3
+    assert timing.measure({"a": fn}, rounds=1, warmup=2, settle=0).warmup_rounds == 2
+
+
 def test_statistics_helpers():
     assert timing.relative_range([1.0, 2.0, 3.0]) == pytest.approx(1.0)
     assert timing.paired_ratio([2.0, 4.0, 9.0], [1.0, 2.0, 3.0]) == 2.0

@@ -63,7 +63,7 @@ SIZES: dict[str, tuple[int, int]] = {"small": (4096, 4096), "large": (16384, 409
 NATIVE_CONFIG = OpsConfig(["none"])
 # With freed memory reused, up to this many extra warm-up rounds while the heap still grows (page
 # faults) to the case's working set; with the system allocator every round faults, so none.
-SETTLE_ROUNDS = 8
+SETTLE_ROUNDS = 12
 _EXPLICIT_SIZE = re.compile(r"([1-9][0-9]*)x([1-9][0-9]*)")
 
 

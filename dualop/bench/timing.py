@@ -71,8 +71,9 @@ def measure(
     settle: int = 0,
 ) -> Samples:
     """Run every fn once per round: ``warmup`` untimed rounds, up to ``settle`` more untimed ones
-    while the last one still page-faulted (``SETTLED_FAULTS``; the heap is still growing to the
-    working set), then ``rounds`` timed ones.
+    until a whole rotation of rounds (one per entry, so every order was seen) ran without page
+    faults (``SETTLED_FAULTS``; until then the heap is still growing to the working set), then
+    ``rounds`` timed ones.
 
     Round ``r`` starts at entry ``r mod n`` and goes round the list (A B C, B C A, C A B, ...), so
     no entry always follows the same neighbour. ``sync(result)`` runs inside the timed region (for
@@ -108,11 +109,12 @@ def measure(
             faulted[name] = f1 - f0 if counting else 0
         return elapsed, faulted
 
-    r = 0
+    r = clean = 0
     while r < warmup + settle:
         _, faulted = one_round(r)
         r += 1
-        if r >= warmup and max(faulted.values()) <= SETTLED_FAULTS:
+        clean = clean + 1 if max(faulted.values()) <= SETTLED_FAULTS else 0
+        if r >= warmup and clean >= len(names):
             break
     warmup_rounds = r
     times: dict[str, list[float]] = {n: [] for n in names}
