@@ -7,19 +7,13 @@ import json
 import sys
 from typing import Any
 
+from dualop.bench.report import table as _table
+
 __all__ = ["main"]
 
 
 def _csv(value: str) -> list[str]:
     return [v.strip() for v in value.split(",") if v.strip()]
-
-
-def _table(rows: list[dict[str, Any]], columns: list[str]) -> str:
-    cells = [columns] + [[str(r.get(c, "")) for c in columns] for r in rows]
-    widths = [max(len(row[i]) for row in cells) for i in range(len(columns))]
-    out = ["  ".join(v.ljust(w) for v, w in zip(row, widths)).rstrip() for row in cells]
-    out.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(out)
 
 
 def _available_frontends(requested: list[str] | None) -> list[str]:
@@ -108,18 +102,84 @@ def cmd_check(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from dualop import bench
+    """Throughput against peers with the copy roofline, then dispatch overhead; or, with
+    ``--roofline-only``, predicted times on an accelerator from the kernels' cost models."""
+    from dualop.bench import cases as bench_cases
+    from dualop.bench import memory, roofline, throughput, timing
 
-    records = bench.dispatch_overhead(
-        frontends=_available_frontends(_csv(args.frontends) if args.frontends else ["torch", "jax"]),
-        rounds=args.rounds,
-        progress=not args.no_progress,
-    )
+    # Validate every argument before anything is allocated or imported.
+    timing.check_counts(args.rounds, args.warmup)
+    cases = bench_cases.select_cases(_csv(args.ops) if args.ops is not None else None)
+    shapes = throughput.parse_sizes(_csv(args.sizes) if args.sizes is not None else list(throughput.SIZES))
+    dtypes = throughput.check_dtypes(_csv(args.dtypes) if args.dtypes is not None else ["float32", "bfloat16"])
+    if args.device is not None:
+        roofline.check_device(args.device)
+
+    if args.roofline_only:
+        devices = [args.device] if args.device else list(roofline.DEVICES)
+        records = [roofline.predict(c, s, d, dev) for dev in devices for c in cases for s in shapes for d in dtypes]
+        if args.json:
+            with open(args.json, "w") as fh:
+                json.dump(records, fh, indent=2)
+        print(roofline.format_roofline(records))
+        return 0
+
+    impls = throughput.check_impls(_csv(args.impls)) if args.impls is not None else None
+    requested = throughput.check_frontends(_csv(args.frontends)) if args.frontends is not None else list(throughput.FRONTENDS)
+    if args.plot:
+        from dualop.bench import plot
+
+        plot.check_path(args.plot)
+        try:
+            plot.require_matplotlib()
+        except ImportError as err:
+            print(f"dualop bench: {err}", file=sys.stderr)
+            return 2
+
+    # Before torch or jax start their threads (see dualop/bench/memory.py).
+    allocator = memory.ALLOCATOR_SYSTEM
+    if not args.system_malloc:
+        if memory.reuse_freed_memory():
+            allocator = memory.ALLOCATOR_REUSE
+        else:
+            print("dualop bench: the C library is not glibc; running on the system allocator "
+                  "(preload tcmalloc or jemalloc for numbers not bound by page faults)", file=sys.stderr)
+    frontends = _available_frontends(requested)
+    if not frontends:
+        print(f"dualop bench: none of the frontends {', '.join(requested)} can be imported here", file=sys.stderr)
+        return 2
+
+    records: list[dict[str, Any]] = []
+    if not args.dispatch_only:
+        records += throughput.run_throughput(
+            cases, shapes, dtypes, frontends, impls=impls, rounds=args.rounds, warmup=args.warmup,
+            allocator=allocator, progress=not args.no_progress, device=args.device,
+        )
+    if not args.no_dispatch:
+        records += _bench_dispatch(frontends, args.rounds, not args.no_progress)
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(records, fh, indent=2)
-    print(bench.format_dispatch(records))
+    if args.plot:
+        from dualop.bench.plot import plot_throughput
+
+        plot_throughput(records, args.plot)
+    from dualop.bench import format_dispatch, format_throughput
+
+    parts = [] if args.dispatch_only else [format_throughput(records)]
+    dispatch = [r for r in records if r.get("op") == "dispatch"]
+    if dispatch:
+        parts.append(format_dispatch(dispatch))
+    print("\n\n".join(parts))
     return 0
+
+
+def _bench_dispatch(frontends: list[str], rounds: int, progress: bool) -> list[dict[str, Any]]:
+    """Dispatch-overhead records for the frontends it measures (torch, jax)."""
+    from dualop import bench
+
+    return bench.dispatch_overhead(frontends=[f for f in frontends if f in ("torch", "jax")], rounds=rounds,
+                                   progress=progress)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -149,11 +209,38 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--no-progress", action="store_true", help="no progress bar")
     s.set_defaults(fn=cmd_check)
 
-    s = sub.add_parser("bench", help="measure dispatch overhead against the reference engine's pattern")
+    s = sub.add_parser(
+        "bench",
+        help="throughput against torch/jax peers with the copy roofline, and dispatch overhead",
+        description="Time each op's implementations and the peers a user would pick instead, interleaved, "
+                    "against the copy bandwidth measured in the same rounds; then dispatch overhead. "
+                    "--roofline-only: predicted times on an accelerator from the kernels' cost models.",
+    )
+    s.add_argument("--ops", help="comma-separated case labels or op names (default: "
+                                 "rms_norm, rms_norm[residual], gemma_rms_norm, silu_and_mul, gelu_and_mul; "
+                                 "also mul_and_silu, gelu_tanh_and_mul, gelu_new, quick_gelu, relu2)")
+    s.add_argument("--sizes", help="comma-separated: small (4096x4096), large (16384x4096) or ROWSxCOLS, the "
+                                   "shape of x (default: small,large)")
+    s.add_argument("--dtypes", help="comma-separated: float32, bfloat16, float16 (default: float32,bfloat16)")
     s.add_argument("--frontends", help="comma-separated: torch, jax (default: both where importable)")
-    s.add_argument("--rounds", type=int, default=7, help="interleaved rounds (default 7)")
+    s.add_argument("--impls", help="comma-separated: dualop-default, dualop-native, torch-eager, torch-compile, "
+                                   "torch-builtin, jax-handwritten (default: all)")
+    s.add_argument("--rounds", type=int, default=7, help="timed interleaved rounds (default 7)")
+    s.add_argument("--warmup", type=int, default=2, help="untimed rounds first (default 2)")
     s.add_argument("--json", metavar="FILE", help="also write the records as JSON to FILE")
+    s.add_argument("--plot", metavar="FILE.png", help="draw GB/s per case and implementation against the copy "
+                                                      "roofline (needs matplotlib: dualop[bench])")
     s.add_argument("--no-progress", action="store_true", help="no progress bar")
+    s.add_argument("--system-malloc", action="store_true",
+                   help="keep the C allocator's defaults (page faults on every fresh output) instead of "
+                        "making glibc reuse freed memory")
+    s.add_argument("--device", help="tpu-v5e, tpu-v6e or h100: with --roofline-only, the device to predict "
+                                    "for (default: all); when timing, add its predicted time to each record")
+    mode = s.add_mutually_exclusive_group()
+    mode.add_argument("--roofline-only", action="store_true",
+                      help="no timing: print each case's bytes, flops and predicted time on --device")
+    mode.add_argument("--no-dispatch", action="store_true", help="skip the dispatch-overhead measurement")
+    mode.add_argument("--dispatch-only", action="store_true", help="only the dispatch-overhead measurement")
     s.set_defaults(fn=cmd_bench)
     return p
 

@@ -13,6 +13,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from dualop.kernels.cost import KernelCost
+
 __all__ = [
     "RowBlocks",
     "row_blocks",
@@ -20,6 +22,7 @@ __all__ = [
     "interpret_mode",
     "ENV_INTERPRET",
     "to_rows",
+    "cost_estimate",
 ]
 
 ENV_INTERPRET = "DUALOP_PALLAS_INTERPRET"
@@ -140,3 +143,8 @@ def rowwise_batching(call, n_rowwise: int):
         return out, jax.tree.map(lambda _: True, out)
 
     return batched_call
+
+
+def cost_estimate(cost: KernelCost) -> pl.CostEstimate:
+    """The ``pl.CostEstimate`` of a kernel's cost model (``dualop/kernels/cost.py``)."""
+    return pl.CostEstimate(**dataclasses.asdict(cost))

@@ -24,7 +24,8 @@ from jax.experimental import pallas as pl
 
 from dualop.backends.xla import array_api as xp
 from dualop.kernels.gate_math import GateSpec, apply_gate, gate_and_up
-from dualop.kernels.pallas.common import compiler_params, row_blocks, rowwise_batching, to_rows
+from dualop.kernels import cost as cost_model
+from dualop.kernels.pallas.common import compiler_params, cost_estimate, row_blocks, rowwise_batching, to_rows
 
 __all__ = ["gated_activation", "gated_activation_reference", "gated_activation_cost", "GateSpec"]
 
@@ -39,13 +40,8 @@ def gated_activation_reference(x, *, spec: GateSpec = GateSpec()):
 
 
 def gated_activation_cost(rows: int, d: int, itemsize: int, spec: GateSpec = GateSpec()) -> pl.CostEstimate:
-    n = rows * d
-    transcendental = spec.activation in ("silu", "gelu", "gelu_tanh", "swigluoai")
-    return pl.CostEstimate(
-        flops=n * (8 if spec.sparsity else 6),
-        transcendentals=n if transcendental else 0,
-        bytes_accessed=3 * n * itemsize,
-    )
+    """Bytes and flops one call must move and do (``kernels/cost.py``), as a ``pl.CostEstimate``."""
+    return cost_estimate(cost_model.gated_activation_cost(rows, d, itemsize, spec))
 
 
 def _two_input_kernel(g_ref, u_ref, o_ref, *, spec: GateSpec):

@@ -27,9 +27,11 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from dualop.kernels import cost as cost_model
 from dualop.kernels.pallas.common import (
     VMEM_BLOCK_BUDGET,
     compiler_params,
+    cost_estimate,
     row_blocks,
     rowwise_batching,
     sublane_tile,
@@ -80,14 +82,16 @@ def _xielu(x, a_p, a_n, *, beta: float, eps: float):
     return jnp.where(x > 0.0, pos, neg)
 
 
-# name -> (float32 activation, flops per element, transcendentals per element)
-ACTIVATIONS = {
-    "gelu_new": (_gelu_new, 9, 1),
-    "gelu_fast": (_gelu_fast, 9, 1),
-    "quick_gelu": (_quick_gelu, 4, 1),
-    "relu2": (_relu2, 2, 0),
-    "xielu": (_xielu, 12, 2),
+_FUNCTIONS = {
+    "gelu_new": _gelu_new,
+    "gelu_fast": _gelu_fast,
+    "quick_gelu": _quick_gelu,
+    "relu2": _relu2,
+    "xielu": _xielu,
 }
+# name -> (float32 activation, flops per element, transcendentals per element); the counts are the
+# cost model's (kernels/cost.py).
+ACTIVATIONS = {name: (fn, *cost_model.POINTWISE_COUNTS[name]) for name, fn in _FUNCTIONS.items()}
 # Activations that take (alpha_p, alpha_n) arrays and (beta, eps) statics.
 PARAMETRIC = frozenset({"xielu"})
 
@@ -112,10 +116,8 @@ def pointwise_activation_reference(x, alpha_p=None, alpha_n=None, *, activation:
 
 
 def pointwise_activation_cost(n: int, itemsize: int, activation: str) -> pl.CostEstimate:
-    """One read and one write of every element (plus the two xIELU scalars)."""
-    _, flops, trans = ACTIVATIONS[activation]
-    extra = 8 if activation in PARAMETRIC else 0
-    return pl.CostEstimate(flops=n * flops, transcendentals=n * trans, bytes_accessed=2 * n * itemsize + extra)
+    """One read and one write of every element (``kernels/cost.py``), as a ``pl.CostEstimate``."""
+    return cost_estimate(cost_model.pointwise_activation_cost(n, itemsize, activation))
 
 
 def pointwise_layout(shape: tuple[int, ...], dtype) -> tuple[int, int]:

@@ -34,7 +34,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from dualop.kernels.pallas.common import compiler_params, row_blocks, rowwise_batching, to_rows
+from dualop.kernels import cost as cost_model
+from dualop.kernels.pallas.common import compiler_params, cost_estimate, row_blocks, rowwise_batching, to_rows
 
 __all__ = ["quant_fp8", "quant_fp8_reference", "quant_fp8_cost", "round_to_e4m3", "div_by_fp8_max", "FP8_MAX", "MIN_SCALE"]
 
@@ -101,9 +102,8 @@ def quant_fp8_reference(x, scale=None, scale_ub=None, *, granularity: str = "ten
 
 
 def quant_fp8_cost(rows: int, hidden: int, itemsize: int, n_scales: int) -> pl.CostEstimate:
-    """Read x once, write x_q (one byte per element) and the float32 scales once."""
-    n = rows * hidden
-    return pl.CostEstimate(flops=6 * n, transcendentals=0, bytes_accessed=n * (itemsize + 1) + 4 * n_scales)
+    """Read x once, write x_q and the scales once (``kernels/cost.py``), as a ``pl.CostEstimate``."""
+    return cost_estimate(cost_model.quant_fp8_cost(rows, hidden, itemsize, n_scales))
 
 
 # ---------------------------------------------------------------------------------- kernels

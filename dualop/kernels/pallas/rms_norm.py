@@ -22,7 +22,8 @@ from jax.experimental import pallas as pl
 
 from dualop.backends.xla import array_api as xp
 from dualop.kernels.norm_math import NormSpec, rms_normalize
-from dualop.kernels.pallas.common import compiler_params, row_blocks, rowwise_batching, to_rows
+from dualop.kernels import cost as cost_model
+from dualop.kernels.pallas.common import compiler_params, cost_estimate, row_blocks, rowwise_batching, to_rows
 
 __all__ = ["rms_norm", "rms_norm_reference", "rms_norm_cost"]
 
@@ -39,12 +40,8 @@ def rms_norm_reference(x, weight=None, residual=None, *, spec: NormSpec = NormSp
 
 
 def rms_norm_cost(rows: int, hidden: int, itemsize: int, has_weight: bool, has_residual: bool) -> pl.CostEstimate:
-    """Bytes and flops one call must move and do (read inputs once, write outputs once)."""
-    n = rows * hidden
-    reads = n * itemsize * (2 if has_residual else 1) + (hidden * itemsize if has_weight else 0)
-    writes = n * itemsize * (2 if has_residual else 1)
-    flops = n * (3 + (1 if has_weight else 0) + (1 if has_residual else 0))
-    return pl.CostEstimate(flops=flops, transcendentals=rows, bytes_accessed=reads + writes)
+    """Bytes and flops one call must move and do (``kernels/cost.py``), as a ``pl.CostEstimate``."""
+    return cost_estimate(cost_model.rms_norm_cost(rows, hidden, itemsize, has_weight, has_residual))
 
 
 def _kernel(*refs, spec: NormSpec, has_weight: bool, has_residual: bool):

@@ -23,7 +23,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from dualop.kernels.pallas.common import compiler_params, row_blocks, rowwise_batching, to_rows
+from dualop.kernels import cost as cost_model
+from dualop.kernels.pallas.common import compiler_params, cost_estimate, row_blocks, rowwise_batching, to_rows
 
 __all__ = ["rms_norm_gated", "rms_norm_gated_reference", "rms_norm_gated_cost"]
 
@@ -52,14 +53,8 @@ def rms_norm_gated_reference(x, weight, z=None, *, eps: float = 1e-5, group_size
 
 def rms_norm_gated_cost(rows: int, hidden: int, group_size: int, itemsize: int, weight_itemsize: int,
                         has_z: bool) -> pl.CostEstimate:
-    """Bytes and flops one call must move and do (read inputs once, write the output once)."""
-    n = rows * hidden
-    reads = n * itemsize * (2 if has_z else 1) + hidden * weight_itemsize
-    writes = n * itemsize
-    # x*x, sum, x*inv_rms, *weight (+ z*sigmoid(z), and the gate product)
-    flops = n * (4 + (3 if has_z else 0))
-    transcendentals = rows * (hidden // group_size) + (n if has_z else 0)  # rsqrt per group, sigmoid
-    return pl.CostEstimate(flops=flops, transcendentals=transcendentals, bytes_accessed=reads + writes)
+    """Bytes and flops one call must move and do (``kernels/cost.py``), as a ``pl.CostEstimate``."""
+    return cost_estimate(cost_model.rms_norm_gated_cost(rows, hidden, group_size, itemsize, weight_itemsize, has_z))
 
 
 def _inv_rms(h, *, eps: float, group: int):

@@ -1,0 +1,300 @@
+"""What ``dualop bench`` times: one ``BenchCase`` per way of calling an op, with the peers a user
+would pick instead of dualop (a torch built-in, a hand-written ``jax.numpy`` function).
+
+A case's ``shape`` is always the shape of the main input ``x``: ``(N, hidden)`` for a norm,
+``(N, 2d)`` for a gated activation (whose output is ``(N, d)``). Its bytes and flops come from the
+kernel's own cost model (``dualop/kernels/cost.py``), so measured GB/s and the device roofline
+predictions count the same bytes. Importing this module imports neither torch nor jax.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import numpy as np
+
+from dualop.kernels import cost as cost_model
+from dualop.kernels.cost import KernelCost
+
+__all__ = ["BenchCase", "CASES", "DEFAULT_CASES", "ITEMSIZE", "select_cases", "rows_of"]
+
+# The dtypes the bench runs, and their bytes per element (for the cost model, without a framework).
+ITEMSIZE: dict[str, int] = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def rows_of(shape: tuple[int, ...]) -> int:
+    """Rows of a row-wise op: the product of every dim but the last."""
+    return math.prod(shape[:-1])
+
+
+@dataclasses.dataclass(frozen=True)
+class BenchCase:
+    """One way to call one op.
+
+    label: the name in tables and ``--ops`` (``rms_norm[residual]``); op_name: the registered op's
+    name (``--ops`` matches either). make_op(hidden): the op for inputs whose last dim is
+    ``hidden``. make_inputs(shape, rng): float32 numpy positional arguments. cost(op, shape,
+    itemsize): the kernel's cost model for one call. torch_builtin(op) / jax_handwritten(op): the
+    peer's function, called with the same arguments as the op, or None when there is none.
+    default: run when ``--ops`` is not given.
+    """
+
+    label: str
+    op_name: str
+    make_op: Callable[[int], Any]
+    make_inputs: Callable[[tuple[int, ...], np.random.Generator], tuple]
+    cost: Callable[[Any, tuple[int, ...], int], KernelCost]
+    torch_builtin: Callable[[Any], Callable[..., Any]] | None = None
+    jax_handwritten: Callable[[Any], Callable[..., Any]] | None = None
+    default: bool = True
+
+    def kernel_cost(self, shape: tuple[int, ...], dtype: str) -> KernelCost:
+        """The cost model's numbers for one call on ``x`` of ``shape`` in ``dtype``."""
+        return self.cost(self.make_op(shape[-1]), tuple(shape), ITEMSIZE[dtype])
+
+    def bytes_moved(self, shape: tuple[int, ...], itemsize: int) -> int:
+        """Bytes one call must move: every input read once, every output written once."""
+        return self.cost(self.make_op(shape[-1]), tuple(shape), itemsize).bytes_accessed
+
+    def inputs(self, shape: tuple[int, ...], dtype: str, frontend: str, rng: np.random.Generator) -> tuple:
+        """The positional arguments as ``frontend`` arrays in ``dtype``."""
+        from dualop.testing import to_frontend
+
+        return tuple(to_frontend(a, frontend, dtype) for a in self.make_inputs(tuple(shape), rng))
+
+
+# --- inputs ------------------------------------------------------------------------------------
+
+
+def _normal(shape: tuple[int, ...], rng: np.random.Generator, scale: float = 1.0) -> np.ndarray:
+    out = rng.standard_normal(shape, dtype=np.float32)
+    if scale != 1.0:
+        out *= np.float32(scale)
+    return out
+
+
+def _norm_inputs(residual: bool) -> Callable[[tuple[int, ...], np.random.Generator], tuple]:
+    """x (scale 3), a weight around 1, and a residual when asked (as the op's own check cases)."""
+
+    def make(shape, rng):
+        x = _normal(shape, rng, 3.0)
+        w = 1.0 + _normal(shape[-1:], rng, 0.5)
+        return (x, w, _normal(shape, rng)) if residual else (x, w)
+
+    return make
+
+
+def _x_only(shape, rng):
+    return (_normal(shape, rng, 3.0),)
+
+
+# --- costs -------------------------------------------------------------------------------------
+
+
+def _norm_cost(residual: bool) -> Callable[[Any, tuple[int, ...], int], KernelCost]:
+    def cost(op, shape, itemsize):
+        return cost_model.rms_norm_cost(rows_of(shape), shape[-1], itemsize, True, residual)
+
+    return cost
+
+
+def _gated_cost(op, shape, itemsize) -> KernelCost:
+    return cost_model.gated_activation_cost(rows_of(shape), shape[-1] // 2, itemsize, op.spec)
+
+
+def _pointwise_cost(activation: str) -> Callable[[Any, tuple[int, ...], int], KernelCost]:
+    def cost(op, shape, itemsize):
+        return cost_model.pointwise_activation_cost(math.prod(shape), itemsize, activation)
+
+    return cost
+
+
+# --- ops ---------------------------------------------------------------------------------------
+
+
+def _rms_norm(hidden: int):
+    from dualop.ops import RMSNorm
+
+    return RMSNorm(hidden)
+
+
+def _gemma_rms_norm(hidden: int):
+    from dualop.ops import GemmaRMSNorm
+
+    return GemmaRMSNorm(hidden)
+
+
+def _parameterless(cls_name: str, *args: Any) -> Callable[[int], Any]:
+    def make(hidden: int):
+        import dualop.ops
+
+        return getattr(dualop.ops, cls_name)(*args)
+
+    return make
+
+
+# --- torch built-ins: what a user calls instead (torch.nn.functional) ---------------------------
+
+
+def _torch_rms_norm(residual: bool):
+    def builtin(op):
+        import torch.nn.functional as F
+
+        shape, eps = (op.hidden_size,), op.eps
+        if not residual:
+            return lambda x, w: F.rms_norm(x, shape, w, eps)
+
+        def fused(x, w, r):
+            s = x + r
+            return F.rms_norm(s, shape, w, eps), s
+
+        return fused
+
+    return builtin
+
+
+def _torch_gemma_rms_norm(op):
+    import torch.nn.functional as F
+
+    shape, eps = (op.hidden_size,), op.eps
+
+    def gemma(x, w):
+        return (F.rms_norm(x.float(), shape, None, eps) * (1.0 + w.float())).to(x.dtype)
+
+    return gemma
+
+
+def _torch_gated(activation: str, act_on_first: bool = True, **kw: Any):
+    def builtin(op):
+        import torch.nn.functional as F
+
+        act = getattr(F, activation)
+
+        def gated(x):
+            d = x.shape[-1] // 2
+            a, b = x[..., :d], x[..., d:]
+            return act(a, **kw) * b if act_on_first else a * act(b, **kw)
+
+        return gated
+
+    return builtin
+
+
+def _torch_gelu_new(op):
+    import torch.nn.functional as F
+
+    return lambda x: F.gelu(x, approximate="tanh")
+
+
+def _torch_relu2(op):
+    import torch
+    import torch.nn.functional as F
+
+    return lambda x: torch.square(F.relu(x))
+
+
+# --- hand-written jax.numpy: what a user writes (upcast to float32, compute, cast back) ----------
+
+
+def _jax_rms_norm(residual: bool, gemma: bool = False):
+    """Llama's RMSNorm (round to x's dtype, then times the weight), or Gemma's (times 1 + weight in
+    float32, one cast); with a residual, the float32 sum is normalised and returned cast."""
+
+    def handwritten(op):
+        import jax
+        import jax.numpy as jnp
+
+        eps = op.eps
+
+        def normalise(xf, w, dtype):
+            y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+            if gemma:
+                return (y * (1.0 + w.astype(jnp.float32))).astype(dtype)
+            return y.astype(dtype) * w
+
+        if not residual:
+            return lambda x, w: normalise(x.astype(jnp.float32), w, x.dtype)
+
+        def fused(x, w, r):
+            s = x.astype(jnp.float32) + r.astype(jnp.float32)
+            return normalise(s, w, x.dtype), s.astype(x.dtype)
+
+        return fused
+
+    return handwritten
+
+
+def _jax_gated(act_name: str, act_on_first: bool = True, **kw: Any):
+    def handwritten(op):
+        import jax
+        import jax.numpy as jnp
+
+        act = getattr(jax.nn, act_name)
+
+        def gated(x):
+            d = x.shape[-1] // 2
+            xf = x.astype(jnp.float32)
+            a, b = xf[..., :d], xf[..., d:]
+            return (act(a, **kw) * b if act_on_first else a * act(b, **kw)).astype(x.dtype)
+
+        return gated
+
+    return handwritten
+
+
+def _jax_pointwise(body: Callable[[Any, Any], Any]):
+    """``body(jax, xf)`` on the float32 upcast of x, cast back."""
+
+    def handwritten(op):
+        import jax
+        import jax.numpy as jnp
+
+        return lambda x: body(jax, x.astype(jnp.float32)).astype(x.dtype)
+
+    return handwritten
+
+
+CASES: tuple[BenchCase, ...] = (
+    BenchCase("rms_norm", "rms_norm", _rms_norm, _norm_inputs(False), _norm_cost(False),
+              _torch_rms_norm(False), _jax_rms_norm(False)),
+    BenchCase("rms_norm[residual]", "rms_norm", _rms_norm, _norm_inputs(True), _norm_cost(True),
+              _torch_rms_norm(True), _jax_rms_norm(True)),
+    BenchCase("gemma_rms_norm", "gemma_rms_norm", _gemma_rms_norm, _norm_inputs(False), _norm_cost(False),
+              _torch_gemma_rms_norm, _jax_rms_norm(False, gemma=True)),
+    BenchCase("silu_and_mul", "silu_and_mul", _parameterless("SiluAndMul"), _x_only, _gated_cost,
+              _torch_gated("silu"), _jax_gated("silu")),
+    BenchCase("gelu_and_mul", "gelu_and_mul", _parameterless("GeluAndMul"), _x_only, _gated_cost,
+              _torch_gated("gelu"), _jax_gated("gelu", approximate=False)),
+    # not run by default; ask with --ops
+    BenchCase("mul_and_silu", "mul_and_silu", _parameterless("MulAndSilu"), _x_only, _gated_cost,
+              _torch_gated("silu", act_on_first=False), _jax_gated("silu", act_on_first=False), default=False),
+    BenchCase("gelu_tanh_and_mul", "gelu_and_mul", _parameterless("GeluAndMul", "tanh"), _x_only, _gated_cost,
+              _torch_gated("gelu", approximate="tanh"), _jax_gated("gelu", approximate=True), default=False),
+    BenchCase("gelu_new", "gelu_new", _parameterless("NewGELU"), _x_only, _pointwise_cost("gelu_new"),
+              _torch_gelu_new, _jax_pointwise(lambda jax, x: jax.nn.gelu(x, approximate=True)), default=False),
+    BenchCase("quick_gelu", "quick_gelu", _parameterless("QuickGELU"), _x_only, _pointwise_cost("quick_gelu"),
+              None, _jax_pointwise(lambda jax, x: x * jax.nn.sigmoid(1.702 * x)), default=False),
+    BenchCase("relu2", "relu2", _parameterless("ReLUSquaredActivation"), _x_only, _pointwise_cost("relu2"),
+              _torch_relu2, _jax_pointwise(lambda jax, x: jax.numpy.square(jax.nn.relu(x))), default=False),
+)
+DEFAULT_CASES: tuple[str, ...] = tuple(c.label for c in CASES if c.default)
+
+
+def select_cases(names: Iterable[str] | None = None) -> list[BenchCase]:
+    """The cases whose label or registered op name is in ``names`` (the default cases for None).
+
+    Raises ValueError naming every name that matches no case, and the valid ones.
+    """
+    if names is None:
+        return [c for c in CASES if c.default]
+    if isinstance(names, str):
+        raise TypeError(f"ops must be a list of names, got the string {names!r}")
+    wanted = list(names)
+    unknown = [n for n in wanted if not any(n in (c.label, c.op_name) for c in CASES)]
+    if unknown:
+        valid = sorted({c.label for c in CASES} | {c.op_name for c in CASES})
+        raise ValueError(f"--ops: unknown {', '.join(map(repr, unknown))}; valid: {', '.join(valid)}")
+    return [c for c in CASES if c.label in wanted or c.op_name in wanted]

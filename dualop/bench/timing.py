@@ -1,0 +1,191 @@
+"""Interleaved timing: every implementation runs once per round, in a rotating order, so the drift
+of a noisy machine (other tenants, frequency changes, a background job) hits all of them alike;
+statistics are taken over rounds, and ratios are taken round by round, so the drift cancels.
+
+Also the machine's copy bandwidth, measured as one more entry of the same rounds: the roofline an
+op that must read its inputs and write its outputs once can at best reach on this machine.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import statistics
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+__all__ = [
+    "Samples",
+    "measure",
+    "interleaved",
+    "median",
+    "relative_range",
+    "paired_ratio",
+    "copy_fn",
+    "COPY_ENTRY",
+    "check_counts",
+]
+
+# The name of the copy entry added to a case's rounds (never an implementation's name).
+COPY_ENTRY = "copy"
+
+
+def _minor_faults() -> int | None:
+    """Minor page faults of this process so far (all threads), or None where getrusage is missing."""
+    try:
+        import resource
+    except ImportError:  # Windows
+        return None
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
+@dataclasses.dataclass
+class Samples:
+    """Per-call seconds, and minor page faults per call (None where the OS cannot count them), for
+    each entry, one value per timed round; ``warmup_rounds``: the untimed rounds actually run."""
+
+    times: dict[str, list[float]]
+    faults: dict[str, list[int]] | None
+    warmup_rounds: int
+
+
+def check_counts(rounds: Any, warmup: Any) -> None:
+    """Raise ValueError unless ``rounds`` is a positive int and ``warmup`` a non-negative one."""
+    if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 1:
+        raise ValueError(f"rounds must be a positive int, got {rounds!r}")
+    if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
+        raise ValueError(f"warmup must be a non-negative int, got {warmup!r}")
+
+
+# A warm-up round is settled when no entry faulted in more than this many pages (1 MiB of 4 KiB
+# pages): stray faults of the interpreter's own growth, not a fresh output.
+SETTLED_FAULTS = 256
+
+
+def measure(
+    fns: Mapping[str, Callable[[], Any]],
+    rounds: int,
+    warmup: int,
+    sync: Callable[[Any], Any] | None = None,
+    settle: int = 0,
+) -> Samples:
+    """Run every fn once per round: ``warmup`` untimed rounds, up to ``settle`` more untimed ones
+    until a whole rotation of rounds (one per entry, so every order was seen) ran without page
+    faults (``SETTLED_FAULTS``; until then the heap is still growing to the working set), then
+    ``rounds`` timed ones.
+
+    Round ``r`` starts at entry ``r mod n`` and goes round the list (A B C, B C A, C A B, ...), so
+    no entry always follows the same neighbour. ``sync(result)`` runs inside the timed region (for
+    JAX: ``jax.block_until_ready``, since dispatch is asynchronous); the result is dropped after the
+    clock stops, so its memory is free for the next entry.
+    """
+    check_counts(rounds, warmup)
+    if isinstance(settle, bool) or not isinstance(settle, int) or settle < 0:
+        raise ValueError(f"settle must be a non-negative int, got {settle!r}")
+    if not isinstance(fns, Mapping) or not fns:
+        raise ValueError(f"fns must be a non-empty mapping of name -> callable, got {fns!r}")
+    for name, fn in fns.items():
+        if not callable(fn):
+            raise TypeError(f"fns[{name!r}] must be callable, got {type(fn).__name__}")
+    names = list(fns)
+    clock = time.perf_counter
+    counting = _minor_faults() is not None
+
+    def one_round(r: int) -> tuple[dict[str, float], dict[str, int]]:
+        k = r % len(names)
+        elapsed: dict[str, float] = {}
+        faulted: dict[str, int] = {}
+        for name in names[k:] + names[:k]:
+            fn = fns[name]
+            f0 = _minor_faults()
+            t0 = clock()
+            out = fn()
+            if sync is not None:
+                sync(out)
+            elapsed[name] = clock() - t0
+            f1 = _minor_faults()
+            del out
+            faulted[name] = f1 - f0 if counting else 0
+        return elapsed, faulted
+
+    r = clean = 0
+    while r < warmup + settle:
+        _, faulted = one_round(r)
+        r += 1
+        clean = clean + 1 if max(faulted.values()) <= SETTLED_FAULTS else 0
+        if r >= warmup and clean >= len(names):
+            break
+    warmup_rounds = r
+    times: dict[str, list[float]] = {n: [] for n in names}
+    faults: dict[str, list[int]] | None = {n: [] for n in names} if counting else None
+    for _ in range(rounds):
+        elapsed, faulted = one_round(r)
+        r += 1
+        for name in names:
+            times[name].append(elapsed[name])
+            if faults is not None:
+                faults[name].append(faulted[name])
+    return Samples(times=times, faults=faults, warmup_rounds=warmup_rounds)
+
+
+def interleaved(
+    fns: Mapping[str, Callable[[], Any]],
+    rounds: int,
+    warmup: int,
+    sync: Callable[[Any], Any] | None = None,
+) -> dict[str, list[float]]:
+    """Seconds per call of each fn, one value per timed round (see ``measure``)."""
+    return measure(fns, rounds, warmup, sync).times
+
+
+def median(values: list[float]) -> float:
+    if not values:
+        raise ValueError("median of no values")
+    return statistics.median(values)
+
+
+def relative_range(values: list[float]) -> float:
+    """The spread the bench reports: ``(max - min) / median`` over the rounds (0 = no spread)."""
+    m = median(values)
+    return (max(values) - min(values)) / m if m > 0 else float("inf")
+
+
+def paired_ratio(a: list[float], b: list[float]) -> float:
+    """Median over rounds of ``a[i] / b[i]``: the two were timed in the same round, so a slow round
+    slows both and cancels in the ratio."""
+    if len(a) != len(b) or not a:
+        raise ValueError(f"paired_ratio needs two equally long non-empty lists, got {len(a)} and {len(b)}")
+    return statistics.median(x / y for x, y in zip(a, b))
+
+
+def copy_fn(shape: tuple[int, ...], dtype: str) -> tuple[Callable[[], Any], int]:
+    """A copy of an array of ``shape`` and ``dtype`` (a torch dtype name) between two preallocated,
+    already touched buffers, and the bytes it moves (twice the array's: one read, one write).
+
+    torch's ``copy_`` when torch is installed: parallel over the intra-op threads, as the ops are,
+    and over the same element count, so it takes the same serial-or-parallel decision the ops'
+    elementwise passes take. Without torch, numpy's ``copyto`` of as many bytes.
+    """
+    shape = tuple(shape)
+    if not shape or any(isinstance(n, bool) or not isinstance(n, int) or n <= 0 for n in shape):
+        raise ValueError(f"copy_fn: shape must be a non-empty tuple of positive ints, got {shape!r}")
+    try:
+        import torch
+    except ImportError:
+        import numpy as np
+
+        from dualop.bench.cases import ITEMSIZE
+
+        if dtype not in ITEMSIZE:
+            raise ValueError(f"copy_fn: dtype must be one of {', '.join(ITEMSIZE)}, got {dtype!r}") from None
+        nbytes = math.prod(shape) * ITEMSIZE[dtype]
+        src_np = np.ones(nbytes, np.uint8)
+        dst_np = np.zeros(nbytes, np.uint8)
+        return (lambda: np.copyto(dst_np, src_np)), 2 * nbytes
+    torch_dtype = getattr(torch, dtype, None)
+    if not isinstance(torch_dtype, torch.dtype):
+        raise ValueError(f"copy_fn: dtype must name a torch dtype, got {dtype!r}")
+    src = torch.ones(shape, dtype=torch_dtype)
+    dst = torch.zeros(shape, dtype=torch_dtype)
+    return (lambda: dst.copy_(src)), 2 * src.nelement() * src.element_size()

@@ -1,0 +1,98 @@
+"""Cost models of dualop's kernels: the bytes each call must move, the flops and transcendentals it
+does. One frontend-neutral place (no jax, torch or triton import), read by three consumers:
+
+- the Pallas kernels, which pass these numbers to ``pl.CostEstimate`` (XLA's scheduler reads them);
+- ``dualop bench``, whose achieved GB/s divides ``bytes_accessed`` by the measured time;
+- ``dualop bench --roofline-only``, which divides them by a device's published peaks.
+
+The Triton kernels read and write the same arrays once each, so the same numbers describe them.
+Bytes count every input read once and every output written once (the roofline minimum), never a
+re-read or a temporary; flops count float32 vector operations per element as written in the kernel.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from dualop.kernels.gate_math import GateSpec
+
+__all__ = [
+    "KernelCost",
+    "rms_norm_cost",
+    "gated_activation_cost",
+    "rms_norm_gated_cost",
+    "pointwise_activation_cost",
+    "quant_fp8_cost",
+    "POINTWISE_COUNTS",
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelCost:
+    """What one kernel call must do: the fields of ``pl.CostEstimate``, by the same names."""
+
+    flops: int
+    transcendentals: int
+    bytes_accessed: int
+
+
+def rms_norm_cost(rows: int, hidden: int, itemsize: int, has_weight: bool, has_residual: bool) -> KernelCost:
+    """RMSNorm: read x (and residual) and the weight, write out (and the new residual); one rsqrt
+    per row."""
+    n = rows * hidden
+    reads = n * itemsize * (2 if has_residual else 1) + (hidden * itemsize if has_weight else 0)
+    writes = n * itemsize * (2 if has_residual else 1)
+    flops = n * (3 + (1 if has_weight else 0) + (1 if has_residual else 0))
+    return KernelCost(flops=flops, transcendentals=rows, bytes_accessed=reads + writes)
+
+
+def gated_activation_cost(rows: int, d: int, itemsize: int, spec: GateSpec = GateSpec()) -> KernelCost:
+    """``act(gate) * up``: read both halves (2d per row), write d per row."""
+    n = rows * d
+    transcendental = spec.activation in ("silu", "gelu", "gelu_tanh", "swigluoai")
+    return KernelCost(
+        flops=n * (8 if spec.sparsity else 6),
+        transcendentals=n if transcendental else 0,
+        bytes_accessed=3 * n * itemsize,
+    )
+
+
+def rms_norm_gated_cost(rows: int, hidden: int, group_size: int, itemsize: int, weight_itemsize: int,
+                        has_z: bool) -> KernelCost:
+    """Gated group RMSNorm: read x (and z) and the weight, write out."""
+    n = rows * hidden
+    reads = n * itemsize * (2 if has_z else 1) + hidden * weight_itemsize
+    writes = n * itemsize
+    # x*x, sum, x*inv_rms, *weight (+ z*sigmoid(z), and the gate product)
+    flops = n * (4 + (3 if has_z else 0))
+    transcendentals = rows * (hidden // group_size) + (n if has_z else 0)  # rsqrt per group, sigmoid
+    return KernelCost(flops=flops, transcendentals=transcendentals, bytes_accessed=reads + writes)
+
+
+# Pointwise activation -> (flops, transcendentals) per element, as the kernel body computes it.
+POINTWISE_COUNTS: dict[str, tuple[int, int]] = {
+    "gelu_new": (9, 1),
+    "gelu_fast": (9, 1),
+    "quick_gelu": (4, 1),
+    "relu2": (2, 0),
+    "xielu": (12, 2),
+}
+# Pointwise activations that also read two float32 scalars (xIELU's slopes).
+_POINTWISE_SCALAR_BYTES = {"xielu": 8}
+
+
+def pointwise_activation_cost(n: int, itemsize: int, activation: str) -> KernelCost:
+    """One read and one write of every element (plus the two xIELU scalars)."""
+    if activation not in POINTWISE_COUNTS:
+        raise ValueError(
+            f"pointwise_activation_cost: activation {activation!r} is not one of {sorted(POINTWISE_COUNTS)}"
+        )
+    flops, trans = POINTWISE_COUNTS[activation]
+    extra = _POINTWISE_SCALAR_BYTES.get(activation, 0)
+    return KernelCost(flops=n * flops, transcendentals=n * trans, bytes_accessed=2 * n * itemsize + extra)
+
+
+def quant_fp8_cost(rows: int, hidden: int, itemsize: int, n_scales: int) -> KernelCost:
+    """Read x once, write x_q (one byte per element) and the float32 scales once."""
+    n = rows * hidden
+    return KernelCost(flops=6 * n, transcendentals=0, bytes_accessed=n * (itemsize + 1) + 4 * n_scales)

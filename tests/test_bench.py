@@ -1,0 +1,368 @@
+"""``dualop bench``: the throughput run, its records, table, JSON and plot; the roofline predictions
+from the kernels' cost models; the interleaved timer; the allocator setting. Every check is on the
+shape and consistency of the output, never on a measured speed."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from dualop import cli
+from dualop.bench import cases as bench_cases
+from dualop.bench import roofline, throughput, timing
+from dualop.kernels import cost as cost_model
+
+torch = pytest.importorskip("torch", reason="torch is part of both test environments (dualop[torch], dualop[jax])")
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+NO_COMPILE = [i for i in throughput.IMPLS if i != "torch-compile"]
+FRONTENDS = [f for f in ("torch", "jax") if cli._available_frontends([f])]
+REQUIRED = {
+    "op": str, "op_name": str, "impl": str, "frontend": str, "shape": list, "dtype": str, "median_s": float,
+    "spread": float, "rounds": int, "bytes": int, "gbps": float, "copy_gbps": float, "roofline_fraction": float,
+    "allocator": str, "minor_faults": (float, int, type(None)), "warmup_rounds": int, "times_s": list,
+}
+
+
+def _python(code: str) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DUALOP_")}
+    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+
+
+# --- the CLI run ---------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def bench_run(tmp_path_factory):
+    """One small CLI run (no torch.compile) with JSON and plot; shared by the tests below."""
+    out = tmp_path_factory.mktemp("bench")
+    json_path, png_path = out / "bench.json", out / "bench.png"
+    argv = ["bench", "--sizes", "64x256", "--rounds", "2", "--warmup", "1", "--ops", "rms_norm,silu_and_mul",
+            "--impls", ",".join(NO_COMPILE), "--json", str(json_path), "--no-progress"]
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        png_path = None  # test_plot_is_a_png skips
+    else:
+        argv += ["--plot", str(png_path)]
+    import contextlib
+    import io
+
+    stdout = io.StringIO()
+    with contextlib.redirect_stdout(stdout):
+        code = cli.main(argv)
+    return code, json.loads(json_path.read_text()), png_path, stdout.getvalue()
+
+
+def test_run_exits_zero_and_prints_both_tables(bench_run):
+    code, _, _, text = bench_run
+    assert code == 0
+    assert "median ms" in text and "% of copy" in text and "vs best peer" in text
+    assert "overhead ns" in text  # the dispatch table follows
+
+
+def test_every_throughput_record_is_complete(bench_run):
+    _, records, _, _ = bench_run
+    timed = [r for r in records if r["op"] != "dispatch"]
+    assert timed and not [r for r in timed if "error" in r], [r["error"] for r in timed if "error" in r]
+    for r in timed:
+        for field, kind in REQUIRED.items():
+            assert isinstance(r[field], kind), (field, r)
+        assert r["impl"] in throughput.IMPLS and r["impl"] != "torch-compile"
+        assert r["shape"] == [64, 256] and r["dtype"] in ("float32", "bfloat16")
+        assert r["gbps"] > 0 and r["copy_gbps"] > 0 and r["roofline_fraction"] > 0
+        assert r["gbps"] == pytest.approx(r["bytes"] / r["median_s"] / 1e9)
+        assert r["roofline_fraction"] == pytest.approx(r["gbps"] / r["copy_gbps"])
+        assert r["allocator"] in ("glibc-reuse", "system")
+        assert len(r["times_s"]) == r["rounds"] == 2 and r["warmup_rounds"] >= 1
+        case = next(c for c in bench_cases.CASES if c.label == r["op"])
+        itemsize = bench_cases.ITEMSIZE[r["dtype"]]
+        assert r["bytes"] == case.bytes_moved(tuple(r["shape"]), itemsize)
+        if r["frontend"] == "jax":
+            assert r["warmup_s"] > 0  # jax.jit compiles on the first call
+        if r["impl"].startswith("dualop-"):
+            assert r["method"].startswith("forward_")
+
+
+def test_cases_impls_and_peers(bench_run):
+    _, records, _, _ = bench_run
+    timed = [r for r in records if r["op"] != "dispatch"]
+    # --ops rms_norm matches the label rms_norm and, by op name, rms_norm[residual]
+    assert {r["op"] for r in timed} == {"rms_norm", "rms_norm[residual]", "silu_and_mul"}
+    assert {r["frontend"] for r in timed} == set(FRONTENDS)
+    for fe in FRONTENDS:
+        impls = {r["impl"] for r in timed if r["frontend"] == fe}
+        assert impls == {i for i in throughput.FRONTEND_IMPLS[fe] if i in NO_COMPILE}
+    for r in timed:
+        best = r["best_peer"]
+        assert best is not None and not best.startswith("dualop-")
+        if r["impl"] == best:
+            assert r["vs_best_peer"] == 1.0
+        assert r["vs_best_peer"] > 0
+
+
+def test_dispatch_records_are_included(bench_run):
+    _, records, _, _ = bench_run
+    dispatch = [r for r in records if r["op"] == "dispatch"]
+    assert {r["frontend"] for r in dispatch} == set(FRONTENDS)
+    for r in dispatch:
+        assert r["overhead_ns"] == pytest.approx(r["call_ns"] - r["direct_ns"])
+        assert "reference_overhead_ns" in r
+
+
+def test_plot_is_a_png(bench_run):
+    _, _, png, _ = bench_run
+    if png is None:
+        pytest.skip("--plot needs matplotlib, the bench extra (dualop[bench]), not installed here")
+    data = png.read_bytes()
+    assert data[:8] == PNG_MAGIC and len(data) > 1000
+
+
+def test_torch_compile_records_its_warmup():
+    recs = throughput.run_throughput(
+        bench_cases.select_cases(["silu_and_mul"]), [(8, 64)], ["float32"], ["torch"],
+        impls=["torch-compile", "torch-eager"], rounds=1, warmup=0, progress=False,
+    )
+    by_impl = {r["impl"]: r for r in recs}
+    assert set(by_impl) == {"torch-compile", "torch-eager"}, recs
+    assert by_impl["torch-compile"]["warmup_s"] > 0 and by_impl["torch-compile"]["gbps"] > 0
+    assert "warmup_s" not in by_impl["torch-eager"]  # nothing compiles on an eager call
+
+
+def test_every_case_and_peer_agrees_with_forward_native():
+    """The peers compute the op's own semantics (rounding of Llama's and Gemma's norms included):
+    a peer that disagrees would be an error record."""
+    recs = throughput.run_throughput(
+        list(bench_cases.CASES), [(8, 64)], ["float32", "bfloat16"], FRONTENDS, impls=NO_COMPILE,
+        rounds=1, warmup=0, progress=False,
+    )
+    assert not [r for r in recs if "error" in r], [(r["op"], r["impl"], r["error"]) for r in recs if "error" in r]
+    peers = {(r["op"], r["impl"]) for r in recs}
+    for case in bench_cases.CASES:
+        assert ((case.label, "torch-builtin") in peers) == (case.torch_builtin is not None)
+        if "jax" in FRONTENDS:
+            assert (case.label, "jax-handwritten") in peers
+
+
+def test_a_peer_that_disagrees_is_an_error_record_not_timed():
+    silu = next(c for c in bench_cases.CASES if c.label == "silu_and_mul")
+    wrong = dataclasses.replace(silu, label="silu_and_mul[wrong peer]",
+                                torch_builtin=lambda op: lambda x: x[..., : x.shape[-1] // 2] * 2)
+    recs = throughput.run_throughput([wrong], [(8, 64)], ["float32"], ["torch"],
+                                     impls=["torch-eager", "torch-builtin"], rounds=1, warmup=0, progress=False)
+    by_impl = {r["impl"]: r for r in recs}
+    assert "disagrees with forward_native" in by_impl["torch-builtin"]["error"]
+    assert by_impl["torch-builtin"]["median_s"] is None
+    assert by_impl["torch-eager"]["gbps"] > 0 and by_impl["torch-eager"]["best_peer"] == "torch-eager"
+    from dualop.bench import format_throughput
+
+    assert "ERROR silu_and_mul[wrong peer] 8x64 float32 torch torch-builtin" in format_throughput(recs)
+
+
+# --- roofline ------------------------------------------------------------------------------------
+
+
+def test_roofline_only_uses_the_pallas_cost_models(tmp_path, capsys):
+    pytest.importorskip("jax", reason="the Pallas modules' cost functions need jax")
+    from dualop.kernels.pallas.gated_activation import gated_activation_cost
+    from dualop.kernels.pallas.rms_norm import rms_norm_cost
+
+    out = tmp_path / "roofline.json"
+    assert cli.main(["bench", "--roofline-only", "--device", "tpu-v5e", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    records = json.loads(out.read_text())
+    seen = {(r["op"], tuple(r["shape"]), r["dtype"]) for r in records}
+    expected = {(c, s, d) for c in bench_cases.DEFAULT_CASES for s in throughput.SIZES.values()
+                for d in ("float32", "bfloat16")}
+    assert seen == expected and len(records) == len(expected)
+    for r in records:
+        rows, hidden = r["shape"]
+        itemsize = bench_cases.ITEMSIZE[r["dtype"]]
+        if r["op_name"] in ("rms_norm", "gemma_rms_norm"):
+            pallas = rms_norm_cost(rows, hidden, itemsize, True, r["op"].endswith("[residual]"))
+        else:
+            op = next(c for c in bench_cases.CASES if c.label == r["op"]).make_op(hidden)
+            pallas = gated_activation_cost(rows, hidden // 2, itemsize, op.spec)
+        assert (r["bytes"], r["flops"], r["transcendentals"]) == (
+            pallas.bytes_accessed, pallas.flops, pallas.transcendentals)
+        assert r["device"] == "tpu-v5e" and r["kernel"] == "pallas"
+        assert r["memory_s"] == pytest.approx(r["bytes"] / 819e9)
+        assert r["predicted_s"] == max(r["memory_s"], r["compute_s"])
+        assert r["bound"] == ("memory" if r["memory_s"] >= r["compute_s"] else "compute")
+    for label in bench_cases.DEFAULT_CASES:
+        assert label in text
+    assert "819 GB/s" in text
+
+
+def test_roofline_only_needs_no_jax():
+    proc = _python(
+        "import sys; sys.modules['jax'] = None\n"
+        "from dualop import cli\n"
+        "code = cli.main(['bench', '--roofline-only', '--device', 'h100', '--sizes', '64x256', '--ops', 'silu_and_mul'])\n"
+        "assert code == 0 and not sys.modules.get('jax'), code\n"
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "h100" in proc.stdout and "triton" in proc.stdout and "silu_and_mul" in proc.stdout
+
+
+def test_pallas_cost_estimates_come_from_the_one_cost_model():
+    pytest.importorskip("jax", reason="the Pallas modules need jax")
+    from dualop.kernels.gate_math import GateSpec
+    from dualop.kernels.pallas import gated_activation, pointwise_activation, quant_fp8, rms_norm, rms_norm_gated
+
+    pairs = [
+        (rms_norm.rms_norm_cost(7, 384, 2, True, True), cost_model.rms_norm_cost(7, 384, 2, True, True)),
+        (gated_activation.gated_activation_cost(7, 128, 4, GateSpec("gelu")),
+         cost_model.gated_activation_cost(7, 128, 4, GateSpec("gelu"))),
+        (rms_norm_gated.rms_norm_gated_cost(7, 384, 128, 2, 4, True),
+         cost_model.rms_norm_gated_cost(7, 384, 128, 2, 4, True)),
+        (pointwise_activation.pointwise_activation_cost(999, 2, "xielu"),
+         cost_model.pointwise_activation_cost(999, 2, "xielu")),
+        (quant_fp8.quant_fp8_cost(7, 256, 2, 14), cost_model.quant_fp8_cost(7, 256, 2, 14)),
+    ]
+    for estimate, cost in pairs:
+        assert (estimate.flops, estimate.transcendentals, estimate.bytes_accessed) == dataclasses.astuple(cost)
+    assert pointwise_activation.ACTIVATIONS["gelu_new"][1:] == cost_model.POINTWISE_COUNTS["gelu_new"]
+
+
+def test_cost_module_imports_no_framework():
+    proc = _python("import sys, dualop.kernels.cost, dualop.bench\n"
+                   "print(sorted(m for m in ('jax', 'torch', 'triton') if m in sys.modules))")
+    assert proc.returncode == 0 and proc.stdout.strip() == "[]", proc.stderr
+
+
+def test_predict_rejects_an_unknown_device():
+    with pytest.raises(ValueError, match="valid: tpu-v5e, tpu-v6e, h100"):
+        roofline.predict(bench_cases.CASES[0], (8, 64), "float32", "a100")
+
+
+# --- bad arguments -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("argv, bad, valid", [
+    (["--roofline-only", "--device", "tpu-v7"], "'tpu-v7'", "tpu-v5e"),
+    (["--ops", "rms_norm,layer_norm"], "'layer_norm'", "silu_and_mul"),
+    (["--sizes", "huge"], "'huge'", "small"),
+    (["--sizes", "0x16"], "'0x16'", "ROWSxCOLS"),
+    (["--dtypes", "float64"], "'float64'", "bfloat16"),
+    (["--impls", "numpy"], "'numpy'", "torch-builtin"),
+    (["--frontends", "torch_xla"], "'torch_xla'", "jax"),
+    (["--plot", "out.svg"], "'out.svg'", ".png"),
+    (["--rounds", "0", "--sizes", "8x64", "--ops", "relu2", "--no-dispatch", "--no-progress"], "0", "positive"),
+])
+def test_bad_arguments_exit_2_naming_the_value_and_the_valid_ones(argv, bad, valid, capsys):
+    assert cli.main(["bench", *argv]) == 2
+    err = capsys.readouterr().err
+    assert bad in err and valid in err, err
+
+
+def test_plot_without_matplotlib_says_how_to_install(monkeypatch):
+    from dualop.bench import plot
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    with pytest.raises(ImportError, match=r"dualop\[bench\]"):
+        plot.require_matplotlib()
+
+
+# --- timing and memory ---------------------------------------------------------------------------
+
+
+def test_interleaved_rotates_the_order_and_times_every_fn_once_per_round():
+    calls: list[str] = []
+    fns = {name: (lambda name=name: calls.append(name)) for name in "abc"}
+    times = timing.interleaved(fns, rounds=3, warmup=1)
+    assert {k: len(v) for k, v in times.items()} == {"a": 3, "b": 3, "c": 3}
+    assert all(t >= 0 for v in times.values() for t in v)
+    assert calls == list("abc" "bca" "cab" "abc")  # one warm-up round, then three timed ones
+
+
+def test_measure_applies_sync_inside_and_counts_warmup():
+    synced: list[object] = []
+    samples = timing.measure({"x": lambda: 41}, rounds=2, warmup=2, sync=synced.append)
+    assert synced == [41] * 4 and samples.warmup_rounds == 2 and len(samples.times["x"]) == 2
+
+
+def test_warmup_settles_until_a_whole_rotation_is_free_of_page_faults(monkeypatch):
+    """With ``settle``, warm-up goes on until one round per entry ran without page faults (the heap
+    has grown to the working set), and never beyond ``warmup + settle`` rounds."""
+    counter = {"faults": 0, "calls": 0}
+
+    def fake_faults() -> int:
+        return counter["faults"]
+
+    def fn() -> None:  # the first 5 calls each fault in 1000 pages, then none
+        counter["calls"] += 1
+        if counter["calls"] <= 5:
+            counter["faults"] += 1000
+
+    monkeypatch.setattr(timing, "_minor_faults", fake_faults)
+    samples = timing.measure({"a": fn, "b": lambda: None}, rounds=2, warmup=1, settle=10)
+    # fn runs once per round: 5 faulting rounds, then two clean ones (one per entry) end the warm-up
+    assert samples.warmup_rounds == 5 + 2
+    assert samples.faults == {"a": [0, 0], "b": [0, 0]}
+    counter.update(faults=0, calls=-100)  # fn now faults on every call for 100 calls
+    assert timing.measure({"a": fn}, rounds=1, warmup=1, settle=3).warmup_rounds == 1 + 3
+    assert timing.measure({"a": fn}, rounds=1, warmup=2, settle=0).warmup_rounds == 2
+
+
+def test_statistics_helpers():
+    assert timing.relative_range([1.0, 2.0, 3.0]) == pytest.approx(1.0)
+    assert timing.paired_ratio([2.0, 4.0, 9.0], [1.0, 2.0, 3.0]) == 2.0
+    with pytest.raises(ValueError, match="equally long"):
+        timing.paired_ratio([1.0], [1.0, 2.0])
+    with pytest.raises(ValueError, match="rounds must be a positive int"):
+        timing.interleaved({"a": lambda: None}, rounds=0, warmup=0)
+    with pytest.raises(TypeError, match="must be callable"):
+        timing.interleaved({"a": 3}, rounds=1, warmup=0)
+
+
+def test_copy_fn_moves_twice_the_array():
+    fn, moved = timing.copy_fn((16, 8), "bfloat16")
+    assert moved == 2 * 16 * 8 * 2
+    assert fn() is not None
+    with pytest.raises(ValueError, match="shape"):
+        timing.copy_fn((0, 8), "float32")
+
+
+@pytest.mark.parametrize("where", ["main", "thread"])
+def test_reuse_freed_memory_returns_a_bool_and_stops_page_faults(where):
+    """In a fresh process (the setting is process-wide and permanent): a second 64 MiB block, after
+    the first is freed, faults in its 16,384 pages again only without the setting, on the main
+    thread and on another thread alike (XLA allocates on its worker threads)."""
+    probe = (
+        "import ctypes, ctypes.util, resource, sys, threading\n"
+        "from dualop.bench.memory import reuse_freed_memory\n"
+        "ok = reuse_freed_memory() if sys.argv[1] == 'reuse' else None\n"
+        "libc = ctypes.CDLL(ctypes.util.find_library('c'))\n"
+        "libc.malloc.restype = ctypes.c_void_p\n"
+        "libc.free.argtypes = [ctypes.c_void_p]\n"
+        "libc.memset.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t]\n"
+        "n, out = 64 << 20, []\n"
+        "def run():\n"
+        "    p = libc.malloc(n); libc.memset(p, 1, n); libc.free(p)\n"
+        "    f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt\n"
+        "    p = libc.malloc(n); libc.memset(p, 1, n)\n"
+        "    out.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0)\n"
+        "if sys.argv[2] == 'thread':\n"
+        "    t = threading.Thread(target=run); t.start(); t.join()\n"
+        "else:\n"
+        "    run()\n"
+        "print(ok, out[0])\n"
+    )
+    results = {}
+    for mode in ("reuse", "system"):
+        env = {k: v for k, v in os.environ.items() if not k.startswith("DUALOP_")}
+        proc = subprocess.run([sys.executable, "-c", probe, mode, where], env=env, capture_output=True, text=True,
+                              timeout=120)
+        assert proc.returncode == 0, proc.stderr
+        ok, faults = proc.stdout.split()
+        results[mode] = (ok, int(faults))
+    ok = results["reuse"][0]
+    assert ok in ("True", "False")
+    if ok == "True":  # glibc
+        assert results["reuse"][1] < 1000 < results["system"][1], results
