@@ -42,6 +42,7 @@ def format_throughput(records: list[dict]) -> str:
             "warm-up s": _fmt(r.get("warmup_s"), ".2f"),
             "faults/call": _fmt(r.get("minor_faults"), ".0f"),
             **({"x predicted": _fmt(r.get("vs_predicted"), ".1f")} if "vs_predicted" in r else {}),
+            "same HLO": {True: "yes", False: "no"}.get(r.get("same_hlo_as_handwritten"), ""),
         }
         for r in timed
     ]
@@ -55,6 +56,8 @@ def format_throughput(records: list[dict]) -> str:
             "% of copy = GB/s / copy GB/s measured in the same rounds; vs best peer = median over rounds "
             "of time / the time in the same round of the peer (torch-*, jax-*) with the lowest median; "
             "warm-up s = the first call (compilation); faults/call = median minor page faults per call; "
+            "same HLO = jax dualop-default compiles to the hand-written version's optimised HLO (names "
+            "and metadata aside); "
             f"allocator: {', '.join(allocators)}"
         )
     for r in errors:
