@@ -56,6 +56,16 @@ inline __attribute__((always_inline)) void store_bf16(uint16_t* p, __m256 lo, __
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm256_packus_epi32(a, b));
 }
 
+// Polynomials by Estrin's scheme (pairs, then pairs of pairs): the same value as Horner's to within
+// rounding, but a dependency chain of log2(degree) steps instead of degree, so more of the loop
+// overlaps in the out-of-order window. Coefficients highest degree first.
+inline __attribute__((always_inline)) __m256 poly5(__m256 t, __m256 t2, const float (&c)[6]) {
+  const __m256 hi = _mm256_fmadd_ps(_mm256_set1_ps(c[0]), t, _mm256_set1_ps(c[1]));
+  const __m256 mid = _mm256_fmadd_ps(_mm256_set1_ps(c[2]), t, _mm256_set1_ps(c[3]));
+  const __m256 lo = _mm256_fmadd_ps(_mm256_set1_ps(c[4]), t, _mm256_set1_ps(c[5]));
+  return _mm256_fmadd_ps(_mm256_fmadd_ps(hi, t2, mid), t2, lo);
+}
+
 // exp(x) for silu's sigmoid: clamped to [-87.3, 88] (so 1 + exp(-g) stays finite and its
 // reciprocal is 0 rather than NaN for g < -88), ~2e-7 relative error inside. NaN propagates.
 inline __attribute__((always_inline)) __m256 exp_clamped(__m256 x) {
@@ -65,12 +75,8 @@ inline __attribute__((always_inline)) __m256 exp_clamped(__m256 x) {
   __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145751953125f), x);
   r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.42860682030941723212e-6f), r);
   // degree 5, fitted here for relative error on |r| <= ln2/2 (1.2e-7, ~2 ulp): enough for sigmoid
-  __m256 p = _mm256_set1_ps(8.333837950e-03f);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.189857794e-02f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.666688638e-01f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.999914257e-01f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+  static constexpr float kExp[] = {8.333837950e-03f, 4.189857794e-02f, 1.666688638e-01f, 4.999914257e-01f, 1.0f, 1.0f};
+  const __m256 p = poly5(r, _mm256_mul_ps(r, r), kExp);
   const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
   return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
 }
@@ -84,48 +90,36 @@ inline __attribute__((always_inline)) __m256 silu(__m256 g) {
   return _mm256_mul_ps(g, r);
 }
 
-// common.h's erf_f32, eight lanes at a time (same fits, same pieces, same special values).
-inline __attribute__((always_inline)) __m256 erf(__m256 x) {
-  const __m256 sign = _mm256_and_ps(x, _mm256_set1_ps(-0.0f));
-  const __m256 a = _mm256_andnot_ps(_mm256_set1_ps(-0.0f), x);
-  const __m256 s = _mm256_mul_ps(a, a);
-  __m256 p = _mm256_set1_ps(8.671101280e-05f);
-  p = _mm256_fmadd_ps(p, s, _mm256_set1_ps(-8.210109188e-04f));
-  p = _mm256_fmadd_ps(p, s, _mm256_set1_ps(5.206660757e-03f));
-  p = _mm256_fmadd_ps(p, s, _mm256_set1_ps(-2.686154979e-02f));
-  p = _mm256_fmadd_ps(p, s, _mm256_set1_ps(1.128373236e-01f));
-  p = _mm256_fmadd_ps(p, s, _mm256_set1_ps(-3.761263602e-01f));
-  p = _mm256_fmadd_ps(p, s, _mm256_set1_ps(1.283791669e-01f));
-  const __m256 small = _mm256_fmadd_ps(a, p, a);
-  const __m256 s_err = _mm256_fmsub_ps(a, a, s);
-  const __m256 mid = _mm256_cmp_ps(a, _mm256_set1_ps(2.25f), _CMP_LT_OQ);
-  const __m256 t = _mm256_blendv_ps(_mm256_mul_ps(_mm256_sub_ps(a, _mm256_set1_ps(3.125f)), _mm256_set1_ps(1.0f / 0.875f)),
-                                    _mm256_mul_ps(_mm256_sub_ps(a, _mm256_set1_ps(1.5625f)), _mm256_set1_ps(1.0f / 0.6875f)),
-                                    mid);
-  static constexpr float kMid[] = {1.006916012e-05f, -4.553677185e-05f, 1.707523025e-04f,
-                                   -6.859192242e-04f, 2.652659602e-03f, -9.677651801e-03f,
-                                   3.321732900e-02f,  -1.062030445e-01f, 3.116486067e-01f};
-  static constexpr float kTail[] = {1.463037968e-06f, -7.129386275e-06f, 3.012932832e-05f,
-                                    -1.368658687e-04f, 6.088605831e-04f, -2.623193713e-03f,
-                                    1.095855286e-02f,  -4.427671030e-02f, 1.724443519e-01f};
-  __m256 q = _mm256_blendv_ps(_mm256_set1_ps(kTail[0]), _mm256_set1_ps(kMid[0]), mid);
-#pragma GCC unroll 16
-  for (int k = 1; k < 9; ++k)
-    q = _mm256_fmadd_ps(q, t, _mm256_blendv_ps(_mm256_set1_ps(kTail[k]), _mm256_set1_ps(kMid[k]), mid));
-  // exp(-s) matters only below a = 4 (s < 16; above, erf is 1): no special values to handle
-  const __m256 e = exp_clamped(_mm256_sub_ps(_mm256_setzero_ps(), s));
-  const __m256 large = _mm256_fnmadd_ps(e, _mm256_mul_ps(q, _mm256_sub_ps(_mm256_set1_ps(1.0f), s_err)),
-                                        _mm256_set1_ps(1.0f));
-  __m256 y = _mm256_blendv_ps(large, small, _mm256_cmp_ps(a, _mm256_set1_ps(0.875f), _CMP_LT_OQ));
-  y = _mm256_blendv_ps(y, _mm256_set1_ps(1.0f), _mm256_cmp_ps(a, _mm256_set1_ps(4.0f), _CMP_GE_OQ));
-  y = _mm256_blendv_ps(y, x, _mm256_cmp_ps(x, x, _CMP_UNORD_Q));
-  return _mm256_or_ps(y, sign);
-}
-
-// gelu(g) = 0.5 g (1 + erf(g / sqrt 2)), the native formula's order of operations.
+// gelu(g) = 0.5 g (1 + erf(g / sqrt 2)), as the native body rounds it: erf(z) = sign(z) (1 - erfc(|z|))
+// in float32, then 1 + erf. erfc(a) = exp(-a^2) Q(t), t = 1 / (1 + a/2), with Q a degree-10 fit in t
+// made here (relative error 7e-9 on a in [0, 10]; past 10 erfc underflows, so a is clamped there).
+// One formula for every a: no branch pieces, no blends. -inf gives NaN and +inf gives inf, as the
+// native formula does.
 inline __attribute__((always_inline)) __m256 gelu(__m256 g) {
-  const __m256 e = erf(_mm256_mul_ps(g, _mm256_set1_ps(0.70710678118654752f)));
-  return _mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(0.5f), g), _mm256_add_ps(_mm256_set1_ps(1.0f), e));
+  static constexpr float kQ[] = {4.599197428e-06f, -1.798114012e-05f, -3.355059666e-05f, 2.459425207e-04f,
+                                 8.701986243e-05f, -2.923667578e-03f, -1.104542312e-03f, 4.599041399e-02f,
+                                 1.954433141e-01f, 4.286347937e-01f,  3.336736544e-01f};
+  const __m256 z = _mm256_mul_ps(g, _mm256_set1_ps(0.70710678118654752f));
+  const __m256 sign = _mm256_and_ps(z, _mm256_set1_ps(-0.0f));
+  const __m256 a = _mm256_min_ps(_mm256_set1_ps(10.0f), _mm256_andnot_ps(_mm256_set1_ps(-0.0f), z));  // NaN kept
+  const __m256 d = _mm256_fmadd_ps(a, _mm256_set1_ps(0.5f), _mm256_set1_ps(1.0f));
+  __m256 t = _mm256_rcp_ps(d);
+  t = _mm256_mul_ps(t, _mm256_fnmadd_ps(d, t, _mm256_set1_ps(2.0f)));
+  const __m256 u = _mm256_mul_ps(_mm256_sub_ps(t, _mm256_set1_ps(0.58333333333333333f)), _mm256_set1_ps(2.4f));
+  // Q(u) by Estrin: u^8 (c0 u^2 + c1 u + c2) + u^4 (c3 u^3 + c4 u^2 + c5 u + c6) + (c7 u^3 + ... + c10)
+  const __m256 u2 = _mm256_mul_ps(u, u);
+  const __m256 u4 = _mm256_mul_ps(u2, u2);
+  const auto c = [](int k) { return _mm256_set1_ps(kQ[k]); };
+  const __m256 q8 = _mm256_fmadd_ps(_mm256_fmadd_ps(c(0), u, c(1)), u, c(2));
+  const __m256 q4 = _mm256_fmadd_ps(_mm256_fmadd_ps(c(3), u, c(4)), u2, _mm256_fmadd_ps(c(5), u, c(6)));
+  const __m256 q0 = _mm256_fmadd_ps(_mm256_fmadd_ps(c(7), u, c(8)), u2, _mm256_fmadd_ps(c(9), u, c(10)));
+  const __m256 q = _mm256_fmadd_ps(_mm256_fmadd_ps(q8, u4, q4), u4, q0);
+  const __m256 s = _mm256_mul_ps(a, a);
+  const __m256 s_err = _mm256_fmsub_ps(a, a, s);  // a*a = s + s_err exactly; exp(-a^2) ~ exp(-s)(1 - s_err)
+  const __m256 e = _mm256_mul_ps(exp_clamped(_mm256_sub_ps(_mm256_setzero_ps(), s)),
+                                 _mm256_sub_ps(_mm256_set1_ps(1.0f), s_err));
+  const __m256 erf = _mm256_or_ps(_mm256_fnmadd_ps(e, q, _mm256_set1_ps(1.0f)), sign);
+  return _mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(0.5f), g), _mm256_add_ps(_mm256_set1_ps(1.0f), erf));
 }
 
 inline __attribute__((always_inline)) float sum(__m256 v) {
