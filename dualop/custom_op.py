@@ -146,6 +146,25 @@ def _parameter_names(cls: type) -> tuple[str, ...] | None:
     return tuple(p.name for p in params)
 
 
+class _Missing:
+    """Default of a required parameter in a generated ``__call__``: the argument was not given."""
+
+    def __repr__(self) -> str:
+        return "<missing argument>"
+
+
+_MISSING = _Missing()
+
+
+def _without_missing(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """The call as written: positional arguments up to the first one left out, given keywords."""
+    for i, a in enumerate(args):
+        if a is _MISSING:
+            args = args[:i]
+            break
+    return args, {k: v for k, v in kwargs.items() if v is not _MISSING}
+
+
 def _fast_call_source(cls: type) -> tuple[str, tuple, dict] | None:
     """Source of a ``__call__`` with forward_native's parameters, and its defaults.
 
@@ -165,20 +184,22 @@ def _fast_call_source(cls: type) -> tuple[str, tuple, dict] | None:
     keyword = [p for p in params if p.kind is p.KEYWORD_ONLY]
     if not positional:
         return None
-    sig_text = ", ".join(
-        [p.name if p.default is p.empty else f"{p.name}=None" for p in positional]
-        + (["*"] + [p.name if p.default is p.empty else f"{p.name}=None" for p in keyword] if keyword else [])
-    )
+    # Every parameter gets a default (required ones the _MISSING sentinel), so a call that leaves
+    # one out reaches check_inputs, whose error names the op and the argument, instead of Python's.
+    sig_text = ", ".join([f"{p.name}=None" for p in positional] + (["*"] + [f"{p.name}=None" for p in keyword]
+                                                                   if keyword else []))
+    required = [p.name for p in params[1:] if p.default is p.empty]
     pos_args = ", ".join(p.name for p in positional)
     kw_args = ", ".join(f"{p.name}={p.name}" for p in keyword)
     call_args = ", ".join(x for x in (pos_args, kw_args) if x)
     kw_dict = "{" + ", ".join(f"{p.name!r}: {p.name}" for p in keyword) + "}"
     first = positional[0].name
     check = f"        self.check_inputs({call_args})\n" if cls.check_inputs is not CustomOp.check_inputs else ""
+    present = "".join(f" and {name} is not _MISSING" for name in required)
     source = (
         f"def __call__(self, {sig_text}):\n"
         f"    if _eager() and type({first}) is self._fast_type and _current_config() is self._fast_config "
-        f"and self._fast_generation == _generation:\n"
+        f"and self._fast_generation == _generation{present}:\n"
         f"{check}"
         f"        try:\n"
         f"            return self._fast_method({call_args})\n"
@@ -186,8 +207,8 @@ def _fast_call_source(cls: type) -> tuple[str, tuple, dict] | None:
         f"            return self._declined(self._fast_method, err, ({pos_args},), {kw_dict})\n"
         f"    return self._dispatch(({pos_args},), {kw_dict})\n"
     )
-    defaults = tuple(p.default for p in positional if p.default is not p.empty)
-    kwdefaults = {p.name: p.default for p in keyword if p.default is not p.empty}
+    defaults = tuple(_MISSING if p.default is p.empty else p.default for p in positional)
+    kwdefaults = {p.name: _MISSING if p.default is p.empty else p.default for p in keyword}
     return source, defaults, kwdefaults
 
 
@@ -433,6 +454,8 @@ class CustomOp:
 
     def _dispatch(self, args: tuple, kwargs: dict) -> Any:
         """The full dispatch: torch.compile hook, cached resolution, validation, the call, fallback."""
+        if any(a is _MISSING for a in args) or any(v is _MISSING for v in kwargs.values()):
+            args, kwargs = _without_missing(args, kwargs)
         if _torch_compiling():  # Dynamo is tracing: see dualop/backends/torch/library.py
             return _compile_hook(self, args, kwargs)
         first = args[0] if args else next(iter(kwargs.values()), None)

@@ -43,7 +43,8 @@ def bench_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench")
     json_path, png_path = out / "bench.json", out / "bench.png"
     argv = ["bench", "--sizes", "64x256", "--rounds", "2", "--warmup", "1", "--ops", "rms_norm,silu_and_mul",
-            "--impls", ",".join(NO_COMPILE), "--json", str(json_path), "--no-progress"]
+            "--impls", ",".join(NO_COMPILE), "--json", str(json_path), "--no-progress",
+            "--system-malloc"]  # in-process: leave this pytest process's allocator alone (reuse is tested below)
     try:
         import matplotlib  # noqa: F401
     except ImportError:

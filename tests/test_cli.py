@@ -102,7 +102,8 @@ def test_check_formats_errors_and_unavailable_frontends():
 
 def test_bench_dispatch_records(tmp_path, capsys):
     out = tmp_path / "bench.json"
-    assert cli.main(["bench", "--dispatch-only", "--rounds", "2", "--json", str(out), "--no-progress"]) == 0
+    assert cli.main(["bench", "--dispatch-only", "--rounds", "2", "--json", str(out), "--no-progress",
+                     "--system-malloc"]) == 0
     records = json.loads(out.read_text())
     assert {r["frontend"] for r in records} == {"torch", "jax"}
     for r in records:
