@@ -4,9 +4,12 @@ mode that lets the TPU kernels run on a CPU host."""
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import functools
 import os
+from collections.abc import Iterator
 
 import jax
 import jax.numpy as jnp
@@ -23,6 +26,9 @@ __all__ = [
     "ENV_INTERPRET",
     "to_rows",
     "cost_estimate",
+    "TPU_GENERATIONS",
+    "compile_target",
+    "target_generation",
 ]
 
 ENV_INTERPRET = "DUALOP_PALLAS_INTERPRET"
@@ -89,6 +95,32 @@ def _jax_version() -> tuple[int, ...]:
     return tuple(int(p) for p in jax.__version__.split(".")[:2] if p.isdigit())
 
 
+# TPU generations dualop compiles for (the topology names of jax.experimental.topologies).
+TPU_GENERATIONS = ("v4", "v5e", "v5p", "v6e", "tpu7x")
+
+# The TPU generation kernels are being built for ahead of time (``dualop compile``), or None.
+_compile_target: contextvars.ContextVar[str | None] = contextvars.ContextVar("dualop_tpu_target", default=None)
+
+
+def target_generation() -> str | None:
+    """The TPU generation a ``compile_target`` block builds for, else None (then a kernel that
+    needs the generation asks the TPU it runs on; never the default backend of a CPU host)."""
+    return _compile_target.get()
+
+
+@contextlib.contextmanager
+def compile_target(generation: str) -> Iterator[str]:
+    """Trace kernels for ``generation`` (one of ``TPU_GENERATIONS``) with interpretation off, so
+    ``jit(...).lower().compile()`` on compile-only topology devices runs Mosaic for that chip."""
+    if generation not in TPU_GENERATIONS:
+        raise ValueError(f"compile_target: unknown TPU generation {generation!r}; expected one of {TPU_GENERATIONS}")
+    token = _compile_target.set(generation)
+    try:
+        yield generation
+    finally:
+        _compile_target.reset(token)
+
+
 def interpret_mode(frontend: str = "jax"):
     """The ``interpret=`` value for ``pl.pallas_call``.
 
@@ -98,6 +130,8 @@ def interpret_mode(frontend: str = "jax"):
     ``call_jax`` cannot run the TPU interpreter's host callbacks (and on JAX < 0.8, see
     ``_tpu_interpret_params``).
     """
+    if _compile_target.get() is not None:
+        return False  # building for a real chip (dualop compile)
     mode = os.environ.get(ENV_INTERPRET, "auto").strip().lower() or "auto"
     if mode == "auto":
         if jax.default_backend() == "tpu":
