@@ -89,10 +89,9 @@ def compare(got: np.ndarray, want: np.ndarray, dtype: str) -> Comparison:
 def _ensure_pjrt_device() -> None:
     """torch_xla needs PJRT_DEVICE; with no TPU attached, use its CPU client."""
     if "PJRT_DEVICE" not in os.environ:
-        import glob
+        from dualop.platforms import tpu_attached
 
-        has_tpu = bool(glob.glob("/dev/accel*") or glob.glob("/dev/vfio/[0-9]*"))
-        os.environ["PJRT_DEVICE"] = "TPU" if has_tpu else "CPU"
+        os.environ["PJRT_DEVICE"] = "TPU" if tpu_attached() else "CPU"
 
 
 def prepare_triton() -> str | None:
