@@ -119,6 +119,13 @@ def frontend_available(frontend: str) -> str | None:
         elif frontend == "torchax":
             import torchax  # noqa: F401
             import torchax.interop  # noqa: F401
+        elif frontend == "torch_tpu":
+            import jax  # noqa: F401
+            import torch
+            import torch_tpu  # noqa: F401
+
+            if torch._C._get_privateuse1_backend_name() != "tpu":
+                return "torch_tpu found no TPU (its tpu device is not registered)"
         else:
             return f"unknown frontend {frontend!r}"
     except Exception as err:  # ImportError, or a broken install
@@ -175,6 +182,8 @@ def to_frontend(a: Any, frontend: str, dtype: str) -> Any:
         import torchax
 
         return torchax.default_env().to_xla(t)
+    if frontend == "torch_tpu":
+        return t.to("tpu")
     raise ValueError(f"unknown frontend {frontend!r}")
 
 
