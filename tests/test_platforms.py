@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
+from conftest import require_frontend
 
 from dualop import CustomOp, OpsConfig, current_platform, dispatch_report, override_platform, set_config
 from dualop import platforms
@@ -152,11 +155,14 @@ def test_fast_path_checks_the_device_where_devices_differ(monkeypatch, no_env_pl
     assert op._fast_type is torch.Tensor and op._fast_device is not None  # armed, with a device probe
 
 
-def test_fast_path_costs_no_device_check_where_every_tensor_is_cpu(no_env_platform):
-    """This host has no GPU, XPU, torch_xla or TPU: plain tensors need no probe; meta tensors
-    (the only other device here) dispatch as CPU tensors do."""
+def test_fast_path_checks_the_device_only_where_devices_can_differ(no_env_platform):
+    """This machine has no GPU, XPU or TPU: only an installed torch_xla (the xla environment) makes
+    torch tensors' devices differ, so only there does the fast path pay for a device probe. Meta
+    tensors dispatch as CPU tensors do."""
+    vary = importlib.util.find_spec("torch_xla") is not None
+    assert platforms._torch_devices_vary() is vary
     op = _Where()
-    assert op(torch.zeros(2)) == "cpu" and op._fast_device is None
+    assert op(torch.zeros(2)) == "cpu" and (op._fast_device is not None) is vary
     assert op(torch.empty(2, device="meta")) == "cpu"
     assert platforms.platform_of(torch.empty(2, device="meta")) == "cpu"
 
@@ -185,3 +191,17 @@ def test_jax_follows_the_process_platform(monkeypatch, no_env_platform):
     platforms.invalidate()
     assert platforms.platform_of(jnp.zeros(2)) == "tpu"
     assert platforms.platform_of(torch.zeros(2)) == "cpu"
+
+
+def test_xla_tensors_dispatch_apart_from_cpu_tensors(no_env_platform):
+    """One op instance, CPU and XLA tensors alternating: each resolves for its own frontend."""
+    require_frontend("torch_xla")
+    import torch_xla
+
+    op = _Where()
+    cpu, xla = torch.zeros(2), torch.zeros(2).to(torch_xla.device())
+    assert platforms.frontend_of(xla) == "torch_xla" and platforms.frontend_of(cpu) == "torch"
+    with override_platform("tpu"):
+        assert [op(t) for t in (cpu, xla, cpu, xla)] == ["tpu"] * 4
+    rows = {(r["frontend"], r["platform"]) for r in dispatch_report()}
+    assert rows == {("torch", "tpu"), ("torch_xla", "tpu")}
