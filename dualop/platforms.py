@@ -23,6 +23,8 @@ without accelerators.
 from __future__ import annotations
 
 import contextlib
+import functools
+import importlib.abc
 import importlib.util
 import operator
 import os
@@ -175,12 +177,42 @@ def _torch_devices_vary() -> bool:
         or torch.cuda.is_available()
         or (xpu is not None and xpu.is_available())
         or sys.modules.get("torch_xla") is not None
-        or importlib.util.find_spec("torch_xla") is not None  # XLA tensors may appear at any time
         or torch._C._get_privateuse1_backend_name() == "tpu"  # torch_tpu found a TPU
-        or (importlib.util.find_spec("torch_tpu") is not None and tpu_attached())
+        or (_installed("torch_tpu") and tpu_attached())
     )
+    if not vary and _installed("torch_xla"):
+        _watch_import("torch_xla")  # XLA tensors can appear once it is imported
     _platform_cache["torch:devices vary"] = vary
     return vary
+
+
+@functools.lru_cache(maxsize=None)
+def _installed(name: str) -> bool:
+    return sys.modules.get(name) is not None or importlib.util.find_spec(name) is not None
+
+
+class _ImportWatch(importlib.abc.MetaPathFinder):
+    """Calls ``invalidate()`` whenever the import system looks for a watched top-level module (it
+    finds nothing itself), so fast paths armed before, e.g., torch_xla was imported are re-resolved
+    before any XLA tensor can reach them. It costs nothing per dispatch; a stray lookup (an
+    availability probe) only costs one re-resolution per op."""
+
+    def __init__(self) -> None:
+        self.names: set[str] = set()
+
+    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> None:
+        if fullname in self.names:
+            invalidate()
+        return None
+
+
+_import_watch = _ImportWatch()
+
+
+def _watch_import(name: str) -> None:
+    _import_watch.names.add(name)
+    if _import_watch not in sys.meta_path:
+        sys.meta_path.insert(0, _import_watch)
 
 
 def tpu_attached() -> bool:

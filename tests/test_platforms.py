@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-import importlib.util
+import os
+import subprocess
+import sys
 
 import pytest
 from conftest import require_frontend
@@ -156,15 +158,43 @@ def test_fast_path_checks_the_device_where_devices_differ(monkeypatch, no_env_pl
 
 
 def test_fast_path_checks_the_device_only_where_devices_can_differ(no_env_platform):
-    """This machine has no GPU, XPU or TPU: only an installed torch_xla (the xla environment) makes
-    torch tensors' devices differ, so only there does the fast path pay for a device probe. Meta
-    tensors dispatch as CPU tensors do."""
-    vary = importlib.util.find_spec("torch_xla") is not None
+    """This machine has no GPU, XPU or TPU: only an imported torch_xla makes torch tensors'
+    devices differ, so only then does the fast path pay for a device probe. Meta tensors dispatch
+    as CPU tensors do."""
+    vary = "torch_xla" in sys.modules
     assert platforms._torch_devices_vary() is vary
     op = _Where()
     assert op(torch.zeros(2)) == "cpu" and (op._fast_device is not None) is vary
     assert op(torch.empty(2, device="meta")) == "cpu"
     assert platforms.platform_of(torch.empty(2, device="meta")) == "cpu"
+
+
+def test_importing_torch_xla_later_rearms_the_fast_path_with_a_probe():
+    """A process that dispatched CPU tensors before importing torch_xla: the import bumps the
+    dispatch generation, so the next call resolves again and the fast path checks the device."""
+    code = (
+        "import torch, dualop\n"
+        "from dualop import CustomOp, platforms\n"
+        "class Where(CustomOp):\n"
+        "    def forward_native(self, x): return 'native'\n"
+        "    def forward_cpu(self, x): return 'cpu'\n"
+        "    def forward_tpu(self, x): return 'tpu'\n"
+        "op = Where()\n"
+        "assert op(torch.zeros(2)) == 'cpu' and op._fast_device is None\n"
+        "gen = platforms.dispatch_generation()\n"
+        "import torch_xla\n"
+        "assert platforms.dispatch_generation() > gen\n"
+        "xla = torch.zeros(2).to(torch_xla.device())\n"
+        "assert op(torch.zeros(2)) == 'cpu' and op._fast_device is not None\n"
+        "assert op(xla) == 'cpu' and op(torch.zeros(2)) == 'cpu'  # PJRT's CPU device here\n"
+        "rows = {(r['frontend'], r['platform']) for r in dualop.dispatch_report()}\n"
+        "assert rows == {('torch', 'cpu'), ('torch_xla', 'cpu')}, rows\n"
+        "print('ok')\n"
+    )
+    require_frontend("torch_xla")
+    env = {k: v for k, v in os.environ.items() if k != "DUALOP_PLATFORM"}
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-2000:]
 
 
 def test_override_still_decides_for_every_tensor(monkeypatch, no_env_platform):
