@@ -116,8 +116,8 @@ def frontend_of(x: Any) -> str | None:
         fe = _frontend_by_type[tp]
     except KeyError:
         fe = _frontend_by_type[tp] = _classify(x)
-    # CPU and CUDA tensors answer from two C attribute reads; only other devices pay for
-    # ``x.device.type`` (a few hundred ns).
+    # CPU tensors answer from one C attribute read, CUDA tensors from two; only other devices pay
+    # for ``x.device.type`` (a few hundred ns).
     if fe == "torch" and not (x.is_cpu or x.is_cuda):
         return _FRONTEND_OF_DEVICE.get(x.device.type, "torch")
     return fe
@@ -129,7 +129,7 @@ def frontend_depends_on_device(frontend: str) -> bool:
     return frontend in ("torch", "torch_xla", "torch_tpu")
 
 
-# Device types torch gives a C-level ``Tensor.is_<type>`` flag (a ~40 ns read; ``x.device.type``
+# Device types torch gives a C-level ``Tensor.is_<type>`` flag (a 40-80 ns read; ``x.device.type``
 # costs several times that).
 _DEVICE_PROBES: dict[str, Callable[[Any], bool]] = {
     name: operator.attrgetter(f"is_{name}") for name in ("cpu", "cuda", "xpu", "xla", "meta", "mps")
@@ -150,10 +150,10 @@ def reuse_guard(x: Any, frontend: str) -> tuple[bool, Callable[[Any], bool] | No
     """May a dispatch resolved for ``x`` be reused for later arrays of the same type, and which
     check must they pass (None: none)? The dispatcher's fast path keys on the array type; a torch
     tensor's frontend and platform also follow its device type, so where devices can differ the
-    fast path checks a ``device_probe`` too (about 40 ns), and is not armed for a device type
-    without one. Where every plain tensor dispatches as a CPU tensor does (no GPU, no XPU, no
-    torch_xla installed, no TPU for torch_tpu) the type alone decides, at no extra cost; tensor
-    subclasses (fake tensors, which may claim any device) are always checked."""
+    fast path checks a ``device_probe`` too, and is not armed for a device type without one.
+    Where every plain tensor dispatches as a CPU tensor does (no GPU, no XPU, torch_xla not
+    imported, no TPU for torch_tpu) the type alone decides, at no extra cost; tensor subclasses
+    (fake tensors, which may claim any device) are always checked."""
     if not frontend_depends_on_device(frontend):
         return True, None
     torch = sys.modules["torch"]
@@ -188,6 +188,7 @@ def _torch_devices_vary() -> bool:
 
 @functools.lru_cache(maxsize=None)
 def _installed(name: str) -> bool:
+    """Whether ``name`` is importable (asked once per process)."""
     return sys.modules.get(name) is not None or importlib.util.find_spec(name) is not None
 
 
@@ -210,6 +211,7 @@ _import_watch = _ImportWatch()
 
 
 def _watch_import(name: str) -> None:
+    """Invalidate dispatch when ``name`` is imported (see ``_ImportWatch``)."""
     _import_watch.names.add(name)
     if _import_watch not in sys.meta_path:
         sys.meta_path.insert(0, _import_watch)

@@ -18,7 +18,7 @@ import sys
 import numpy as np
 import pytest
 
-from dualop import dispatch_report, testing
+from dualop import dispatch_report, platforms, testing
 from dualop.custom_op import report_row
 
 CASES = list(testing.cases_for(None))
@@ -49,6 +49,7 @@ def tpu_device():
     name = torch._C._get_privateuse1_backend_name()
     if name == "privateuseone":
         torch.utils.rename_privateuse1_backend("tpu")
+        platforms.invalidate()  # the process can now hold tensors that dispatch apart
     elif name != "tpu":
         pytest.skip(f"PyTorch's PrivateUse1 device is already named {name!r} in this process")
     return "tpu"
