@@ -12,6 +12,7 @@ torch >= 2.11: the xla environment (torch 2.9) has none, and these tests skip th
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -188,8 +189,6 @@ def test_bridge_imports_torch_tpu_only_for_tpu_tensors():
         "print('torch_tpu' in sys.modules)\n"
     )
     env = {"TORCH_DEVICE_BACKEND_AUTOLOAD": "0", "DUALOP_CPU_KERNELS": "0"}
-    import os
-
     proc = subprocess.run(
         [sys.executable, "-c", code], env={**os.environ, **env}, capture_output=True, text=True, timeout=300
     )
@@ -207,3 +206,26 @@ def test_dispatch_report_names_the_torch_tpu_frontend(tpu_device):
         QuickGELU()(torch.empty(3, 5, device="tpu"))
     rows = [r for r in dispatch_report() if r["op"] == "quick_gelu"]
     assert [(r["frontend"], r["platform"], r["method"]) for r in rows] == [("torch_tpu", "tpu", "forward_tpu")]
+
+
+def test_registered_names_are_the_same_in_every_process(tpu_device):
+    """A compiled graph or a cache keyed by op name must find the same op in the next process."""
+    code = (
+        "import torch\n"
+        "from dualop.backends.xla.pallas_bridge import torch_tpu_op\n"
+        "from dualop.kernels.norm_math import NormSpec\n"
+        "from dualop.ops.layernorm import _PALLAS_RMS_NORM\n"
+        "x = torch.empty(4, 128, device='meta')\n"
+        "print(torch_tpu_op(_PALLAS_RMS_NORM, (x, None, x), {'spec': NormSpec(eps=1e-6)})._qualname)\n"
+    )
+    import torch
+
+    from dualop.backends.xla.pallas_bridge import torch_tpu_op
+    from dualop.kernels.norm_math import NormSpec
+    from dualop.ops.layernorm import _PALLAS_RMS_NORM
+
+    x = torch.empty(4, 128, device="meta")
+    here = torch_tpu_op(_PALLAS_RMS_NORM, (x, None, x), {"spec": NormSpec(eps=1e-6)})._qualname
+    proc = subprocess.run([sys.executable, "-c", code], env=dict(os.environ), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip().splitlines()[-1] == here

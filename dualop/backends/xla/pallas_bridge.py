@@ -23,7 +23,7 @@ from typing import Any, Callable
 
 from dualop.kernels.registry import KernelRef
 
-__all__ = ["call_pallas", "torch_tpu_op", "torch_tpu_ops"]
+__all__ = ["call_pallas", "torch_tpu_op"]
 
 _BRIDGED_FRONTENDS = ("jax", "torch_xla", "torchax", "torch_tpu")
 
@@ -77,12 +77,6 @@ def call_pallas(frontend: str, kernel_ref: KernelRef, *arrays: Any, native: Call
 
 _torch_tpu_ops: dict[tuple, Any] = {}
 _torch_tpu_lock = threading.Lock()
-
-
-def torch_tpu_ops() -> dict[str, Any]:
-    """The torch_tpu ops registered so far in this process, by qualified name."""
-    with _torch_tpu_lock:
-        return {op._qualname: op for op in _torch_tpu_ops.values()}
 
 
 def torch_tpu_op(kernel_ref: KernelRef, arrays: tuple, static: dict[str, Any]) -> Any:
