@@ -18,6 +18,7 @@ import sys
 
 import numpy as np
 import pytest
+import torch
 
 from dualop import dispatch_report, platforms, testing
 from dualop.custom_op import report_row
@@ -45,8 +46,6 @@ def tpu_device():
     why = _why_no_torch_tpu()
     if why is not None:
         pytest.skip(f"torch_tpu is not installed here ({why}); it needs torch >= 2.11, so only the latest environment has it")
-    import torch
-
     name = torch._C._get_privateuse1_backend_name()
     if name == "privateuseone":
         torch.utils.rename_privateuse1_backend("tpu")
@@ -56,7 +55,7 @@ def tpu_device():
     return "tpu"
 
 
-def _fake_tpu(a, torch):
+def _fake_tpu(a):
     """A fake tensor on the tpu device with ``a``'s shape and dtype (non-tensors pass through)."""
     if not isinstance(a, torch.Tensor):
         return a
@@ -77,7 +76,6 @@ def test_every_op_case_reaches_a_registered_pallas_op_on_tpu_tensors(tpu_device,
     """Per shape and dtype: the op, called on fake tpu tensors, resolves to forward_tpu (no
     fallback), its trace holds exactly one ``dualop::pallas_*`` op, and the shapes and dtypes that
     op infers, on fake tensors and again on meta tensors, are forward_native's on CPU tensors."""
-    import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.proxy_tensor import make_fx
 
@@ -89,7 +87,7 @@ def test_every_op_case_reaches_a_registered_pallas_op_on_tpu_tensors(tpu_device,
             want = _structure(op.forward_native(*cpu_inputs))
             where = f"{case.label} {shape} {dtype}"
             with FakeTensorMode():
-                fake = [_fake_tpu(a, torch) for a in cpu_inputs]
+                fake = [_fake_tpu(a) for a in cpu_inputs]
                 got = op(*fake)
                 gm = make_fx(lambda *a: op(*a))(*fake)
             assert _structure(got) == want, where
@@ -112,8 +110,6 @@ def test_every_op_case_reaches_a_registered_pallas_op_on_tpu_tensors(tpu_device,
 def test_one_registered_op_per_kernel_inputs_and_static_options(tpu_device):
     """Calls that differ only in shape or dtype share one op; another optional input present or
     another static option is another op; names are ``dualop::pallas_<kernel>_<hash>``."""
-    import torch
-
     from dualop.backends.xla.pallas_bridge import torch_tpu_op
     from dualop.kernels.norm_math import NormSpec
     from dualop.ops.layernorm import _PALLAS_RMS_NORM
@@ -137,8 +133,6 @@ def test_one_registered_op_per_kernel_inputs_and_static_options(tpu_device):
 def test_torch_compile_graph_holds_the_registered_op(tpu_device):
     """A graph captured by torch.compile (a backend that only records it) keeps the registered
     op opaque; meta inputs, so nothing runs on a device."""
-    import torch
-
     from dualop.backends.xla.pallas_bridge import torch_tpu_op
     from dualop.kernels.gate_math import GateSpec
     from dualop.ops.activation import _PALLAS_GATED
@@ -164,8 +158,6 @@ def test_recording_autograd_declines_so_the_native_body_runs(tpu_device):
     NotImplementedError before registering or calling anything, which the dispatcher turns into
     a reported run of forward_native (that torch differentiates). Meta tensors: autograd on fake
     ``tpu`` tensors would make torch_tpu try to open a TPU runtime."""
-    import torch
-
     from dualop.backends.xla.pallas_bridge import call_pallas
     from dualop.kernels.gate_math import GateSpec
     from dualop.ops.activation import _PALLAS_GATED
@@ -197,7 +189,6 @@ def test_bridge_imports_torch_tpu_only_for_tpu_tensors():
 
 
 def test_dispatch_report_names_the_torch_tpu_frontend(tpu_device):
-    import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from dualop.ops import QuickGELU
@@ -218,8 +209,6 @@ def test_registered_names_are_the_same_in_every_process(tpu_device):
         "x = torch.empty(4, 128, device='meta')\n"
         "print(torch_tpu_op(_PALLAS_RMS_NORM, (x, None, x), {'spec': NormSpec(eps=1e-6)})._qualname)\n"
     )
-    import torch
-
     from dualop.backends.xla.pallas_bridge import torch_tpu_op
     from dualop.kernels.norm_math import NormSpec
     from dualop.ops.layernorm import _PALLAS_RMS_NORM
