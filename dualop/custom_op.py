@@ -6,10 +6,11 @@ namespace of whichever frontend the caller uses) and may offer faster *hows* per
 ``forward_xpu``, ``forward_oot`` (plugins).
 
 Calling an op instance picks one of those methods from (frontend of the first array argument,
-active ``OpsConfig``, platform of that frontend). The choice is resolved once per
-(instance, frontend, config, platform) and cached. Each subclass gets a generated ``__call__``
-with ``forward_native``'s own signature whose fast path is a handful of identity checks (array
-type, config, platform generation) before the one bound-method call; see ``_fast_call_source``.
+active ``OpsConfig``, platform of that array: a torch tensor's device decides). The choice is
+resolved once per (instance, frontend, platform, config) and cached. Each subclass gets a
+generated ``__call__`` with ``forward_native``'s own signature whose fast path is a handful of
+identity checks (array type, device type for torch tensors, config, platform generation) before
+the one bound-method call; see ``_fast_call_source``.
 
 Enabled rules (the reference serving engine's): ``+name`` enables, ``-name`` disables, otherwise
 the op follows the default, which is on exactly when the config holds ``all``. An unregistered
@@ -169,9 +170,10 @@ def _fast_call_source(cls: type) -> tuple[str, tuple, dict] | None:
     """Source of a ``__call__`` with forward_native's parameters, and its defaults.
 
     The fast path: when Python (not Dynamo) runs the call, the first argument's type, the context's
-    config override and the platform generation are the ones the instance last resolved for, call
-    the cached bound method directly (after ``check_inputs`` if the class defines one). Anything
-    else takes ``_dispatch``, which resolves, records and re-arms the fast path.
+    config override and the platform generation are the ones the instance last resolved for, and
+    (for torch tensors) its device type passes the armed probe (``Tensor.is_cpu``, ``is_cuda``,
+    ...: a C attribute read), call the cached bound method directly (after ``check_inputs`` if the
+    class defines one). Anything else takes ``_dispatch``, which resolves, records and re-arms it.
     """
     sig = inspect.signature(cls.forward_native)
     params = list(sig.parameters.values())[1:]
@@ -199,7 +201,8 @@ def _fast_call_source(cls: type) -> tuple[str, tuple, dict] | None:
     source = (
         f"def __call__(self, {sig_text}):\n"
         f"    if _eager() and type({first}) is self._fast_type and _current_config() is self._fast_config "
-        f"and self._fast_generation == _generation{present}:\n"
+        f"and self._fast_generation == _generation "
+        f"and (self._fast_device is None or self._fast_device({first})){present}:\n"
         f"{check}"
         f"        try:\n"
         f"            return self._fast_method({call_args})\n"
@@ -244,7 +247,7 @@ def _fresh(cls: type, args: tuple = (), kwargs: dict | None = None) -> CustomOp:
     obj._dispatch_cache = {}
     obj._last_hit = None
     obj._fast_type = obj._fast_method = None
-    obj._fast_config = obj._fast_generation = None
+    obj._fast_config = obj._fast_generation = obj._fast_device = None
     obj.enforce_enable = False
     obj._ctor = _ctor_spec(cls, args, kwargs or {})
     if _compile_hook is None and sys.modules.get("torch") is not None:
@@ -410,11 +413,13 @@ class CustomOp:
     def _implements(cls, method: str) -> bool:
         return getattr(cls, method) is not getattr(CustomOp, method)
 
-    def _resolve(self, frontend: str, cfg: _config.OpsConfig, generation: int):
-        """Choose the method for (frontend, cfg, platform) and record why."""
+    def _resolve(self, frontend: str, cfg: _config.OpsConfig, generation: int, platform: str | None = None):
+        """Choose the method for (frontend, cfg, platform) and record why. ``platform`` is the
+        calling array's (``platforms.platform_of``); None means the frontend's process-wide one."""
         _check_config_names(cfg)
         cls = type(self)
-        platform = _platforms.current_platform(frontend)
+        if platform is None:
+            platform = _platforms.current_platform(frontend)
         if self.enforce_enable:
             enabled, reason = True, "enforce_enable=True"
         else:
@@ -430,7 +435,7 @@ class CustomOp:
         if method != wanted:
             reason += f"; {wanted} not implemented, fell back to {method}"
         bound = getattr(self, method)
-        self._dispatch_cache[(frontend, cfg.dispatch_key, generation)] = bound
+        self._dispatch_cache[(frontend, platform, cfg.dispatch_key, generation)] = bound
         self._record(frontend, platform, method, enabled, reason)
         return bound
 
@@ -461,9 +466,12 @@ class CustomOp:
         first = args[0] if args else next(iter(kwargs.values()), None)
         override = _current_config()
         cfg = override or _config._process_default
-        # Same array type, same config object, nothing re-registered since the last call.
+        # Same array type and device type, same config object, nothing re-registered since.
         hit = self._last_hit
-        if hit is not None and hit[0] is type(first) and hit[1] is cfg and hit[2] == _platforms._generation:
+        if (
+            hit is not None and hit[0] is type(first) and hit[1] is cfg and hit[2] == _platforms._generation
+            and (hit[4] is None or hit[4](first))
+        ):
             method = hit[3]
         else:
             method = self._lookup(first, cfg, override)
@@ -482,30 +490,34 @@ class CustomOp:
     def _disarm(self) -> None:
         self._last_hit = None
         self._fast_type = self._fast_method = self._fast_config = self._fast_generation = None
+        self._fast_device = None
 
     def _lookup(self, first: Any, cfg: _config.OpsConfig, override: _config.OpsConfig | None = None):
-        """The cached method for (frontend of ``first``, cfg, platform generation), resolving on a miss.
-        Arms the fast path of the generated ``__call__`` (keyed on ``override``, the context's raw
-        config value, so a context without an override compares ``None is None``)."""
+        """The cached method for (frontend and platform of ``first``, cfg, platform generation),
+        resolving on a miss. Arms the fast path of the generated ``__call__`` (keyed on ``override``,
+        the context's raw config value, so a context without an override compares ``None is None``)."""
         frontend = _platforms.frontend_of(first)
         if frontend is None:
             raise TypeError(
                 f"{type(self).name or type(self).__qualname__}: expected a torch.Tensor or jax.Array as the "
                 f"first argument, got {type(first).__module__}.{type(first).__qualname__}"
             )
+        platform = _platforms.platform_of(first, frontend)
         gen = _platforms._generation
-        method = self._dispatch_cache.get((frontend, cfg.dispatch_key, gen))
+        method = self._dispatch_cache.get((frontend, platform, cfg.dispatch_key, gen))
         if method is None:
-            method = self._resolve(frontend, cfg, gen)
+            method = self._resolve(frontend, cfg, gen, platform)
         if _compile_hook is None and frontend != "jax":
             _install_torch_support()
-        # A torch.Tensor's frontend depends on its device once torch_xla is loaded: no fast path then.
-        if not _platforms.frontend_depends_on_device(type(first)):
-            self._last_hit = (type(first), cfg, gen, method)
-            self._fast_type, self._fast_config, self._fast_generation = type(first), override, gen
-            self._fast_method = method
-        else:
-            self._fast_type = None
+        # A torch tensor's frontend and platform follow its device type: where devices can
+        # differ, the fast path is armed with a probe for it (or not at all without a cheap one).
+        reusable, probe = _platforms.reuse_guard(first, frontend)
+        if not reusable:
+            self._disarm()
+            return method
+        self._last_hit = (type(first), cfg, gen, method, probe)
+        self._fast_type, self._fast_config, self._fast_generation = type(first), override, gen
+        self._fast_method, self._fast_device = method, probe
         return method
 
     forward = __call__
@@ -513,7 +525,7 @@ class CustomOp:
     def _fall_back(self, method: str, frontend: str, err: NotImplementedError, args, kwargs):
         """A platform method declined this call: run forward_native and say so in the report."""
         detail = str(err) or "NotImplementedError"
-        platform = _platforms.current_platform(frontend)
+        platform = _platforms.platform_of(args[0] if args else next(iter(kwargs.values()), None), frontend)
         enabled = self.enforce_enable or self.enabled()
         self._record(
             frontend,
@@ -534,10 +546,14 @@ class CustomOp:
         return names
 
     def dispatched_method(self, frontend: str) -> str:
-        """Name of the method a call from ``frontend`` resolves to under the active config."""
+        """Name of the method a call from ``frontend`` resolves to under the active config, on that
+        frontend's process-wide platform (``current_platform``)."""
         cfg = _config.get_config()
         gen = _platforms._generation
-        method = self._dispatch_cache.get((frontend, cfg.dispatch_key, gen)) or self._resolve(frontend, cfg, gen)
+        platform = _platforms.current_platform(frontend)
+        method = self._dispatch_cache.get((frontend, platform, cfg.dispatch_key, gen)) or self._resolve(
+            frontend, cfg, gen, platform
+        )
         return method.__name__
 
     def extra_repr(self) -> str:
