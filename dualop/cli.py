@@ -245,7 +245,19 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _interpret_triton_without_gpu() -> None:
+    """Turn Triton's interpreter on before anything imports triton when no GPU driver tool is
+    visible: ``import torch`` can import triton itself (torch_tpu's device-backend autoload does),
+    and Triton decides interpreter or compiler when its functions are defined."""
+    import os
+    import shutil
+
+    if "TRITON_INTERPRET" not in os.environ and not (shutil.which("nvidia-smi") or shutil.which("rocm-smi")):
+        os.environ["TRITON_INTERPRET"] = "1"
+
+
 def main(argv: list[str] | None = None) -> int:
+    _interpret_triton_without_gpu()
     args = build_parser().parse_args(argv)
     try:
         return args.fn(args)
