@@ -145,14 +145,14 @@ def test_oversized_pallas_block_is_refused_on_v5e_and_a_fitting_one_compiles():
 
     with tpu.quiet_native_stderr():
         big = tpu.compile_function(_copy_kernel((4096, 4096)), (InputSpec((8192, 4096), "float32"),), "v5e")
-        small = tpu.compile_function(_copy_kernel((512, 4096)), (InputSpec((8192, 4096), "float32"),), "v5e")
+        small = tpu.compile_function(_copy_kernel((64, 4096)), (InputSpec((8192, 4096), "float32"),), "v5e")
     assert big.status == "refused", big
     assert "vmem" in big.message.lower()
     (kernel,) = big.kernels
     assert kernel["grid"] == (2,) and kernel["blocks"] == ["4096x4096:float32"] * 2
     assert kernel["vmem_bytes"] == 2 * 2 * 4096 * 4096 * 4  # in and out blocks, double-buffered
     assert small.status == "ok", small
-    assert small.kernels[0]["vmem_bytes"] == 2 * 2 * 512 * 4096 * 4
+    assert small.kernels[0]["vmem_bytes"] == 2 * 2 * 64 * 4096 * 4  # 4 MiB: under the default scoped VMEM
 
 
 def test_tpu_kernel_that_declines_is_not_applicable(monkeypatch):

@@ -151,14 +151,15 @@ def format_matrix(rows: list[dict[str, Any]]) -> str:
                     parts.append(f"{status} {counts[status]}" + (f"/{len(group)}" if status == "refused" else ""))
             for r in group:
                 if r["status"] != "ok":
-                    notes.setdefault((case, t, r["status"], r["message"]), []).append(f"{r['dtype']} {_shape(r)}")
+                    note = (case, t, r["status"], _clip(r["message"]))  # dtypes with one message share a note
+                    notes.setdefault(note, []).append(f"{r['dtype']} {_shape(r)}")
             line[t] = ", ".join(parts)
         table_rows.append(line)
     out = [table(table_rows, ["case", *targets])]
     if notes:
         out.append("")
         for (case, t, status, message), where in notes.items():
-            out.append(f"{status}: {case} on {t} ({', '.join(where)}): {_clip(message)}")
+            out.append(f"{status}: {case} on {t} ({', '.join(where)}): {message}")
     return "\n".join(out)
 
 
