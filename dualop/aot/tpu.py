@@ -132,28 +132,33 @@ def _block_dims(block_shape) -> tuple[int, ...]:
     return tuple(dims)
 
 
+def _in_smem(aval) -> bool:
+    """Whether a block or scratch buffer lives in SMEM (scalars) rather than VMEM."""
+    return "smem" in str(getattr(aval, "memory_space", "")).lower()
+
+
 def describe_pallas_call(eqn) -> dict[str, Any]:
-    """Grid, block shapes and the VMEM one grid step asks for: every block double-buffered (the
-    pipeline fetches step i+1 while step i runs) plus scratch buffers, and the kernel's own
-    ``vmem_limit_bytes`` if it sets one."""
+    """Grid, block shapes and the VMEM one grid step asks for: every VMEM block times its buffer
+    count (2 unless the spec says otherwise: the pipeline fetches step i+1 while step i runs),
+    plus VMEM scratch, and the kernel's own ``vmem_limit_bytes`` if it sets one."""
     gm = eqn.params["grid_mapping"]
     blocks, vmem = [], 0
     for bm in gm.block_mappings:
         dims = _block_dims(bm.block_shape)
-        aval = getattr(bm, "array_aval", None) or getattr(bm, "array_shape_dtype", None)
-        itemsize = aval.dtype.itemsize
-        blocks.append("x".join(map(str, dims)) + f":{aval.dtype}")
-        vmem += 2 * math.prod(dims) * itemsize
+        dtype = bm.array_aval.dtype
+        blocks.append("x".join(map(str, dims)) + f":{dtype}")
+        if not _in_smem(getattr(bm, "transformed_block_aval", None)):
+            buffers = getattr(getattr(bm, "pipeline_mode", None), "buffer_count", None) or 2
+            vmem += buffers * math.prod(dims) * dtype.itemsize
     for aval in getattr(gm, "scratch_avals", ()) or ():
-        shape = getattr(aval, "shape", None)
-        dtype = getattr(aval, "dtype", None)
-        if shape is not None and dtype is not None and hasattr(dtype, "itemsize"):
+        shape, dtype = getattr(aval, "shape", None), getattr(aval, "dtype", None)
+        if shape is not None and hasattr(dtype, "itemsize") and not _in_smem(aval):
             vmem += math.prod(shape) * dtype.itemsize
     params = eqn.params.get("compiler_params")
     limit = getattr(params, "vmem_limit_bytes", None)
     if limit is None and isinstance(params, dict):  # older JAX: {"mosaic": {...}}
         limit = (params.get("mosaic") or params.get("mosaic_tpu") or {}).get("vmem_limit_bytes")
-    name = eqn.params.get("name") or getattr(eqn.params.get("metadata"), "name", None) or "pallas_call"
+    name = eqn.params.get("name") or eqn.params.get("name_and_src_info") or "pallas_call"
     return {
         "kernel": str(getattr(name, "name", name)),
         "grid": tuple(int(g) for g in gm.grid),
