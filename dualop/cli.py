@@ -1,4 +1,4 @@
-"""The ``dualop`` command: ``ops``, ``report``, ``check``, ``bench``."""
+"""The ``dualop`` command: ``ops``, ``report``, ``check``, ``bench``, ``compile``."""
 
 from __future__ import annotations
 
@@ -99,6 +99,29 @@ def cmd_check(args: argparse.Namespace) -> int:
     else:
         print(check.format_table(results))
     return 1 if check.failed(results) else 0
+
+
+def cmd_compile(args: argparse.Namespace) -> int:
+    """Build every kernel variant with the real TPU and GPU compilers (see dualop/aot)."""
+    import time
+
+    from dualop import aot
+
+    start = time.perf_counter()
+    rows = aot.run_compile(
+        ops=_csv(args.ops) if args.ops else None,
+        targets=_csv(args.targets) if args.targets else None,
+        dtypes=_csv(args.dtypes) if args.dtypes else None,
+        progress=not args.no_progress,
+    )
+    if args.json:
+        print(json.dumps(rows, indent=2, default=str))
+    else:
+        if not args.no_details:
+            print(aot.format_details(rows) + "\n")
+        print(aot.format_matrix(rows))
+        print("\n" + aot.format_summary(rows, time.perf_counter() - start))
+    return aot.exit_status(rows)
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -208,6 +231,23 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--json", action="store_true", help="print results as JSON instead of the table")
     s.add_argument("--no-progress", action="store_true", help="no progress bar")
     s.set_defaults(fn=cmd_check)
+
+    s = sub.add_parser(
+        "compile",
+        help="compile every kernel variant for real TPUs and GPUs (no device needed); runs nothing",
+        description="Build every kernel variant dualop check runs, plus serving shapes, with XLA:TPU/Mosaic "
+                    "(libtpu's compile-only devices) and Triton (PTX/cubin, AMDGCN/hsaco). Prints a matrix "
+                    "op case x target: ok / refused (the compiler's message) / n/a (why). Exit 1 if any "
+                    "build is refused, 2 if a compiler is unavailable here.",
+    )
+    s.add_argument("--ops", help="comma-separated registered op names (default: all)")
+    s.add_argument("--targets", help="comma-separated: v4, v5e, v5p, v6e, tpu7x, sm80, sm89, sm90, sm100, gfx942, "
+                                     "gfx950 (default: v4,v5e,v5p,v6e,tpu7x,sm80,sm90,gfx942)")
+    s.add_argument("--dtypes", help="comma-separated: float32, bfloat16, float16 (default: float32,bfloat16)")
+    s.add_argument("--json", action="store_true", help="print one JSON record per (variant, target) instead of tables")
+    s.add_argument("--no-details", action="store_true", help="only the matrix, not the per-kernel table")
+    s.add_argument("--no-progress", action="store_true", help="no progress bar")
+    s.set_defaults(fn=cmd_compile)
 
     s = sub.add_parser(
         "bench",

@@ -1,0 +1,215 @@
+"""``dualop compile``: build every kernel variant with the real TPU and GPU compilers, run nothing.
+
+A variant is an op case x dtype x shape (``variants.py``: the shapes ``dualop check`` runs plus
+serving shapes). For each target it is ``ok`` (the compiler accepted every kernel), ``refused``
+(the compiler's first message line), ``n/a`` (the op declines that target, with its reason) or
+``unavailable`` (this machine cannot run that compiler). TPU targets compile in this process
+(``tpu.py``); GPU targets in a child process with compiled-mode Triton (``gpu.py``).
+
+This proves the real compilers accept the kernels for those chips (tiling, VMEM and shared-memory
+limits, supported types and primitives). It cannot show runtime behaviour or speed.
+"""
+
+from __future__ import annotations
+
+import collections
+from typing import Any
+
+from dualop.aot.result import STATUSES, KernelResult
+from dualop.aot.variants import SERVING_SHAPES, Variant, check_dtypes, variants_for
+
+__all__ = [
+    "DEFAULT_TARGETS",
+    "TPU_TARGETS",
+    "gpu_target_names",
+    "check_targets",
+    "run_compile",
+    "format_matrix",
+    "format_details",
+    "format_summary",
+    "exit_status",
+    "SERVING_SHAPES",
+    "STATUSES",
+]
+
+DEFAULT_TARGETS = ("v4", "v5e", "v5p", "v6e", "tpu7x", "sm80", "sm90", "gfx942")
+
+
+def _tpu_names() -> tuple[str, ...]:
+    from dualop.aot.tpu import TOPOLOGIES
+
+    return tuple(TOPOLOGIES)
+
+
+TPU_TARGETS = _tpu_names()
+
+
+def gpu_target_names() -> tuple[str, ...]:
+    """The GPU targets ``dualop.kernels.cuda`` knows. Importing it imports torch, and torch may
+    autoload a device backend that imports triton (torch_tpu does); with ``TRITON_INTERPRET`` unset
+    that triton is compiled-mode, so this process declares compiled mode before the import (it
+    never runs a Triton kernel: the GPU builds happen in a child process, see ``gpu.py``)."""
+    import os
+
+    os.environ.setdefault("TRITON_INTERPRET", "0")
+    from dualop.kernels.cuda import GPU_TARGETS
+
+    return tuple(GPU_TARGETS)
+
+
+def check_targets(targets: list[str] | None) -> list[str]:
+    """The requested targets (default ``DEFAULT_TARGETS``), or a ValueError naming the unknown ones."""
+    targets = list(targets or DEFAULT_TARGETS)
+    known = TPU_TARGETS + gpu_target_names()
+    unknown = [t for t in targets if t not in known]
+    if unknown:
+        raise ValueError(f"dualop compile: unknown target(s) {unknown}; expected some of {list(known)}")
+    return list(dict.fromkeys(targets))
+
+
+def _row(variant: Variant, target: str, result: KernelResult) -> dict[str, Any]:
+    return {
+        "op": variant.case.op,
+        "case": variant.case.label,
+        "dtype": variant.dtype,
+        "shape": list(variant.shape),
+        "serving": variant.serving,
+        "target": target,
+        **result.as_dict(),
+    }
+
+
+def run_compile(ops: list[str] | None = None, targets: list[str] | None = None, dtypes: list[str] | None = None,
+                progress: bool = True) -> list[dict[str, Any]]:
+    """Compile every variant for every target; one row per (variant, target)."""
+    targets = check_targets(targets)
+    dtypes = check_dtypes(dtypes)
+    variants = variants_for(ops, dtypes)  # checks the op names
+    rows: list[dict[str, Any]] = []
+    gpu = [t for t in targets if t not in TPU_TARGETS]
+    tpu = [t for t in targets if t in TPU_TARGETS]
+    by_key: dict[tuple, KernelResult] = {}
+    if gpu:
+        from dualop.aot.gpu import compile_in_child
+
+        by_key.update(compile_in_child(ops, dtypes, gpu, progress))
+    if tpu:
+        by_key.update(_compile_tpu(variants, tpu, progress))
+    for t in targets:
+        for v in variants:
+            rows.append(_row(v, t, by_key[(*v.key, t)]))
+    return rows
+
+
+def _compile_tpu(variants: list[Variant], targets: list[str], progress: bool) -> dict[tuple, KernelResult]:
+    from tqdm import tqdm
+
+    from dualop.aot import tpu
+
+    why = tpu.tpu_available()
+    if why is not None:
+        return {(*v.key, t): KernelResult(status="unavailable", message=why) for v in variants for t in targets}
+    out = {}
+    with tpu.quiet_native_stderr() as visible:
+        work = [(v, t) for t in targets for v in variants]
+        for v, t in tqdm(work, desc="dualop compile (Pallas)", unit="kernel", disable=not progress,
+                         file=visible, dynamic_ncols=True):
+            out[(*v.key, t)] = tpu.compile_variant(v, t)
+    return out
+
+
+# --- output ------------------------------------------------------------------------------
+
+
+def _shape(row: dict[str, Any]) -> str:
+    return "x".join(map(str, row["shape"]))
+
+
+def _clip(text: str, width: int = 160) -> str:
+    return text if len(text) <= width else text[: width - 3] + "..."
+
+
+def format_matrix(rows: list[dict[str, Any]]) -> str:
+    """Op case x target: ``ok N``, ``refused K/N``, ``n/a N``; then one note per distinct message
+    saying which variants it covers."""
+    from dualop.bench.report import table
+
+    targets = list(dict.fromkeys(r["target"] for r in rows))
+    cells: dict[tuple[str, str], list[dict]] = collections.defaultdict(list)
+    for r in rows:
+        cells[(r["case"], r["target"])].append(r)
+    notes: dict[tuple[str, str, str, str], list[str]] = {}
+    table_rows = []
+    for case in dict.fromkeys(r["case"] for r in rows):
+        line = {"case": case}
+        for t in targets:
+            group = cells[(case, t)]
+            counts = collections.Counter(r["status"] for r in group)
+            parts = []
+            for status in ("refused", "unavailable", "ok", "n/a"):
+                if counts[status]:
+                    parts.append(f"{status} {counts[status]}" + (f"/{len(group)}" if status == "refused" else ""))
+            for r in group:
+                if r["status"] != "ok":
+                    note = (case, t, r["status"], _clip(r["message"]))  # dtypes with one message share a note
+                    notes.setdefault(note, []).append(f"{r['dtype']} {_shape(r)}")
+            line[t] = ", ".join(parts)
+        table_rows.append(line)
+    out = [table(table_rows, ["case", *targets])]
+    if notes:
+        out.append("")
+        for (case, t, status, message), where in notes.items():
+            out.append(f"{status}: {case} on {t} ({', '.join(where)}): {message}")
+    return "\n".join(out)
+
+
+def _kib(n: int | None) -> str:
+    return "" if n is None else f"{n / 1024:.0f}K"
+
+
+def format_details(rows: list[dict[str, Any]]) -> str:
+    """Per kernel: grid, blocks and the VMEM it asks for (TPU); warps, stages, shared memory,
+    registers and spills (GPU); compile seconds (``=`` when an identical kernel was reused)."""
+    from dualop.bench.report import table
+
+    tpu_rows, gpu_rows = [], []
+    for r in rows:
+        for k in r["kernels"]:
+            base = {"case": r["case"], "dtype": r["dtype"], "shape": _shape(r), "target": r["target"],
+                    "kernel": k.get("kernel", ""), "grid": "x".join(map(str, k.get("grid", ())))}
+            if r["target"] in TPU_TARGETS:
+                limit = k.get("vmem_limit_bytes")
+                tpu_rows.append({**base, "blocks": " ".join(k.get("blocks", ())),
+                                 "VMEM (2 buffers)": _kib(k.get("vmem_bytes")),
+                                 "vmem_limit": _kib(limit) if limit else "default",
+                                 "status": r["status"],
+                                 "s": "=" if r["cached"] else f"{r['seconds']:.2f}"})
+            else:
+                gpu_rows.append({**base, "warps": k.get("num_warps", ""), "stages": k.get("num_stages", ""),
+                                 "smem": k.get("shared_bytes", ""), "regs": k.get("registers") or "",
+                                 "spills": k.get("spills") or "", "status": "refused" if k.get("error") else "ok",
+                                 "s": "=" if k.get("cached") else f"{k.get('seconds', 0.0):.2f}"})
+    parts = []
+    if tpu_rows:
+        parts.append("Pallas kernels (TPU):\n" + table(tpu_rows))
+    if gpu_rows:
+        parts.append("Triton kernels (GPU):\n" + table(gpu_rows))
+    return "\n\n".join(parts)
+
+
+def format_summary(rows: list[dict[str, Any]], seconds: float) -> str:
+    counts = collections.Counter(r["status"] for r in rows)
+    per_target = collections.defaultdict(float)
+    for r in rows:
+        per_target[r["target"]] += r["seconds"]
+    times = ", ".join(f"{t} {s:.0f}s" for t, s in per_target.items())
+    status = ", ".join(f"{counts[s]} {s}" for s in STATUSES if counts[s])
+    return f"{len(rows)} builds ({status}) in {seconds:.0f}s; compile time per target: {times}"
+
+
+def exit_status(rows: list[dict[str, Any]]) -> int:
+    """1 if any build was refused, 2 if none was but a compiler was unavailable, else 0."""
+    statuses = {r["status"] for r in rows}
+    if "refused" in statuses:
+        return 1
+    return 2 if "unavailable" in statuses else 0

@@ -1,0 +1,228 @@
+"""Compile Pallas kernels for real TPU generations on a host with no TPU.
+
+libtpu gives compile-only devices for a named topology (``jax.experimental.topologies``); a
+function traced on ``ShapeDtypeStruct``s sharded over one of them and ``.lower().compile()``d runs
+XLA:TPU and Mosaic for that chip, which refuse what the chip would (``CompileTimeScopedVmemOom``,
+a primitive Mosaic cannot lower, a block off the (8, 128) tile). Kernels are traced inside
+``compile_target(generation)``, so they lower for Mosaic and size their blocks for that chip.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import glob
+import hashlib
+import math
+import os
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from dualop.aot.result import KernelResult, first_line
+from dualop.aot.variants import InputSpec, Variant
+
+__all__ = ["TOPOLOGIES", "compile_function", "compile_variant", "pallas_calls", "tpu_available"]
+
+# The smallest topology name libtpu resolves for each generation (v4, v5p and tpu7x have no 1x1).
+TOPOLOGIES = {
+    "v4": "v4:2x2x1",
+    "v5e": "v5e:1x1",
+    "v5p": "v5p:2x2x1",
+    "v6e": "v6e:1x1",
+    "tpu7x": "tpu7x:2x2x1",
+}
+
+
+def _no_tpu_attached() -> bool:
+    return not (glob.glob("/dev/accel*") or glob.glob("/dev/vfio/[0-9]*"))
+
+
+if _no_tpu_attached():
+    # Compile-only use: let several processes load libtpu at once (it otherwise takes a host-wide
+    # lock file meant to stop two programs sharing one TPU). Read when libtpu first loads.
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+
+
+@contextlib.contextmanager
+def quiet_native_stderr() -> Iterator[Any]:
+    """Send file descriptor 2 (where libtpu and XLA's C++ logging write: the TPU-init error jax
+    logs on a CPU host, TPU_ACCELERATOR_TYPE warnings) to a temporary file for the block. Yields
+    a text stream on the original stderr, for output that must still be seen (the progress bar)."""
+    import sys
+
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as sink:
+        os.dup2(sink.fileno(), 2)
+        visible = os.fdopen(os.dup(saved), "w", buffering=1)
+        try:
+            yield visible
+        finally:
+            visible.flush()
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            visible.close()
+
+
+def tpu_available() -> str | None:
+    """None if TPU compiles can run here, else why not."""
+    try:
+        import libtpu  # noqa: F401
+        from jax.experimental import topologies  # noqa: F401
+    except ImportError as err:
+        return f"needs jax and libtpu (pip install 'dualop[tpu]'): {err}"
+    return None
+
+
+@functools.lru_cache(maxsize=None)
+def _devices(generation: str):
+    from jax.experimental import topologies
+
+    return topologies.get_topology_desc(topology_name=TOPOLOGIES[generation], platform="tpu").devices
+
+
+def _abstract(spec: Any, sharding) -> Any:
+    import jax
+    import jax.numpy as jnp
+
+    if not isinstance(spec, InputSpec):
+        return spec
+    return jax.ShapeDtypeStruct(spec.shape, jnp.dtype(spec.dtype), sharding=sharding)
+
+
+def _sub_jaxprs(value: Any) -> Iterator[Any]:
+    if hasattr(value, "eqns"):
+        yield value
+    elif hasattr(value, "jaxpr") and hasattr(value.jaxpr, "eqns"):
+        yield value.jaxpr
+    elif isinstance(value, (tuple, list)):
+        for v in value:
+            yield from _sub_jaxprs(v)
+
+
+def pallas_calls(jaxpr) -> list[Any]:
+    """Every ``pallas_call`` equation in ``jaxpr`` and the jaxprs nested in it, each once."""
+    found, seen = [], set()
+
+    def walk(j):
+        if id(j) in seen:
+            return
+        seen.add(id(j))
+        for eqn in j.eqns:
+            if eqn.primitive.name == "pallas_call":
+                found.append(eqn)
+                continue
+            for value in eqn.params.values():
+                for sub in _sub_jaxprs(value):
+                    walk(sub)
+
+    walk(jaxpr)
+    return found
+
+
+def _block_dims(block_shape) -> tuple[int, ...]:
+    """A block shape as ints (a squeezed dim counts as 1)."""
+    dims = []
+    for d in block_shape:
+        size = getattr(d, "block_size", d)  # Blocked(block_size=n) in newer JAX, a plain int before
+        dims.append(size if isinstance(size, int) else 1)  # None / Squeezed(): a squeezed dim
+    return tuple(dims)
+
+
+def _in_smem(aval) -> bool:
+    """Whether a block or scratch buffer lives in SMEM (scalars) rather than VMEM."""
+    return "smem" in str(getattr(aval, "memory_space", "")).lower()
+
+
+def describe_pallas_call(eqn) -> dict[str, Any]:
+    """Grid, block shapes and the VMEM one grid step asks for: every VMEM block times its buffer
+    count (2 unless the spec says otherwise: the pipeline fetches step i+1 while step i runs),
+    plus VMEM scratch, and the kernel's own ``vmem_limit_bytes`` if it sets one."""
+    gm = eqn.params["grid_mapping"]
+    blocks, vmem = [], 0
+    for bm in gm.block_mappings:
+        dims = _block_dims(bm.block_shape)
+        dtype = bm.array_aval.dtype
+        blocks.append("x".join(map(str, dims)) + f":{dtype}")
+        if not _in_smem(getattr(bm, "transformed_block_aval", None)):
+            buffers = getattr(getattr(bm, "pipeline_mode", None), "buffer_count", None) or 2
+            vmem += buffers * math.prod(dims) * dtype.itemsize
+    for aval in getattr(gm, "scratch_avals", ()) or ():
+        shape, dtype = getattr(aval, "shape", None), getattr(aval, "dtype", None)
+        if shape is not None and hasattr(dtype, "itemsize") and not _in_smem(aval):
+            vmem += math.prod(shape) * dtype.itemsize
+    params = eqn.params.get("compiler_params")
+    limit = getattr(params, "vmem_limit_bytes", None)
+    if limit is None and isinstance(params, dict):  # older JAX: {"mosaic": {...}}
+        limit = (params.get("mosaic") or params.get("mosaic_tpu") or {}).get("vmem_limit_bytes")
+    name = eqn.params.get("name") or eqn.params.get("name_and_src_info") or "pallas_call"
+    return {
+        "kernel": str(getattr(name, "name", name)),
+        "grid": tuple(int(g) for g in gm.grid),
+        "blocks": blocks,
+        "vmem_bytes": vmem,
+        "vmem_limit_bytes": limit,
+    }
+
+
+# Compiles already done in this process: (generation, hash of the lowered module) -> (status, message).
+_DONE: dict[tuple[str, str], tuple[str, str]] = {}
+
+
+def _compile_lowered(lowered, generation: str, result: KernelResult) -> None:
+    """Compile once per distinct lowered module and generation; record the verdict in ``result``."""
+    key = (generation, hashlib.sha256(lowered.as_text().encode()).hexdigest())
+    if key in _DONE:
+        result.status, result.message = _DONE[key]
+        result.cached = True
+        return
+    try:
+        lowered.compile()
+    except Exception as err:  # the compiler's refusal
+        result.status, result.message = "refused", first_line(err)
+    _DONE[key] = (result.status, result.message)
+
+
+def compile_function(fn: Callable, args: tuple, generation: str) -> KernelResult:
+    """Trace, lower and compile ``fn(*args)`` (``args``: InputSpecs, None or Python scalars) for
+    ``generation``. A ``NotImplementedError`` while tracing makes the result ``n/a`` (the kernel
+    declines these inputs); any other failure is a refusal, reported by the message's first line."""
+    import jax
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    from dualop.kernels.pallas.common import compile_target
+
+    start = time.perf_counter()
+    result = KernelResult(status="ok")
+    try:
+        devices = _devices(generation)
+    except Exception as err:  # libtpu cannot describe this chip
+        return KernelResult(status="unavailable", message=f"topology {TOPOLOGIES[generation]}: {first_line(err)}")
+    sharding = NamedSharding(Mesh(devices[:1], ("x",)), PartitionSpec())
+    abstract = tuple(_abstract(a, sharding) for a in args)
+    with compile_target(generation):
+        try:
+            traced = jax.jit(fn).trace(*abstract)
+        except NotImplementedError as err:
+            result.status, result.message = "n/a", first_line(err)
+        except Exception as err:
+            result.status, result.message = "refused", first_line(err)
+        else:
+            result.kernels = [describe_pallas_call(e) for e in pallas_calls(traced.jaxpr.jaxpr)]
+            try:
+                lowered = traced.lower()  # Pallas -> Mosaic: block-shape and primitive errors
+            except Exception as err:
+                result.status, result.message = "refused", first_line(err)
+            else:
+                _compile_lowered(lowered, generation, result)
+    result.seconds = time.perf_counter() - start
+    return result
+
+
+def compile_variant(variant: Variant, generation: str) -> KernelResult:
+    """Build ``variant``'s ``forward_tpu`` (its Pallas kernels) for ``generation``."""
+    op = variant.make_op()
+    return compile_function(lambda *a: op.forward_tpu(*a), variant.inputs, generation)

@@ -1,0 +1,155 @@
+"""The kernel variants ``dualop compile`` builds: every op case x dtype x non-empty shape that
+``dualop check`` runs, plus the shapes an LLM server would call each op family with.
+
+A variant carries abstract inputs (``InputSpec``: shape and dtype), never data, so a serving
+shape of 8192 x 57344 costs nothing to describe. Check shapes take their inputs from the case's own
+``make_inputs``; serving shapes scale the inputs of the case's first 2-D check shape (an input
+shaped like x becomes the serving shape, one shaped like x's last dim becomes the serving hidden
+size, a small fixed input such as a (1,) scale is kept).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from dualop import testing
+
+__all__ = ["InputSpec", "Variant", "SERVING_SHAPES", "variants_for", "check_dtypes"]
+
+# Prefill of 8192 tokens and a 16-token decode batch at the widths of Llama-3-70B (hidden 8192,
+# intermediate 28672) and Llama-3-405B (hidden 16384, intermediate 53248). Gated activations take
+# gate and up side by side (2 x intermediate); fp8 quantisation sees both the attention input
+# (hidden) and the down projection's input (intermediate).
+_NORM = ((8192, 8192), (16, 16384))
+_GATED = ((8192, 2 * 28672), (16, 2 * 53248))
+_POINTWISE = ((8192, 28672), (16, 53248))
+SERVING_SHAPES: dict[str, tuple[tuple[int, ...], ...]] = {
+    "rms_norm": _NORM,
+    "gemma_rms_norm": _NORM,
+    "rms_norm_gated": _NORM,
+    "silu_and_mul": _GATED,
+    "mul_and_silu": _GATED,
+    "gelu_and_mul": _GATED,
+    "gelu_and_mul_sparse": _GATED,
+    "fatrelu_and_mul": _GATED,
+    "swigluoai_and_mul": _GATED,
+    "gelu_new": _POINTWISE,
+    "gelu_fast": _POINTWISE,
+    "quick_gelu": _POINTWISE,
+    "relu2": _POINTWISE,
+    "xielu": _POINTWISE,
+    "quant_fp8": ((8192, 8192), (16, 53248)),
+}
+
+
+def _grouped_rms_norm_gated(shape):
+    from dualop.ops import RMSNormGated
+
+    return RMSNormGated(shape[-1], group_size=shape[-1] // 8)  # Mamba-2 style: 8 groups
+
+
+# Cases whose ``make_op`` only knows its check shapes: how to build the op at a serving shape.
+_SERVING_MAKE_OP: dict[str, Callable[[tuple[int, ...]], Any]] = {
+    "rms_norm_gated[z,group]": _grouped_rms_norm_gated,
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class InputSpec:
+    """An abstract input: what a ``jax.ShapeDtypeStruct`` or a torch meta tensor is made from."""
+
+    shape: tuple[int, ...]
+    dtype: str | None
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    """One kernel build: an op case at one dtype and shape. ``inputs`` are the op's positional
+    arguments as ``InputSpec``s (None for an absent optional one)."""
+
+    case: testing.OpCase
+    dtype: str
+    shape: tuple[int, ...]
+    serving: bool
+    inputs: tuple[InputSpec | None, ...]
+
+    @property
+    def key(self) -> tuple[str, str, tuple[int, ...]]:
+        return (self.case.label, self.dtype, self.shape)
+
+    def make_op(self):
+        make = _SERVING_MAKE_OP.get(self.case.label) if self.serving else None
+        return (make or self.case.make_op)(self.shape)
+
+
+def check_dtypes(dtypes: list[str] | None) -> list[str]:
+    dtypes = list(dtypes or ("float32", "bfloat16"))
+    unknown = [d for d in dtypes if d not in testing.DTYPES]
+    if unknown:
+        raise ValueError(f"dualop compile: unknown dtype(s) {unknown}; expected some of {list(testing.DTYPES)}")
+    return dtypes
+
+
+def _templates(arrays: tuple) -> tuple:
+    """Numpy inputs from ``make_inputs`` as InputSpecs; dtype None means "the variant's dtype"
+    (a ``Pinned`` input keeps its own)."""
+    out = []
+    for a in arrays:
+        if a is None or isinstance(a, (bool, int, float)):
+            out.append(a)
+        elif isinstance(a, testing.Pinned):
+            out.append(InputSpec(tuple(a.array.shape), a.dtype))
+        else:
+            out.append(InputSpec(tuple(np.shape(a)), None))
+    return tuple(out)
+
+
+def _scaled(case: testing.OpCase, probe: tuple[int, ...], probe_inputs: tuple, shape: tuple[int, ...]) -> tuple:
+    """The probe shape's inputs re-shaped for ``shape`` (see the module docstring)."""
+    out = []
+    for i, spec in enumerate(probe_inputs):
+        if not isinstance(spec, InputSpec):
+            out.append(spec)
+        elif spec.shape == probe:
+            out.append(InputSpec(shape, spec.dtype))
+        elif spec.shape == probe[-1:]:
+            out.append(InputSpec(shape[-1:], spec.dtype))
+        elif int(np.prod(spec.shape)) <= 1:
+            out.append(spec)
+        else:
+            raise ValueError(
+                f"dualop compile: cannot scale input {i} of case {case.label} (shape {spec.shape} at check "
+                f"shape {probe}) to the serving shape {shape}"
+            )
+    return tuple(out)
+
+
+def variants_for(ops: list[str] | None, dtypes: list[str]) -> list[Variant]:
+    """Every (case, dtype, shape) to build, check shapes first, without duplicates."""
+    from dualop.custom_op import CustomOp
+
+    if ops:
+        unknown = [o for o in ops if o not in CustomOp.op_registry]
+        if unknown:
+            raise ValueError(f"dualop compile: unknown op(s) {unknown}; registered: {sorted(CustomOp.op_registry)}")
+    rng = np.random.default_rng(0)
+    variants: dict[tuple, Variant] = {}
+    for case in testing.cases_for(ops):
+        shapes = [tuple(s) for s in case.shapes if s and s[0] > 0]
+        templates = {s: _templates(case.make_inputs(s, rng)) for s in shapes}
+        probe = next(s for s in shapes if len(s) == 2)
+        serving = [tuple(s) for s in SERVING_SHAPES.get(case.op, ()) if tuple(s) not in templates]
+        for dtype in dtypes:
+            for shape in shapes + serving:
+                is_serving = shape not in templates
+                specs = _scaled(case, probe, templates[probe], shape) if is_serving else templates[shape]
+                specs = tuple(
+                    InputSpec(s.shape, s.dtype or dtype) if isinstance(s, InputSpec) else s for s in specs
+                )
+                v = Variant(case, dtype, shape, is_serving, specs)
+                variants.setdefault(v.key, v)
+    return list(variants.values())
