@@ -297,8 +297,9 @@ def _interpret_triton_without_gpu() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    _interpret_triton_without_gpu()
     args = build_parser().parse_args(argv)
+    if args.command != "compile":  # compile runs no Triton here; it builds for GPUs in a child
+        _interpret_triton_without_gpu()
     try:
         return args.fn(args)
     except ValueError as err:

@@ -12,6 +12,8 @@ export TF_CPP_MIN_LOG_LEVEL="${TF_CPP_MIN_LOG_LEVEL:-2}"
 # tests import it when they need it.
 if ! ls /dev/accel* /dev/vfio/[0-9]* >/dev/null 2>&1; then
   export TORCH_DEVICE_BACKEND_AUTOLOAD="${TORCH_DEVICE_BACKEND_AUTOLOAD:-0}"
+  # and libtpu, once loaded, would query a cloud metadata server for its TPU (minutes of retries).
+  export TPU_SKIP_MDS_QUERY="${TPU_SKIP_MDS_QUERY:-1}"
 fi
 
 env_versions() {
