@@ -211,14 +211,14 @@ def test_library_op_equals_the_eager_call(case):
         assert torch.equal(g, w)
 
 
-def _compile_and_record(fn, *args):
-    """Compile ``fn`` with fullgraph=True through a backend that records each FX graph (and runs it
-    as traced); return the graphs and the compiled call's result."""
+def _compile_and_record(fn, *args, then=None):
+    """Compile ``fn`` with fullgraph=True through a backend that records each FX graph, then runs it
+    as traced (or hands it to the backend ``then``); return the graphs and the compiled call's result."""
     graphs = []
 
     def record(gm, example_inputs):
         graphs.append(gm)
-        return gm.forward
+        return gm.forward if then is None else torch._dynamo.lookup_backend(then)(gm, example_inputs)
 
     torch._dynamo.reset()
     out = torch.compile(fn, backend=record, fullgraph=True)(*args)
@@ -268,6 +268,16 @@ def test_quant_fp8_with_a_group_shape_constant_compiles_to_the_custom_op():
     assert torch.equal(x_q.float(), want_q.float()) and torch.equal(scale, want_scale)
 
 
+from dualop.ops import SiluAndMul  # noqa: E402
+
+
+class _WiderSiluAndMul(SiluAndMul):
+    """An unregistered subclass (so named silu_and_mul) whose call takes another argument."""
+
+    def forward_native(self, x: Any, scale: Any) -> Any:
+        return super().forward_native(x) * scale
+
+
 class _Callback(CustomOp):
     """A test op whose constructor takes a function, which no spec can encode."""
 
@@ -294,21 +304,10 @@ def test_an_enabled_op_without_a_spec_fails_the_trace_naming_the_argument(clean_
         _Callback.name = None
 
 
-def test_a_subclass_with_another_signature_fails_the_trace(clean_registry):
-    from dualop.ops import SiluAndMul
-
-    class Wider(SiluAndMul):
-        def forward_native(self, x: Any, scale: Any) -> Any:
-            return super().forward_native(x) * scale
-
-    Wider.__qualname__ = "_Wider"  # importable under this module's name, as module-level classes are
-    globals()["_Wider"] = Wider
-    try:
-        op = Wider()
-        with set_config(OpsConfig(["all"])), pytest.raises(RuntimeError, match="silu_and_mul: .*Wider.forward_native"):
-            _compile_and_record(lambda a, s: op(a, s), torch.ones(2, 8), torch.ones(2, 4))
-    finally:
-        del globals()["_Wider"]
+def test_a_subclass_with_another_signature_fails_the_trace():
+    op = _WiderSiluAndMul()
+    with set_config(OpsConfig(["all"])), pytest.raises(RuntimeError, match="silu_and_mul: _WiderSiluAndMul.forward_native"):
+        _compile_and_record(lambda a, s: op(a, s), torch.ones(2, 8), torch.ones(2, 4))
 
 
 def test_required_argument_of_the_wrong_type_is_named():
@@ -373,21 +372,26 @@ def test_model_compiles_fullgraph_and_matches_eager(custom_ops, expect_library, 
     assert (len(calls) > 0) == expect_library, calls
 
 
-def test_gradients_flow_through_the_compiled_op():
+@pytest.mark.parametrize("with_residual", [False, True], ids=["Tensor[] of one", "Tensor[] of two"])
+def test_gradients_flow_through_the_compiled_op(with_residual):
     from dualop.ops import RMSNorm
 
     norm = RMSNorm(32)
-    x = torch.randn(3, 32, requires_grad=True)
-    w = torch.linspace(0.5, 1.5, 32, requires_grad=True)
+    leaves = [torch.randn(3, 32), torch.linspace(0.5, 1.5, 32)] + ([torch.randn(3, 32)] if with_residual else [])
+    leaves = [t.requires_grad_() for t in leaves]
+
+    def loss(outputs):
+        outputs = outputs if isinstance(outputs, tuple) else (outputs,)
+        return sum((o * o * (i + 1)).sum() for i, o in enumerate(outputs))
+
     with set_config(OpsConfig(["all"])):
-        torch._dynamo.reset()
-        out = torch.compile(lambda a, b: norm(a, b), fullgraph=True)(x, w)
-    gx, gw = torch.autograd.grad((out * out).sum(), (x, w))
-    x2, w2 = x.detach().requires_grad_(), w.detach().requires_grad_()
-    ref = norm.forward_native(x2, w2)
-    rx, rw = torch.autograd.grad((ref * ref).sum(), (x2, w2))
-    torch.testing.assert_close(gx, rx)
-    torch.testing.assert_close(gw, rw)
+        graphs, out = _compile_and_record(lambda *a: norm(*a), *leaves, then="aot_eager")  # traces the backward
+    assert _dualop_targets(graphs) == ["rms_norm"]
+    got = torch.autograd.grad(loss(out), leaves)
+    refs = [t.detach().requires_grad_() for t in leaves]
+    want = torch.autograd.grad(loss(norm.forward_native(*refs)), refs)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w)
 
 
 def test_locally_defined_unregistered_ops_compile_through_forward_native(clean_registry):
