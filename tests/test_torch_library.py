@@ -310,6 +310,23 @@ def test_a_subclass_with_another_signature_fails_the_trace():
         _compile_and_record(lambda a, s: op(a, s), torch.ones(2, 8), torch.ones(2, 4))
 
 
+class _Mislabelled(CustomOp):
+    """A test op whose return annotation says one array while it returns two."""
+
+    def forward_native(self, x: Any) -> Any:
+        return x + 1, x - 1
+
+
+def test_a_result_unlike_the_declared_output_is_an_error_naming_the_op(clean_registry):
+    CustomOp.register("test_library_mislabelled")(_Mislabelled)
+    try:
+        library.library_op("test_library_mislabelled")
+        with pytest.raises(TypeError, match="test_library_mislabelled: the call returned a tuple of 2 array.*declares Tensor"):
+            torch.ops.dualop.test_library_mislabelled(*library.library_args(_Mislabelled(), (torch.ones(2),), {}))
+    finally:
+        _Mislabelled.name = None
+
+
 def test_required_argument_of_the_wrong_type_is_named():
     from dualop.ops import XIELU
 
