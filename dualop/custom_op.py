@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import difflib
 import inspect
-import json
 import logging
 import sys
 import threading
@@ -30,6 +29,7 @@ import warnings
 from typing import Any, ClassVar
 
 from dualop import config as _config
+from dualop import ctor_spec
 from dualop import platforms as _platforms
 
 __all__ = ["CustomOp", "dispatch_report", "PLATFORM_METHOD"]
@@ -233,12 +233,13 @@ def _install_fast_call(cls: type) -> None:
     cls.forward = fn
 
 
-def _ctor_spec(cls: type, args: tuple, kwargs: dict) -> str | None:
-    """The constructor call as JSON (how torch.library rebuilds the op), or None if not JSON-able."""
+def _ctor_spec(cls: type, args: tuple, kwargs: dict) -> tuple[str | None, str | None]:
+    """The constructor call as a stable string (how torch.library rebuilds the op; see
+    ``dualop.ctor_spec``) and None, or None and why it has none (raised if torch.compile needs it)."""
     try:
-        return json.dumps([f"{cls.__module__}:{cls.__qualname__}", list(args), kwargs], sort_keys=True)
-    except (TypeError, ValueError):
-        return None
+        return ctor_spec.encode(cls, args, kwargs), None
+    except TypeError as err:
+        return None, str(err)
 
 
 def _fresh(cls: type, args: tuple = (), kwargs: dict | None = None) -> CustomOp:
@@ -249,7 +250,7 @@ def _fresh(cls: type, args: tuple = (), kwargs: dict | None = None) -> CustomOp:
     obj._fast_type = obj._fast_method = None
     obj._fast_config = obj._fast_generation = obj._fast_device = None
     obj.enforce_enable = False
-    obj._ctor = _ctor_spec(cls, args, kwargs or {})
+    obj._ctor, obj._ctor_error = _ctor_spec(cls, args, kwargs or {})
     if _compile_hook is None and sys.modules.get("torch") is not None:
         _install_torch_support()
     return obj

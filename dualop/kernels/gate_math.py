@@ -55,21 +55,24 @@ class GateSpec:
     alpha: float = 1.702
     limit: float = 7.0
     sparsity: float = 0.0
+    # Phi^-1(sparsity), computed once here: a plain attribute torch.compile can read while it traces
+    # the native body (it cannot trace statistics' C inv_cdf).
+    std_multiplier: float = dataclasses.field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.activation not in (*ACTIVATIONS, "fatrelu", "swigluoai"):
             raise ValueError(f"GateSpec: unknown activation {self.activation!r}")
         if self.act_on not in ("first", "second"):
             raise ValueError(f"GateSpec: act_on must be 'first' or 'second', got {self.act_on!r}")
+        if not 0.0 <= self.sparsity < 1.0:
+            raise ValueError(f"GateSpec: sparsity must be in [0, 1), got {self.sparsity!r}")
+        multiplier = NormalDist().inv_cdf(self.sparsity) if self.sparsity > 0.0 else 0.0
+        object.__setattr__(self, "std_multiplier", multiplier)
 
     @property
     def needs_row_statistics(self) -> bool:
         """Whether the gate needs statistics of the whole gate row (so rows cannot be tiled)."""
         return self.sparsity > 0.0
-
-    @property
-    def std_multiplier(self) -> float:
-        return NormalDist().inv_cdf(self.sparsity)
 
 
 def gate_and_up(x, d: int, spec: GateSpec):

@@ -53,7 +53,7 @@ class _RMSNormFamily(CustomOp):
         check_optional_like(op, "weight", weight, "x", x, fe, shape=(self.hidden_size,))
         check_optional_like(op, "residual", residual, "x", x, fe, same_dtype=True)
 
-    def forward_native(self, x: Any, weight: Any = None, residual: Any = None) -> Any:
+    def forward_native(self, x: Any, weight: Any = None, residual: Any = None) -> Any | tuple[Any, Any]:
         xp = array_namespace(x)
         xf = xp.astype(x, xp.float32)
         if residual is not None:

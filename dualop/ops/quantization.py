@@ -260,7 +260,7 @@ class QuantFP8(CustomOp):
 
     # ------------------------------------------------------------------ implementations
 
-    def forward_native(self, x: Any, scale: Any = None, scale_ub: Any = None) -> Any:
+    def forward_native(self, x: Any, scale: Any = None, scale_ub: Any = None) -> tuple[Any, Any]:
         xp = array_namespace(x)
         lead, hidden = tuple(x.shape[:-1]), x.shape[-1]
         gs = self.group_shape

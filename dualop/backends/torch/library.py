@@ -1,37 +1,58 @@
-"""Every registered op as a ``torch.library`` custom op, for ``torch.compile`` and ``opcheck``.
+"""Every registered op as a typed ``torch.library`` custom op, for ``torch.compile`` and ``opcheck``.
 
-``dualop::<name>(Tensor? a0, ..., Tensor? a5, float[] scalars, str spec) -> Tensor[]``: ``spec`` is
-the op's class and constructor arguments as JSON; the call's arguments go by position, a tensor or
-None in ``a<i>`` and a Python number in ``scalars[i]`` (NaN where the argument is not a number;
-custom-op schemas have no optional floats in lists). Tensors are separate arguments, not a list,
-so autograd sees them. The real kernel builds (and
-caches) the op and runs its ordinary eager dispatch (config, platform path, fallbacks); the fake
-kernel runs ``forward_native`` on fake tensors; autograd differentiates ``forward_native``.
+``torch.ops.dualop.<name>`` takes the op's call arguments, typed from ``forward_native``'s signature,
+then ``ctor``, the op's constructor call as a string (``dualop.ctor_spec``). For ``RMSNorm``::
+
+    dualop::rms_norm(Tensor x, Tensor? weight, Tensor? residual, str ctor) -> Tensor[]
+
+The rule (``op_signature``, the one place it lives):
+
+- a parameter: an array (annotated ``Any`` or ``torch.Tensor``, or not annotated) is ``Tensor``, or
+  ``Tensor?`` when its default is None; ``bool``/``int``/``float``/``str`` (annotated, or the type
+  of its default) are ``bool``/``SymInt``/``float``/``str``, with ``?`` when it may be None.
+  Anything else is a ``TypeError`` naming the op and the parameter. Every argument is positional
+  and explicit in the schema (keyword-only parameters included), so the graph shows the whole call.
+- the output, from the return annotation: an array (or none) is ``Tensor``; ``tuple[A, B]`` is
+  ``(Tensor, Tensor)``; a union of an array and tuples (the number of outputs depends on the call,
+  as rms_norm's residual does) is ``Tensor[]``. One variable-length output rather than an overload
+  per output count: the count follows from which optional inputs are given, which only the op's
+  body knows, and one schema per op keeps ``torch.ops.dualop.<name>`` the single name for it.
+
+The real kernel rebuilds the op (cached per ``ctor``) and runs its ordinary eager dispatch
+(config, platform path, fallbacks); the fake kernel runs ``forward_native`` on fake tensors;
+autograd differentiates ``forward_native``.
 
 Under ``torch.compile`` a CustomOp call is traced here instead of through the eager dispatcher
 (whose context-variable config Dynamo cannot trace): when the op is enabled under the config
 active at trace time, the graph holds the opaque custom op; otherwise it holds ``forward_native``,
 which Inductor fuses (the reference engine's rule for ``custom_ops=["none"]`` under Inductor).
-The config is read once, at trace time: a compiled graph does not follow later config changes.
+The config is read once, at trace time: a compiled graph does not follow later config changes. An
+enabled op that cannot be a custom op (its constructor has no encoding, or its signature no
+schema) is an error at trace time, never a silent trace of ``forward_native``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
-import importlib
-import json
-import math
+import inspect
+import types
+import typing
 from typing import Any, Optional, Sequence
 
 import torch
 
+from dualop import ctor_spec
 from dualop.config import get_config
 from dualop.custom_op import CustomOp
 
-__all__ = ["library_op", "compiled_call", "library_args"]
+__all__ = ["library_op", "compiled_call", "library_args", "op_signature", "OpSignature"]
 
 _NAMESPACE = "dualop"
-_NOT_A_NUMBER = float("nan")
+CTOR = "ctor"  # the schema's last argument: the op's constructor call (dualop.ctor_spec)
+
+_SCALAR_TYPES = {bool: "bool", int: "SymInt", float: "float", str: "str"}
+_ARRAY_HINTS = (Any, torch.Tensor)
 
 
 try:  # a plain function that Dynamo treats as True while it traces (cheaper than torch.compiler's)
@@ -50,107 +71,278 @@ def trace_as_not_eager(eager: Any) -> None:
         return False
 
 
+# ---------------------------------------------------------------- the schema, from forward_native
+
+
+@dataclasses.dataclass(frozen=True)
+class OpSignature:
+    """An op's torch.library calling convention, derived from its forward_native by ``op_signature``."""
+
+    name: str
+    params: tuple[tuple[str, str], ...]  # (parameter, schema type) in forward_native's order
+    defaults: tuple[Any, ...]  # each parameter's default; inspect.Parameter.empty when required
+    keyword_only: frozenset[str]
+    returns: str  # "Tensor", "(Tensor, Tensor)", ... or "Tensor[]"
+
+    @property
+    def schema(self) -> str:
+        args = ", ".join(f"{kind} {param}" for param, kind in self.params)
+        return f"({args}, str {CTOR}) -> {self.returns}"
+
+    @property
+    def output_count(self) -> int | None:
+        """How many tensors a call returns (None: it depends on the call)."""
+        if self.returns == "Tensor[]":
+            return None
+        return self.returns.count("Tensor")
+
+    def bind(self, values: Sequence[Any]) -> tuple[list, dict]:
+        """One value per parameter, as forward_native's positional and keyword arguments."""
+        args = [v for (p, _), v in zip(self.params, values) if p not in self.keyword_only]
+        kwargs = {p: v for (p, _), v in zip(self.params, values) if p in self.keyword_only}
+        return args, kwargs
+
+
+def _union_members(hint: Any) -> tuple | None:
+    return typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType) else None
+
+
+def _param_type(op: str, param: inspect.Parameter, hint: Any) -> str:
+    optional = param.default is None
+    members = _union_members(hint)
+    if members is not None:
+        present = [m for m in members if m is not type(None)]
+        optional = optional or len(present) < len(members)
+        if len(present) != 1:
+            raise TypeError(
+                f"{op}: forward_native parameter {param.name!r} is annotated {hint}, which is not one schema "
+                f"type; annotate it Any (an array), bool, int, float or str, each optionally | None"
+            )
+        hint = present[0]
+    if hint in _ARRAY_HINTS and param.default not in (None, param.empty):
+        hint = type(param.default)  # an unannotated number, bool or str: its default says which
+    if hint in _ARRAY_HINTS:
+        return "Tensor?" if optional else "Tensor"
+    if hint in _SCALAR_TYPES:
+        return _SCALAR_TYPES[hint] + ("?" if optional else "")
+    raise TypeError(
+        f"{op}: forward_native parameter {param.name!r} ({hint!r}) has no torch.library schema type; "
+        f"annotate it Any (an array), bool, int, float or str, each optionally | None"
+    )
+
+
+def _return_type(op: str, hint: Any) -> str:
+    def is_tuple(h: Any) -> bool:
+        return typing.get_origin(h) is tuple
+
+    def fixed_tuple(h: Any) -> int | None:
+        items = typing.get_args(h)
+        if len(items) >= 2 and Ellipsis not in items and all(i in _ARRAY_HINTS for i in items):
+            return len(items)
+        return None
+
+    members = _union_members(hint)
+    if hint in _ARRAY_HINTS:
+        return "Tensor"
+    if is_tuple(hint) and fixed_tuple(hint):
+        return "(" + ", ".join(["Tensor"] * fixed_tuple(hint)) + ")"
+    if is_tuple(hint) and typing.get_args(hint)[1:] == (Ellipsis,):
+        return "Tensor[]"
+    if members and all(m in _ARRAY_HINTS or (is_tuple(m) and fixed_tuple(m)) for m in members):
+        return "Tensor[]"
+    raise TypeError(
+        f"{op}: forward_native's return annotation {hint!r} has no torch.library output type; annotate it "
+        f"Any (one array), tuple[Any, Any] (a fixed number), or Any | tuple[Any, Any] (depends on the call)"
+    )
+
+
 @functools.lru_cache(maxsize=None)
-def _build(spec: str) -> CustomOp:
-    """The op a spec names: its class (``module:qualname``) built with its constructor arguments."""
-    path, args, kwargs = json.loads(spec)
-    module, _, qualname = path.partition(":")
-    obj: Any = importlib.import_module(module)
-    for part in qualname.split("."):
-        if part == "<locals>":
-            raise ValueError(f"dualop: {path} is defined inside a function; torch.library cannot rebuild it")
-        obj = getattr(obj, part)
-    return obj(*args, **kwargs)
+def op_signature(cls: type) -> OpSignature:
+    """The typed calling convention of an op class's forward_native (see the module docstring)."""
+    op = cls.name or cls.__qualname__
+    fn = cls.forward_native
+    params = list(inspect.signature(fn).parameters.values())[1:]
+    if any(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in params) or not params:
+        raise TypeError(f"{op}: forward_native must name its parameters (no *args/**kwargs) to get a schema")
+    if any(p.name == CTOR for p in params):
+        raise TypeError(f"{op}: forward_native parameter {CTOR!r} collides with the schema's constructor argument")
+    try:
+        hints = typing.get_type_hints(fn)
+    except (NameError, TypeError, AttributeError) as err:
+        raise TypeError(f"{op}: forward_native's annotations do not resolve ({err})") from None
+    return OpSignature(
+        name=op,
+        params=tuple((p.name, _param_type(op, p, hints.get(p.name, Any))) for p in params),
+        defaults=tuple(p.default for p in params),
+        keyword_only=frozenset(p.name for p in params if p.kind is p.KEYWORD_ONLY),
+        returns=_return_type(op, hints.get("return", Any)),
+    )
 
 
-def _no_alias(outputs, inputs) -> list[torch.Tensor]:
+# ---------------------------------------------------------------- the custom op
+
+
+def _no_alias(outputs: list, inputs: Sequence[Any]) -> list[torch.Tensor]:
     """Custom-op outputs may not alias inputs: copy any output that shares an input's storage."""
     tensors = [a for a in inputs if isinstance(a, torch.Tensor)]
     return [out.clone() if any(torch._C._is_alias_of(out, a) for a in tensors) else out for out in outputs]
 
 
-MAX_ARGS = 6
+def _as_declared(sig: OpSignature, result: Any, inputs: Sequence[Any]) -> Any:
+    """An op's result in the form its schema declares (a tensor, a tuple or a list)."""
+    outputs = list(result) if isinstance(result, (tuple, list)) else [result]
+    count = sig.output_count
+    if count is not None and (len(outputs) != count or (count == 1 and isinstance(result, (tuple, list)))):
+        raise TypeError(
+            f"{sig.name}: the call returned {'a ' + type(result).__name__ + ' of ' if count == 1 else ''}"
+            f"{len(outputs)} array(s), but forward_native's return annotation declares {sig.returns}"
+        )
+    outputs = _no_alias(outputs, inputs)
+    if count is None:
+        return outputs
+    return outputs[0] if count == 1 else tuple(outputs)
 
 
-def _call_args(op: CustomOp, args: Sequence[Optional[torch.Tensor]], scalars: Sequence[float]) -> list[Any]:
-    n = len(type(op)._call_parameters())
-    return [a if a is not None or math.isnan(s) else s for a, s in zip(args[:n], scalars[:n])]
-
-
-def _as_list(result: Any) -> list[torch.Tensor]:
-    return list(result) if isinstance(result, tuple) else [result]
+_DEFINED: dict[str, OpSignature] = {}  # the signature each torch.ops.dualop.<name> was defined with
 
 
 @functools.lru_cache(maxsize=None)
 def library_op(name: str):  # noqa: C901 - one op's real, fake and autograd kernels
-    """The ``torch.ops.dualop.<name>`` op for a registered op name (defined on first use)."""
-    qualname = f"{_NAMESPACE}::{name}"
+    """The ``torch.ops.dualop.<name>`` op for a registered op name (defined on first use), or None
+    when its forward_native has no schema (``compiled_call`` then raises ``op_signature``'s error)."""
+    try:
+        sig = op_signature(CustomOp.op_registry[name])
+    except TypeError:
+        return None
 
-    def real(
-        a0: Optional[torch.Tensor], a1: Optional[torch.Tensor], a2: Optional[torch.Tensor],
-        a3: Optional[torch.Tensor], a4: Optional[torch.Tensor], a5: Optional[torch.Tensor],
-        scalars: list[float], spec: str,
-    ) -> list[torch.Tensor]:
-        op = _build(spec)  # at run time this is an eager call: the ordinary dispatch runs
-        args = (a0, a1, a2, a3, a4, a5)
-        return _no_alias(_as_list(op(*_call_args(op, args, scalars))), args)
+    def real(*values: Any) -> Any:
+        *call, ctor = values
+        op = ctor_spec.build(ctor)  # at run time this is an eager call: the ordinary dispatch runs
+        args, kwargs = sig.bind(call)
+        return _as_declared(sig, op(*args, **kwargs), call)
 
     real.__name__ = name
-    custom = torch.library.custom_op(qualname, real, mutates_args=())
+    custom = torch.library.custom_op(f"{_NAMESPACE}::{name}", real, mutates_args=(), schema=sig.schema)
 
     @custom.register_fake
-    def _fake(a0, a1, a2, a3, a4, a5, scalars, spec):
-        op = _build(spec)
-        args = (a0, a1, a2, a3, a4, a5)
-        return _no_alias(_as_list(op.forward_native(*_call_args(op, args, scalars))), args)
+    def _fake(*values: Any) -> Any:
+        *call, ctor = values
+        args, kwargs = sig.bind(call)
+        return _as_declared(sig, ctor_spec.build(ctor).forward_native(*args, **kwargs), call)
 
     def setup_context(ctx, inputs, output):
-        *args, scalars, spec = inputs
-        ctx.spec, ctx.scalars = spec, scalars
-        ctx.present = [a is not None for a in args]
-        ctx.save_for_backward(*[a for a in args if a is not None])
+        *call, ctx.ctor = inputs
+        ctx.present = [isinstance(a, torch.Tensor) for a in call]
+        ctx.others = [None if isinstance(a, torch.Tensor) else a for a in call]
+        ctx.save_for_backward(*[a for a in call if isinstance(a, torch.Tensor)])
 
-    def backward(ctx, grads):
-        op = _build(ctx.spec)
+    def backward(ctx, *grads):
+        grads = grads[0] if sig.output_count is None else grads
+        op = ctor_spec.build(ctx.ctor)
         saved = iter(ctx.saved_tensors)
         with torch.enable_grad():
             leaves = [
-                next(saved).detach().requires_grad_(True) if present else None for present in ctx.present
+                next(saved).detach().requires_grad_(True) if present else other
+                for present, other in zip(ctx.present, ctx.others)
             ]
             for t in leaves:
-                if t is not None and not t.is_floating_point():
+                if isinstance(t, torch.Tensor) and not t.is_floating_point():
                     t.requires_grad_(False)
-            outs = _as_list(op.forward_native(*_call_args(op, leaves, ctx.scalars)))
+            args, kwargs = sig.bind(leaves)
+            result = op.forward_native(*args, **kwargs)
+            outs = list(result) if isinstance(result, tuple) else [result]
             pairs = [(o, g) for o, g in zip(outs, grads) if g is not None and o.requires_grad]
-            wrt = [t for t in leaves if t is not None and t.requires_grad]
+            wrt = [t for t in leaves if isinstance(t, torch.Tensor) and t.requires_grad]
             got = (
                 torch.autograd.grad([o for o, _ in pairs], wrt, [g for _, g in pairs], allow_unused=True)
                 if pairs and wrt else ()
             )
         it = iter(got)
-        arg_grads = [next(it) if (t is not None and t.requires_grad) else None for t in leaves]
-        return (*arg_grads, None, None)
+        arg_grads = [next(it) if isinstance(t, torch.Tensor) and t.requires_grad else None for t in leaves]
+        return (*arg_grads, None)
 
     custom.register_autograd(backward, setup_context=setup_context)
+    _DEFINED[name] = sig
     return custom
 
 
-def library_args(op: CustomOp, args: tuple, kwargs: dict) -> tuple[list, list, str]:
-    """A CustomOp call's arguments in the custom op's calling convention:
-    ``torch.ops.dualop.<name>(*tensors, scalars, spec)``."""
-    names = type(op)._call_parameters()
-    values = list(args)
-    for pname in names[len(values):]:
-        values.append(kwargs.get(pname))
-    unknown = set(kwargs) - set(names)
+# ---------------------------------------------------------------- calls
+
+
+def _check_value(sig: OpSignature, param: str, kind: str, value: Any) -> None:
+    """A TypeError naming the op and the argument when ``value`` does not fit its schema type."""
+    if value is None and kind.endswith("?"):
+        return
+    base = kind.rstrip("?")
+    fits = {
+        "Tensor": lambda v: isinstance(v, torch.Tensor),
+        "bool": lambda v: isinstance(v, (bool, torch.SymBool)),
+        "SymInt": lambda v: isinstance(v, (int, torch.SymInt)) and not isinstance(v, bool),
+        "float": lambda v: isinstance(v, (int, float, torch.SymInt, torch.SymFloat)) and not isinstance(v, bool),
+        "str": lambda v: isinstance(v, str),
+    }[base]
+    if not fits(value):
+        expected = {"Tensor": "a torch.Tensor", "SymInt": "an int"}.get(base, f"a {base}")
+        raise TypeError(
+            f"{sig.name}: argument {param!r} must be {expected}{' or None' if kind.endswith('?') else ''} "
+            f"(its torch.library schema type is {kind}), got {type(value).__qualname__}"
+        )
+
+
+def library_args(op: CustomOp, args: tuple, kwargs: dict) -> list:
+    """A CustomOp call's arguments in its custom op's calling convention:
+    ``torch.ops.dualop.<name>(*library_args(op, args, kwargs))``. Traced by Dynamo, so it reads the
+    signature the op was defined with (a plain dict lookup; ``compiled_call`` has checked that the
+    op's class has that signature) rather than deriving one."""
+    sig = _DEFINED[type(op).name]
+    if len(args) > len(sig.params):
+        raise TypeError(f"{sig.name}: takes {len(sig.params)} call arguments, got {len(args)}")
+    names = [p for p, _ in sig.params]
+    unknown = sorted(set(kwargs) - set(names))
     if unknown:
-        raise TypeError(f"{type(op).name}: unexpected keyword argument(s) {sorted(unknown)}")
-    if len(values) > MAX_ARGS:
-        raise TypeError(f"{type(op).name}: torch.library ops take at most {MAX_ARGS} call arguments")
-    values += [None] * (MAX_ARGS - len(values))
-    tensors = [v if isinstance(v, torch.Tensor) else None for v in values]
-    scalars = [_NOT_A_NUMBER if isinstance(v, torch.Tensor) or v is None else float(v) for v in values]
-    return tensors, scalars, op._ctor
+        raise TypeError(f"{sig.name}: unexpected keyword argument(s) {unknown}")
+    values = []
+    for i, ((param, kind), default) in enumerate(zip(sig.params, sig.defaults)):
+        if i < len(args):
+            value = args[i]
+        elif param in kwargs:
+            value = kwargs[param]
+        elif default is not inspect.Parameter.empty:
+            value = default
+        else:
+            raise TypeError(f"{sig.name}: argument {param!r} is required")
+        _check_value(sig, param, kind, value)
+        values.append(value)
+    return [*values, op._ctor]
+
+
+@functools.lru_cache(maxsize=None)
+def _library_call_error(name: str, ctor: str) -> Optional[str]:
+    """Why a call of the registered op ``name`` by the op ``ctor`` builds cannot be the custom op
+    (None when it can): the op's class (a subclass or an OOT replacement, perhaps) must have the
+    schema the custom op was defined with."""
+    cls = ctor_spec.op_class(ctor)
+    try:
+        mine = op_signature(cls)
+        library_op(name)
+        theirs = _DEFINED.get(name) or op_signature(CustomOp.op_registry[name])
+    except TypeError as err:
+        return str(err)
+    if mine.schema != theirs.schema:
+        return (
+            f"{name}: {cls.__qualname__}.forward_native gives the schema {mine.schema}, but "
+            f"torch.ops.{_NAMESPACE}.{name} was defined as {theirs.schema}"
+        )
+    return None
+
+
+@torch._dynamo.assume_constant_result
+def _check_library_call(name: str, ctor: str, ctor_error: str) -> bool:
+    """Raise (while Dynamo traces) why an enabled op cannot be its custom op; True otherwise."""
+    error = ctor_error or _library_call_error(name, ctor)
+    if error:
+        raise TypeError(error)
+    return True
 
 
 @torch._dynamo.assume_constant_result
@@ -162,11 +354,14 @@ def _enabled_now(name: str, enforce: bool) -> bool:
 def compiled_call(op: CustomOp, args: tuple, kwargs: dict) -> Any:
     """What a CustomOp call becomes inside ``torch.compile`` (traced by Dynamo).
 
-    An op with no registered name, or whose constructor arguments are not JSON, cannot be rebuilt
-    by the custom op; it is traced through forward_native."""
+    An op with no registered name has no custom op and is traced through forward_native, as is a
+    disabled op; an enabled op becomes ``torch.ops.dualop.<name>``, or the trace fails saying why
+    it cannot."""
     name = type(op).name
-    if name is None or op._ctor is None or not _enabled_now(name, op.enforce_enable):
+    if name is None or not _enabled_now(name, op.enforce_enable):
         return op.forward_native(*args, **kwargs)
-    tensors, scalars, spec = library_args(op, args, kwargs)
-    out = getattr(getattr(torch.ops, _NAMESPACE), name)(*tensors, scalars, spec)
-    return out[0] if len(out) == 1 else tuple(out)
+    _check_library_call(name, op._ctor or "", op._ctor_error or "")
+    out = getattr(getattr(torch.ops, _NAMESPACE), name)(*library_args(op, args, kwargs))
+    if isinstance(out, list):  # Tensor[]: as the op's own call returns it, one array or a tuple
+        return out[0] if len(out) == 1 else tuple(out)
+    return out
