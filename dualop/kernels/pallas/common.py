@@ -28,6 +28,9 @@ __all__ = [
     "block_budget",
     "current_generation",
     "tpu_jit",
+    "resident_spec",
+    "single_buffered",
+    "streamed_spec",
     "compiler_params",
     "interpret_mode",
     "ENV_INTERPRET",
@@ -179,6 +182,28 @@ def compiler_params(n_grid_dims: int, *, vmem_bytes: int | None = None, semantic
     cls = getattr(pltpu, "CompilerParams", None) or getattr(pltpu, "TPUCompilerParams")
     semantics = ("parallel",) * n_grid_dims if semantics is None else semantics
     return cls(dimension_semantics=semantics, vmem_limit_bytes=vmem_limit_bytes(vmem_bytes))
+
+
+def single_buffered(vmem_bytes: int) -> bool:
+    """Whether a grid step estimated at ``vmem_bytes`` (double-buffered) exceeds, with its margin,
+    even the largest limit the current generation allows: then its streamed inputs take one
+    buffer each (no overlap of the next block's fetch, but it fits; v4's 16 MiB at very wide rows)."""
+    return _LIMIT_MARGIN * vmem_bytes > vmem_spec().capacity * _CAPACITY_SHARE
+
+
+def streamed_spec(block_shape: tuple[int, ...], index_map, *, single: bool = False) -> pl.BlockSpec:
+    """A block that moves with the grid; one VMEM buffer instead of two when ``single``."""
+    if single:
+        return pl.BlockSpec(block_shape, index_map, pipeline_mode=pl.Buffered(1))
+    return pl.BlockSpec(block_shape, index_map)
+
+
+def resident_spec(block_shape: tuple[int, ...]) -> pl.BlockSpec:
+    """A block every grid step reads whole (a norm's weight): one VMEM buffer instead of two,
+    since it is fetched once (a (1, hidden) block pads to 8 sublanes, so a second copy of a wide
+    weight is not free: it decides whether float32 rows of 53248 with a residual fit v4)."""
+    index = lambda *_: (0,) * len(block_shape)  # noqa: E731
+    return pl.BlockSpec(block_shape, index, pipeline_mode=pl.Buffered(1))
 
 
 def tpu_jit(*, static_argnames: tuple[str, ...]):

@@ -27,8 +27,11 @@ from dualop.kernels.pallas.common import (
     block_vmem_bytes,
     compiler_params,
     cost_estimate,
+    resident_spec,
     row_blocks,
     rowwise_batching,
+    single_buffered,
+    streamed_spec,
     to_rows,
     tpu_jit,
 )
@@ -108,12 +111,13 @@ def _build(spec: NormSpec, interpret, block_rows: int | None, has_weight: bool, 
         br = blocks.block_rows if block_rows is None else min(block_rows, rows)
         vmem = block_vmem_bytes(br, hidden, dtype, per_elem)
         row_spec = pl.BlockSpec((br, hidden), lambda i: (i, 0))
-        in_specs, operands = [row_spec], [x2]
+        in_spec = streamed_spec((br, hidden), lambda i: (i, 0), single=single_buffered(vmem))
+        in_specs, operands = [in_spec], [x2]
         if has_weight:
-            in_specs.append(pl.BlockSpec((1, hidden), lambda i: (0, 0)))
+            in_specs.append(resident_spec((1, hidden)))
             operands.append(weight.reshape(1, hidden))
         if has_residual:
-            in_specs.append(row_spec)
+            in_specs.append(in_spec)
             operands.append(to_rows(residual))
         n_out = 2 if has_residual else 1
         outs = pl.pallas_call(
