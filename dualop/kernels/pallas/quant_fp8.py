@@ -340,9 +340,7 @@ def _build_row_amax(interpret, block_rows: int | None, block_cols: int | None):
             compiler_params=compiler_params(
                 2, vmem_bytes=block_vmem_bytes(br, bc, FP8, _per_elem(dtype)), semantics=("parallel", "arbitrary")
             ),
-            cost_estimate=cost_estimate(cost_model.KernelCost(
-                flops=2 * rows * hidden, transcendentals=0, bytes_accessed=rows * hidden * dtype.itemsize + rows * 4
-            )),
+            cost_estimate=cost_estimate(cost_model.row_amax_cost(rows, hidden, dtype.itemsize)),
             interpret=interpret,
             name="dualop_quant_fp8_row_amax",
         )(x2)
