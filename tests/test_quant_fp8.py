@@ -4,6 +4,8 @@ zero rows, scale_ub, bad input, and jax jit/vmap on the TPU path."""
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 
@@ -297,6 +299,49 @@ def test_pallas_ragged_row_blocks(label, gran, static, with_ub, dtype):
         assert _same_bits(g, w) and _same_bits(g, n), label
 
 
+# (label, granularity, static, with_ub, shape, block_cols): column blocks with a ragged last one
+COLUMN_TILED = [
+    ("dynamic_token_two_pass", "token", False, False, (40, 200), 128),  # running amax, masked edge
+    ("dynamic_token_ub_two_pass", "token", False, True, (40, 200), 128),
+    ("static_token", "token", True, False, (40, 200), 128),
+    ("dynamic_tensor", "tensor", False, False, (40, 300), 128),  # 128 + 128 + 44
+    ("dynamic_group_3_per_block", "group", False, False, (40, 640), 384),  # 5 groups: 3 + 2
+    ("static_group_3_per_block", "group", True, False, (40, 640), 384),
+]
+
+
+@pytest.mark.parametrize("label, gran, static, with_ub, shape, block_cols", COLUMN_TILED, ids=[c[0] for c in COLUMN_TILED])
+def test_pallas_column_blocks(label, gran, static, with_ub, shape, block_cols):
+    """Rows tiled in columns (the layout wide rows get; forced here by ``block_cols``): per token
+    the two-pass running amax, per tensor elementwise blocks, per group several groups a block.
+    Bit for bit against the jnp reference and the torch native body."""
+    jax = pytest.importorskip("jax", reason="jax is part of both test environments (dualop[torch], dualop[jax])")
+    from dualop.kernels.pallas.common import interpret_mode
+    from dualop.kernels.pallas.quant_fp8 import quant_fp8, quant_fp8_reference
+
+    x = _spread(shape, seed=11)
+    x[3, -5] = 900.0  # the largest |x| of row 3 (and of the tensor) sits in the ragged last block
+    scale, ub = _kernel_args(gran, static, with_ub, x, shape)
+    jx = jax.numpy.asarray(x.numpy())
+    js = None if scale is None else jax.numpy.asarray(scale.numpy())
+    jub = None if ub is None else jax.numpy.asarray(ub.numpy())
+    gs = 128 if gran == "group" else 0
+    got = quant_fp8(jx, js, jub, granularity=gran, group_size=gs, interpret=interpret_mode("jax"),
+                    block_rows=32, block_cols=block_cols)
+    want = quant_fp8_reference(jx, js, jub, granularity=gran, group_size=gs)
+    native = _op_for(gran, static).forward_native(x, scale, ub)
+    for g, w, n in zip(got, want, native):
+        assert _same_bits(g, w) and _same_bits(g, n), label
+
+
+def test_pallas_rejects_unaligned_block_cols():
+    jax = pytest.importorskip("jax", reason="jax is part of both test environments (dualop[torch], dualop[jax])")
+    from dualop.kernels.pallas.quant_fp8 import quant_fp8
+
+    with pytest.raises(ValueError, match="block_cols must be a multiple of 128"):
+        quant_fp8(jax.numpy.zeros((4, 256)), granularity="token", block_cols=100)
+
+
 @pytest.fixture(scope="module")
 def triton_quant():
     why = testing.prepare_triton()
@@ -464,3 +509,41 @@ def test_group_shape_parsing_and_constructor_errors():
     with pytest.raises(TypeError, match=r"quant_fp8: static must be a bool, got 'yes'"):
         QuantFP8("yes", "per_token")
     assert repr(QuantFP8(True, (1, 128))) == "QuantFP8(static=True, group_shape=(1, 128))"
+
+
+# ------------------------------------------------------------------- GPU targets without e4m3
+
+
+@pytest.mark.parametrize("target, reason", [
+    ("sm80", "sm80 has no float8 e4m3 conversion"),
+    ("gfx942", "gfx942 .MI300 class. uses float8_e4m3fnuz"),
+])
+def test_triton_declines_gpus_without_e4m3fn(triton_quant, target, reason):
+    """Built for an A100 (no e4m3 in hardware; Triton refuses tl.float8e4nv, see
+    test_real_compilers) or an MI300 (fnuz), the CUDA path declines with the reason before any
+    launch, and dispatch falls back to forward_native and reports why."""
+    from dualop.kernels.cuda import GPU_TARGETS, compile_target
+
+    op = QuantFP8(False, "per_token")
+    x = _spread((5, 256), seed=4)
+    with compile_target(GPU_TARGETS[target]):
+        with pytest.raises(NotImplementedError, match=reason):
+            op.forward_cuda(x)
+        with override_platform("cuda"), set_config(OpsConfig(["all"])):
+            x_q, scale = op(x)
+            row = next(r for r in dispatch_report() if r["op"] == "quant_fp8" and r["platform"] == "cuda")
+    want_q, want_s = op.forward_native(x)
+    assert _same_bits(x_q, want_q) and _same_bits(scale, want_s)
+    assert row["method"] == "forward_native" and re.search(reason, row["reason"]), row
+
+
+def test_triton_runs_for_sm90(triton_quant):
+    """sm_90 has e4m3: no decline (here the kernel runs in Triton's interpreter)."""
+    from dualop.kernels.cuda import GPU_TARGETS, compile_target
+
+    op = QuantFP8(False, "per_token")
+    x = _spread((5, 256), seed=4)
+    with compile_target(GPU_TARGETS["sm90"]):
+        got = op.forward_cuda(x)
+    for g, w in zip(got, op.forward_native(x)):
+        assert _same_bits(g, w)

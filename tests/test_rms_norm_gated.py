@@ -411,3 +411,48 @@ def test_constructor_arguments_are_checked():
     op = RMSNormGated(200, 1e-6, 40, True, enforce_enable=True)
     assert (op.hidden_size, op.eps, op.group_size, op.norm_before_gate, op.enforce_enable) == (200, 1e-6, 40, True, True)
     assert "group_size=40" in repr(op) and RMSNormGated.name == "rms_norm_gated"
+
+
+def _count_equations(jaxpr) -> int:
+    """Equations of a jaxpr and of every jaxpr nested in its equations (the Pallas kernel body
+    included), so the count reflects the whole program a compiler gets."""
+    inner = getattr(jaxpr, "jaxpr", jaxpr)  # a ClosedJaxpr holds its Jaxpr
+    total = 0
+    for eqn in inner.eqns:
+        total += 1
+        for value in eqn.params.values():
+            for v in value if isinstance(value, (tuple, list)) else (value,):
+                if hasattr(getattr(v, "jaxpr", v), "eqns"):
+                    total += _count_equations(v)
+    return total
+
+
+# Whole program (wrapper and kernel body) of the Pallas path, whatever the number of groups. At
+# group 40 the masked loop this replaced made 2003 equations at hidden 40000.
+MAX_EQUATIONS = 150
+
+
+@pytest.mark.parametrize("group", [40, 100, 128])
+def test_pallas_program_size_does_not_grow_with_groups(interpret, group):
+    """Groups off the lane grid are summed by a membership matmul and lane-aligned ones in blocks
+    of at most 16: the traced program is as large at 1000 groups as at 100 (a ragged last column
+    block at both, so both mask), and within the bound at any count."""
+    from dualop.kernels.pallas.rms_norm_gated import rms_norm_gated
+
+    sizes = []
+    for n_groups in (5, 100, 1000):
+        hidden = group * n_groups
+        x = jax.ShapeDtypeStruct((8, hidden), jnp.float32)
+        w = jax.ShapeDtypeStruct((hidden,), jnp.float32)
+        fn = lambda a, b, c: rms_norm_gated(a, b, c, group_size=group, interpret=interpret)  # noqa: E731
+        sizes.append(_count_equations(jax.make_jaxpr(fn)(x, w, x)))
+    assert sizes[1] == sizes[2] and max(sizes) <= MAX_EQUATIONS, sizes
+
+
+def test_pallas_column_blocks_hold_whole_aligned_groups():
+    from dualop.kernels.pallas.rms_norm_gated import column_block
+
+    for hidden, group in ((200, 40), (40000, 40), (53248, 416), (53248, 128), (8192, 1024), (300, 100), (4096, 4096)):
+        bc = column_block(hidden, group)
+        assert bc % group == 0 and (bc == hidden or bc % 128 == 0), (hidden, group, bc)
+        assert bc // group <= 128, (hidden, group, bc)

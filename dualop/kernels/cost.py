@@ -23,6 +23,7 @@ __all__ = [
     "rms_norm_gated_cost",
     "pointwise_activation_cost",
     "quant_fp8_cost",
+    "row_amax_cost",
     "POINTWISE_COUNTS",
 ]
 
@@ -96,3 +97,10 @@ def quant_fp8_cost(rows: int, hidden: int, itemsize: int, n_scales: int) -> Kern
     """Read x once, write x_q (one byte per element) and the float32 scales once."""
     n = rows * hidden
     return KernelCost(flops=6 * n, transcendentals=0, bytes_accessed=n * (itemsize + 1) + 4 * n_scales)
+
+
+def row_amax_cost(rows: int, hidden: int, itemsize: int) -> KernelCost:
+    """Per-row max |x| (quant_fp8's first pass over rows too wide for one block): read x once,
+    write one float32 per row."""
+    n = rows * hidden
+    return KernelCost(flops=2 * n, transcendentals=0, bytes_accessed=n * itemsize + 4 * rows)

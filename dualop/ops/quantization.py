@@ -65,6 +65,28 @@ _PALLAS_QUANT = KernelRef("dualop.kernels.pallas.quant_fp8", "quant_fp8")
 _TRITON_QUANT = KernelRef("dualop.kernels.cuda.quant_fp8", "quant_fp8")
 
 
+def _require_fp8_e4m3_target(device: Any) -> None:
+    """Decline (NotImplementedError: dispatch falls back to forward_native and reports why) where
+    the Triton kernel cannot give this op's float8_e4m3fn: CUDA GPUs below sm_89 have no e4m3
+    conversion (Triton refuses ``tl.float8e4nv`` there), and MI300-class GPUs (gfx94x) use the
+    float8_e4m3fnuz format (max 224, the reference engine's choice there), which dualop's fp8
+    kernels do not produce. Triton's CPU interpreter (no target) runs the kernel."""
+    from dualop.kernels.cuda import gpu_target
+
+    target = gpu_target(device)
+    if target is None:
+        return
+    if target.backend == "cuda" and int(target.arch) < 89:
+        raise NotImplementedError(
+            f"quant_fp8: {target.name} has no float8 e4m3 conversion (Triton's fp8e4nv needs sm_89 or newer)"
+        )
+    if target.backend == "hip" and str(target.arch).startswith("gfx94"):
+        raise NotImplementedError(
+            f"quant_fp8: {target.name} (MI300 class) uses float8_e4m3fnuz (max 224); "
+            "dualop's fp8 kernels write float8_e4m3fn"
+        )
+
+
 @dataclasses.dataclass(frozen=True)
 class GroupShape:
     """Elements sharing one scale, as (rows, cols) of the 2-D (tokens, hidden) view; ``-1`` means
@@ -322,6 +344,8 @@ class QuantFP8(CustomOp):
         return x_q.reshape(x.shape), scale
 
     def forward_cuda(self, x: Any, scale: Any = None, scale_ub: Any = None) -> Any:
+        if frontend_of(x) == "torch":
+            _require_fp8_e4m3_target(x.device)
         return call_triton(
             frontend_of(x), _TRITON_QUANT, x, scale, scale_ub,
             granularity=self._granularity, group_size=max(self.group_shape.col, 0),

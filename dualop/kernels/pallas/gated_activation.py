@@ -25,7 +25,15 @@ from jax.experimental import pallas as pl
 from dualop.backends.xla import array_api as xp
 from dualop.kernels.gate_math import GateSpec, apply_gate, gate_and_up
 from dualop.kernels import cost as cost_model
-from dualop.kernels.pallas.common import compiler_params, cost_estimate, row_blocks, rowwise_batching, to_rows
+from dualop.kernels.pallas.common import (
+    block_vmem_bytes,
+    compiler_params,
+    cost_estimate,
+    row_blocks,
+    rowwise_batching,
+    to_rows,
+    tpu_jit,
+)
 
 __all__ = ["gated_activation", "gated_activation_reference", "gated_activation_cost", "GateSpec"]
 
@@ -64,7 +72,7 @@ def _lane_block(d: int) -> int:
     return best
 
 
-@functools.partial(jax.jit, static_argnames=("spec", "interpret", "block_rows"))
+@tpu_jit(static_argnames=("spec", "interpret", "block_rows"))
 def gated_activation(x: jax.Array, *, spec: GateSpec = GateSpec(), interpret=False, block_rows: int | None = None):
     """The spec's gated activation over the last dim of ``x`` (even), any leading shape."""
     return _build(spec, interpret, block_rows)(x)
@@ -89,6 +97,7 @@ def _build(spec: GateSpec, interpret, block_rows: int | None):
         def two_input_call(g_arr, u_arr, g_col0: int, u_col0: int, bd: int):
             blocks = row_blocks(rows, d, dtype, per_elem, block_cols=bd)
             br = blocks.block_rows if block_rows is None else min(block_rows, rows)
+            vmem = block_vmem_bytes(br, bd, dtype, per_elem)
             return pl.pallas_call(
                 functools.partial(_two_input_kernel, spec=spec),
                 grid=(pl.cdiv(rows, br), d // bd),
@@ -98,7 +107,7 @@ def _build(spec: GateSpec, interpret, block_rows: int | None):
                 ],
                 out_specs=pl.BlockSpec((br, bd), lambda i, j: (i, j)),
                 out_shape=jax.ShapeDtypeStruct((rows, d), dtype),
-                compiler_params=compiler_params(2),
+                compiler_params=compiler_params(2, vmem_bytes=vmem),
                 cost_estimate=cost,
                 interpret=interpret,
                 name=name,
@@ -118,13 +127,14 @@ def _build(spec: GateSpec, interpret, block_rows: int | None):
         else:
             blocks = row_blocks(rows, 2 * d, dtype, per_elem)
             br = blocks.block_rows if block_rows is None else min(block_rows, rows)
+            vmem = block_vmem_bytes(br, 2 * d, dtype, per_elem)
             out = pl.pallas_call(
                 functools.partial(_full_row_kernel, spec=spec, d=d),
                 grid=(pl.cdiv(rows, br),),
                 in_specs=[pl.BlockSpec((br, 2 * d), lambda i: (i, 0))],
                 out_specs=pl.BlockSpec((br, d), lambda i: (i, 0)),
                 out_shape=jax.ShapeDtypeStruct((rows, d), dtype),
-                compiler_params=compiler_params(1),
+                compiler_params=compiler_params(1, vmem_bytes=vmem),
                 cost_estimate=cost,
                 interpret=interpret,
                 name=name,

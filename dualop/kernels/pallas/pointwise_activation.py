@@ -29,12 +29,14 @@ from jax.experimental.pallas import tpu as pltpu
 
 from dualop.kernels import cost as cost_model
 from dualop.kernels.pallas.common import (
-    VMEM_BLOCK_BUDGET,
+    block_budget,
+    block_vmem_bytes,
     compiler_params,
     cost_estimate,
     row_blocks,
     rowwise_batching,
     sublane_tile,
+    tpu_jit,
 )
 
 __all__ = [
@@ -137,10 +139,10 @@ def pointwise_layout(shape: tuple[int, ...], dtype) -> tuple[int, int]:
 def _lane_block(cols: int, dtype, per_elem: int) -> int:
     """Columns per block: the full width when a sublane tile of it fits the VMEM budget, else the
     widest multiple of 128 lanes that does (Pallas masks the ragged edge block)."""
-    tile = sublane_tile(dtype)
-    if cols * per_elem * tile <= VMEM_BLOCK_BUDGET:
+    tile, budget = sublane_tile(dtype), block_budget()
+    if cols * per_elem * tile <= budget:
         return cols
-    return max(128, VMEM_BLOCK_BUDGET // (per_elem * tile) // 128 * 128)
+    return max(128, budget // (per_elem * tile) // 128 * 128)
 
 
 def _kernel(*refs, act, parametric: bool):
@@ -153,9 +155,7 @@ def _kernel(*refs, act, parametric: bool):
     o_ref[...] = y.astype(o_ref.dtype)
 
 
-@functools.partial(
-    jax.jit, static_argnames=("activation", "beta", "eps", "interpret", "block_rows", "block_cols")
-)
+@tpu_jit(static_argnames=("activation", "beta", "eps", "interpret", "block_rows", "block_cols"))
 def pointwise_activation(
     x: jax.Array,
     alpha_p: jax.Array | None = None,
@@ -209,6 +209,7 @@ def _build(activation: str, beta: float, eps: float, interpret, block_rows: int 
             bc = block_cols
         blocks = row_blocks(rows, cols, dtype, per_elem, block_cols=bc)
         br = blocks.block_rows if block_rows is None else min(block_rows, rows)
+        vmem = block_vmem_bytes(br, bc, dtype, per_elem)
         spec = pl.BlockSpec((br, bc), lambda i, j: (i, j))
         in_specs, operands = [spec], [x2]
         if parametric:
@@ -220,7 +221,7 @@ def _build(activation: str, beta: float, eps: float, interpret, block_rows: int 
             in_specs=in_specs,
             out_specs=spec,
             out_shape=jax.ShapeDtypeStruct((rows, cols), dtype),
-            compiler_params=compiler_params(2),
+            compiler_params=compiler_params(2, vmem_bytes=vmem),
             cost_estimate=pointwise_activation_cost(n, dtype.itemsize, activation),
             interpret=interpret,
             name=f"dualop_{activation}",

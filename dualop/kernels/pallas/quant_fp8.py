@@ -7,18 +7,21 @@ static scale; ``x_q = fp8(clip(x * (1 / scale), -448, 448))`` in float32, rounde
 by a rounded reciprocal), so results equal the other backends' bit for bit.
 ``quant_fp8_reference`` beside the kernels is the plain-jnp statement of it.
 
-Layout: ``x`` is viewed as (rows, hidden) and tiled as (row block, column group), where a column
-group is the whole row (per tensor, per token) or ``g`` columns (a multiple of 128 lanes). Each grid
-step is independent ("parallel" on both axes):
+Layout: ``x`` is viewed as (rows, hidden) and tiled as (row block, column block), sized from the
+TPU generation's VMEM (``common.block_budget``); no block needs to span a row:
 
-- dynamic per token / per group: one pass per block; the block's row maxima (a lane reduction), then
-  the scales, then the quantised block. Scales come out as a (groups, rows, 1) array, one
-  (row block, 1) column per step, so every step owns its output block; the wrapper transposes that
-  small array to (rows, groups).
-- per tensor, dynamic: two phases. Phase 1 is ``jnp.max(|x|)``, a plain XLA reduction (it fuses the
-  abs and reads x once); phase 2 is the static kernel with that scale.
-- static: the scale goes in as a (1, 1) SMEM scalar (per tensor) or as (row block, 1) columns of
-  the same (groups, rows, 1) layout (per token, per group).
+- per tensor: two phases. Phase 1 (dynamic only) is ``jnp.max(|x|)``, a plain XLA reduction (it
+  fuses the abs and reads x once); phase 2 quantises elementwise with that (1, 1) SMEM scalar, in
+  column blocks of 128-lane multiples when a row is wide (Pallas masks the ragged edge block).
+- per group: each block holds ``k`` whole groups (lane-aligned static slices, ``k`` up to 16), so
+  narrow groups still make wide blocks; per step the groups' row maxima, scales and quantised
+  values. Scales move as a (groups, rows, 1) array, one (k, row block, 1) block per step, so every
+  step owns its output block; the wrapper transposes that small array to (rows, groups).
+- per token: one pass over whole-row blocks (the group kernel with one group per row) when a
+  sublane tile of rows fits the default scoped VMEM; wider rows take two passes over column blocks:
+  a running per-row amax (the column axis sequential, the (row block, 1) maxima resident), then the
+  static per-row quantisation.
+- static: the given scale as the SMEM scalar, (row block, 1) columns, or the group layout above.
 
 The float32 -> float8 cast is preceded by an explicit round-to-nearest-even onto the e4m3 grid
 (integer ops on the float32 bits), so the cast itself is exact whatever conversion the backend
@@ -35,7 +38,18 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from dualop.kernels import cost as cost_model
-from dualop.kernels.pallas.common import compiler_params, cost_estimate, row_blocks, rowwise_batching, to_rows
+from dualop.kernels.pallas.common import (
+    block_budget,
+    block_vmem_bytes,
+    compiler_params,
+    cost_estimate,
+    row_blocks,
+    rowwise_batching,
+    sublane_tile,
+    to_rows,
+    tpu_jit,
+    vmem_spec,
+)
 
 __all__ = ["quant_fp8", "quant_fp8_reference", "quant_fp8_cost", "round_to_e4m3", "div_by_fp8_max", "FP8_MAX", "MIN_SCALE"]
 
@@ -109,31 +123,106 @@ def quant_fp8_cost(rows: int, hidden: int, itemsize: int, n_scales: int) -> pl.C
 # ---------------------------------------------------------------------------------- kernels
 
 
-def _dynamic_kernel(*refs, has_ub: bool):
-    """One (row block, column group): its per-row amax, scale and quantised values."""
+def _dynamic_kernel(*refs, has_ub: bool, group: int, groups_per_block: int):
+    """One (row block, column block) of whole groups (one group per token): each group's per-row
+    amax, scale and quantised values. Groups are lane-aligned static slices of the block."""
     if has_ub:
         x_ref, ub_ref, q_ref, s_ref = refs
     else:
         x_ref, q_ref, s_ref = refs
-    x = x_ref[...].astype(jnp.float32)
-    amax = jnp.max(jnp.abs(x), axis=-1, keepdims=True)  # (block rows, 1)
-    if has_ub:
-        amax = jnp.minimum(amax, ub_ref[0, 0])
-    scale = _dynamic_scale(amax)
-    q_ref[...] = _quantise(x, scale)
-    s_ref[...] = scale
+    for k in range(groups_per_block):
+        cols = slice(k * group, (k + 1) * group)
+        x = x_ref[:, cols].astype(jnp.float32)
+        amax = jnp.max(jnp.abs(x), axis=-1, keepdims=True)  # (block rows, 1)
+        if has_ub:
+            amax = jnp.minimum(amax, ub_ref[0, 0])
+        scale = _dynamic_scale(amax)
+        q_ref[:, cols] = _quantise(x, scale)
+        s_ref[k] = scale
 
 
-def _static_kernel(x_ref, s_ref, q_ref, *, scalar: bool):
-    """Quantise one block with a given scale: an SMEM scalar, or one value per row of the block."""
-    scale = s_ref[0, 0] if scalar else s_ref[...]
-    q_ref[...] = _quantise(x_ref[...].astype(jnp.float32), scale)
+def _row_amax_kernel(x_ref, amax_ref, *, hidden: int, block_cols: int):
+    """Running per-row amax over the column blocks of wide rows (the column axis is sequential:
+    the (block rows, 1) output stays resident while the steps fold their block maxima into it).
+    The ragged last column block's padding is masked to 0 (|x| >= 0, so it never wins)."""
+    j = pl.program_id(1)
+    a = jnp.abs(x_ref[...].astype(jnp.float32))
+    if hidden % block_cols:
+        col = j * block_cols + jax.lax.broadcasted_iota(jnp.int32, a.shape, 1)
+        a = jnp.where(col < hidden, a, 0.0)
+    m = jnp.max(a, axis=-1, keepdims=True)
+
+    @pl.when(j == 0)
+    def _first():
+        amax_ref[...] = m
+
+    @pl.when(j > 0)
+    def _fold():
+        amax_ref[...] = jnp.maximum(amax_ref[...], m)
+
+
+def _static_kernel(x_ref, s_ref, q_ref, *, mode: str, group: int, groups_per_block: int):
+    """Quantise one block with given scales: an SMEM scalar (``tensor``), one per row of the
+    block (``row``), or one per row of each of the block's groups (``group``)."""
+    if mode == "tensor":
+        q_ref[...] = _quantise(x_ref[...].astype(jnp.float32), s_ref[0, 0])
+    elif mode == "row":
+        q_ref[...] = _quantise(x_ref[...].astype(jnp.float32), s_ref[...])
+    else:
+        for k in range(groups_per_block):
+            cols = slice(k * group, (k + 1) * group)
+            q_ref[:, cols] = _quantise(x_ref[:, cols].astype(jnp.float32), s_ref[k])
+
+
+# ---------------------------------------------------------------------------------- tiling
+
+# VMEM bytes per element of a block beyond its I/O: the float32 value, |x| or the scaled value,
+# and the rounding's integer temporaries.
+_TEMP_BYTES = 12
+# Groups one grid step quantises at most (a static loop over lane-aligned slices).
+_MAX_GROUPS_PER_BLOCK = 16
+
+
+def _per_elem(dtype) -> int:
+    """x and x_q double-buffered plus the float32 temporaries."""
+    return 2 * (jnp.dtype(dtype).itemsize + 1) + _TEMP_BYTES
+
+
+def _row_block(rows: int, cols: int, dtype, block_rows: int | None) -> int:
+    """Rows per grid step for blocks ``cols`` wide, in float8 sublane tiles (32 rows)."""
+    br = row_blocks(rows, cols, FP8, bytes_per_elem=_per_elem(dtype)).block_rows
+    return br if block_rows is None else min(block_rows, rows)
+
+
+def _whole_rows_fit(hidden: int, dtype) -> bool:
+    """Whether one sublane tile of whole rows fits the default scoped VMEM with its margin (then
+    per-token quantisation is one pass; wider rows are tiled in columns)."""
+    return 2 * block_vmem_bytes(sublane_tile(FP8), hidden, FP8, _per_elem(dtype)) <= vmem_spec().scoped_default
+
+
+def _column_block(hidden: int, dtype, block_cols: int | None) -> int:
+    """Columns per grid step for an elementwise pass: the whole row when a sublane tile of it fits
+    the block budget, else the widest multiple of 128 lanes that does."""
+    if block_cols is not None:
+        return min(block_cols, hidden)
+    per_row_tile = sublane_tile(FP8) * _per_elem(dtype)
+    if hidden * per_row_tile <= block_budget():
+        return hidden
+    return max(128, block_budget() // per_row_tile // 128 * 128)
+
+
+def _groups_per_block(group: int, n_groups: int, dtype, block_cols: int | None) -> int:
+    """Whole groups per grid step: as many as fit the block budget, at most ``_MAX_GROUPS_PER_BLOCK``."""
+    if block_cols is not None:
+        return max(1, min(block_cols // group, n_groups))
+    fit = block_budget() // (sublane_tile(FP8) * group * _per_elem(dtype))
+    return max(1, min(fit, n_groups, _MAX_GROUPS_PER_BLOCK))
 
 
 # ---------------------------------------------------------------------------------- entry
 
 
-@functools.partial(jax.jit, static_argnames=("granularity", "group_size", "interpret", "block_rows"))
+@tpu_jit(static_argnames=("granularity", "group_size", "interpret", "block_rows", "block_cols"))
 def quant_fp8(
     x: jax.Array,
     scale: jax.Array | None = None,
@@ -143,69 +232,81 @@ def quant_fp8(
     group_size: int = 0,
     interpret=False,
     block_rows: int | None = None,
+    block_cols: int | None = None,
 ):
     """Quantise ``x`` (any leading shape) to float8_e4m3fn; returns ``(x_q, scale)``.
 
     ``granularity``: ``"tensor"``, ``"token"`` or ``"group"`` (``group_size`` columns, a multiple of
     128 dividing the last dim). ``scale`` given: static; else dynamic (``scale_ub`` per token only).
-    Scale shapes as in ``ops/quantization.py``. ``block_rows`` overrides the rows per grid step (a
-    multiple of 32, the float8 sublane tile); tests use it to force several blocks and a ragged one.
+    Scale shapes as in ``ops/quantization.py``. ``block_rows`` (a multiple of 32, the float8 sublane
+    tile) and ``block_cols`` (a multiple of 128; for groups, a multiple of the group) override the
+    VMEM-budget tiling; tests use them to force several blocks, ragged ones, and the column-tiled
+    per-token path.
     """
     if granularity not in ("tensor", "token", "group"):
         raise ValueError(f"quant_fp8: granularity {granularity!r} is not 'tensor', 'token' or 'group'")
+    if block_cols is not None and block_cols % 128:
+        raise ValueError(f"quant_fp8: block_cols must be a multiple of 128, got {block_cols}")
     lead, hidden = x.shape[:-1], x.shape[-1]
     if granularity == "tensor":
         if scale is None:
             amax = jnp.max(jnp.abs(x), initial=0).astype(jnp.float32)  # phase 1 (0 for no tokens)
             scale = _dynamic_scale(amax)
         scale = scale.astype(jnp.float32).reshape(1, 1)
-        x_q = _build_static(True, hidden, interpret, block_rows)(x, scale)  # phase 2
+        x_q = _build_static("tensor", 0, interpret, block_rows, block_cols)(x, scale)  # phase 2
         return x_q, scale.reshape(1)
-    width = hidden if granularity == "token" else group_size
+    ub = None if scale_ub is None else scale_ub.astype(jnp.float32).reshape(1, 1)
+    if granularity == "group":
+        if scale is None:
+            call = _build_dynamic(group_size, ub is not None, interpret, block_rows, block_cols)
+            return call(x) if ub is None else call(x, ub)
+        scale = scale.astype(jnp.float32).reshape(*lead, hidden // group_size)
+        return _build_static("group", group_size, interpret, block_rows, block_cols)(x, scale), scale
+    # per token
     if scale is None:
-        call = _build_dynamic(width, scale_ub is not None, interpret, block_rows)
-        return call(x) if scale_ub is None else call(x, scale_ub.astype(jnp.float32).reshape(1, 1))
-    scale = scale.astype(jnp.float32).reshape(*lead, hidden // width)
-    return _build_static(False, width, interpret, block_rows)(x, scale), scale
-
-
-def _blocking(rows: int, width: int, dtype, block_rows: int | None) -> int:
-    """Rows per grid step: x, x_q double-buffered plus float32 temporaries, in float8 tiles of 32."""
-    per_elem = 2 * (dtype.itemsize + 1) + 12
-    br = row_blocks(rows, width, FP8, bytes_per_elem=per_elem).block_rows
-    return br if block_rows is None else min(block_rows, rows)
+        if block_cols is None and _whole_rows_fit(hidden, x.dtype):
+            call = _build_dynamic(hidden, ub is not None, interpret, block_rows, None)
+            return call(x) if ub is None else call(x, ub)
+        amax = _build_row_amax(interpret, block_rows, block_cols)(x)  # wide rows: two passes
+        if ub is not None:
+            amax = jnp.minimum(amax, ub.reshape(()))
+        scale = _dynamic_scale(amax)
+    scale = scale.astype(jnp.float32).reshape(*lead, 1)
+    return _build_static("row", 0, interpret, block_rows, block_cols)(x, scale), scale
 
 
 @functools.lru_cache(maxsize=None)
-def _build_dynamic(width: int, has_ub: bool, interpret, block_rows: int | None):
-    """Dynamic per-token (width = hidden) / per-group (width = g) quantisation, batched as rows."""
-    kernel = functools.partial(_dynamic_kernel, has_ub=has_ub)
+def _build_dynamic(group: int, has_ub: bool, interpret, block_rows: int | None, block_cols: int | None):
+    """Dynamic per-token (group = hidden) / per-group quantisation in one pass, batched as rows.
+    Scales come out as (groups, rows, 1), each step writing its groups' (block rows, 1) columns."""
 
     def call(x, *ub):
         shape, dtype = x.shape, x.dtype
         hidden = shape[-1]
-        n_groups = hidden // width
+        n_groups = hidden // group
         x2 = to_rows(x)
         rows = x2.shape[0]
         if rows == 0:
             return jnp.zeros(shape, FP8), jnp.zeros((*shape[:-1], n_groups), jnp.float32)
-        br = _blocking(rows, width, dtype, block_rows)
-        in_specs = [pl.BlockSpec((br, width), lambda i, j: (i, j))]
+        k = _groups_per_block(group, n_groups, dtype, block_cols)
+        bc = k * group
+        br = _row_block(rows, bc, dtype, block_rows)
+        in_specs = [pl.BlockSpec((br, bc), lambda i, j: (i, j))]
         if has_ub:
             in_specs.append(pl.BlockSpec(memory_space=_SMEM))
         q, s = pl.pallas_call(
-            kernel,
-            grid=(pl.cdiv(rows, br), n_groups),
+            functools.partial(_dynamic_kernel, has_ub=has_ub, group=group, groups_per_block=k),
+            grid=(pl.cdiv(rows, br), pl.cdiv(n_groups, k)),
             in_specs=in_specs,
             out_specs=[
-                pl.BlockSpec((br, width), lambda i, j: (i, j)),
-                pl.BlockSpec((None, br, 1), lambda i, j: (j, i, 0)),
+                pl.BlockSpec((br, bc), lambda i, j: (i, j)),
+                pl.BlockSpec((k, br, 1), lambda i, j: (j, i, 0)),
             ],
             out_shape=[
                 jax.ShapeDtypeStruct((rows, hidden), FP8),
                 jax.ShapeDtypeStruct((n_groups, rows, 1), jnp.float32),
             ],
-            compiler_params=compiler_params(2),
+            compiler_params=compiler_params(2, vmem_bytes=block_vmem_bytes(br, bc, FP8, _per_elem(dtype))),
             cost_estimate=quant_fp8_cost(rows, hidden, dtype.itemsize, rows * n_groups),
             interpret=interpret,
             name="dualop_quant_fp8_dynamic",
@@ -218,36 +319,73 @@ def _build_dynamic(width: int, has_ub: bool, interpret, block_rows: int | None):
 
 
 @functools.lru_cache(maxsize=None)
-def _build_static(scalar: bool, width: int, interpret, block_rows: int | None):
-    """Quantise with a given scale: ``scalar`` (1, 1) per tensor, else one per (row, group)."""
-    kernel = functools.partial(_static_kernel, scalar=scalar)
+def _build_row_amax(interpret, block_rows: int | None, block_cols: int | None):
+    """Per-row amax of rows too wide for one block: column blocks folded into a running maximum."""
 
+    def call(x):
+        shape, dtype = x.shape, x.dtype
+        hidden = shape[-1]
+        x2 = to_rows(x)
+        rows = x2.shape[0]
+        if rows == 0:
+            return jnp.zeros((*shape[:-1], 1), jnp.float32)
+        bc = _column_block(hidden, dtype, block_cols)
+        br = _row_block(rows, bc, dtype, block_rows)
+        amax = pl.pallas_call(
+            functools.partial(_row_amax_kernel, hidden=hidden, block_cols=bc),
+            grid=(pl.cdiv(rows, br), pl.cdiv(hidden, bc)),
+            in_specs=[pl.BlockSpec((br, bc), lambda i, j: (i, j))],
+            out_specs=pl.BlockSpec((br, 1), lambda i, j: (i, 0)),
+            out_shape=jax.ShapeDtypeStruct((rows, 1), jnp.float32),
+            compiler_params=compiler_params(
+                2, vmem_bytes=block_vmem_bytes(br, bc, FP8, _per_elem(dtype)), semantics=("parallel", "arbitrary")
+            ),
+            cost_estimate=cost_estimate(cost_model.row_amax_cost(rows, hidden, dtype.itemsize)),
+            interpret=interpret,
+            name="dualop_quant_fp8_row_amax",
+        )(x2)
+        return amax.reshape(*shape[:-1], 1)
+
+    return rowwise_batching(call, n_rowwise=1)
+
+
+@functools.lru_cache(maxsize=None)
+def _build_static(mode: str, group: int, interpret, block_rows: int | None, block_cols: int | None):
+    """Quantise with given scales: ``tensor`` a (1, 1) scalar, ``row`` (rows, 1) per token (its rows
+    tiled in columns when wide), ``group`` (rows, groups) per group of ``group`` columns."""
     def call(x, scale):
         shape, dtype = x.shape, x.dtype
         hidden = shape[-1]
-        n_groups = hidden // width
         x2 = to_rows(x)
         rows = x2.shape[0]
         if rows == 0:
             return jnp.zeros(shape, FP8)
-        br = _blocking(rows, width, dtype, block_rows)
-        if scalar:
+        if mode == "group":
+            n_groups = hidden // group
+            k = _groups_per_block(group, n_groups, dtype, block_cols)
+            bc = k * group
+        else:
+            k, bc = 1, _column_block(hidden, dtype, block_cols)
+        br = _row_block(rows, bc, dtype, block_rows)
+        if mode == "tensor":
             s_spec, s_in = pl.BlockSpec(memory_space=_SMEM), scale
-        else:  # (rows, groups) -> (groups, rows, 1): each step reads its own (block rows, 1) column
-            s_spec = pl.BlockSpec((None, br, 1), lambda i, j: (j, i, 0))
+        elif mode == "row":
+            s_spec, s_in = pl.BlockSpec((br, 1), lambda i, j: (i, 0)), scale.reshape(rows, 1)
+        else:  # (rows, groups) -> (groups, rows, 1): each step reads its groups' (block rows, 1) columns
+            s_spec = pl.BlockSpec((k, br, 1), lambda i, j: (j, i, 0))
             s_in = scale.reshape(rows, n_groups).T.reshape(n_groups, rows, 1)
         q = pl.pallas_call(
-            kernel,
-            grid=(pl.cdiv(rows, br), n_groups),
-            in_specs=[pl.BlockSpec((br, width), lambda i, j: (i, j)), s_spec],
-            out_specs=pl.BlockSpec((br, width), lambda i, j: (i, j)),
+            functools.partial(_static_kernel, mode=mode, group=group, groups_per_block=k),
+            grid=(pl.cdiv(rows, br), pl.cdiv(hidden, bc)),
+            in_specs=[pl.BlockSpec((br, bc), lambda i, j: (i, j)), s_spec],
+            out_specs=pl.BlockSpec((br, bc), lambda i, j: (i, j)),
             out_shape=jax.ShapeDtypeStruct((rows, hidden), FP8),
-            compiler_params=compiler_params(2),
-            cost_estimate=quant_fp8_cost(rows, hidden, dtype.itemsize, 1 if scalar else rows * n_groups),
+            compiler_params=compiler_params(2, vmem_bytes=block_vmem_bytes(br, bc, FP8, _per_elem(dtype))),
+            cost_estimate=quant_fp8_cost(rows, hidden, dtype.itemsize, 1 if mode == "tensor" else s_in.size),
             interpret=interpret,
             name="dualop_quant_fp8_static",
         )(x2, s_in)
         return q.reshape(shape)
 
     # per tensor: the (1, 1) scale is a parameter (a batched one is mapped); else it is row-wise
-    return rowwise_batching(call, n_rowwise=1 if scalar else 2)
+    return rowwise_batching(call, n_rowwise=1 if mode == "tensor" else 2)

@@ -23,7 +23,18 @@ from jax.experimental import pallas as pl
 from dualop.backends.xla import array_api as xp
 from dualop.kernels.norm_math import NormSpec, rms_normalize
 from dualop.kernels import cost as cost_model
-from dualop.kernels.pallas.common import compiler_params, cost_estimate, row_blocks, rowwise_batching, to_rows
+from dualop.kernels.pallas.common import (
+    block_vmem_bytes,
+    compiler_params,
+    cost_estimate,
+    resident_spec,
+    row_blocks,
+    rowwise_batching,
+    single_buffered,
+    streamed_spec,
+    to_rows,
+    tpu_jit,
+)
 
 __all__ = ["rms_norm", "rms_norm_reference", "rms_norm_cost"]
 
@@ -59,7 +70,7 @@ def _kernel(*refs, spec: NormSpec, has_weight: bool, has_residual: bool):
     o_ref[...] = rms_normalize(xp, x, w_ref[...] if has_weight else None, spec, o_ref.dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("spec", "interpret", "block_rows"))
+@tpu_jit(static_argnames=("spec", "interpret", "block_rows"))
 def rms_norm(
     x: jax.Array,
     weight: jax.Array | None = None,
@@ -95,15 +106,18 @@ def _build(spec: NormSpec, interpret, block_rows: int | None, has_weight: bool, 
             out = jnp.zeros(shape, dtype)
             return (out, jnp.zeros(shape, dtype)) if has_residual else out
         n_io = 2 + (2 if has_residual else 0)  # row arrays: x, out (+ residual in and out)
-        blocks = row_blocks(rows, hidden, dtype, bytes_per_elem=2 * n_io * dtype.itemsize + 8)
+        per_elem = 2 * n_io * dtype.itemsize + 8
+        blocks = row_blocks(rows, hidden, dtype, bytes_per_elem=per_elem)
         br = blocks.block_rows if block_rows is None else min(block_rows, rows)
+        vmem = block_vmem_bytes(br, hidden, dtype, per_elem)
         row_spec = pl.BlockSpec((br, hidden), lambda i: (i, 0))
-        in_specs, operands = [row_spec], [x2]
+        in_spec = streamed_spec((br, hidden), lambda i: (i, 0), single=single_buffered(vmem))
+        in_specs, operands = [in_spec], [x2]
         if has_weight:
-            in_specs.append(pl.BlockSpec((1, hidden), lambda i: (0, 0)))
+            in_specs.append(resident_spec((1, hidden)))
             operands.append(weight.reshape(1, hidden))
         if has_residual:
-            in_specs.append(row_spec)
+            in_specs.append(in_spec)
             operands.append(to_rows(residual))
         n_out = 2 if has_residual else 1
         outs = pl.pallas_call(
@@ -112,7 +126,7 @@ def _build(spec: NormSpec, interpret, block_rows: int | None, has_weight: bool, 
             in_specs=in_specs,
             out_specs=[row_spec] * n_out,
             out_shape=[jax.ShapeDtypeStruct((rows, hidden), dtype)] * n_out,
-            compiler_params=compiler_params(1),
+            compiler_params=compiler_params(1, vmem_bytes=vmem),
             cost_estimate=rms_norm_cost(rows, hidden, dtype.itemsize, has_weight, has_residual),
             interpret=interpret,
             name="dualop_rms_norm",

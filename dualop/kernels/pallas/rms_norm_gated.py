@@ -5,26 +5,40 @@ then every group of ``group_size`` consecutive features is scaled by rsqrt(mean(
 then times weight; with a gate and ``norm_before_gate``, times silu(z).
 ``rms_norm_gated_reference`` beside the kernel is the plain-jnp statement of it.
 
-Each grid step holds ``block_rows`` whole rows in VMEM (the hidden dim is never tiled, so any
-hidden size is legal: a block spanning the whole last dim is exempt from the 128-lane rule); the
-row dimension is ``parallel``. Groups are resolved inside the kernel, from static shapes:
+Layout: ``x`` (and ``z``) viewed as (rows, hidden), tiled as (row block, column block) from the TPU
+generation's VMEM (``common.block_budget``). A column block holds whole groups and starts on the
+128-lane grid, so every block is independent (rows and columns ``parallel``) and work and program
+size are linear in hidden:
 
-- one group: a plain lane reduction per row;
-- groups on the 128-lane grid: a static loop over lane-aligned slices, one reduction each;
-- other groups (e.g. 40 or 100 features): a static loop over the groups with iota masks over
-  the full row, so no lane slice is ever unaligned (ngroups cheap VPU passes over VMEM data).
+- one group: whole-row blocks, a plain lane reduction per row;
+- groups on the 128-lane grid: blocks of up to 16 groups, a static loop over their lane-aligned
+  slices, one reduction each;
+- other groups (e.g. 40 or 100 features): blocks of ``lcm(group, 128) * t`` columns (or the whole
+  row when narrower); the per-group sums of squares are one matmul of the squares with the block's
+  (columns, groups) 0/1 membership matrix on the MXU, and one more matmul spreads each group's
+  scale back over its columns (both at float32 precision; a 0/1 matrix makes the spread exact).
+  A ragged last column block has its padding masked out of the sums.
 """
 
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from dualop.kernels import cost as cost_model
-from dualop.kernels.pallas.common import compiler_params, cost_estimate, row_blocks, rowwise_batching, to_rows
+from dualop.kernels.pallas.common import (
+    block_vmem_bytes,
+    compiler_params,
+    cost_estimate,
+    row_blocks,
+    rowwise_batching,
+    to_rows,
+    tpu_jit,
+)
 
 __all__ = ["rms_norm_gated", "rms_norm_gated_reference", "rms_norm_gated_cost"]
 
@@ -57,33 +71,57 @@ def rms_norm_gated_cost(rows: int, hidden: int, group_size: int, itemsize: int, 
     return cost_estimate(cost_model.rms_norm_gated_cost(rows, hidden, group_size, itemsize, weight_itemsize, has_z))
 
 
-def _inv_rms(h, *, eps: float, group: int):
-    """Per-element rsqrt(mean(h**2 over its group) + eps) for a (rows, hidden) float32 block,
-    or a (rows, 1) column when there is one group."""
-    hidden = h.shape[-1]
+# Column blocks aim at this many lanes, and hold at most this many lane-aligned groups (a static
+# loop) or this many unaligned groups (the membership matrix's width; one MXU pass).
+_TARGET_COLS = 2048
+_MAX_ALIGNED_GROUPS = 16
+_MAX_MATMUL_GROUPS = 128
+
+
+def column_block(hidden: int, group: int) -> int:
+    """Columns per grid step: whole groups starting on the 128-lane grid (a multiple of
+    ``lcm(group, 128)``), or the whole row."""
+    if group == hidden:
+        return hidden
+    unit = math.lcm(group, _LANES)
+    max_groups = _MAX_ALIGNED_GROUPS if group % _LANES == 0 else _MAX_MATMUL_GROUPS
+    t = max(1, min(_TARGET_COLS // unit, max_groups * group // unit))
+    return hidden if unit * t >= hidden else unit * t
+
+
+def _inv_rms(h, *, eps: float, group: int, hidden: int, col0):
+    """rsqrt(mean(h**2 over its group) + eps) for a (rows, block cols) float32 block of whole
+    groups starting at column ``col0``: a (rows, 1) column for one group, else per element."""
+    rows, cols = h.shape
     sq = h * h
     if group == hidden:
         return jax.lax.rsqrt(jnp.mean(sq, axis=-1, keepdims=True) + eps)
-    ngroups = hidden // group
     if group % _LANES == 0:
         parts = [
             jnp.broadcast_to(
                 jax.lax.rsqrt(jnp.mean(sq[:, k * group:(k + 1) * group], axis=-1, keepdims=True) + eps),
-                (h.shape[0], group),
+                (rows, group),
             )
-            for k in range(ngroups)
+            for k in range(cols // group)
         ]
-        return jnp.concatenate(parts, axis=-1)
-    col = jax.lax.broadcasted_iota(jnp.int32, h.shape, 1)
-    inv = jnp.zeros_like(h)
-    for k in range(ngroups):
-        in_group = (col >= k * group) & (col < (k + 1) * group)
-        ss = jnp.sum(jnp.where(in_group, sq, 0.0), axis=-1, keepdims=True)
-        inv = jnp.where(in_group, jax.lax.rsqrt(ss / group + eps), inv)
-    return inv
+        return parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=-1)
+    n = cols // group
+    if hidden % cols:  # a ragged last column block: its padding must not reach any group's sum
+        col = col0 + jax.lax.broadcasted_iota(jnp.int32, sq.shape, 1)
+        sq = jnp.where(col < hidden, sq, 0.0)
+    # column c is in group k when k*group <= c < (k+1)*group (comparisons: an integer division
+    # would lower through sign, which Mosaic resolves by asking the default device's TPU kind)
+    c = jax.lax.broadcasted_iota(jnp.int32, (cols, n), 0)
+    start = jax.lax.broadcasted_iota(jnp.int32, (cols, n), 1) * group
+    member = ((c >= start) & (c < start + group)).astype(jnp.float32)
+    hi = jax.lax.Precision.HIGHEST
+    sums = jnp.dot(sq, member, precision=hi, preferred_element_type=jnp.float32)  # (rows, groups)
+    inv = jax.lax.rsqrt(sums * (1.0 / group) + eps)
+    return jax.lax.dot_general(inv, member, (((1,), (1,)), ((), ())), precision=hi,
+                               preferred_element_type=jnp.float32)
 
 
-def _kernel(*refs, eps: float, group: int, has_z: bool, norm_before_gate: bool):
+def _kernel(*refs, eps: float, group: int, hidden: int, has_z: bool, norm_before_gate: bool):
     if has_z:
         x_ref, z_ref, w_ref, o_ref = refs
     else:
@@ -95,15 +133,14 @@ def _kernel(*refs, eps: float, group: int, has_z: bool, norm_before_gate: bool):
         gate = zf * jax.nn.sigmoid(zf)
         if not norm_before_gate:
             h = h * gate
-    y = h * _inv_rms(h, eps=eps, group=group) * w_ref[...].astype(jnp.float32)
+    col0 = pl.program_id(1) * h.shape[-1]
+    y = h * _inv_rms(h, eps=eps, group=group, hidden=hidden, col0=col0) * w_ref[...].astype(jnp.float32)
     if has_z and norm_before_gate:
         y = y * gate
     o_ref[...] = y.astype(o_ref.dtype)
 
 
-@functools.partial(
-    jax.jit, static_argnames=("eps", "group_size", "norm_before_gate", "interpret", "block_rows")
-)
+@tpu_jit(static_argnames=("eps", "group_size", "norm_before_gate", "interpret", "block_rows"))
 def rms_norm_gated(
     x: jax.Array,
     weight: jax.Array,
@@ -130,8 +167,6 @@ def rms_norm_gated(
 
 @functools.lru_cache(maxsize=None)
 def _build(eps: float, group: int, norm_before_gate: bool, interpret, block_rows: int | None, has_z: bool):
-    kernel = functools.partial(_kernel, eps=eps, group=group, has_z=has_z, norm_before_gate=norm_before_gate)
-
     def call(x, *rest):
         z = rest[0] if has_z else None
         weight = rest[-1]
@@ -143,22 +178,30 @@ def _build(eps: float, group: int, norm_before_gate: bool, interpret, block_rows
             return jnp.zeros(shape, dtype)
         n_io = 3 if has_z else 2  # row arrays in VMEM: x, out (+ z)
         # double-buffered I/O plus float32 temporaries (x, gate, squares, scale)
-        blocks = row_blocks(rows, hidden, dtype, bytes_per_elem=2 * n_io * dtype.itemsize + 16)
+        per_elem = 2 * n_io * dtype.itemsize + 16
+        bc = column_block(hidden, group)
+        blocks = row_blocks(rows, bc, dtype, bytes_per_elem=per_elem)
         br = blocks.block_rows if block_rows is None else min(block_rows, rows)
-        row_spec = pl.BlockSpec((br, hidden), lambda i: (i, 0))
+        vmem = block_vmem_bytes(br, bc, dtype, per_elem)
+        if group != hidden and group % _LANES:
+            vmem += 4 * bc * (bc // group)  # the membership matrix
+        row_spec = pl.BlockSpec((br, bc), lambda i, j: (i, j))
         in_specs, operands = [row_spec], [x2]
         if has_z:
             in_specs.append(row_spec)
             operands.append(to_rows(z))
-        in_specs.append(pl.BlockSpec((1, hidden), lambda i: (0, 0)))
+        in_specs.append(pl.BlockSpec((1, bc), lambda i, j: (0, j)))
         operands.append(weight.reshape(1, hidden))
+        kernel = functools.partial(
+            _kernel, eps=eps, group=group, hidden=hidden, has_z=has_z, norm_before_gate=norm_before_gate
+        )
         out = pl.pallas_call(
             kernel,
-            grid=(pl.cdiv(rows, br),),
+            grid=(pl.cdiv(rows, br), pl.cdiv(hidden, bc)),
             in_specs=in_specs,
             out_specs=row_spec,
             out_shape=jax.ShapeDtypeStruct((rows, hidden), dtype),
-            compiler_params=compiler_params(1),
+            compiler_params=compiler_params(2, vmem_bytes=vmem),
             cost_estimate=rms_norm_gated_cost(rows, hidden, group, dtype.itemsize, weight.dtype.itemsize, has_z),
             interpret=interpret,
             name="dualop_rms_norm_gated",
