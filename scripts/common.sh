@@ -14,6 +14,8 @@ if ! ls /dev/accel* /dev/vfio/[0-9]* >/dev/null 2>&1; then
   export TORCH_DEVICE_BACKEND_AUTOLOAD="${TORCH_DEVICE_BACKEND_AUTOLOAD:-0}"
   # and libtpu, once loaded, would query a cloud metadata server for its TPU (minutes of retries).
   export TPU_SKIP_MDS_QUERY="${TPU_SKIP_MDS_QUERY:-1}"
+  # libtpu's host-wide lock is for sharing a real TPU; compile-only use may load it in several processes.
+  export ALLOW_MULTIPLE_LIBTPU_LOAD="${ALLOW_MULTIPLE_LIBTPU_LOAD:-1}"
 fi
 
 env_versions() {

@@ -16,6 +16,8 @@ os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
 # Once torch_tpu is loaded, libtpu asks the cloud metadata server for its TPU (30 retries a key, minutes
 # on a host outside a cloud) when autograd first runs; there is no TPU to find here.
 os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
+# Tests that use libtpu's compile-only devices may run beside other processes that load it.
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import pytest  # noqa: E402
