@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import jax
+import torch
+from flax import nnx
 
 from dualop import OpsConfig, dispatch_report, override_platform, set_config, testing
 
-torch = pytest.importorskip("torch", reason="torch is part of both test environments (dualop[torch], dualop[jax])")
-jax = pytest.importorskip("jax", reason="jax is part of both test environments (dualop[torch], dualop[jax])")
 jnp = jax.numpy
-nnx = pytest.importorskip("flax.nnx", reason="flax is part of dualop[jax]")
 
 from dualop.jax import layers as jl  # noqa: E402
 from dualop.torch import layers as tl  # noqa: E402
