@@ -77,10 +77,10 @@ def test_a_call_time_decline_is_reported_by_the_cell(monkeypatch):
     reason, although the op resolved to the kernel."""
     from dualop.ops import SiluAndMul
 
-    def decline(self, x):
+    def forward_cpu(self, x):
         raise NotImplementedError("this input is not taken")
 
-    monkeypatch.setattr(SiluAndMul, "forward_cpu", decline)
+    monkeypatch.setattr(SiluAndMul, "forward_cpu", forward_cpu)
     case = next(c for c in CASES if c.op == "silu_and_mul")
     result = check._run_cell(case, "torch", "cpu", "float32", seed=0)
     assert result.status == "native" and "forward_cpu declined this call (this input is not taken)" in result.detail
