@@ -113,7 +113,7 @@ def _run_cell(case: testing.OpCase, frontend: str, platform: str, dtype: str, se
             args = tuple(testing.to_frontend(a, frontend, dtype) for a in case.make_inputs(shape, rng))
             op.last_fallback = None
             got = _outputs(op(*args))
-            res.method, reason = op.last_run(frontend)
+            res.method, reason = op.last_run(frontend, platform)
             if res.method == "forward_native":
                 res.status, res.detail, res.path = "native", reason, "native"
                 return res

@@ -53,7 +53,7 @@ def cmd_report(args: argparse.Namespace) -> int:
     import numpy as np
 
     from dualop import get_config, testing
-    from dualop.platforms import current_platform
+    from dualop.platforms import current_platform, platform_of
 
     frontends = _available_frontends(_csv(args.frontends) if args.frontends else None)
     if not frontends:
@@ -65,16 +65,17 @@ def cmd_report(args: argparse.Namespace) -> int:
         shape = next(s for s in case.shapes if s[0] > 0)
         op = case.make_op(shape)
         for fe in frontends:
-            if args.no_run:
-                method, reason = op.resolution(fe)
-            else:
-                with testing.frontend_context(fe):
-                    inputs = [testing.to_frontend(a, fe, "float32") for a in case.make_inputs(shape, rng)]
+            with testing.frontend_context(fe):
+                inputs = [testing.to_frontend(a, fe, "float32") for a in case.make_inputs(shape, rng)]
+                platform = platform_of(inputs[0], fe)  # a torch tensor's follows its device
+                if args.no_run:
+                    method, reason = op.resolution(fe, platform)
+                else:
                     op.last_fallback = None
                     op(*inputs)
-                    method, reason = op.last_run(fe)
+                    method, reason = op.last_run(fe, platform)
             rows.append({
-                "op": case.op, "case": case.label, "frontend": fe, "platform": current_platform(fe),
+                "op": case.op, "case": case.label, "frontend": fe, "platform": platform,
                 "method": method, "kernel": method != "forward_native",
                 "enabled": op.enforce_enable or type(op).enabled(), "reason": reason,
             })
@@ -250,7 +251,19 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _interpret_triton_without_gpu() -> None:
+    """Turn Triton's interpreter on before anything imports triton when no GPU driver tool is
+    visible: ``import torch`` can import triton itself (torch_tpu's device-backend autoload does),
+    and Triton decides interpreter or compiler when its functions are defined."""
+    import os
+    import shutil
+
+    if "TRITON_INTERPRET" not in os.environ and not (shutil.which("nvidia-smi") or shutil.which("rocm-smi")):
+        os.environ["TRITON_INTERPRET"] = "1"
+
+
 def main(argv: list[str] | None = None) -> int:
+    _interpret_triton_without_gpu()
     args = build_parser().parse_args(argv)
     try:
         return args.fn(args)

@@ -6,10 +6,11 @@ namespace of whichever frontend the caller uses) and may offer faster *hows* per
 ``forward_xpu``, ``forward_oot`` (plugins).
 
 Calling an op instance picks one of those methods from (frontend of the first array argument,
-active ``OpsConfig``, platform of that frontend). The choice is resolved once per
-(instance, frontend, config, platform) and cached. Each subclass gets a generated ``__call__``
-with ``forward_native``'s own signature whose fast path is a handful of identity checks (array
-type, config, platform generation) before the one bound-method call; see ``_fast_call_source``.
+active ``OpsConfig``, platform of that array: a torch tensor's device decides). The choice is
+resolved once per (instance, frontend, platform, config) and cached. Each subclass gets a
+generated ``__call__`` with ``forward_native``'s own signature whose fast path is a handful of
+identity checks (array type, device type for torch tensors, config, platform generation) before
+the one bound-method call; see ``_fast_call_source``.
 
 Enabled rules (the reference serving engine's): ``+name`` enables, ``-name`` disables, otherwise
 the op follows the default, which is on exactly when the config holds ``all``. An unregistered
@@ -178,9 +179,10 @@ def _fast_call_source(cls: type) -> tuple[str, tuple, dict] | None:
     """Source of a ``__call__`` with forward_native's parameters, and its defaults.
 
     The fast path: when Python (not Dynamo) runs the call, the first argument's type, the context's
-    config override and the platform generation are the ones the instance last resolved for, call
-    the cached bound method directly (after ``check_inputs`` if the class defines one). Anything
-    else takes ``_dispatch``, which resolves, records and re-arms the fast path.
+    config override and the platform generation are the ones the instance last resolved for, and
+    (for torch tensors) its device type passes the armed probe (``Tensor.is_cpu``, ``is_cuda``,
+    ...: a C attribute read), call the cached bound method directly (after ``check_inputs`` if the
+    class defines one). Anything else takes ``_dispatch``, which resolves, records and re-arms it.
     """
     sig = inspect.signature(cls.forward_native)
     params = list(sig.parameters.values())[1:]
@@ -208,7 +210,8 @@ def _fast_call_source(cls: type) -> tuple[str, tuple, dict] | None:
     source = (
         f"def __call__(self, {sig_text}):\n"
         f"    if _eager() and type({first}) is self._fast_type and _current_config() is self._fast_config "
-        f"and self._fast_generation == _generation{present}:\n"
+        f"and self._fast_generation == _generation "
+        f"and (self._fast_device is None or self._fast_device({first})){present}:\n"
         f"{check}"
         f"        try:\n"
         f"            return self._fast_method({call_args})\n"
@@ -255,7 +258,7 @@ def _fresh(cls: type, args: tuple = (), kwargs: dict | None = None) -> CustomOp:
     obj.last_fallback = None
     obj._last_hit = None
     obj._fast_type = obj._fast_method = None
-    obj._fast_config = obj._fast_generation = None
+    obj._fast_config = obj._fast_generation = obj._fast_device = None
     obj.enforce_enable = False
     obj._ctor = _ctor_spec(cls, args, kwargs or {})
     if _compile_hook is None and sys.modules.get("torch") is not None:
@@ -432,11 +435,13 @@ class CustomOp:
     def _implements(cls, method: str) -> bool:
         return getattr(cls, method) is not getattr(CustomOp, method)
 
-    def _resolve(self, frontend: str, cfg: _config.OpsConfig, generation: int):
-        """Choose the method for (frontend, cfg, platform) and record why."""
+    def _resolve(self, frontend: str, cfg: _config.OpsConfig, generation: int, platform: str | None = None):
+        """Choose the method for (frontend, cfg, platform) and record why. ``platform`` is the
+        calling array's (``platforms.platform_of``); None means the frontend's process-wide one."""
         _check_config_names(cfg)
         cls = type(self)
-        platform = _platforms.current_platform(frontend)
+        if platform is None:
+            platform = _platforms.current_platform(frontend)
         if self.enforce_enable:
             enabled, reason = True, "enforce_enable=True"
         else:
@@ -457,7 +462,7 @@ class CustomOp:
         if candidate != method:
             reason += f", so {candidate}"
         bound = getattr(self, candidate)
-        key = (frontend, cfg.dispatch_key, generation)
+        key = (frontend, platform, cfg.dispatch_key, generation)
         self._dispatch_cache[key] = bound
         self._resolutions[key] = (candidate, reason)
         self._record(frontend, platform, candidate, enabled, reason)
@@ -490,9 +495,12 @@ class CustomOp:
         first = args[0] if args else next(iter(kwargs.values()), None)
         override = _current_config()
         cfg = override or _config._process_default
-        # Same array type, same config object, nothing re-registered since the last call.
+        # Same array type and device type, same config object, nothing re-registered since.
         hit = self._last_hit
-        if hit is not None and hit[0] is type(first) and hit[1] is cfg and hit[2] == _platforms._generation:
+        if (
+            hit is not None and hit[0] is type(first) and hit[1] is cfg and hit[2] == _platforms._generation
+            and (hit[4] is None or hit[4](first))
+        ):
             method = hit[3]
         else:
             method = self._lookup(first, cfg, override)
@@ -511,30 +519,34 @@ class CustomOp:
     def _disarm(self) -> None:
         self._last_hit = None
         self._fast_type = self._fast_method = self._fast_config = self._fast_generation = None
+        self._fast_device = None
 
     def _lookup(self, first: Any, cfg: _config.OpsConfig, override: _config.OpsConfig | None = None):
-        """The cached method for (frontend of ``first``, cfg, platform generation), resolving on a miss.
-        Arms the fast path of the generated ``__call__`` (keyed on ``override``, the context's raw
-        config value, so a context without an override compares ``None is None``)."""
+        """The cached method for (frontend and platform of ``first``, cfg, platform generation),
+        resolving on a miss. Arms the fast path of the generated ``__call__`` (keyed on ``override``,
+        the context's raw config value, so a context without an override compares ``None is None``)."""
         frontend = _platforms.frontend_of(first)
         if frontend is None:
             raise TypeError(
                 f"{type(self).name or type(self).__qualname__}: expected a torch.Tensor or jax.Array as the "
                 f"first argument, got {type(first).__module__}.{type(first).__qualname__}"
             )
+        platform = _platforms.platform_of(first, frontend)
         gen = _platforms._generation
-        method = self._dispatch_cache.get((frontend, cfg.dispatch_key, gen))
+        method = self._dispatch_cache.get((frontend, platform, cfg.dispatch_key, gen))
         if method is None:
-            method = self._resolve(frontend, cfg, gen)
+            method = self._resolve(frontend, cfg, gen, platform)
         if _compile_hook is None and frontend != "jax":
             _install_torch_support()
-        # A torch.Tensor's frontend depends on its device once torch_xla is loaded: no fast path then.
-        if not _platforms.frontend_depends_on_device(type(first)):
-            self._last_hit = (type(first), cfg, gen, method)
-            self._fast_type, self._fast_config, self._fast_generation = type(first), override, gen
-            self._fast_method = method
-        else:
-            self._fast_type = None
+        # A torch tensor's frontend and platform follow its device type: where devices can
+        # differ, the fast path is armed with a probe for it (or not at all without a cheap one).
+        reusable, probe = _platforms.reuse_guard(first, frontend)
+        if not reusable:
+            self._disarm()
+            return method
+        self._last_hit = (type(first), cfg, gen, method, probe)
+        self._fast_type, self._fast_config, self._fast_generation = type(first), override, gen
+        self._fast_method, self._fast_device = method, probe
         return method
 
     forward = __call__
@@ -543,7 +555,7 @@ class CustomOp:
         """A platform method declined this call: run forward_native, say so in the report and in
         ``last_fallback``."""
         detail = str(err) or "NotImplementedError"
-        platform = _platforms.current_platform(frontend)
+        platform = _platforms.platform_of(args[0] if args else next(iter(kwargs.values()), None), frontend)
         enabled = self.enforce_enable or self.enabled()
         reason = f"{method} declined this call ({detail}), so forward_native"
         self.last_fallback = reason
@@ -559,30 +571,34 @@ class CustomOp:
             raise TypeError(f"{cls.__qualname__}.forward_native must name its parameters for torch.compile")
         return names
 
-    def resolution(self, frontend: str) -> tuple[str, str]:
-        """``(method, reason)``: what a call from ``frontend`` resolves to under the active config
-        (resolving now if no call has), before any per-call decline."""
+    def resolution(self, frontend: str, platform: str | None = None) -> tuple[str, str]:
+        """``(method, reason)``: what a call from ``frontend`` on ``platform`` (None: that frontend's
+        process-wide platform, ``current_platform``) resolves to under the active config, resolving
+        now if no call has; per-call declines are ``last_run``'s."""
         cfg = _config.get_config()
         gen = _platforms._generation
-        key = (frontend, cfg.dispatch_key, gen)
+        if platform is None:
+            platform = _platforms.current_platform(frontend)
+        key = (frontend, platform, cfg.dispatch_key, gen)
         if key not in self._resolutions:
-            self._resolve(frontend, cfg, gen)
+            self._resolve(frontend, cfg, gen, platform)
         return self._resolutions[key]
 
     def dispatched_method(self, frontend: str) -> str:
-        """Name of the method a call from ``frontend`` resolves to under the active config."""
+        """Name of the method a call from ``frontend`` resolves to under the active config, on that
+        frontend's process-wide platform (``current_platform``)."""
         return self.resolution(frontend)[0]
 
-    def last_run(self, frontend: str) -> tuple[str, str]:
-        """``(method, reason)`` of what this instance ran for ``frontend`` under the active config
-        since ``last_fallback`` was cleared: ``forward_native`` and the decline's reason if a
-        platform method declined a call, else the resolution. ``last_fallback`` is set only on that
-        declining path (the kernel path does no extra work), so clear it before the calls to
-        observe (``op.last_fallback = None``). A kernel ran exactly when the method is not
-        ``forward_native``."""
+    def last_run(self, frontend: str, platform: str | None = None) -> tuple[str, str]:
+        """``(method, reason)`` of what this instance ran for ``frontend`` on ``platform`` (None: the
+        process-wide one) under the active config since ``last_fallback`` was cleared:
+        ``forward_native`` and the decline's reason if a platform method declined a call, else the
+        resolution. ``last_fallback`` is set only on that declining path (the kernel path does no
+        extra work), so clear it before the calls to observe (``op.last_fallback = None``). A kernel
+        ran exactly when the method is not ``forward_native``."""
         if self.last_fallback is not None:
             return "forward_native", self.last_fallback
-        return self.resolution(frontend)
+        return self.resolution(frontend, platform)
 
     def extra_repr(self) -> str:
         return ""

@@ -6,21 +6,30 @@ process never touches torch.
 
 Frontends (how the caller holds its arrays):
   ``torch``      plain ``torch.Tensor`` (CPU, CUDA, ROCm, XPU)
-  ``torch_xla``  ``torch.Tensor`` on a torch_xla device
+  ``torch_xla``  ``torch.Tensor`` on a torch_xla device (``xla``)
+  ``torch_tpu``  ``torch.Tensor`` on PyTorch's native TPU device (``tpu``, the torch_tpu package)
   ``torchax``    ``torchax.tensor.Tensor`` (torch API over jax arrays)
   ``jax``        ``jax.Array`` (and its tracers under jit/vmap/grad)
 
-Platforms: ``cpu``, ``cuda``, ``rocm``, ``tpu``, ``xpu``, ``oot``. ``DUALOP_PLATFORM`` overrides the
-platform for every frontend; that is how the tests reach every (frontend, platform) cell on a
-machine without accelerators.
+Platforms: ``cpu``, ``cuda``, ``rocm``, ``tpu``, ``xpu``, ``oot``. The platform of one array
+(``platform_of``) is, in order: ``DUALOP_PLATFORM`` (or ``override_platform``), a platform plugin,
+then the array itself: a torch tensor's device (a CPU tensor on a CUDA host is ``cpu``), the XLA
+device's kind for torch_xla, ``tpu`` for torch_tpu, jax's default backend for jax and torchax.
+``current_platform(frontend)`` is the process-wide answer (what a new torch tensor's default device
+would be). ``DUALOP_PLATFORM`` is how the tests reach every (frontend, platform) cell on a machine
+without accelerators.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
+import importlib.abc
+import importlib.util
+import operator
 import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 __all__ = [
@@ -28,20 +37,24 @@ __all__ = [
     "FRONTENDS",
     "ENV_PLATFORM",
     "current_platform",
+    "platform_of",
     "frontend_of",
+    "frontend_depends_on_device",
+    "device_probe",
+    "reuse_guard",
     "family_of",
     "override_platform",
     "dispatch_generation",
 ]
 
 PLATFORMS = ("cpu", "cuda", "rocm", "tpu", "xpu", "oot")
-FRONTENDS = ("torch", "torch_xla", "torchax", "jax")
+FRONTENDS = ("torch", "torch_xla", "torch_tpu", "torchax", "jax")
 ENV_PLATFORM = "DUALOP_PLATFORM"
 
 # Bumped whenever something that dispatch depends on (platform override, OOT registry, plugins)
 # changes; every op instance keys its dispatch cache on it, so stale resolutions are never used.
 _generation = 0
-_platform_cache: dict[str, str] = {}
+_platform_cache: dict[str, Any] = {}  # frontend -> platform, and a few memoised host facts
 _override: list[str] = []  # stack for override_platform()
 
 
@@ -92,6 +105,10 @@ def _classify(x: Any) -> str | None:
     return None
 
 
+# torch device types that make a torch.Tensor another frontend's (the bridges differ).
+_FRONTEND_OF_DEVICE = {"xla": "torch_xla", "tpu": "torch_tpu"}
+
+
 def frontend_of(x: Any) -> str | None:
     """The frontend of one array, or None if ``x`` is not an array of a known frontend."""
     tp = type(x)
@@ -99,14 +116,112 @@ def frontend_of(x: Any) -> str | None:
         fe = _frontend_by_type[tp]
     except KeyError:
         fe = _frontend_by_type[tp] = _classify(x)
-    if fe == "torch" and sys.modules.get("torch_xla") is not None and x.device.type == "xla":
-        return "torch_xla"
+    # CPU tensors answer from one C attribute read, CUDA tensors from two; only other devices pay
+    # for ``x.device.type`` (a few hundred ns).
+    if fe == "torch" and not (x.is_cpu or x.is_cuda):
+        return _FRONTEND_OF_DEVICE.get(x.device.type, "torch")
     return fe
 
 
-def frontend_depends_on_device(tp: type) -> bool:
-    """True for ``torch.Tensor`` once torch_xla is loaded: its frontend is torch or torch_xla by device."""
-    return _frontend_by_type.get(tp) == "torch" and sys.modules.get("torch_xla") is not None
+def frontend_depends_on_device(frontend: str) -> bool:
+    """True for the frontends whose tensors carry a torch device: their frontend and platform
+    follow that device, so a cached dispatch is valid only for tensors on the same device type."""
+    return frontend in ("torch", "torch_xla", "torch_tpu")
+
+
+# Device types torch gives a C-level ``Tensor.is_<type>`` flag (a 40-80 ns read; ``x.device.type``
+# costs several times that).
+_DEVICE_PROBES: dict[str, Callable[[Any], bool]] = {
+    name: operator.attrgetter(f"is_{name}") for name in ("cpu", "cuda", "xpu", "xla", "meta", "mps")
+}
+
+
+def device_probe(x: Any) -> Callable[[Any], bool] | None:
+    """A cheap test true exactly for torch tensors on ``x``'s device type (``Tensor.is_cuda``, ...),
+    or None when that device type has no such flag (torch_tpu's ``tpu``)."""
+    if x.is_cpu:
+        return _DEVICE_PROBES["cpu"]
+    if x.is_cuda:
+        return _DEVICE_PROBES["cuda"]
+    return _DEVICE_PROBES.get(x.device.type)
+
+
+def reuse_guard(x: Any, frontend: str) -> tuple[bool, Callable[[Any], bool] | None]:
+    """May a dispatch resolved for ``x`` be reused for later arrays of the same type, and which
+    check must they pass (None: none)? The dispatcher's fast path keys on the array type; a torch
+    tensor's frontend and platform also follow its device type, so where devices can differ the
+    fast path checks a ``device_probe`` too, and is not armed for a device type without one.
+    Where every plain tensor dispatches as a CPU tensor does (no GPU, no XPU, torch_xla not
+    imported, no TPU for torch_tpu) the type alone decides, at no extra cost; tensor subclasses
+    (fake tensors, which may claim any device) are always checked."""
+    if not frontend_depends_on_device(frontend):
+        return True, None
+    torch = sys.modules["torch"]
+    if type(x) in (torch.Tensor, torch.nn.Parameter) and not _torch_devices_vary():
+        return True, None
+    probe = device_probe(x)
+    return probe is not None, probe
+
+
+def _torch_devices_vary() -> bool:
+    """Whether this process can hold torch tensors whose dispatch differs from a CPU tensor's.
+    Memoised until ``invalidate()``."""
+    try:
+        return _platform_cache["torch:devices vary"]
+    except KeyError:
+        pass
+    torch = sys.modules["torch"]
+    xpu = getattr(torch, "xpu", None)
+    vary = bool(
+        getattr(torch.version, "hip", None)
+        or torch.cuda.is_available()
+        or (xpu is not None and xpu.is_available())
+        or sys.modules.get("torch_xla") is not None
+        or torch._C._get_privateuse1_backend_name() == "tpu"  # torch_tpu found a TPU
+        or (_installed("torch_tpu") and tpu_attached())
+    )
+    if not vary and _installed("torch_xla"):
+        _watch_import("torch_xla")  # XLA tensors can appear once it is imported
+    _platform_cache["torch:devices vary"] = vary
+    return vary
+
+
+@functools.lru_cache(maxsize=None)
+def _installed(name: str) -> bool:
+    """Whether ``name`` is importable (asked once per process)."""
+    return sys.modules.get(name) is not None or importlib.util.find_spec(name) is not None
+
+
+class _ImportWatch(importlib.abc.MetaPathFinder):
+    """Calls ``invalidate()`` whenever the import system looks for a watched top-level module (it
+    finds nothing itself), so fast paths armed before, e.g., torch_xla was imported are re-resolved
+    before any XLA tensor can reach them. It costs nothing per dispatch; a stray lookup (an
+    availability probe) only costs one re-resolution per op."""
+
+    def __init__(self) -> None:
+        self.names: set[str] = set()
+
+    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> None:
+        if fullname in self.names:
+            invalidate()
+        return None
+
+
+_import_watch = _ImportWatch()
+
+
+def _watch_import(name: str) -> None:
+    """Invalidate dispatch when ``name`` is imported (see ``_ImportWatch``)."""
+    _import_watch.names.add(name)
+    if _import_watch not in sys.meta_path:
+        sys.meta_path.insert(0, _import_watch)
+
+
+def tpu_attached() -> bool:
+    """Whether this machine has TPU chips (their device files), without initialising any runtime."""
+    import glob
+
+    return bool(glob.glob("/dev/accel*") or glob.glob("/dev/vfio/[0-9]*"))
 
 
 # --- platform of a frontend -------------------------------------------------------------------
@@ -160,6 +275,33 @@ def _detect_torch_xla() -> str:
     )
 
 
+def _detect_torch_tpu() -> str:
+    return "tpu"  # torch_tpu's device is a TPU; its tensors reach the Pallas kernels via jax_op
+
+
+def _cuda_platform() -> str:
+    """``rocm`` on a ROCm build of torch (its GPUs are ``cuda`` devices), else ``cuda``."""
+    torch = sys.modules["torch"]
+    return "rocm" if getattr(torch.version, "hip", None) else "cuda"
+
+
+def _torch_device_platform(x: Any) -> str:
+    """The platform of a plain torch tensor's device. Devices dualop has no kernels for (meta,
+    mps, ...) take the CPU path, whose kernels take CPU tensors only and otherwise run the
+    native body."""
+    if x.is_cpu:
+        return "cpu"
+    if x.is_cuda:
+        try:
+            return _platform_cache["torch:cuda"]
+        except KeyError:
+            platform = _platform_cache["torch:cuda"] = _cuda_platform()
+            return platform
+    if x.is_xpu:
+        return "xpu"
+    return "cpu"
+
+
 def _detect_jax() -> str:
     import jax
 
@@ -178,6 +320,7 @@ def _detect_jax() -> str:
 _DETECTORS = {
     "torch": _detect_torch,
     "torch_xla": _detect_torch_xla,
+    "torch_tpu": _detect_torch_tpu,
     # torchax runs torch code on jax arrays: its platform is jax's.
     "torchax": _detect_jax,
     "jax": _detect_jax,
@@ -202,6 +345,27 @@ def current_platform(frontend: str = "torch") -> str:
     platform = _plugin_platform() or _DETECTORS[frontend]()
     _platform_cache[frontend] = platform
     return platform
+
+
+def platform_of(x: Any, frontend: str | None = None) -> str:
+    """The platform one array runs on (``frontend`` is ``frontend_of(x)`` when the caller has it).
+
+    Order: ``DUALOP_PLATFORM`` (or an active ``override_platform``), then a platform plugin, then
+    the array: a plain torch tensor's device (CPU -> ``cpu``, CUDA -> ``cuda`` or ``rocm``, XPU ->
+    ``xpu``), otherwise its frontend's platform (``current_platform``).
+    """
+    if frontend is None:
+        frontend = frontend_of(x)
+    if frontend != "torch":
+        return current_platform(frontend)
+    forced = _env_override()
+    if forced is not None:
+        return forced
+    try:
+        plugin = _platform_cache["plugin"]
+    except KeyError:
+        plugin = _platform_cache["plugin"] = _plugin_platform()
+    return plugin if plugin is not None else _torch_device_platform(x)
 
 
 @contextlib.contextmanager

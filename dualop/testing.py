@@ -89,10 +89,9 @@ def compare(got: np.ndarray, want: np.ndarray, dtype: str) -> Comparison:
 def _ensure_pjrt_device() -> None:
     """torch_xla needs PJRT_DEVICE; with no TPU attached, use its CPU client."""
     if "PJRT_DEVICE" not in os.environ:
-        import glob
+        from dualop.platforms import tpu_attached
 
-        has_tpu = bool(glob.glob("/dev/accel*") or glob.glob("/dev/vfio/[0-9]*"))
-        os.environ["PJRT_DEVICE"] = "TPU" if has_tpu else "CPU"
+        os.environ["PJRT_DEVICE"] = "TPU" if tpu_attached() else "CPU"
 
 
 def prepare_triton() -> str | None:
@@ -120,6 +119,13 @@ def frontend_available(frontend: str) -> str | None:
         elif frontend == "torchax":
             import torchax  # noqa: F401
             import torchax.interop  # noqa: F401
+        elif frontend == "torch_tpu":
+            import jax  # noqa: F401
+            import torch
+            import torch_tpu  # noqa: F401
+
+            if torch._C._get_privateuse1_backend_name() != "tpu":
+                return "torch_tpu found no TPU (its tpu device is not registered)"
         else:
             return f"unknown frontend {frontend!r}"
     except Exception as err:  # ImportError, or a broken install
@@ -176,6 +182,8 @@ def to_frontend(a: Any, frontend: str, dtype: str) -> Any:
         import torchax
 
         return torchax.default_env().to_xla(t)
+    if frontend == "torch_tpu":
+        return t.to("tpu")
     raise ValueError(f"unknown frontend {frontend!r}")
 
 

@@ -11,6 +11,8 @@ import shutil
 if shutil.which("nvidia-smi") is None and shutil.which("rocm-smi") is None:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("PJRT_DEVICE", "CPU")
+# No TPU here: `import torch` need not load torch_tpu (tests/test_torch_tpu.py imports it itself).
+os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import pytest  # noqa: E402

@@ -4,7 +4,8 @@ Measured on an op whose methods return their input, so only the dispatcher is ti
 against calling the resolved method directly, and against the reference serving engine's pattern
 (``forward(*args, **kwargs)`` calling a bound method chosen at construction), plus the same with a
 fixed argument list. Every contender is called the same way (as an object, on the same tiny
-input), interleaved in rotating order so the machine's drift hits all alike; medians over rounds.
+input), interleaved in the balanced orders of ``timing.round_orders`` so the machine's drift and
+what one contender leaves behind hit all alike; medians over rounds.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import statistics
 import time
 from typing import Any
 
+from dualop.bench.timing import round_orders
 from dualop.custom_op import CustomOp
 
 __all__ = ["dispatch_overhead", "format_dispatch"]
@@ -107,11 +109,12 @@ def dispatch_overhead(frontends: list[str], rounds: int = 7, calls: int = 20000,
             "fixed_arity_reference": _FixedArityReference(direct),
         }
         samples: dict[str, list[float]] = {name: [] for name in contenders}
+        names = list(contenders)
+        orders = round_orders(len(names))
+        rounds = -(-rounds // len(orders)) * len(orders)  # whole cycles of orders
         for r in tqdm(range(rounds), desc=f"dispatch {fe}", disable=not progress, leave=False):
-            order = list(contenders.items())
-            shift = r % len(order)  # rotate who goes first, so no contender always runs cold
-            for name, fn in order[shift:] + order[:shift]:
-                samples[name].append(_per_call_ns(fn, x, calls))
+            for i in orders[r % len(orders)]:
+                samples[names[i]].append(_per_call_ns(contenders[names[i]], x, calls))
         med = {k: statistics.median(v) for k, v in samples.items()}
         records.append({
             "op": "dispatch",

@@ -4,8 +4,8 @@ For each case x shape x dtype x frontend, every implementation is first called o
 against ``op.forward_native`` (eager for torch, jitted for jax) on the same inputs under the
 tolerance table (``dualop.testing``); one
 that disagrees or fails becomes an error record and is not timed. The rest, plus a copy of the
-input's size, run interleaved (``timing.measure``): the copy's bandwidth, measured in the same
-rounds, is the roofline.
+input's size in the same frontend, run interleaved in balanced orders (``timing.measure``): the
+copy's bandwidth, measured in the same rounds, is the roofline.
 
 Implementations. torch: ``dualop-default`` (``op(*args)`` under the active config: whatever dualop
 dispatches to here), ``dualop-native`` (``op(*args)`` with ``custom_ops=["none"]``),
@@ -259,7 +259,7 @@ def _run_case(
         return records
 
     on_step(f"time {len(ready)} impls")
-    copy, copy_bytes = copy_fn(shape, dtype)
+    copy, copy_bytes = copy_fn(shape, dtype, frontend)
     thunks: dict[str, Callable[[], Any]] = {impl: functools.partial(fn, *args) for impl, fn in ready.items()}
     thunks[COPY_ENTRY] = copy
     try:
@@ -284,7 +284,7 @@ def _run_case(
             "median_s": median(t),
             "spread": relative_range(t),
             "times_s": t,
-            "rounds": rounds,
+            "rounds": len(t),
             "warmup_rounds": samples.warmup_rounds,
             "bytes": moved,
             "gbps": gbps,
