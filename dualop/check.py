@@ -2,10 +2,12 @@
 compare each against ``forward_native`` on the same inputs.
 
 A cell is (op case, frontend, platform); within it every dtype and every shape of the case runs.
-Statuses: ``pass``/``fail`` (the fast path ran and did / did not match within the tolerance
-table), ``fallback`` (the platform path declined and forward_native ran, so nothing was checked;
-the reason is reported), ``error`` (an exception), ``unavailable`` (the frontend cannot be
-imported here).
+It is a *kernel* cell when a kernel ran for every shape (the rule is ``CustomOp``'s: a kernel ran
+exactly when the method that ran is not ``forward_native``; see ``dualop.custom_op``). Statuses:
+``pass``/``fail`` (a kernel ran and did / did not match forward_native within the tolerance table),
+``native`` (forward_native ran, so nothing was checked; ``detail`` says why), ``error`` (an
+exception), ``unavailable`` (the frontend is not installed here; a frontend that is installed but
+fails to import is an ``error``).
 """
 
 from __future__ import annotations
@@ -18,10 +20,10 @@ import numpy as np
 
 from dualop import testing
 from dualop.config import OpsConfig, set_config
-from dualop.custom_op import CustomOp, report_row
+from dualop.custom_op import CustomOp
 from dualop.platforms import override_platform
 
-__all__ = ["CellResult", "DEFAULT_CELLS", "run_check", "default_cells"]
+__all__ = ["CellResult", "DEFAULT_CELLS", "STATUSES", "run_check", "default_cells", "frontend_missing"]
 
 # (frontend, platform) pairs that take a distinct path.
 DEFAULT_CELLS: tuple[tuple[str, str], ...] = (
@@ -34,6 +36,8 @@ DEFAULT_CELLS: tuple[tuple[str, str], ...] = (
     ("torch_xla", "tpu"),
     ("torchax", "tpu"),
 )
+# Every status a cell can have, worst first (the matrix shows the worst over dtypes).
+STATUSES = ("error", "fail", "native", "pass", "unavailable")
 
 
 @dataclasses.dataclass
@@ -65,6 +69,18 @@ def default_cells(frontends: Iterable[str] | None = None, platforms: Iterable[st
     ]
 
 
+# The packages each frontend needs, as installed distributions import them.
+_FRONTEND_PACKAGES = {"torch": ("torch",), "jax": ("jax",), "torch_xla": ("torch_xla", "jax"), "torchax": ("torchax",)}
+
+
+def frontend_missing(frontend: str) -> bool:
+    """Whether a package ``frontend`` needs is not installed at all (then its cells are
+    unavailable); an installed one that fails to import is a broken install, not an absence."""
+    import importlib.util
+
+    return any(importlib.util.find_spec(p) is None for p in _FRONTEND_PACKAGES.get(frontend, (frontend,)))
+
+
 def _path(method: str, frontend: str) -> str:
     """Human description of what a method ran on this machine."""
     if method in ("forward_tpu",):
@@ -79,7 +95,7 @@ def _path(method: str, frontend: str) -> str:
 
         return "triton (interpreter)" if interpreting() else "triton"
     if method == "forward_cpu":
-        return "xla cpu" if frontend in ("jax", "torchax") else "torch cpu"
+        return "torch cpu"
     return method.removeprefix("forward_")
 
 
@@ -95,11 +111,11 @@ def _run_cell(case: testing.OpCase, frontend: str, platform: str, dtype: str, se
         for shape in case.shapes:
             op = case.make_op(shape)
             args = tuple(testing.to_frontend(a, frontend, dtype) for a in case.make_inputs(shape, rng))
+            op.last_fallback = None
             got = _outputs(op(*args))
-            row = report_row(type(op), frontend, platform)
-            res.method = row["method"]
+            res.method, reason = op.last_run(frontend, platform)
             if res.method == "forward_native":
-                res.status, res.detail, res.path = "fallback", row["reason"], "native"
+                res.status, res.detail, res.path = "native", reason, "native"
                 return res
             res.path = _path(res.method, frontend)
             want = _outputs(op.forward_native(*args))
@@ -141,17 +157,19 @@ def run_check(
         testing.prepare_triton()  # before torch_xla can import triton in compiled mode
     cases = list(testing.cases_for(ops))
     results: list[CellResult] = []
-    unavailable = {}
+    unavailable, broken = {}, {}
     for fe in {f for f, _ in cells}:
         why = testing.frontend_available(fe)
         if why is not None:
-            unavailable[fe] = why
+            (unavailable if frontend_missing(fe) else broken)[fe] = why
     work = [(c, f, p, d) for c in cases for f, p in cells for d in dtypes]
     bar = tqdm(work, desc="dualop check", unit="cell", disable=not progress, dynamic_ncols=True)
     for case, fe, platform, dtype in bar:
         bar.set_postfix_str(f"{case.label} {fe}/{platform} {dtype}", refresh=False)
-        if fe in unavailable:
-            results.append(CellResult(case.op, case.label, fe, platform, dtype, "unavailable", detail=unavailable[fe]))
+        if fe in unavailable or fe in broken:
+            status = "unavailable" if fe in unavailable else "error"
+            results.append(CellResult(case.op, case.label, fe, platform, dtype, status,
+                                      detail=unavailable.get(fe) or f"{fe} is installed but does not import: {broken[fe]}"))
             continue
         try:
             results.append(_run_cell(case, fe, platform, dtype, seed))
@@ -202,26 +220,37 @@ def format_table(results: list[CellResult]) -> str:
     lines = ["  ".join(str(v).ljust(w) for v, w in zip(row, widths)).rstrip() for row in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
 
-    # matrix: one line per case, one column per (frontend, platform); worst status over dtypes
-    order = {"error": 0, "fail": 1, "fallback": 2, "pass": 3, "unavailable": 4}
+    # matrix: one line per case, one column per (frontend, platform); worst status over dtypes.
+    # A native cell names its reason by a footnote number: the reasons are too long for a column.
+    order = {status: i for i, status in enumerate(STATUSES)}
     cells = list(dict.fromkeys((r.frontend, r.platform) for r in results))
     cases = list(dict.fromkeys(r.case for r in results))
-    worst: dict[tuple, str] = {}
+    worst: dict[tuple, CellResult] = {}
     for r in results:
         key = (r.case, r.frontend, r.platform)
-        if key not in worst or order[r.status] < order[worst[key]]:
-            worst[key] = r.status
-    mark = {"pass": "ok", "fail": "FAIL", "error": "ERROR", "fallback": "native", "unavailable": "n/a"}
+        if key not in worst or order[r.status] < order[worst[key].status]:
+            worst[key] = r
+    reasons = list(dict.fromkeys(r.detail for r in worst.values() if r.status == "native"))
+    mark = {"pass": "ok", "fail": "FAIL", "error": "ERROR", "unavailable": "n/a"}
+
+    def cell_mark(r: CellResult) -> str:
+        return f"native ({reasons.index(r.detail) + 1})" if r.status == "native" else mark[r.status]
+
     col_names = [f"{f}/{p}" for f, p in cells]
     case_w = max(len(c) for c in cases + ["op case"])
-    col_w = [max(len(n), 6) for n in col_names]
-    lines += ["", "matrix (worst over dtypes):", "  ".join(["op case".ljust(case_w)] + [n.ljust(w) for n, w in zip(col_names, col_w)])]
+    col_w = [max(len(n), 10) for n in col_names]
+    lines += ["", "matrix (worst over dtypes; ok/FAIL: a kernel ran and was checked; native (n): forward_native "
+                  "ran, for reason n below):",
+              "  ".join(["op case".ljust(case_w)] + [n.ljust(w) for n, w in zip(col_names, col_w)])]
     for c in cases:
-        lines.append("  ".join([c.ljust(case_w)] + [mark[worst[(c, f, p)]].ljust(w) for (f, p), w in zip(cells, col_w)]).rstrip())
+        lines.append("  ".join([c.ljust(case_w)] + [cell_mark(worst[(c, f, p)]).ljust(w)
+                                                     for (f, p), w in zip(cells, col_w)]).rstrip())
+    if reasons:
+        lines += ["", "native reasons:"] + [f"  ({i}) {reason}" for i, reason in enumerate(reasons, 1)]
 
     grouped: dict[tuple[str, str, str], list[str]] = {}
     for r in results:
-        if r.status in ("fail", "error", "fallback") and r.detail:
+        if r.status in ("fail", "error") and r.detail:
             grouped.setdefault((f"{r.frontend}/{r.platform}", r.status, r.detail), []).append(r.case)
     notes = [
         f"{cell} {status} ({', '.join(dict.fromkeys(cases))}): {detail}"
@@ -235,8 +264,16 @@ def format_table(results: list[CellResult]) -> str:
         notes.append(f"registered ops with no check case: {', '.join(missing)}")
     if notes:
         lines += ["", "notes:"] + [f"  {n}" for n in dict.fromkeys(notes)]
-    passed = sum(r.status == "pass" for r in results)
-    bad = sum(r.status in ("fail", "error") for r in results)
-    fell = sum(r.status == "fallback" for r in results)
-    lines += ["", f"{passed} passed, {bad} failed, {fell} fell back to native"]
+    lines += ["", summary(results)]
     return "\n".join(lines)
+
+
+def summary(results: list[CellResult]) -> str:
+    """One line: kernel cells (passed, failed) apart from native, error and unavailable ones;
+    a cell here is one (op case, frontend, platform, dtype)."""
+    count = {status: sum(r.status == status for r in results) for status in STATUSES}
+    return (
+        f"kernel cells: {count['pass']} passed, {count['fail']} failed; "
+        f"{count['native']} native (no kernel ran; reasons above); {count['error']} errors; "
+        f"{count['unavailable']} unavailable"
+    )

@@ -48,38 +48,44 @@ def cmd_ops(args: argparse.Namespace) -> int:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    """Resolve (and, unless --no-run, call once on a tiny input) every op for each frontend."""
+    """Per op case and frontend: the method that ran (unless --no-run, on one call of a tiny
+    input, so per-call declines show), whether that was a kernel, and why."""
     import numpy as np
 
-    from dualop import dispatch_report, get_config, testing
-    from dualop.platforms import current_platform
+    from dualop import get_config, testing
+    from dualop.platforms import current_platform, platform_of
 
     frontends = _available_frontends(_csv(args.frontends) if args.frontends else None)
     if not frontends:
         print("dualop report: no frontend (torch, jax) can be imported here", file=sys.stderr)
         return 2
     rng = np.random.default_rng(0)
-    seen = set()
+    rows = []
     for case in testing.cases_for(None):
-        if case.op in seen:
-            continue
-        seen.add(case.op)
         shape = next(s for s in case.shapes if s[0] > 0)
         op = case.make_op(shape)
         for fe in frontends:
-            if args.no_run:
-                op.dispatched_method(fe)
-                continue
             with testing.frontend_context(fe):
-                op(*(testing.to_frontend(a, fe, "float32") for a in case.make_inputs(shape, rng)))
-    rows = dispatch_report()
+                inputs = [testing.to_frontend(a, fe, "float32") for a in case.make_inputs(shape, rng)]
+                platform = platform_of(inputs[0], fe)  # a torch tensor's follows its device
+                if args.no_run:
+                    method, reason = op.resolution(fe, platform)
+                else:
+                    op.last_fallback = None
+                    op(*inputs)
+                    method, reason = op.last_run(fe, platform)
+            rows.append({
+                "op": case.op, "case": case.label, "frontend": fe, "platform": platform,
+                "method": method, "kernel": method != "forward_native",
+                "enabled": op.enforce_enable or type(op).enabled(), "reason": reason,
+            })
     if args.json:
         print(json.dumps(rows, indent=2))
         return 0
     cfg = get_config()
     platforms = ", ".join(f"{fe}: {current_platform(fe)}" for fe in frontends)
     print(f"config: {cfg!r}\nplatforms: {platforms}\n")
-    print(_table(rows, ["op", "frontend", "platform", "method", "enabled", "reason"]))
+    print(_table(rows, ["case", "frontend", "platform", "method", "kernel", "reason"]))
     return 0
 
 
@@ -216,7 +222,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--json", action="store_true", help="print JSON")
     s.set_defaults(fn=cmd_ops)
 
-    s = sub.add_parser("report", help="which method each op dispatches to, and why, under the current config")
+    s = sub.add_parser("report", help="which method each op case runs per frontend, whether a kernel, and why")
     s.add_argument("--frontends", help="comma-separated: torch, jax, torch_xla, torchax (default: all importable)")
     s.add_argument("--no-run", action="store_true", help="only resolve; do not call each op on a tiny input")
     s.add_argument("--json", action="store_true", help="print JSON")

@@ -16,6 +16,15 @@ Enabled rules (the reference serving engine's): ``+name`` enables, ``-name`` dis
 the op follows the default, which is on exactly when the config holds ``all``. An unregistered
 subclass follows its parent's registered name. ``enforce_enable=True`` forces one instance's fast
 path without changing ``enabled()``.
+
+What ran, honestly: a platform method (``forward_cpu``, ``forward_tpu``, ...) runs an implementation
+of its own, distinct from ``forward_native`` (a Pallas, Triton or C++ kernel, or a torch body built
+on other torch kernels), which is why ``dualop check`` compares it with ``forward_native``. It never
+computes the native body itself: where it has nothing of its own it declines, either once at
+resolution (``CustomOp.declines``: this frontend or this instance's variant has no kernel) or per
+call (``NotImplementedError(reason)``: an input it does not take, autograd recording). Dispatch then
+runs ``forward_native`` and records the reason. So a call ran a kernel exactly when the method that
+ran is not ``forward_native``; ``CustomOp.last_run`` says which, and why.
 """
 
 from __future__ import annotations
@@ -246,6 +255,8 @@ def _fresh(cls: type, args: tuple = (), kwargs: dict | None = None) -> CustomOp:
     """A new instance with empty dispatch state (so subclasses that skip __init__ still work)."""
     obj = object.__new__(cls)
     obj._dispatch_cache = {}
+    obj._resolutions = {}
+    obj.last_fallback = None
     obj._last_hit = None
     obj._fast_type = obj._fast_method = None
     obj._fast_config = obj._fast_generation = obj._fast_device = None
@@ -279,6 +290,7 @@ class CustomOp:
     def __init__(self, *, enforce_enable: bool = False) -> None:
         self.enforce_enable = bool(enforce_enable)
         self._dispatch_cache.clear()
+        self._resolutions.clear()
         self._disarm()
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
@@ -408,6 +420,16 @@ class CustomOp:
     def check_inputs(self, *args: Any, **kwargs: Any) -> None:
         """Validate arguments before any path runs; raise ValueError/TypeError naming the op."""
 
+    def declines(self, method: str, frontend: str) -> str | None:
+        """Why ``method`` has no kernel for ``frontend``'s arrays on this instance, or None if it has.
+
+        Asked once when dispatch resolves (never per call): a method that declines is passed over
+        for its fallback, and the reason goes into the report. Override it for what is known before
+        any call (a frontend a method never serves, a constructor variant with no kernel); a decline
+        that depends on the call's arguments is the method's own ``NotImplementedError(reason)``.
+        """
+        return None
+
     # ---------------------------------------------------------------- dispatch
 
     @classmethod
@@ -428,16 +450,23 @@ class CustomOp:
         method = PLATFORM_METHOD[platform] if enabled else "forward_native"
         if not enabled:
             reason += " (disabled, so forward_native)"
-        wanted = method
         for candidate in (method, *_FALLBACKS[method]):
-            if candidate == "forward_native" or cls._implements(candidate):
-                method = candidate
+            if candidate == "forward_native":
                 break
-        if method != wanted:
-            reason += f"; {wanted} not implemented, fell back to {method}"
-        bound = getattr(self, method)
-        self._dispatch_cache[(frontend, platform, cfg.dispatch_key, generation)] = bound
-        self._record(frontend, platform, method, enabled, reason)
+            if not cls._implements(candidate):
+                reason += f"; {candidate} not implemented"
+                continue
+            why = self.declines(candidate, frontend)
+            if why is None:
+                break
+            reason += f"; {candidate}: {why}"
+        if candidate != method:
+            reason += f", so {candidate}"
+        bound = getattr(self, candidate)
+        key = (frontend, platform, cfg.dispatch_key, generation)
+        self._dispatch_cache[key] = bound
+        self._resolutions[key] = (candidate, reason)
+        self._record(frontend, platform, candidate, enabled, reason)
         return bound
 
     def _record(self, frontend: str, platform: str, method: str, enabled: bool, reason: str) -> None:
@@ -524,17 +553,14 @@ class CustomOp:
     forward = __call__
 
     def _fall_back(self, method: str, frontend: str, err: NotImplementedError, args, kwargs):
-        """A platform method declined this call: run forward_native and say so in the report."""
+        """A platform method declined this call: run forward_native, say so in the report and in
+        ``last_fallback``."""
         detail = str(err) or "NotImplementedError"
         platform = _platforms.platform_of(args[0] if args else next(iter(kwargs.values()), None), frontend)
         enabled = self.enforce_enable or self.enabled()
-        self._record(
-            frontend,
-            platform,
-            "forward_native",
-            enabled,
-            f"{method} raised NotImplementedError ({detail}); fell back to forward_native",
-        )
+        reason = f"{method} declined this call ({detail}), so forward_native"
+        self.last_fallback = reason
+        self._record(frontend, platform, "forward_native", enabled, reason)
         return self.forward_native(*args, **kwargs)
 
     @classmethod
@@ -546,16 +572,34 @@ class CustomOp:
             raise TypeError(f"{cls.__qualname__}.forward_native must name its parameters for torch.compile")
         return names
 
+    def resolution(self, frontend: str, platform: str | None = None) -> tuple[str, str]:
+        """``(method, reason)``: what a call from ``frontend`` on ``platform`` (None: that frontend's
+        process-wide platform, ``current_platform``) resolves to under the active config, resolving
+        now if no call has; per-call declines are ``last_run``'s."""
+        cfg = _config.get_config()
+        gen = _platforms._generation
+        if platform is None:
+            platform = _platforms.current_platform(frontend)
+        key = (frontend, platform, cfg.dispatch_key, gen)
+        if key not in self._resolutions:
+            self._resolve(frontend, cfg, gen, platform)
+        return self._resolutions[key]
+
     def dispatched_method(self, frontend: str) -> str:
         """Name of the method a call from ``frontend`` resolves to under the active config, on that
         frontend's process-wide platform (``current_platform``)."""
-        cfg = _config.get_config()
-        gen = _platforms._generation
-        platform = _platforms.current_platform(frontend)
-        method = self._dispatch_cache.get((frontend, platform, cfg.dispatch_key, gen)) or self._resolve(
-            frontend, cfg, gen, platform
-        )
-        return method.__name__
+        return self.resolution(frontend)[0]
+
+    def last_run(self, frontend: str, platform: str | None = None) -> tuple[str, str]:
+        """``(method, reason)`` of what this instance ran for ``frontend`` on ``platform`` (None: the
+        process-wide one) under the active config since ``last_fallback`` was cleared:
+        ``forward_native`` and the decline's reason if a platform method declined a call, else the
+        resolution. ``last_fallback`` is set only on that declining path (the kernel path does no
+        extra work), so clear it before the calls to observe (``op.last_fallback = None``). A kernel
+        ran exactly when the method is not ``forward_native``."""
+        if self.last_fallback is not None:
+            return "forward_native", self.last_fallback
+        return self.resolution(frontend, platform)
 
     def extra_repr(self) -> str:
         return ""

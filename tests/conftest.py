@@ -32,25 +32,45 @@ testing.prepare_triton()
 TEST_ENV = os.environ.get("DUALOP_TEST_ENV", "")
 
 
-# The cells every op with kernels must pass: (frontend, platform, the method that must run).
+# The (frontend, platform) cells that run a kernel, with the method that must run: every op case
+# passes them against forward_native, except where NATIVE_CASES says the case has no kernel there.
 # ROCm runs the same Triton kernel as CUDA (no op has forward_hip); tests/test_cells.py checks that
 # path once per op rather than repeating the whole sweep.
 KERNEL_CELLS = [
     ("torch", "cpu", "forward_cpu"),
     ("torch", "cuda", "forward_cuda"),
-    ("jax", "cpu", "forward_cpu"),
     ("jax", "tpu", "forward_tpu"),
     ("torch_xla", "tpu", "forward_tpu"),
     ("torchax", "tpu", "forward_tpu"),
 ]
+# Cells where no op has a kernel, with (a part of) the reason each must report.
+NATIVE_CELLS = {
+    ("jax", "cpu"): "no CPU kernel for jax arrays: XLA compiles the native body",
+    ("jax", "cuda"): "would need jax-triton",
+}
+# Op cases (labels) with no kernel in a cell of KERNEL_CELLS: {(label, frontend, platform): reason}.
+NATIVE_CASES = {
+    **{(label, "torch", "cpu"): "no activation-sparsity gate"
+       for label in ("gelu_and_mul_sparse[0.95]", "gelu_and_mul_sparse[0.5,tanh]")},
+    ("fatrelu_and_mul[0.3]", "torch", "cpu"): "the C++ CPU kernel has no fatrelu gate",
+    ("swigluoai_and_mul", "torch", "cpu"): "the C++ CPU kernel has no swigluoai gate",
+    ("rms_norm[var_hidden_size]", "torch", "cpu"): "var_hidden_size < hidden_size",
+    ("xielu", "torch", "cpu"): "torch has no fused xIELU",
+}
 
 
 def require_frontend(frontend: str) -> None:
-    """Skip (saying why) when ``frontend`` cannot be imported in this environment."""
+    """Skip (saying why) when a package ``frontend`` needs is not installed in this environment;
+    fail when it is installed but does not import (a broken install is not a skip)."""
+    from dualop.check import frontend_missing
+
     why = testing.frontend_available(frontend)
-    if why is not None:
-        where = "the 'xla' environment of scripts/test.sh" if frontend in ("torch_xla", "torchax") else "an environment with it installed"
-        pytest.skip(f"{frontend} is not installed in this environment ({why}); it is tested in {where}")
+    if why is None:
+        return
+    if not frontend_missing(frontend):
+        pytest.fail(f"{frontend} is installed but does not import: {why}")
+    where = "the 'xla' environment of scripts/test.sh" if frontend in ("torch_xla", "torchax") else "an environment with it installed"
+    pytest.skip(f"{frontend} is not installed in this environment ({why}); it is tested in {where}")
 
 
 @pytest.fixture

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import jax
+import torch
 
 from dualop import OpsConfig, override_platform, set_config, testing
 
-torch = pytest.importorskip("torch", reason="torch is part of both test environments (dualop[torch], dualop[jax])")
-jax = pytest.importorskip("jax", reason="jax is part of both test environments (dualop[torch], dualop[jax])")
 jnp = jax.numpy
 
 CASES = list(testing.cases_for(None))

@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import jax.numpy as jnp
+import torch
 
 from dualop import OpsConfig, override_platform, set_config
 from dualop.ops import GeluAndMul, ReLUSquaredActivation, RMSNorm, SiluAndMul
 from dualop.ops import activation as activation_mod
 from dualop.ops import layernorm as layernorm_mod
-
-torch = pytest.importorskip("torch", reason="torch is part of both test environments (dualop[torch], dualop[jax])")
-jnp = pytest.importorskip("jax.numpy", reason="jax.numpy is part of both test environments (dualop[torch], dualop[jax])")
 
 
 @pytest.fixture(autouse=True)

@@ -16,13 +16,13 @@ import types
 from collections import Counter
 
 import pytest
+import torch
 
 from dualop import cli
 from dualop.bench import cases as bench_cases
 from dualop.bench import roofline, throughput, timing
 from dualop.kernels import cost as cost_model
 
-torch = pytest.importorskip("torch", reason="torch is part of both test environments (dualop[torch], dualop[jax])")
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 NO_COMPILE = [i for i in throughput.IMPLS if i != "torch-compile"]
@@ -180,7 +180,6 @@ def test_a_peer_that_disagrees_is_an_error_record_not_timed():
 
 
 def test_roofline_only_uses_the_pallas_cost_models(tmp_path, capsys):
-    pytest.importorskip("jax", reason="the Pallas modules' cost functions need jax")
     from dualop.kernels.pallas.gated_activation import gated_activation_cost
     from dualop.kernels.pallas.rms_norm import rms_norm_cost
 
@@ -223,7 +222,6 @@ def test_roofline_only_needs_no_jax():
 
 
 def test_pallas_cost_estimates_come_from_the_one_cost_model():
-    pytest.importorskip("jax", reason="the Pallas modules need jax")
     from dualop.kernels.gate_math import GateSpec
     from dualop.kernels.pallas import gated_activation, pointwise_activation, quant_fp8, rms_norm, rms_norm_gated
 

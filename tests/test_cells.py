@@ -1,9 +1,10 @@
 """Every (frontend, platform) cell of every registered op runs its real kernel and matches
-forward_native, in float32 and bfloat16, over ragged shapes.
+forward_native, in float32 and bfloat16, over ragged shapes; every cell with no kernel says so,
+with its reason.
 
-The harness is ``dualop.check`` (the same code ``dualop check`` runs); a cell passes only when the
-fast path actually ran (a fallback to forward_native fails here) and every output is within the
-tolerance table.
+The harness is ``dualop.check`` (the same code ``dualop check`` runs); a kernel cell passes only
+when a kernel actually ran (forward_native running fails here) and every output is within the
+tolerance table. A native cell must report the reason conftest's NATIVE_CELLS / NATIVE_CASES give.
 """
 
 from __future__ import annotations
@@ -12,21 +13,46 @@ import math
 
 import pytest
 
-from conftest import KERNEL_CELLS, require_frontend
+from conftest import KERNEL_CELLS, NATIVE_CASES, NATIVE_CELLS, require_frontend
 from dualop import check, testing
 
 CASES = list(testing.cases_for(None))  # every registered op's check cases
+KERNEL_SWEEP = [
+    pytest.param(case, frontend, platform, method, id=f"{case.label}-{frontend}-{platform}")
+    for case in CASES for frontend, platform, method in KERNEL_CELLS
+    if (case.label, frontend, platform) not in NATIVE_CASES
+]
+NATIVE_SWEEP = [
+    pytest.param(case, frontend, platform, NATIVE_CASES.get((case.label, frontend, platform)) or NATIVE_CELLS[(frontend, platform)],
+                 id=f"{case.label}-{frontend}-{platform}")
+    for case in CASES for frontend, platform in [*NATIVE_CELLS, *((f, p) for f, p, _ in KERNEL_CELLS)]
+    if (frontend, platform) in NATIVE_CELLS or (case.label, frontend, platform) in NATIVE_CASES
+]
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("frontend, platform, method", KERNEL_CELLS, ids=lambda v: v if isinstance(v, str) else None)
-@pytest.mark.parametrize("case", CASES, ids=lambda c: c.label)
+@pytest.mark.parametrize("case, frontend, platform, method", KERNEL_SWEEP)
 def test_cell_matches_native(case, frontend, platform, method, dtype):
     require_frontend(frontend)
     result = check._run_cell(case, frontend, platform, dtype, seed=1)
     assert result.method == method, result.detail
     assert result.status == "pass", f"{result.detail} (max abs {result.max_abs}, max rel {result.max_rel})"
     assert result.shapes == len(case.shapes)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("case, frontend, platform, reason", NATIVE_SWEEP)
+def test_native_cell_reports_its_reason(case, frontend, platform, reason, dtype):
+    """No kernel here: the cell says native, with the reason, never a silent pass."""
+    require_frontend(frontend)
+    result = check._run_cell(case, frontend, platform, dtype, seed=1)
+    assert (result.status, result.method) == ("native", "forward_native"), result.detail
+    assert reason in result.detail
+
+
+def test_native_expectations_name_real_cases():
+    labels = {c.label for c in CASES}
+    assert {label for label, _, _ in NATIVE_CASES} <= labels
 
 
 @pytest.mark.parametrize("case", list({c.op: c for c in CASES}.values()), ids=lambda c: c.op)
@@ -46,11 +72,18 @@ def test_cells_cover_zero_one_ragged_and_3d_shapes():
             assert any(s[-1] % 128 for s in shapes), case.label
 
 
-def test_jax_cuda_falls_back_with_a_reason():
-    """JAX on CUDA would need jax-triton: the cell reports a fallback, never a silent pass."""
+def test_a_call_time_decline_is_reported_by_the_cell(monkeypatch):
+    """A kernel that declines one call (NotImplementedError) makes that cell native, with its
+    reason, although the op resolved to the kernel."""
+    from dualop.ops import SiluAndMul
+
+    def forward_cpu(self, x):
+        raise NotImplementedError("this input is not taken")
+
+    monkeypatch.setattr(SiluAndMul, "forward_cpu", forward_cpu)
     case = next(c for c in CASES if c.op == "silu_and_mul")
-    result = check._run_cell(case, "jax", "cuda", "float32", seed=0)
-    assert result.status == "fallback" and "jax-triton" in result.detail
+    result = check._run_cell(case, "torch", "cpu", "float32", seed=0)
+    assert result.status == "native" and "forward_cpu declined this call (this input is not taken)" in result.detail
 
 
 def test_harness_catches_a_wrong_kernel(monkeypatch):
@@ -78,12 +111,11 @@ def test_harness_catches_a_wrong_residual(monkeypatch):
     assert check._run_cell(case, "torch", "cpu", "bfloat16", seed=0).status == "fail"
 
 
-jax = pytest.importorskip("jax", reason="jax is part of both test environments")
-
-
-@pytest.mark.parametrize("platform", ["cpu", "tpu"])
-def test_jax_ops_dispatch_under_jit_and_vmap(platform):
-    """Dispatch sees tracers as jax arrays; the fast path runs inside jit and vmap."""
+@pytest.mark.parametrize("platform, method", [("cpu", "forward_native"), ("tpu", "forward_tpu")])
+def test_jax_ops_dispatch_under_jit_and_vmap(platform, method):
+    """Dispatch sees tracers as jax arrays; the resolved method runs inside jit and vmap (on the
+    CPU that is the native body: no CPU kernel for jax arrays)."""
+    import jax
     import numpy as np
 
     from dualop import OpsConfig, dispatch_report, override_platform, set_config
@@ -97,7 +129,6 @@ def test_jax_ops_dispatch_under_jit_and_vmap(platform):
         got_norm = jax.jit(jax.vmap(lambda t: norm(t, w)))(x)
         got_silu = jax.vmap(jax.jit(silu))(x)
     methods = {(r["op"], r["method"]) for r in dispatch_report()}
-    fast = f"forward_{platform}"
-    assert methods == {("rms_norm", fast), ("silu_and_mul", fast)}
+    assert methods == {("rms_norm", method), ("silu_and_mul", method)}
     for got, want in ((got_norm, norm.forward_native(x, w)), (got_silu, silu.forward_native(x))):
         assert testing.compare(np.asarray(got), np.asarray(want), "float32").ok

@@ -29,13 +29,33 @@ def test_ops_lists_every_registered_op(capsys):
 def test_report_under_platform_tpu():
     proc = _dualop("report", "--json", DUALOP_PLATFORM="tpu")
     assert proc.returncode == 0, proc.stderr
-    rows = {(r["op"], r["frontend"]): r for r in json.loads(proc.stdout)}
+    rows = {(r["case"], r["frontend"]): r for r in json.loads(proc.stdout)}
     assert rows[("rms_norm", "jax")]["method"] == "forward_tpu"
     assert rows[("silu_and_mul", "jax")]["method"] == "forward_tpu"
     assert rows[("rms_norm", "jax")]["reason"] == "default: config holds 'all'"
+    assert rows[("rms_norm", "jax")]["kernel"] is True
     torch_row = rows[("rms_norm", "torch")]  # a CPU torch tensor has no TPU bridge
     assert torch_row["method"] == "forward_native" and "no TPU bridge" in torch_row["reason"]
+    assert torch_row["kernel"] is False
     assert all(r["platform"] == "tpu" for r in rows.values())
+
+
+def test_report_gives_the_reason_for_every_native_run():
+    """On the CPU: jax runs the native body (no CPU kernel for jax arrays), torch the C++ kernel
+    except for the variants it lacks; every native row names why, none says only the config."""
+    proc = _dualop("report", "--json", "--frontends", "torch,jax")
+    assert proc.returncode == 0, proc.stderr
+    rows = {(r["case"], r["frontend"]): r for r in json.loads(proc.stdout)}
+    assert rows[("rms_norm", "torch")]["method"] == "forward_cpu" and rows[("rms_norm", "torch")]["kernel"]
+    jax_row = rows[("rms_norm", "jax")]
+    assert (jax_row["method"], jax_row["kernel"]) == ("forward_native", False)
+    assert "no CPU kernel for jax arrays: XLA compiles the native body" in jax_row["reason"]
+    assert "var_hidden_size" in rows[("rms_norm[var_hidden_size]", "torch")]["reason"]
+    assert "xIELU" in rows[("xielu", "torch")]["reason"]
+    for r in rows.values():
+        assert r["kernel"] == (r["method"] != "forward_native")
+        if not r["kernel"]:
+            assert "forward_cpu" in r["reason"] and "so forward_native" in r["reason"], r
 
 
 def test_report_under_custom_ops_none_plus_rms_norm():
@@ -43,7 +63,7 @@ def test_report_under_custom_ops_none_plus_rms_norm():
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
     assert "custom_ops=['none', '+rms_norm']" in lines[0]
-    rms = [ln for ln in lines if ln.startswith("rms_norm ")]
+    rms = [ln for ln in lines if ln.startswith("rms_norm ") and " torch " in ln]
     silu = [ln for ln in lines if ln.startswith("silu_and_mul ")]
     assert rms and all("forward_cpu" in ln and "config '+rms_norm'" in ln for ln in rms)
     assert silu and all("forward_native" in ln and "config holds 'none'" in ln for ln in silu)
@@ -62,14 +82,28 @@ def test_check_json_and_matrix(capsys):
     cells = {(r["frontend"], r["platform"]): r for r in results}
     assert set(cells) == {("torch", "cpu"), ("torch", "cuda"), ("jax", "cpu"), ("jax", "cuda")}
     assert cells[("torch", "cuda")]["status"] == "pass" and cells[("torch", "cuda")]["path"].startswith("triton")
-    assert cells[("jax", "cuda")]["status"] == "fallback"
+    assert cells[("jax", "cuda")]["status"] == "native" and "jax-triton" in cells[("jax", "cuda")]["detail"]
+    assert cells[("jax", "cpu")]["status"] == "native" and "no CPU kernel for jax arrays" in cells[("jax", "cpu")]["detail"]
+    assert cells[("torch", "cpu")]["status"] == "pass" and cells[("torch", "cpu")]["method"] == "forward_cpu"
     for r in results:
         assert {"max_abs", "max_rel", "atol", "rtol", "dtype", "method"} <= set(r)
 
     assert cli.main(["check", "--ops", "silu_and_mul", "--frontends", "torch", "--platforms", "cpu",
                      "--dtypes", "float32,bfloat16", "--no-progress"]) == 0
     out = capsys.readouterr().out
-    assert "matrix (worst over dtypes):" in out and "2 passed, 0 failed" in out
+    assert "matrix (worst over dtypes" in out and "kernel cells: 2 passed, 0 failed; 0 native" in out
+
+
+def test_check_matrix_says_native_with_its_reason(capsys):
+    assert cli.main(["check", "--ops", "silu_and_mul,xielu", "--frontends", "torch,jax", "--platforms", "cpu",
+                     "--dtypes", "float32", "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    matrix = out[out.index("matrix"):]
+    silu = next(ln for ln in matrix.splitlines() if ln.startswith("silu_and_mul "))
+    assert silu.split()[1:] == ["ok", "native", "(1)"]  # torch/cpu: the C++ kernel; jax/cpu: native
+    assert "(1) default: config holds 'all'; forward_cpu: no CPU kernel for jax arrays" in out
+    assert "torch has no fused xIELU" in out
+    assert "kernel cells: 1 passed, 0 failed; 3 native (no kernel ran; reasons above); 0 errors; 0 unavailable" in out
 
 
 def test_check_exits_1_when_a_cell_fails(monkeypatch, capsys):
@@ -96,7 +130,18 @@ def test_check_formats_errors_and_unavailable_frontends():
     ]
     text = check.format_table(results)
     assert "ERROR" in text and "boom" in text and "frontend torchax unavailable here" in text
-    assert text.strip().endswith("1 passed, 1 failed, 0 fell back to native")
+    assert text.strip().endswith("kernel cells: 1 passed, 0 failed; 0 native (no kernel ran; reasons above); "
+                                 "1 errors; 1 unavailable")
+    assert check.failed(results)
+
+
+def test_check_reports_a_broken_frontend_as_an_error(monkeypatch):
+    """An installed frontend that fails to import is an error cell, not 'unavailable'."""
+    from dualop import testing
+
+    monkeypatch.setattr(testing, "frontend_available", lambda fe: "ImportError: broken .so" if fe == "jax" else None)
+    results = check.run_check(ops=["relu2"], frontends=["jax"], platforms=["cpu"], dtypes=["float32"], progress=False)
+    assert [(r.status, r.detail) for r in results] == [("error", "jax is installed but does not import: ImportError: broken .so")]
     assert check.failed(results)
 
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 
-torch = pytest.importorskip("torch", reason="the CPU kernels serve torch tensors")
 
 from dualop import OpsConfig, set_config, testing  # noqa: E402
 from dualop.custom_op import report_row  # noqa: E402
@@ -90,9 +90,13 @@ def test_non_contiguous_input_and_dispatch_takes_the_kernel():
 
 def test_autograd_recording_uses_the_differentiable_body():
     x = torch.randn(4, 32, requires_grad=True)
-    out = SiluAndMul()(x)
+    op = SiluAndMul()
+    with set_config(OpsConfig(["all"])):
+        out = op(x)
+        method, reason = op.last_run("torch")
     out.sum().backward()
     assert x.grad is not None and x.grad.shape == x.shape
+    assert method == "forward_native" and "autograd is recording and the C++ CPU kernel has no backward" in reason
 
 
 def test_unavailable_toolchain_falls_back_with_a_reason(monkeypatch):

@@ -225,7 +225,8 @@ def test_rocm_falls_back_to_cuda_and_says_so(op_classes):
     with override_platform("rocm"):
         assert full()(_x()) == "forward_cuda"
     (row,) = [r for r in dispatch_report() if r["op"] == "test_full"]
-    assert row["method"] == "forward_cuda" and "forward_hip not implemented" in row["reason"]
+    assert row["method"] == "forward_cuda"
+    assert row["reason"] == "default: config holds 'all'; forward_hip not implemented, so forward_cuda"
 
 
 def test_rocm_uses_forward_hip_when_present(clean_registry):
@@ -248,7 +249,7 @@ def test_missing_platform_method_falls_back_to_native(op_classes, platform):
         assert native_only()(_x()) == "forward_native"
     (row,) = [r for r in dispatch_report() if r["op"] == "test_native_only"]
     assert row["method"] == "forward_native"
-    assert "not implemented, fell back to forward_native" in row["reason"]
+    assert row["reason"].endswith("not implemented, so forward_native")
     assert row["enabled"] is True
 
 
@@ -258,11 +259,77 @@ def test_not_implemented_at_call_time_falls_back_and_reports(clean_registry):
         def forward_tpu(self, x):
             raise NotImplementedError("no bridge for this array")
 
+    op = Declines()
     with override_platform("tpu"):
-        assert Declines()(_x()) == "forward_native"
+        assert op(_x()) == "forward_native"
+        reason = "forward_tpu declined this call (no bridge for this array), so forward_native"
+        assert op.last_run("torch") == ("forward_native", reason)
+        assert op.resolution("torch") == ("forward_tpu", "default: config holds 'all'")
     (row,) = [r for r in dispatch_report() if r["op"] == "test_declines"]
-    assert row["method"] == "forward_native"
-    assert "forward_tpu raised NotImplementedError (no bridge for this array)" in row["reason"]
+    assert (row["method"], row["reason"]) == ("forward_native", reason)
+
+
+def _declining_op():
+    """An op whose CPU kernel exists for torch only, and not for one constructor variant."""
+
+    @CustomOp.register("test_declines_at_resolution")
+    class Variant(_Recorder):
+        def __init__(self, exotic=False):
+            super().__init__()
+            self.exotic = exotic
+
+        def declines(self, method, frontend):
+            if method == "forward_cpu" and self.exotic:
+                return "no kernel for the exotic variant"
+            return None
+
+        def forward_cpu(self, x):
+            return "forward_cpu"
+
+    return Variant
+
+
+def test_a_method_declined_at_resolution_runs_native_with_the_reason(clean_registry):
+    variant = _declining_op()
+    plain, exotic = variant(), variant(exotic=True)
+    with override_platform("cpu"):
+        assert plain(_x()) == "forward_cpu" and plain.last_run("torch")[0] == "forward_cpu"
+        assert exotic(_x()) == "forward_native"
+        assert exotic.last_run("torch") == (
+            "forward_native",
+            "default: config holds 'all'; forward_cpu: no kernel for the exotic variant, so forward_native",
+        )
+        assert exotic.last_fallback is None  # decided once at resolution, not per call
+
+
+def test_declines_is_asked_once_per_resolution_not_per_call(clean_registry, monkeypatch):
+    variant = _declining_op()
+    asked = []
+    real = variant.declines
+    monkeypatch.setattr(variant, "declines", lambda self, m, f: asked.append(m) or real(self, m, f))
+    op = variant(exotic=True)
+    with override_platform("cpu"):
+        for _ in range(5):
+            assert op(_x()) == "forward_native"
+    assert asked == ["forward_cpu"]
+
+
+def test_last_fallback_is_kept_until_cleared(clean_registry):
+    @CustomOp.register("test_declines_sometimes")
+    class Sometimes(_Recorder):
+        def forward_cpu(self, x):
+            if x.shape[0] == 0:
+                raise NotImplementedError("empty input")
+            return "forward_cpu"
+
+    op = Sometimes()
+    with override_platform("cpu"):
+        assert op(torch.zeros(0, 4)) == "forward_native"
+        assert op(_x()) == "forward_cpu"  # the kernel path records nothing, so
+        assert op.last_run("torch")[0] == "forward_native"  # the decline still shows until cleared
+        op.last_fallback = None
+        assert op(_x()) == "forward_cpu"
+        assert op.last_run("torch") == ("forward_cpu", "default: config holds 'all'")
 
 
 def test_native_not_implemented_propagates(clean_registry):

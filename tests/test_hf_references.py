@@ -8,12 +8,12 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
+import jax
+import torch
+import transformers
 
 from dualop import ops, testing
 
-torch = pytest.importorskip("torch", reason="torch is part of both test environments (dualop[torch], dualop[jax])")
-transformers = pytest.importorskip("transformers", reason="transformers is in dualop[dev]")
-jax = pytest.importorskip("jax", reason="jax is part of both test environments (dualop[torch], dualop[jax])")
 jnp = jax.numpy
 from transformers.activations import ACT2FN  # noqa: E402
 

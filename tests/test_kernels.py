@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import jax
+import torch
 
 from dualop import testing
 
-jax = pytest.importorskip("jax", reason="the Pallas kernels need jax")
 jnp = jax.numpy
 
 
@@ -106,9 +107,6 @@ def test_pallas_cost_estimates_count_bytes_once():
     assert c.transcendentals == 10
     c = gated_activation_cost(rows=10, d=64, itemsize=4)
     assert c.bytes_accessed == 10 * 64 * 4 * 3
-
-
-torch = pytest.importorskip("torch", reason="the Triton kernels launch on torch tensors")
 
 
 @pytest.fixture(scope="module")

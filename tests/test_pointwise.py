@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import math
 
+import jax
 import numpy as np
 import pytest
+import torch
 
-from conftest import KERNEL_CELLS, require_frontend
+from conftest import KERNEL_CELLS, NATIVE_CASES, require_frontend
 from dualop import OpsConfig, check, dispatch_report, override_platform, set_config, testing
 from dualop.ops import XIELU, FastGELU, NewGELU, QuickGELU, ReLUSquaredActivation
 from dualop.ops import pointwise as pointwise_mod
@@ -70,8 +72,10 @@ def _special_case(name):
 
 
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")  # numpy (Triton's interpreter, compare) on inf - inf
-@pytest.mark.parametrize("frontend, platform, method", KERNEL_CELLS, ids=lambda v: v if isinstance(v, str) else None)
-@pytest.mark.parametrize("name", OPS)
+@pytest.mark.parametrize("name, frontend, platform, method", [
+    pytest.param(name, frontend, platform, method, id=f"{name}-{frontend}-{platform}")
+    for name in OPS for frontend, platform, method in KERNEL_CELLS if (name, frontend, platform) not in NATIVE_CASES
+])
 def test_inf_and_nan_propagate_as_native(name, frontend, platform, method):
     require_frontend(frontend)
     result = check._run_cell(_special_case(name), frontend, platform, "float32", seed=0)
@@ -81,7 +85,6 @@ def test_inf_and_nan_propagate_as_native(name, frontend, platform, method):
 
 def test_special_values_of_native():
     """What the native bodies give at the edges (the fast paths are held to these above)."""
-    torch = pytest.importorskip("torch", reason="torch is part of both test environments (dualop[torch], dualop[jax])")
     x = torch.tensor([np.inf, -np.inf, np.nan, 0.0, -1e30])
     assert torch.equal(NewGELU().forward_native(x)[[0, 3, 4]], torch.tensor([np.inf, 0.0, 0.0]))
     assert NewGELU().forward_native(x)[1:3].isnan().all()  # -inf * (1 + tanh(-inf)) = -inf * 0
@@ -97,11 +100,12 @@ def test_special_values_of_native():
 
 
 def _hf():
-    return pytest.importorskip("transformers.activations", reason="transformers is in both test environments' dev extra")
+    import transformers.activations
+
+    return transformers.activations
 
 
 def _hf_xielu(alpha_p, alpha_n, beta=0.5, eps=-1e-6):
-    torch = pytest.importorskip("torch", reason="torch is part of both test environments (dualop[torch], dualop[jax])")
     act = _hf().XIELUActivation(beta=beta, eps=eps, dtype=torch.float32)
     with torch.no_grad():
         act.alpha_p.fill_(alpha_p)
@@ -111,7 +115,6 @@ def _hf_xielu(alpha_p, alpha_n, beta=0.5, eps=-1e-6):
 
 def _hf_reference(name, x_np):
     """Hugging Face's activation of float32 ``x_np``, as float32 numpy."""
-    torch = pytest.importorskip("torch", reason="torch is part of both test environments (dualop[torch], dualop[jax])")
     hf = _hf()
     act = {
         "gelu_new": hf.NewGELUActivation,
@@ -126,7 +129,6 @@ def _hf_reference(name, x_np):
 
 @pytest.mark.parametrize("name", OPS)
 def test_torch_native_matches_transformers(name):
-    torch = pytest.importorskip("torch", reason="torch is part of both test environments (dualop[torch], dualop[jax])")
     hf = _hf()
     x_np = pointwise_mod._spread((5, 333), np.random.default_rng(3))
     x = torch.from_numpy(x_np)
@@ -140,7 +142,6 @@ def test_torch_native_matches_transformers(name):
 
 @pytest.mark.parametrize("name", OPS)
 def test_jax_native_matches_transformers_and_jax_nn(name):
-    jax = pytest.importorskip("jax", reason="jax is part of both test environments (dualop[torch], dualop[jax])")
     jnp = jax.numpy
     x_np = pointwise_mod._spread((5, 333), np.random.default_rng(4))
     x = jnp.asarray(x_np)
@@ -157,7 +158,6 @@ def test_jax_native_matches_transformers_and_jax_nn(name):
 
 
 def test_xielu_initial_parameters_match_transformers():
-    torch = pytest.importorskip("torch", reason="torch is part of both test environments (dualop[torch], dualop[jax])")
     for inits in ((0.8, 0.8, 0.5), (0.3, 1.7, 0.25), (2.0, 0.6, 0.5)):
         op = XIELU(*inits)
         a_p, a_n = op.initial_parameters()
@@ -176,7 +176,6 @@ def test_xielu_initial_parameters_match_transformers():
 # --------------------------------------------------------------------------- the Pallas kernel
 
 
-jax = pytest.importorskip("jax", reason="jax is part of both test environments")
 jnp = jax.numpy
 
 
@@ -377,9 +376,6 @@ def no_kernel_may_launch(monkeypatch):
         yield
 
 
-torch = pytest.importorskip("torch", reason="torch is part of both test environments")
-
-
 def _t(*shape, dtype=None):
     return torch.zeros(shape, dtype=dtype or torch.float32)
 
@@ -453,7 +449,7 @@ def test_torch_cpu_path_keeps_autograd(name):
     x = torch.from_numpy(x_np).requires_grad_()
     with override_platform("cpu"), set_config(OpsConfig(["all"])):
         y = op(x, *extra)
-        assert op.dispatched_method("torch") == "forward_cpu"
+        assert op.dispatched_method("torch") == ("forward_native" if name == "xielu" else "forward_cpu")
     grads = torch.autograd.grad(y.sum(), (x, *extra))
     x_ref = torch.from_numpy(x_np).requires_grad_()
     extra_ref = tuple(torch.tensor([a], requires_grad=True) for a in ALPHAS) if name == "xielu" else ()

@@ -8,12 +8,12 @@ import re
 
 import numpy as np
 import pytest
+import torch
 
 from dualop import OpsConfig, check, dispatch_report, override_platform, set_config, testing
 from dualop.ops import quantization as quant_mod
 from dualop.ops.quantization import FP8_MAX, FP8_MIN_SCALE, GroupShape, QuantFP8
 
-torch = pytest.importorskip("torch", reason="torch is part of both test environments")
 
 CASES = list(testing.cases_for(["quant_fp8"]))
 GRANULARITIES = {"per_tensor": "tensor", "per_token": "token", (1, 128): "group"}
@@ -199,7 +199,7 @@ def test_div_by_fp8_max_is_correctly_rounded():
 
     assert torch.equal(quant_mod._div_by_fp8_max(torch_xp, a), want)
     assert quant_mod._div_by_fp8_max(torch_xp, torch.tensor([float("inf")])).item() == float("inf")
-    jax = pytest.importorskip("jax", reason="jax is part of both test environments (dualop[torch], dualop[jax])")
+    import jax
     from dualop.backends.xla import array_api as jax_xp
     from dualop.kernels.pallas.quant_fp8 import div_by_fp8_max
 
@@ -214,7 +214,7 @@ def test_round_to_fp8_grid_matches_torch_cast():
     v = _fp8_edge_values()
     got = quant_mod._round_to_fp8_grid(torch_xp, v).to(torch.float8_e4m3fn)
     assert torch.equal(_bits(got), _bits(v.to(torch.float8_e4m3fn)))
-    jnp = pytest.importorskip("jax.numpy", reason="jax.numpy is part of both test environments (dualop[torch], dualop[jax])")
+    import jax.numpy as jnp
     from dualop.backends.xla import array_api as jax_xp
 
     got = np.asarray(quant_mod._round_to_fp8_grid(jax_xp, jnp.asarray(v.numpy())).astype(jnp.float8_e4m3fn))
@@ -224,7 +224,7 @@ def test_round_to_fp8_grid_matches_torch_cast():
 @pytest.mark.parametrize("group_shape", list(GRANULARITIES), ids=str)
 def test_jax_native_matches_torch_cast(group_shape):
     """jax's native body rounds like torch's cast (XLA alone rounds through float16 in some releases)."""
-    jnp = pytest.importorskip("jax.numpy", reason="jax.numpy is part of both test environments (dualop[torch], dualop[jax])")
+    import jax.numpy as jnp
     gran = GRANULARITIES[group_shape]
     x = _spread((7, 256))
     x_q, scale = QuantFP8(False, group_shape).forward_native(jnp.asarray(x.numpy()))
@@ -235,7 +235,7 @@ def test_jax_native_matches_torch_cast(group_shape):
 
 
 def test_jax_native_static_cast_of_ties():
-    jnp = pytest.importorskip("jax.numpy", reason="jax.numpy is part of both test environments (dualop[torch], dualop[jax])")
+    import jax.numpy as jnp
     v = _fp8_edge_values()
     x_q, _ = QuantFP8(True, "per_tensor").forward_native(jnp.asarray(v.numpy()).reshape(1, -1), jnp.ones((1,), jnp.float32))
     assert np.array_equal(np.asarray(x_q).view(np.uint8).ravel(), _bits(v.to(torch.float8_e4m3fn)).numpy())
@@ -280,7 +280,7 @@ PALLAS_RUNS = [(*m, "float32") for m in KERNEL_MODES] + [
 def test_pallas_ragged_row_blocks(label, gran, static, with_ub, dtype):
     """70 rows in blocks of 32 (the float8 sublane tile): three grid rows, the last one ragged;
     two column groups for (1, 128)."""
-    jax = pytest.importorskip("jax", reason="jax is part of both test environments (dualop[torch], dualop[jax])")
+    import jax
     from dualop.kernels.pallas.common import interpret_mode
     from dualop.kernels.pallas.quant_fp8 import quant_fp8, quant_fp8_reference
 
@@ -378,7 +378,7 @@ def test_triton_fp8_cast_rounds_to_nearest_even(triton_quant):
 
 
 def test_pallas_fp8_cast_rounds_to_nearest_even():
-    jnp = pytest.importorskip("jax.numpy", reason="jax.numpy is part of both test environments (dualop[torch], dualop[jax])")
+    import jax.numpy as jnp
     from dualop.kernels.pallas.common import interpret_mode
     from dualop.kernels.pallas.quant_fp8 import quant_fp8
 
@@ -401,7 +401,7 @@ def test_triton_zero_tokens_launch_nothing(triton_quant):
 def test_jax_op_under_jit_and_vmap_on_tpu():
     """The Pallas path runs inside jit and vmap: per-token/group vmaps fold the batch into rows;
     per-tensor vmaps give one scale per example (the batched scale is mapped, not folded)."""
-    jax = pytest.importorskip("jax", reason="jax is part of both test environments (dualop[torch], dualop[jax])")
+    import jax
     jnp = jax.numpy
     x = jnp.asarray(_spread((3, 40, 256), seed=6).numpy())
     ub = jnp.asarray([3.0], jnp.float32)
@@ -443,7 +443,7 @@ def _t(*shape, dtype=torch.float32):
 
 
 def _j(*shape, dtype="float32"):
-    jnp = pytest.importorskip("jax.numpy", reason="jax.numpy is part of both test environments (dualop[torch], dualop[jax])")
+    import jax.numpy as jnp
     return jnp.zeros(shape, dtype)
 
 

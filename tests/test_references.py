@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import jax
+import torch
 
 from dualop import testing
 from dualop.ops import GeluAndMul, ReLUSquaredActivation, RMSNorm, SiluAndMul
 
-torch = pytest.importorskip("torch", reason="torch is part of both test environments (dualop[torch], dualop[jax])")
 F = torch.nn.functional
-jax = pytest.importorskip("jax", reason="jax is part of both test environments (dualop[torch], dualop[jax])")
 jnp = jax.numpy
 
 

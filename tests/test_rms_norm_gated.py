@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import jax
+import torch
 
 from dualop import OpsConfig, check, dispatch_report, override_platform, set_config, testing
 from dualop.ops import RMSNormGated
@@ -85,8 +87,6 @@ def test_harness_catches_a_misplaced_gate(monkeypatch):
 
 # ------------------------------------------------------------------- native vs independent code
 
-torch = pytest.importorskip("torch", reason="both test environments have torch")
-jax = pytest.importorskip("jax", reason="both test environments have jax")
 jnp = jax.numpy
 
 VARIANTS = [
@@ -133,12 +133,11 @@ def test_variants_really_differ():
 
 
 def _transformers_module(name: str):
-    try:
-        import importlib
+    """A transformers model module (transformers is in both test environments: a failing import
+    is a broken install, and fails the test)."""
+    import importlib
 
-        return importlib.import_module(f"transformers.models.{name}")
-    except Exception as err:  # not installed, or a version without this model
-        pytest.skip(f"transformers.models.{name} cannot be imported here ({type(err).__name__}: {err})")
+    return importlib.import_module(f"transformers.models.{name}")
 
 
 @pytest.mark.parametrize("group_size", [40, 200])

@@ -11,7 +11,10 @@ from typing import Any
 
 from dualop.platforms import family_of, frontend_of
 
-__all__ = ["FLOAT_DTYPES", "dtype_name", "check_array", "check_optional_like", "records_grad"]
+__all__ = [
+    "FLOAT_DTYPES", "dtype_name", "check_array", "check_optional_like", "records_grad", "cpu_declines",
+    "decline_if_recording",
+]
 
 # The floating dtypes every dualop kernel takes.
 FLOAT_DTYPES = frozenset({"float32", "bfloat16", "float16"})
@@ -83,3 +86,19 @@ def records_grad(*tensors: Any) -> bool:
     import torch
 
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
+def decline_if_recording(op: str, *tensors: Any) -> None:
+    """Raise NotImplementedError (dispatch then runs the differentiable native body and reports
+    why) when torch autograd is recording for any of ``tensors``: the C++ CPU kernels have no
+    backward."""
+    if records_grad(*tensors):
+        raise NotImplementedError(f"{op}: autograd is recording and the C++ CPU kernel has no backward")
+
+
+def cpu_declines(method: str, frontend: str) -> str | None:
+    """The ops' shared rule for ``CustomOp.declines``: their ``forward_cpu`` serves torch tensors
+    only; jax, torchax and torch_xla arrays reach XLA, which compiles the native body itself."""
+    if method == "forward_cpu" and frontend != "torch":
+        return f"no CPU kernel for {frontend} arrays: XLA compiles the native body"
+    return None

@@ -11,7 +11,7 @@ from dualop.backends.xla.pallas_bridge import call_pallas
 from dualop.custom_op import CustomOp
 from dualop.kernels.gate_math import GateSpec, apply_gate, gate_and_up
 from dualop.kernels.registry import KernelRef
-from dualop.ops._checks import check_array, records_grad as _records_grad
+from dualop.ops._checks import check_array, cpu_declines, decline_if_recording
 from dualop.platforms import frontend_of
 
 __all__ = [
@@ -26,7 +26,7 @@ __all__ = [
 _PALLAS_GATED = KernelRef("dualop.kernels.pallas.gated_activation", "gated_activation")
 _TRITON_GATED = KernelRef("dualop.kernels.cuda.gated_activation", "gated_activation")
 _CPU_GATED = KernelRef("dualop.kernels.cpu.gated_activation", "gated_activation")
-_CPU_GATED_SUPPORTS = KernelRef("dualop.kernels.cpu.gated_activation", "supports")
+_CPU_GATED_COVERS = KernelRef("dualop.kernels.cpu.gated_activation", "covers")
 
 
 class _GatedActivation(CustomOp):
@@ -50,12 +50,18 @@ class _GatedActivation(CustomOp):
         gate, up = gate_and_up(xp.astype(x, xp.float32), x.shape[-1] // 2, self.spec)
         return xp.astype(apply_gate(xp, gate, up, self.spec), x.dtype)
 
+    def declines(self, method: str, frontend: str) -> str | None:
+        """The C++ CPU kernel serves torch tensors and has the silu, gelu and gelu-tanh gates on
+        either half; the other gates (sparse, interleaved, fatrelu) run the native body."""
+        why = cpu_declines(method, frontend)
+        if why is None and method == "forward_cpu":
+            why = _CPU_GATED_COVERS(self.spec)
+        return why
+
     def forward_cpu(self, x: Any) -> Any:
-        """CPU: torch tensors go to the C++ row kernel (``kernels/cpu``) for the gates it has
-        (silu, gelu, gelu-tanh on either half) unless autograd is recording; XLA fuses the native
-        body."""
-        if frontend_of(x) != "torch" or _records_grad(x) or _CPU_GATED_SUPPORTS(x, self.spec) is not None:
-            return self.forward_native(x)
+        """torch on the CPU: the C++ row kernel (``kernels/cpu``); it declines while autograd
+        records (no backward) and when the kernels cannot be built here."""
+        decline_if_recording(type(self).name, x)
         return _CPU_GATED(x, spec=self.spec)
 
     def forward_cuda(self, x: Any) -> Any:

@@ -9,7 +9,7 @@ from dualop.backends.torch.triton_launch import call_triton
 from dualop.backends.xla.pallas_bridge import call_pallas
 from dualop.custom_op import CustomOp
 from dualop.kernels.registry import KernelRef
-from dualop.ops._checks import check_array, check_optional_like
+from dualop.ops._checks import check_array, check_optional_like, cpu_declines
 from dualop.platforms import frontend_of
 
 __all__ = ["RMSNormGated"]
@@ -111,11 +111,13 @@ class RMSNormGated(CustomOp):
             h = h * gate
         return xp.astype(h, x.dtype)
 
+    def declines(self, method: str, frontend: str) -> str | None:
+        return cpu_declines(method, frontend)
+
     def forward_cpu(self, x: Any, weight: Any, z: Any = None) -> Any:
-        """CPU: torch runs a float32 body on torch's fused ``rms_norm`` over a grouped view and
-        multiplies in place on its own temporaries; XLA fuses the native body by itself."""
-        if frontend_of(x) != "torch":
-            return self.forward_native(x, weight, z)
+        """torch on the CPU: a float32 body on torch's fused ``rms_norm`` over a grouped view,
+        multiplying in place on its own temporaries. Its own implementation (not forward_native's
+        formula), checked against forward_native, so it counts as the CPU kernel."""
         import torch
         import torch.nn.functional as F
 

@@ -10,7 +10,7 @@ from dualop.backends.xla.pallas_bridge import call_pallas
 from dualop.custom_op import CustomOp
 from dualop.kernels.norm_math import NormSpec, rms_normalize
 from dualop.kernels.registry import KernelRef
-from dualop.ops._checks import check_array, check_optional_like, records_grad as _records_grad
+from dualop.ops._checks import check_array, check_optional_like, cpu_declines, decline_if_recording
 from dualop.platforms import frontend_of
 
 __all__ = ["GemmaRMSNorm", "RMSNorm"]
@@ -18,7 +18,7 @@ __all__ = ["GemmaRMSNorm", "RMSNorm"]
 _PALLAS_RMS_NORM = KernelRef("dualop.kernels.pallas.rms_norm", "rms_norm")
 _TRITON_RMS_NORM = KernelRef("dualop.kernels.cuda.rms_norm", "rms_norm")
 _CPU_RMS_NORM = KernelRef("dualop.kernels.cpu.rms_norm", "rms_norm")
-_CPU_RMS_NORM_SUPPORTS = KernelRef("dualop.kernels.cpu.rms_norm", "supports")
+_CPU_RMS_NORM_COVERS = KernelRef("dualop.kernels.cpu.rms_norm", "covers")
 
 
 def _check_size(op: str, name: str, value: Any) -> int:
@@ -62,16 +62,18 @@ class _RMSNormFamily(CustomOp):
         y = rms_normalize(xp, xf, weight, self.spec, x.dtype)
         return y if residual is None else (y, residual)
 
+    def declines(self, method: str, frontend: str) -> str | None:
+        """The C++ CPU kernel serves torch tensors, with the statistic over the whole row."""
+        why = cpu_declines(method, frontend)
+        if why is None and method == "forward_cpu":
+            why = _CPU_RMS_NORM_COVERS(self.spec)
+        return why
+
     def forward_cpu(self, x: Any, weight: Any = None, residual: Any = None) -> Any:
-        """CPU: torch tensors go to the C++ row kernel (``kernels/cpu``: one read, one write; see
-        BENCHMARKS.md) unless autograd is recording or the variant has none; XLA fuses the
-        native body."""
-        if (
-            frontend_of(x) != "torch"
-            or _records_grad(x, weight, residual)
-            or _CPU_RMS_NORM_SUPPORTS(x, weight, residual, self.spec) is not None
-        ):
-            return self.forward_native(x, weight, residual)
+        """torch on the CPU: the C++ row kernel (``kernels/cpu``: one read, one write; see
+        BENCHMARKS.md); it declines while autograd records (no backward), for a residual of
+        another dtype, and when the kernels cannot be built here."""
+        decline_if_recording(type(self).name, x, weight, residual)
         return _CPU_RMS_NORM(x, weight, residual, spec=self.spec)
 
     def forward_cuda(self, x: Any, weight: Any = None, residual: Any = None) -> Any:

@@ -16,7 +16,7 @@ from dualop.backends.torch.triton_launch import call_triton
 from dualop.backends.xla.pallas_bridge import call_pallas
 from dualop.custom_op import CustomOp
 from dualop.kernels.registry import KernelRef
-from dualop.ops._checks import check_array, check_optional_like, dtype_name
+from dualop.ops._checks import check_array, check_optional_like, cpu_declines, dtype_name
 from dualop.platforms import frontend_of
 
 __all__ = ["FastGELU", "NewGELU", "QuickGELU", "ReLUSquaredActivation", "XIELU"]
@@ -54,7 +54,10 @@ def _may_overwrite(torch, xf) -> bool:
 
 class _PointwiseActivation(CustomOp):
     """``f(x)`` elementwise in float32. Subclasses set ``activation`` (a key of the kernels'
-    activation tables) and may override ``_torch_cpu`` with a tuned float32 torch body."""
+    activation tables) and give ``forward_cpu`` a float32 torch body of their own in ``_torch_cpu``
+    (torch's fused GELU, or the formula with its temporaries reused in place: one pass and one
+    allocation fewer than forward_native). Such a body is its own implementation, checked against
+    forward_native, so it counts as the CPU kernel; without one, forward_cpu declines."""
 
     activation: str = "relu2"
 
@@ -68,18 +71,21 @@ class _PointwiseActivation(CustomOp):
         xp = array_namespace(x)
         return xp.astype(_FUNCTIONS[self.activation](xp, xp.astype(x, xp.float32)), x.dtype)
 
+    def declines(self, method: str, frontend: str) -> str | None:
+        why = cpu_declines(method, frontend)
+        if why is None and method == "forward_cpu" and type(self)._torch_cpu is _PointwiseActivation._torch_cpu:
+            why = f"no torch CPU body of its own for {self.activation}"
+        return why
+
     def forward_cpu(self, x: Any) -> Any:
-        """torch: a tuned float32 body (torch's fused CPU kernels; temporaries reused in place when
-        autograd is not recording); XLA (jax) already fuses the native body into one loop, so it
-        runs that."""
-        if frontend_of(x) != "torch":
-            return self.forward_native(x)
+        """torch on the CPU: the subclass's float32 torch body (``_torch_cpu``)."""
         import torch
 
         return self._torch_cpu(torch, x.to(torch.float32)).to(x.dtype)
 
     def _torch_cpu(self, torch, xf):
-        return _FUNCTIONS[self.activation](array_namespace(xf), xf)
+        """``f(xf)`` for a float32 torch tensor, by a route of the subclass's own."""
+        raise NotImplementedError(f"no torch CPU body of its own for {self.activation}")
 
     def forward_cuda(self, x: Any) -> Any:
         return call_triton(frontend_of(x), _TRITON_POINTWISE, x, activation=self.activation)
@@ -212,10 +218,11 @@ class XIELU(_PointwiseActivation):
         neg = (xp.expm1(xp.minimum(xf, self.eps)) - xf) * a_n + self.beta * xf
         return xp.astype(xp.where(xf > 0, pos, neg), x.dtype)
 
-    def forward_cpu(self, x: Any, alpha_p: Any, alpha_n: Any) -> Any:
-        """The native body on every frontend: torch has no fused xIELU, and the native body is
-        already a handful of vectorised float32 passes (XLA fuses it into one)."""
-        return self.forward_native(x, alpha_p, alpha_n)
+    def declines(self, method: str, frontend: str) -> str | None:
+        why = cpu_declines(method, frontend)
+        if why is None and method == "forward_cpu":
+            why = "no CPU kernel: torch has no fused xIELU, and the native body is a few vectorised float32 passes"
+        return why
 
     def forward_cuda(self, x: Any, alpha_p: Any, alpha_n: Any) -> Any:
         return call_triton(

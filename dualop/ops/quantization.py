@@ -51,7 +51,7 @@ from dualop.backends.torch.triton_launch import call_triton
 from dualop.backends.xla.pallas_bridge import call_pallas
 from dualop.custom_op import CustomOp
 from dualop.kernels.registry import KernelRef
-from dualop.ops._checks import check_array, check_optional_like, dtype_name
+from dualop.ops._checks import check_array, check_optional_like, cpu_declines, dtype_name
 from dualop.platforms import frontend_of
 
 __all__ = ["QuantFP8", "GroupShape", "FP8_MAX", "FP8_MIN_SCALE"]
@@ -213,7 +213,7 @@ class QuantFP8(CustomOp):
     dynamic (computed from ``x``) or static (given). See the module docstring for the contract.
 
     Fast paths: ``forward_cuda`` a Triton kernel, ``forward_tpu`` a Pallas kernel, ``forward_cpu``
-    a torch body that skips temporaries (the native body elsewhere).
+    a torch body of its own for torch tensors (jax arrays run the native body, which XLA fuses).
     """
 
     def __init__(self, static: bool, group_shape: Any = GroupShape.PER_TENSOR, *, enforce_enable: bool = False) -> None:
@@ -310,12 +310,14 @@ class QuantFP8(CustomOp):
             y = _round_to_fp8_grid(xp, y)
         return xp.astype(y, xp.float8_e4m3fn).reshape(x.shape), scale
 
+    def declines(self, method: str, frontend: str) -> str | None:
+        return cpu_declines(method, frontend)
+
     def forward_cpu(self, x: Any, scale: Any = None, scale_ub: Any = None) -> Any:
-        """CPU: torch gets one min/max pass (``aminmax``, no |x| temporary), scales its float32 copy
-        in place and casts directly (torch's cast already rounds to nearest even); XLA fuses the
-        native body by itself, so jax runs that."""
-        if frontend_of(x) != "torch":
-            return self.forward_native(x, scale, scale_ub)
+        """torch on the CPU: one min/max pass (``aminmax``, no |x| temporary), the float32 copy
+        scaled in place and cast directly (torch's cast already rounds to nearest even). Its own
+        implementation (not forward_native's formula), checked against forward_native, so it
+        counts as the CPU kernel."""
         import torch
 
         lead, hidden = tuple(x.shape[:-1]), x.shape[-1]

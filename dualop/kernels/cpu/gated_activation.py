@@ -27,10 +27,22 @@ def _activation_table(activation: str, dtype: Any) -> Any:
     return ACTIVATIONS[activation](array_namespace(gates), gates).contiguous()
 
 
+def covers(spec: GateSpec) -> str | None:
+    """None if the kernel computes this gate (whatever the input), else why not."""
+    if spec.activation not in _ACTIVATION_CODES:
+        return f"the C++ CPU kernel has no {spec.activation} gate"
+    if spec.interleaved:
+        return "the C++ CPU kernel has no interleaved gate/up layout"
+    if spec.sparsity:
+        return "the C++ CPU kernel has no activation-sparsity gate (it needs row statistics)"
+    return None
+
+
 def supports(x: Any, spec: GateSpec) -> str | None:
     """None if the kernel takes this input and gate, else why not."""
-    if spec.activation not in _ACTIVATION_CODES or spec.interleaved or spec.sparsity:
-        return f"no CPU kernel for {spec}"
+    why = covers(spec)
+    if why is not None:
+        return why
     if dtype_code(x) is None:
         return f"dtype {x.dtype} on {x.device} has no CPU kernel"
     return None

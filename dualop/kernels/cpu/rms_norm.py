@@ -13,10 +13,18 @@ __all__ = ["rms_norm", "supports"]
 _NO_WEIGHT, _WEIGHT_AFTER_CAST, _WEIGHT_IN_F32 = 0, 1, 2
 
 
+def covers(spec: NormSpec) -> str | None:
+    """None if the kernel computes this variant (whatever the input), else why not."""
+    if spec.var_size is not None:
+        return "var_hidden_size < hidden_size (the statistic over a prefix) has no C++ CPU kernel"
+    return None
+
+
 def supports(x: Any, weight: Any, residual: Any, spec: NormSpec) -> str | None:
     """None if the kernel takes these arguments, else why not."""
-    if spec.var_size is not None:
-        return "var_hidden_size < hidden_size (the statistic over a prefix) has no CPU kernel"
+    why = covers(spec)
+    if why is not None:
+        return why
     if dtype_code(x) is None:
         return f"dtype {x.dtype} on {x.device} has no CPU kernel"
     if residual is not None and (residual.dtype != x.dtype or residual.shape != x.shape):
