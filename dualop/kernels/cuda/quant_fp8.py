@@ -67,7 +67,7 @@ def _e4m3_byte(y, FNUZ: tl.constexpr):
     bits = y.to(tl.uint32, bitcast=True)
     sign = (bits >> 24) & 0x80
     mag = bits & 0x7FFFFFFF
-    a = mag.to(tl.float32, bitcast=True)
+    a = tl.where(y != y, 0.0, mag.to(tl.float32, bitcast=True))  # NaN's byte is set below
     if FNUZ:
         exp = (mag >> 23).to(tl.int32) - 127 + 8
         normal = ((exp.to(tl.uint32) << 3) | ((mag >> 20) & 0x7)) & 0x7F
