@@ -450,7 +450,7 @@ def _j(*shape, dtype="float32"):
 
 
 @pytest.mark.usefixtures("no_kernel_may_launch")
-@pytest.mark.parametrize("platform", ["cpu", "cuda", "tpu"])
+@pytest.mark.parametrize("platform", ["cpu", "cuda", "rocm", "tpu"])
 @pytest.mark.parametrize("make", [_t, _j], ids=["torch", "jax"])
 def test_bad_input(platform, make):
     with override_platform(platform):

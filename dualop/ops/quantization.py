@@ -29,7 +29,8 @@ even. Zero tokens give empty outputs (per tensor: the floor scale).
 
 Reproducible to the bit: each step is a correctly rounded float32 operation, so the torch and XLA
 native bodies, torch's CPU body and the Pallas and Triton kernels (interpreted here) agree bit for
-bit (the cells check it; on the rocm platform kernel and native body both give fnuz). Compiled kernels keep that wherever the hardware divides correctly.
+bit (the cells check it; on the rocm platform kernel and native body both give fnuz). Compiled
+kernels keep that wherever the hardware divides correctly.
 
 - ``amax / 448`` is rounded correctly without a division by a constant (``_div_by_fp8_max``): XLA
   compiles ``a / 448`` as ``a * f32(1/448)``, one ulp off torch's quotient for some ``a``.
