@@ -42,6 +42,7 @@ TOLERANCES: dict[str, Tolerance] = {
     "bfloat16": Tolerance(atol=1e-5, rtol=1.6e-2),  # 2 ulp of an 8-bit significand
     "float16": Tolerance(atol=1e-5, rtol=2e-3),  # 2 ulp of an 11-bit significand
     "float8_e4m3fn": Tolerance(atol=2.0**-9, rtol=0.125),  # 1 ulp of a 4-bit significand; 2^-9 = one subnormal step
+    "float8_e4m3fnuz": Tolerance(atol=2.0**-10, rtol=0.125),  # the same; fnuz's subnormal step is 2^-10
 }
 # The input dtypes ops are checked in; outputs are compared under their own dtype's row.
 DTYPES = ("float32", "bfloat16", "float16")

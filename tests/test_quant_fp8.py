@@ -1,6 +1,7 @@
 """quant_fp8 (QuantFP8): every (frontend, platform) cell against forward_native, the kernels on
 ragged blocks and chunked rows, forward_native's exact semantics against torch's own float8 cast,
-zero rows, scale_ub, bad input, and jax jit/vmap on the TPU path."""
+zero rows, scale_ub, bad input, jax jit/vmap on the TPU path, and the float8_e4m3fnuz format
+(max 224) ROCm MI300 gets (against torch's and ml_dtypes' own fnuz casts)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import torch
 
 from dualop import OpsConfig, check, dispatch_report, override_platform, set_config, testing
 from dualop.ops import quantization as quant_mod
-from dualop.ops.quantization import FP8_MAX, FP8_MIN_SCALE, GroupShape, QuantFP8
+from dualop.ops.quantization import E4M3FN, E4M3FNUZ, FP8_MAX, FP8_MIN_SCALE, GroupShape, QuantFP8, fp8_format
 
 
 CASES = list(testing.cases_for(["quant_fp8"]))
@@ -179,9 +180,10 @@ def test_native_static_per_tensor_scale_forms():
         assert torch.equal(_bits(x_q), _bits(want[0]))
 
 
-def _fp8_edge_values():
-    """Every finite e4m3 value, every midpoint between neighbours (ties), and values just off them."""
-    finite = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn).float()
+def _fp8_edge_values(dtype=torch.float8_e4m3fn):
+    """Every finite value of the fp8 ``dtype``, every midpoint between neighbours (ties), and
+    values just off them."""
+    finite = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(dtype).float()
     pos = finite[torch.isfinite(finite) & (finite >= 0)].unique()
     mids = (pos[1:] + pos[:-1]) / 2
     near = torch.cat([torch.nextafter(mids, torch.tensor(0.0)), torch.nextafter(mids, torch.tensor(1e9))])
@@ -448,7 +450,7 @@ def _j(*shape, dtype="float32"):
 
 
 @pytest.mark.usefixtures("no_kernel_may_launch")
-@pytest.mark.parametrize("platform", ["cpu", "cuda", "tpu"])
+@pytest.mark.parametrize("platform", ["cpu", "cuda", "rocm", "tpu"])
 @pytest.mark.parametrize("make", [_t, _j], ids=["torch", "jax"])
 def test_bad_input(platform, make):
     with override_platform(platform):
@@ -514,14 +516,11 @@ def test_group_shape_parsing_and_constructor_errors():
 # ------------------------------------------------------------------- GPU targets without e4m3
 
 
-@pytest.mark.parametrize("target, reason", [
-    ("sm80", "sm80 has no float8 e4m3 conversion"),
-    ("gfx942", "gfx942 .MI300 class. uses float8_e4m3fnuz"),
-])
+@pytest.mark.parametrize("target, reason", [("sm80", "sm80 has no float8 e4m3 conversion")])
 def test_triton_declines_gpus_without_e4m3fn(triton_quant, target, reason):
     """Built for an A100 (no e4m3 in hardware; Triton refuses tl.float8e4nv, see
-    test_real_compilers) or an MI300 (fnuz), the CUDA path declines with the reason before any
-    launch, and dispatch falls back to forward_native and reports why."""
+    test_real_compilers), the CUDA path declines with the reason before any launch, and dispatch
+    falls back to forward_native and reports why."""
     from dualop.kernels.cuda import GPU_TARGETS, compile_target
 
     op = QuantFP8(False, "per_token")
@@ -546,4 +545,132 @@ def test_triton_runs_for_sm90(triton_quant):
     with compile_target(GPU_TARGETS["sm90"]):
         got = op.forward_cuda(x)
     for g, w in zip(got, op.forward_native(x)):
+        assert _same_bits(g, w)
+
+
+# ------------------------------------------------------------------- ROCm: float8_e4m3fnuz
+
+
+def _fnuz_reference(x, s):
+    """x_q in fnuz as specified, with torch's own float32 -> float8_e4m3fnuz cast."""
+    return (x.float() * (1.0 / s)).clamp(-224.0, 224.0).to(torch.float8_e4m3fnuz)
+
+
+def test_fp8_format_follows_the_platform_and_target():
+    """fnuz (max 224) on ROCm gfx94x and on ROCm with no known target (the interpreter, jax);
+    e4m3fn (max 448) on CUDA, CPU, TPU and gfx950. Built inside compile_target for each GPU."""
+    import jax.numpy as jnp
+    from dualop.kernels.cuda import GPU_TARGETS, compile_target
+
+    x, jx = torch.zeros(2, 128), jnp.zeros((2, 128))
+    assert (E4M3FNUZ.max, E4M3FNUZ.min_scale) == (224.0, 1.0 / (224.0 * 512.0))
+    for platform, want in (("cpu", E4M3FN), ("cuda", E4M3FN), ("tpu", E4M3FN), ("rocm", E4M3FNUZ)):
+        with override_platform(platform):
+            assert fp8_format(x) == want and fp8_format(jx) == want, platform
+    for target, platform, want in (("gfx942", "rocm", E4M3FNUZ), ("gfx950", "rocm", E4M3FN),
+                                   ("sm90", "cuda", E4M3FN)):
+        with override_platform(platform), compile_target(GPU_TARGETS[target]):
+            assert fp8_format(x) == want, target
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("group_shape", list(GRANULARITIES), ids=str)
+def test_native_fnuz_semantics_on_rocm(group_shape, dtype):
+    """On ROCm the torch native body gives fnuz: scale = max(amax / 224, 1/(224*512)) (float64
+    quotient rounded once) and torch's own fnuz cast of x * (1/scale) clipped to +-224."""
+    gran = GRANULARITIES[group_shape]
+    x = _spread((9, 384)).to(dtype)
+    with override_platform("rocm"):
+        x_q, scale = QuantFP8(False, group_shape).forward_native(x)
+    xf = x.float()
+    amax = {"tensor": lambda: xf.abs().max().reshape(1), "token": lambda: xf.abs().amax(-1, keepdim=True),
+            "group": lambda: xf.unflatten(-1, (-1, 128)).abs().amax(-1)}[gran]()
+    assert x_q.dtype == torch.float8_e4m3fnuz
+    assert torch.equal(scale, (amax.double() / 224.0).float().clamp(min=1.0 / (224.0 * 512.0)))
+    assert torch.equal(_bits(x_q), _bits(_fnuz_reference(x, _broadcast(scale, x, gran))))
+    assert x_q.float().abs().max().item() == 224.0  # the engine's max, not fnuz's 240
+
+
+@pytest.mark.parametrize("group_shape", list(GRANULARITIES), ids=str)
+def test_jax_native_fnuz_matches_ml_dtypes(group_shape):
+    """jax's native body on ROCm equals ml_dtypes' float8_e4m3fnuz cast in numpy (and the torch
+    body, bit for bit)."""
+    import jax.numpy as jnp
+    import ml_dtypes
+
+    gran = GRANULARITIES[group_shape]
+    x = _spread((7, 256))
+    with override_platform("rocm"):
+        jq, js = QuantFP8(False, group_shape).forward_native(jnp.asarray(x.numpy()))
+        tq, ts = QuantFP8(False, group_shape).forward_native(x)
+    assert jq.dtype == jnp.float8_e4m3fnuz and np.array_equal(np.asarray(js), ts.numpy())
+    s = _broadcast(ts, x, gran).numpy()
+    want = np.clip(x.numpy() * (np.float32(1.0) / s), -224.0, 224.0).astype(ml_dtypes.float8_e4m3fnuz)
+    assert np.array_equal(np.asarray(jq).view(np.uint8), want.view(np.uint8))
+    assert np.array_equal(np.asarray(jq).view(np.uint8), _bits(tq).numpy())
+
+
+def test_round_to_fnuz_grid_and_div_by_224():
+    """The XLA-side pre-rounding onto the fnuz grid (subnormal step 2**-10) equals torch's fnuz
+    cast for every fnuz value, tie and near-tie, in both namespaces (fnuz has no -0: torch drops
+    its sign); amax / 224 is the correctly rounded quotient."""
+    import jax.numpy as jnp
+    from dualop.backends.torch import array_api as torch_xp
+    from dualop.backends.xla import array_api as jax_xp
+
+    v = _fp8_edge_values(torch.float8_e4m3fnuz).clamp(-224.0, 224.0)
+    want = _bits(v.to(torch.float8_e4m3fnuz))
+    assert int(want[-1]) == 0  # -0.0 -> 0x00
+    got = quant_mod._round_to_fp8_grid(torch_xp, v, E4M3FNUZ).to(torch.float8_e4m3fnuz)
+    assert torch.equal(_bits(got), want)
+    got = np.asarray(quant_mod._round_to_fp8_grid(jax_xp, jnp.asarray(v.numpy()), E4M3FNUZ).astype(jnp.float8_e4m3fnuz))
+    assert np.array_equal(got.view(np.uint8), want.numpy())
+    a = torch.cat([torch.rand(100000, generator=torch.Generator().manual_seed(8)) * 300, torch.tensor([0.0, 224.0, 1e30])])
+    want_q = (a.double() / 224.0).float()
+    assert torch.equal(quant_mod._div_by_fp8_max(torch_xp, a, 224.0), want_q)
+    assert np.array_equal(np.asarray(quant_mod._div_by_fp8_max(jax_xp, jnp.asarray(a.numpy()), 224.0)), want_q.numpy())
+
+
+def test_triton_fnuz_cast_rounds_to_nearest_even(triton_quant):
+    """The interpreted kernel writes torch's fnuz bytes for every fnuz value, tie, near-tie, -0.0
+    (0x00) and NaN (0x80); values beyond 224 clip to 224."""
+    v = torch.cat([_fp8_edge_values(torch.float8_e4m3fnuz), torch.tensor([float("nan"), 239.0, -300.0])])
+    x = torch.cat([v, torch.zeros(-v.numel() % 64)]).reshape(-1, 64)
+    q, _ = triton_quant.quant_fp8(x, torch.ones(1), granularity="tensor", fp8_dtype="float8_e4m3fnuz", fp8_max=224.0)
+    assert q.dtype == torch.float8_e4m3fnuz
+    assert torch.equal(_bits(q), _bits(x.clamp(-224.0, 224.0).to(torch.float8_e4m3fnuz)))
+
+
+@pytest.mark.parametrize("label, gran, static, with_ub", KERNEL_MODES, ids=[m[0] for m in KERNEL_MODES])
+def test_triton_fnuz_matches_native_on_rocm(triton_quant, label, gran, static, with_ub):
+    """On the rocm platform the op dispatches to the Triton kernel (interpreted here), which gives
+    the native body's fnuz bits and scales, single-pass and chunked."""
+    shape = (2, 3, 384) if gran == "group" else (2, 3, 200)
+    x = _spread(shape, seed=6)
+    scale, ub = _kernel_args(gran, static, with_ub, x, shape)
+    op = _op_for(gran, static)
+    with override_platform("rocm"), set_config(OpsConfig(["all"])):
+        got_q, got_s = op(x, scale, ub)
+        row = next(r for r in dispatch_report() if r["op"] == "quant_fp8" and r["platform"] == "rocm")
+        want_q, want_s = op.forward_native(x, scale, ub)
+        chunked = triton_quant.quant_fp8(x, scale, ub, granularity=gran, group_size=128 if gran == "group" else 0,
+                                         fp8_dtype="float8_e4m3fnuz", fp8_max=224.0, max_single_pass=64, chunk=32)
+    assert row["method"] in ("forward_hip", "forward_cuda"), row
+    assert want_q.dtype == got_q.dtype == torch.float8_e4m3fnuz
+    for q, s in ((got_q, got_s), chunked):
+        assert torch.equal(_bits(q), _bits(want_q)) and torch.equal(s, want_s), label
+
+
+def test_triton_runs_fnuz_for_gfx942(triton_quant):
+    """Built for an MI300 (gfx942) the ROCm path no longer declines: it writes fnuz (here in
+    Triton's interpreter), equal to the native body on that target."""
+    from dualop.kernels.cuda import GPU_TARGETS, compile_target
+
+    op = QuantFP8(False, "per_token")
+    x = _spread((5, 256), seed=4)
+    with override_platform("rocm"), compile_target(GPU_TARGETS["gfx942"]):
+        got = op.forward_cuda(x)
+        want = op.forward_native(x)
+    assert got[0].dtype == torch.float8_e4m3fnuz
+    for g, w in zip(got, want):
         assert _same_bits(g, w)

@@ -197,19 +197,29 @@ _TRITON_SCRIPT = textwrap.dedent(
     from dualop.kernels.cuda import GPU_TARGETS
     from dualop.kernels.cuda import quant_fp8 as q
 
-    signature = {
-        "x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32", "ub_ptr": "*fp32", "amax_ptr": "*fp32",
-        "x_row_stride": "i64", "q_row_stride": "i64", "width": "i32", "n_groups": "i32",
-        "MODE": "constexpr", "HAS_UB": "constexpr", "BLOCK": "constexpr", "N_CHUNKS": "constexpr",
-        "EXACT_FP8": "constexpr",
-    }
-    constexprs = {"MODE": 0, "HAS_UB": False, "BLOCK": 8192, "N_CHUNKS": 1, "EXACT_FP8": False}
-    for name in ("sm90", "gfx942", "sm80"):
+    def signature(q_type):
+        return {
+            "x_ptr": "*bf16", "q_ptr": q_type, "s_ptr": "*fp32", "ub_ptr": "*fp32", "amax_ptr": "*fp32",
+            "x_row_stride": "i64", "q_row_stride": "i64", "width": "i32", "n_groups": "i32",
+            "MODE": "constexpr", "HAS_UB": "constexpr", "BLOCK": "constexpr", "N_CHUNKS": "constexpr",
+            "EXACT_FP8": "constexpr", "FP8_MAX": "constexpr", "MIN_SCALE": "constexpr", "FNUZ": "constexpr",
+        }
+
+    def constexprs(fp8_max, fnuz):
+        return {"MODE": 0, "HAS_UB": False, "BLOCK": 8192, "N_CHUNKS": 1, "EXACT_FP8": False,
+                "FP8_MAX": fp8_max, "MIN_SCALE": 1.0 / (fp8_max * 512.0), "FNUZ": fnuz}
+
+    # e4m3fn (fp8e4nv, max 448) for CUDA; fnuz (fp8e4b8, max 224) for MI300, as quant_fp8 asks
+    for name, q_type, fp8_max, fnuz in (("sm90", "*fp8e4nv", 448.0, False), ("gfx942", "*fp8e4b8", 224.0, True),
+                                        ("sm80", "*fp8e4nv", 448.0, False)):
         t = GPU_TARGETS[name]
         try:
-            k = triton.compile(triton.compiler.ASTSource(q._quant_kernel, signature, constexprs),
+            k = triton.compile(triton.compiler.ASTSource(q._quant_kernel, signature(q_type), constexprs(fp8_max, fnuz)),
                                target=GPUTarget(t.backend, t.arch, t.warp_size), options={"num_warps": 16})
-            print(name, "ok", ",".join(sorted(k.asm)))
+            asm = k.asm.get("amdgcn", "")
+            asm = asm.decode(errors="replace") if isinstance(asm, bytes) else asm
+            fp8_cvt = "v_cvt_pk_fp8_f32" in asm
+            print(name, "ok", ",".join(sorted(k.asm)), "fp8-cvt" if fp8_cvt else "")
         except Exception as err:
             print(name, "refused", str(err).strip().splitlines()[-1])
     """
@@ -217,8 +227,9 @@ _TRITON_SCRIPT = textwrap.dedent(
 
 
 def test_triton_compiles_the_fp8_kernel_where_e4m3_exists():
-    """The dynamic per-token fp8 kernel: accepted for sm_90 (PTX, cubin) and gfx942 (AMDGCN,
-    hsaco), refused for sm_80 (no fp8e4nv), which is why quant_fp8 declines there."""
+    """The dynamic per-token fp8 kernel: accepted for sm_90 (e4m3fn; PTX, cubin) and gfx942
+    (e4m3fnuz, fp8e4b8: AMDGCN with MI300's hardware fp8 conversion, hsaco), refused for sm_80 (no
+    fp8e4nv), which is why quant_fp8 declines there."""
     pytest.importorskip("triton", reason="the Triton kernels need triton")
     env = dict(os.environ, TRITON_INTERPRET="0", TRITON_DEFAULT_FP_FUSION="1")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -227,5 +238,5 @@ def test_triton_compiles_the_fp8_kernel_where_e4m3_exists():
     assert proc.returncode == 0, proc.stderr[-2000:]
     lines = dict(line.split(" ", 1) for line in proc.stdout.splitlines() if line.split(" ", 1)[0] in ("sm90", "gfx942", "sm80"))
     assert lines["sm90"].startswith("ok") and "cubin" in lines["sm90"], lines
-    assert lines["gfx942"].startswith("ok") and "hsaco" in lines["gfx942"], lines
+    assert lines["gfx942"].startswith("ok") and "hsaco" in lines["gfx942"] and "fp8-cvt" in lines["gfx942"], lines
     assert lines["sm80"].startswith("refused") and "fp8e4nv not supported" in lines["sm80"], lines

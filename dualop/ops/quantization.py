@@ -1,11 +1,14 @@
 """FP8 input quantisation: ``QuantFP8`` (registered ``quant_fp8``), the reference serving engine's
-dynamic/static float8_e4m3fn activation quantiser, and ``GroupShape``, which says how many elements
+dynamic/static float8 e4m3 activation quantiser, and ``GroupShape``, which says how many elements
 share one scale.
 
 ``op = QuantFP8(static, group_shape)``; ``x_q, scale = op(x, scale=None, scale_ub=None)``.
 
 - ``x``: float32/bfloat16/float16, 2-D or more; every leading dim is tokens, the last is hidden.
-- ``x_q``: ``x``'s shape, float8_e4m3fn (largest finite value 448).
+- ``x_q``: ``x``'s shape, in the fp8 format of the platform ``x`` dispatches on (``fp8_format``):
+  float8_e4m3fnuz with ``max = 224`` on ROCm MI300-class GPUs (gfx94x), as the reference engine
+  does there (240 is fnuz's largest value; the engine keeps 224), else float8_e4m3fn with
+  ``max = 448``. Below, 448 stands for ``max``.
 - ``scale``: float32, ``x ≈ x_q * scale`` (broadcast per group). Its shape (the reference engine's
   ``forward_native`` shapes; returned in this shape whether computed or given):
 
@@ -26,7 +29,8 @@ even. Zero tokens give empty outputs (per tensor: the floor scale).
 
 Reproducible to the bit: each step is a correctly rounded float32 operation, so the torch and XLA
 native bodies, torch's CPU body and the Pallas and Triton kernels (interpreted here) agree bit for
-bit (the cells check it). Compiled kernels keep that wherever the hardware divides correctly.
+bit (the cells check it; on the rocm platform kernel and native body both give fnuz). Compiled
+kernels keep that wherever the hardware divides correctly.
 
 - ``amax / 448`` is rounded correctly without a division by a constant (``_div_by_fp8_max``): XLA
   compiles ``a / 448`` as ``a * f32(1/448)``, one ulp off torch's quotient for some ``a``.
@@ -52,12 +56,51 @@ from dualop.backends.xla.pallas_bridge import call_pallas
 from dualop.custom_op import CustomOp
 from dualop.kernels.registry import KernelRef
 from dualop.ops._checks import check_array, check_optional_like, cpu_declines, dtype_name
-from dualop.platforms import frontend_of
+from dualop.platforms import frontend_of, platform_of
 
-__all__ = ["QuantFP8", "GroupShape", "FP8_MAX", "FP8_MIN_SCALE"]
+__all__ = ["QuantFP8", "GroupShape", "Fp8Format", "E4M3FN", "E4M3FNUZ", "fp8_format", "FP8_MAX", "FP8_MIN_SCALE"]
 
-FP8_MAX = 448.0  # largest finite float8_e4m3fn
-FP8_MIN_SCALE = 1.0 / (FP8_MAX * 512.0)  # the dynamic scale's floor (the reference engine's)
+
+@dataclasses.dataclass(frozen=True)
+class Fp8Format:
+    """An fp8 output format: ``dtype`` (the torch/jax dtype name), ``max`` (``x`` is clipped to
+    ``+-max`` and the dynamic scale is ``amax / max``) and ``subnormal_step`` (the grid's spacing
+    below the smallest normal, ``2**(1 - bias - 3)``)."""
+
+    dtype: str
+    max: float
+    subnormal_step: float
+
+    @property
+    def min_scale(self) -> float:
+        """The dynamic scale's floor, the reference engine's ``1 / (max * 512)``."""
+        return 1.0 / (self.max * 512.0)
+
+
+E4M3FN = Fp8Format("float8_e4m3fn", 448.0, 2.0**-9)  # OCP e4m3: bias 7, max 448, NaN 0x7f/0xff
+# bias 8, largest value 240, NaN 0x80, no -0; 224 is the reference engine's max on MI300 (gfx94x)
+E4M3FNUZ = Fp8Format("float8_e4m3fnuz", 224.0, 2.0**-10)
+FP8_MAX = E4M3FN.max  # the e4m3fn figures (every platform but ROCm MI300)
+FP8_MIN_SCALE = E4M3FN.min_scale
+
+
+def fp8_format(x: Any) -> Fp8Format:
+    """The fp8 format ``quant_fp8`` gives ``x`` on the platform it dispatches on: float8_e4m3fnuz
+    (max 224) on ROCm with a gfx94x (MI300-class) target, and also on ROCm with no known target
+    (Triton's CPU interpreter, ``DUALOP_PLATFORM=rocm``, jax arrays): there the reference engine's
+    MI300 choice stands in, so the rocm cells check the fnuz path. float8_e4m3fn (max 448)
+    everywhere else (CUDA, CPU, TPU, and ROCm GPUs outside gfx94x, such as gfx950, which use OCP
+    e4m3). The one place the format is decided: native body, kernels and checks all ask here."""
+    if platform_of(x) != "rocm":
+        return E4M3FN
+    target = None
+    if frontend_of(x) == "torch":
+        from dualop.kernels.cuda import gpu_target
+
+        target = gpu_target(x.device)
+    if target is None or (target.backend == "hip" and str(target.arch).startswith("gfx94")):
+        return E4M3FNUZ
+    return E4M3FN
 # The lane width the TPU kernels tile columns by: a group size must be a multiple of it.
 GROUP_MULTIPLE = 128
 
@@ -67,10 +110,9 @@ _TRITON_QUANT = KernelRef("dualop.kernels.cuda.quant_fp8", "quant_fp8")
 
 def _require_fp8_e4m3_target(device: Any) -> None:
     """Decline (NotImplementedError: dispatch falls back to forward_native and reports why) where
-    the Triton kernel cannot give this op's float8_e4m3fn: CUDA GPUs below sm_89 have no e4m3
-    conversion (Triton refuses ``tl.float8e4nv`` there), and MI300-class GPUs (gfx94x) use the
-    float8_e4m3fnuz format (max 224, the reference engine's choice there), which dualop's fp8
-    kernels do not produce. Triton's CPU interpreter (no target) runs the kernel."""
+    the Triton kernel cannot give this op's fp8: CUDA GPUs below sm_89 have no e4m3 conversion
+    (Triton refuses ``tl.float8e4nv`` there). ROCm GPUs run it (fnuz on gfx94x, see
+    ``fp8_format``); so does Triton's CPU interpreter (no target)."""
     from dualop.kernels.cuda import gpu_target
 
     target = gpu_target(device)
@@ -79,11 +121,6 @@ def _require_fp8_e4m3_target(device: Any) -> None:
     if target.backend == "cuda" and int(target.arch) < 89:
         raise NotImplementedError(
             f"quant_fp8: {target.name} has no float8 e4m3 conversion (Triton's fp8e4nv needs sm_89 or newer)"
-        )
-    if target.backend == "hip" and str(target.arch).startswith("gfx94"):
-        raise NotImplementedError(
-            f"quant_fp8: {target.name} (MI300 class) uses float8_e4m3fnuz (max 224); "
-            "dualop's fp8 kernels write float8_e4m3fn"
         )
 
 
@@ -142,9 +179,11 @@ GroupShape.PER_TENSOR = GroupShape(-1, -1)
 GroupShape.PER_TOKEN = GroupShape(1, -1)
 
 
-def _round_to_fp8_grid_body(xp, y: Any) -> Any:
-    """``y`` (float32, |y| <= 448) rounded to the nearest float8_e4m3fn value, ties to even, kept
-    in float32, so the cast that follows is exact.
+def _round_to_fp8_grid_body(xp, y: Any, fmt: Fp8Format = E4M3FN) -> Any:
+    """``y`` (float32, |y| <= ``fmt.max``) rounded to the nearest value of ``fmt`` (e4m3fn or
+    e4m3fnuz: the same 3-bit significand grid, subnormal steps 2**-9 and 2**-10), ties to even,
+    kept in float32, so the cast that follows is exact. Written for e4m3fn below (2**14 =
+    2**-9 * 2**23, 2**-10 = half a subnormal step); fnuz uses 2**13 and 2**-11.
 
     XLA's float32 -> float8_e4m3fn convert rounds twice (through float16) in some releases (seen
     with jax 0.7.1 and torch_xla 2.9: 50.0009765625 became 48, not 52), so the XLA-backed native
@@ -160,30 +199,31 @@ def _round_to_fp8_grid_body(xp, y: Any) -> Any:
     [-448, 448].
     """
     m = xp.abs(y)
-    big = xp.maximum(m * 2.0**20, 16384.0)
+    big = xp.maximum(m * 2.0**20, fmt.subnormal_step * 2.0**23)
     r = (m + big) - big
-    r = xp.where(m - r > xp.maximum(r * 0.0625, 2.0**-10), r + r * (1.0 / 15.0), r)
+    r = xp.where(m - r > xp.maximum(r * 0.0625, fmt.subnormal_step * 0.5), r + r * (1.0 / 15.0), r)
     r = xp.where(y < 0, -r, r)
-    return xp.where(m == 0, y, r)  # keeps the sign of zero; NaN stays NaN
+    return xp.where(m == 0, y, r)  # keeps the sign of zero (fnuz's cast drops it); NaN stays NaN
 
 
-def _round_to_fp8_grid(xp, y: Any) -> Any:
+def _round_to_fp8_grid(xp, y: Any, fmt: Fp8Format = E4M3FN) -> Any:
     """``_round_to_fp8_grid_body``; for jax arrays one compiled (fused) function rather than a
     dozen eagerly dispatched ops (jax is imported only once a jax array is here)."""
     if xp.name == "jax":
-        return _jax_round_to_fp8_grid(xp)(y)
-    return _round_to_fp8_grid_body(xp, y)
+        return _jax_round_to_fp8_grid(xp, fmt)(y)
+    return _round_to_fp8_grid_body(xp, y, fmt)
 
 
 @functools.lru_cache(maxsize=None)
-def _jax_round_to_fp8_grid(xp):
+def _jax_round_to_fp8_grid(xp, fmt: Fp8Format):
     import jax
 
-    return jax.jit(functools.partial(_round_to_fp8_grid_body, xp))
+    return jax.jit(functools.partial(_round_to_fp8_grid_body, xp, fmt=fmt))
 
 
-def _div_by_fp8_max(xp, amax: Any) -> Any:
-    """``amax / 448`` correctly rounded in float32, using only multiplies and adds.
+def _div_by_fp8_max(xp, amax: Any, fp8_max: float = FP8_MAX) -> Any:
+    """``amax / fp8_max`` correctly rounded in float32, using only multiplies and adds, for a
+    ``fp8_max`` of 7 times a power of two (448 = 7 * 64, 224 = 7 * 32). Told for 448:
 
     ``q0 = amax * f32(1/448)`` is within 1.5 ulp of the quotient. ``res = amax/64 - 7*q0`` is
     computed exactly (``amax/64`` and ``8*q0`` are exact; both subtractions are exact by Sterbenz's
@@ -193,8 +233,10 @@ def _div_by_fp8_max(xp, amax: Any) -> Any:
     against float64 division for every float32 in [2**-10, 2**17] (below, the scale floor
     applies anyway). ``inf`` stays ``inf``.
     """
-    q0 = amax * (1.0 / FP8_MAX)
-    res = (amax * (1.0 / 64.0) - q0 * 8.0) + q0
+    if math.frexp(fp8_max / 7.0)[0] != 0.5:
+        raise ValueError(f"quant_fp8: fp8 max {fp8_max} is not 7 times a power of two")
+    q0 = amax * (1.0 / fp8_max)
+    res = (amax * (7.0 / fp8_max) - q0 * 8.0) + q0
     return xp.where(res == res, q0 + res * (1.0 / 7.0), q0)
 
 
@@ -209,8 +251,9 @@ def _scale_shapes(group_shape: GroupShape, lead: tuple[int, ...], hidden: int) -
 
 @CustomOp.register("quant_fp8")
 class QuantFP8(CustomOp):
-    """Quantise activations to float8_e4m3fn with per-tensor, per-token or per-group (1, g) scales,
-    dynamic (computed from ``x``) or static (given). See the module docstring for the contract.
+    """Quantise activations to fp8 (float8_e4m3fn; float8_e4m3fnuz on ROCm MI300, see
+    ``fp8_format``) with per-tensor, per-token or per-group (1, g) scales, dynamic (computed from
+    ``x``) or static (given). See the module docstring for the contract.
 
     Fast paths: ``forward_cuda`` a Triton kernel, ``forward_tpu`` a Pallas kernel, ``forward_cpu``
     a torch body of its own for torch tensors (jax arrays run the native body, which XLA fuses).
@@ -284,6 +327,7 @@ class QuantFP8(CustomOp):
 
     def forward_native(self, x: Any, scale: Any = None, scale_ub: Any = None) -> tuple[Any, Any]:
         xp = array_namespace(x)
+        fmt = fp8_format(x)
         lead, hidden = tuple(x.shape[:-1]), x.shape[-1]
         gs = self.group_shape
         xf = xp.astype(x, xp.float32)
@@ -300,15 +344,15 @@ class QuantFP8(CustomOp):
                 amax = xp.amax(xp.abs(xf), axis=-1, keepdims=gs.is_per_token())
                 if scale_ub is not None:
                     amax = xp.minimum(amax, xp.astype(scale_ub, xp.float32).reshape(()))
-            scale = xp.maximum(_div_by_fp8_max(xp, amax), FP8_MIN_SCALE)
+            scale = xp.maximum(_div_by_fp8_max(xp, amax, fmt.max), fmt.min_scale)
         else:
             scale = xp.astype(scale, xp.float32).reshape(_scale_shapes(gs, lead, hidden)[0])
         inv = 1.0 / scale
         y = xf * (inv[..., None] if gs.is_per_group() else inv)
-        y = xp.clip(y, -FP8_MAX, FP8_MAX)
+        y = xp.clip(y, -fmt.max, fmt.max)
         if frontend_of(x) != "torch":  # XLA-backed arrays (jax, torch_xla, torchax)
-            y = _round_to_fp8_grid(xp, y)
-        return xp.astype(y, xp.float8_e4m3fn).reshape(x.shape), scale
+            y = _round_to_fp8_grid(xp, y, fmt)
+        return xp.astype(y, getattr(xp, fmt.dtype)).reshape(x.shape), scale
 
     def declines(self, method: str, frontend: str) -> str | None:
         return cpu_declines(method, frontend)
@@ -320,6 +364,7 @@ class QuantFP8(CustomOp):
         counts as the CPU kernel."""
         import torch
 
+        fmt = fp8_format(x)
         lead, hidden = tuple(x.shape[:-1]), x.shape[-1]
         gs = self.group_shape
         xv = x.reshape((*lead, hidden // gs.col, gs.col)) if gs.is_per_group() else x
@@ -335,22 +380,24 @@ class QuantFP8(CustomOp):
                 amax = torch.maximum(hi, lo.neg_()).to(torch.float32)
                 if scale_ub is not None:
                     amax = torch.minimum(amax, scale_ub.reshape(()))
-            scale = amax.div_(FP8_MAX).clamp_(min=FP8_MIN_SCALE)  # torch divides correctly
+            scale = amax.div_(fmt.max).clamp_(min=fmt.min_scale)  # torch divides correctly
         else:
             scale = scale.reshape(_scale_shapes(gs, lead, hidden)[0])
         xf = xv.to(torch.float32)
         inv = 1.0 / scale
         inv = inv.unsqueeze(-1) if gs.is_per_group() else inv
         y = xf.mul_(inv) if xf is not xv else xf * inv
-        x_q = y.clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+        x_q = y.clamp_(-fmt.max, fmt.max).to(getattr(torch, fmt.dtype))
         return x_q.reshape(x.shape), scale
 
     def forward_cuda(self, x: Any, scale: Any = None, scale_ub: Any = None) -> Any:
         if frontend_of(x) == "torch":
             _require_fp8_e4m3_target(x.device)
+        fmt = fp8_format(x)
         return call_triton(
             frontend_of(x), _TRITON_QUANT, x, scale, scale_ub,
             granularity=self._granularity, group_size=max(self.group_shape.col, 0),
+            fp8_dtype=fmt.dtype, fp8_max=fmt.max,
         )
 
     def forward_tpu(self, x: Any, scale: Any = None, scale_ub: Any = None) -> Any:

@@ -54,6 +54,7 @@ def where(cond: torch.Tensor, x, y) -> torch.Tensor:
 
 
 float8_e4m3fn = torch.float8_e4m3fn
+float8_e4m3fnuz = torch.float8_e4m3fnuz
 
 
 def abs(x: torch.Tensor) -> torch.Tensor:  # noqa: A001 - the array API's name

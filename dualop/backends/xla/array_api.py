@@ -49,6 +49,7 @@ def where(cond: jax.Array, x, y) -> jax.Array:
 
 
 float8_e4m3fn = jnp.float8_e4m3fn
+float8_e4m3fnuz = jnp.float8_e4m3fnuz
 
 
 def abs(x: jax.Array) -> jax.Array:  # noqa: A001 - the array API's name
