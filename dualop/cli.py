@@ -304,6 +304,9 @@ def _interpret_triton_without_gpu() -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    from dualop.platforms import keep_tpu_runtimes_off_without_tpu
+
+    keep_tpu_runtimes_off_without_tpu()
     if args.command != "compile":  # compile runs no Triton here; it builds for GPUs in a child
         _interpret_triton_without_gpu()
     try:

@@ -224,6 +224,34 @@ def tpu_attached() -> bool:
     return bool(glob.glob("/dev/accel*") or glob.glob("/dev/vfio/[0-9]*"))
 
 
+def keep_tpu_runtimes_off_without_tpu() -> None:
+    """On a host with no TPU, keep torch_tpu and libtpu (the latest environment installs both) from
+    starting where nobody asked for them. Each variable is set only if the caller has not set it:
+
+    - ``TORCH_DEVICE_BACKEND_AUTOLOAD=0``: otherwise every ``import torch`` loads torch_tpu (about
+      4 s, warnings, and an import of triton before ``TRITON_INTERPRET`` can be chosen); dualop
+      imports torch_tpu itself when a ``tpu`` tensor appears.
+    - ``TPU_SKIP_MDS_QUERY=1``: a loaded libtpu otherwise retries a cloud metadata server for minutes.
+    - ``ALLOW_MULTIPLE_LIBTPU_LOAD=1``: libtpu's host-wide lock is for sharing a real TPU; compile-only
+      use (``dualop compile``, the tests) may load it in several processes.
+    - ``JAX_PLATFORMS=cpu`` when libtpu is installed and no jax GPU plugin is: otherwise every jax
+      start logs libtpu's failed TPU initialisation. Compile-only topology devices work either way.
+
+    Called by the ``dualop`` command and the test suite before torch or jax is imported.
+    """
+    if tpu_attached():
+        return
+    if "torch" not in sys.modules:
+        os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
+    os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    if "JAX_PLATFORMS" in os.environ or "jax" in sys.modules or importlib.util.find_spec("libtpu") is None:
+        return
+    gpu_plugins = ("jax_cuda12_plugin", "jax_cuda13_plugin", "jax_rocm60_plugin", "jax_rocm7_plugin")
+    if not any(importlib.util.find_spec(name) is not None for name in gpu_plugins):
+        os.environ["JAX_PLATFORMS"] = "cpu"
+
+
 # --- platform of a frontend -------------------------------------------------------------------
 
 

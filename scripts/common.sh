@@ -7,16 +7,8 @@ if ! command -v nvidia-smi >/dev/null 2>&1 && ! command -v rocm-smi >/dev/null 2
   export TRITON_INTERPRET="${TRITON_INTERPRET:-1}"
 fi
 export TF_CPP_MIN_LOG_LEVEL="${TF_CPP_MIN_LOG_LEVEL:-2}"
-# torch_tpu (latest environment) registers itself as a torch device backend, so every `import torch`
-# would load it (about 4 s, libtpu and triton imports, warnings) on a host with no TPU. dualop and the
-# tests import it when they need it.
-if ! ls /dev/accel* /dev/vfio/[0-9]* >/dev/null 2>&1; then
-  export TORCH_DEVICE_BACKEND_AUTOLOAD="${TORCH_DEVICE_BACKEND_AUTOLOAD:-0}"
-  # and libtpu, once loaded, would query a cloud metadata server for its TPU (minutes of retries).
-  export TPU_SKIP_MDS_QUERY="${TPU_SKIP_MDS_QUERY:-1}"
-  # libtpu's host-wide lock is for sharing a real TPU; compile-only use may load it in several processes.
-  export ALLOW_MULTIPLE_LIBTPU_LOAD="${ALLOW_MULTIPLE_LIBTPU_LOAD:-1}"
-fi
+# On a host with no TPU, torch_tpu, libtpu and jax are kept from looking for one by the dualop
+# command and the test suite themselves (dualop.platforms.keep_tpu_runtimes_off_without_tpu).
 
 env_versions() {
   "$1/bin/python" - <<'PY' 2>/dev/null

@@ -11,13 +11,10 @@ import shutil
 if shutil.which("nvidia-smi") is None and shutil.which("rocm-smi") is None:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("PJRT_DEVICE", "CPU")
-# No TPU here: `import torch` need not load torch_tpu (tests/test_torch_tpu.py imports it itself).
-os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
-# Once torch_tpu is loaded, libtpu asks the cloud metadata server for its TPU (30 retries a key, minutes
-# on a host outside a cloud) when autograd first runs; there is no TPU to find here.
-os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
-# Tests that use libtpu's compile-only devices may run beside other processes that load it.
-os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+# No TPU here: torch_tpu, libtpu and jax must not go looking for one (see the function).
+from dualop.platforms import keep_tpu_runtimes_off_without_tpu  # noqa: E402  (imports neither torch nor jax)
+
+keep_tpu_runtimes_off_without_tpu()
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import pytest  # noqa: E402

@@ -236,3 +236,31 @@ def test_xla_tensors_dispatch_apart_from_cpu_tensors(no_env_platform):
         assert [op(t) for t in (cpu, xla, cpu, xla)] == ["tpu"] * 4
     rows = {(r["frontend"], r["platform"]) for r in dispatch_report()}
     assert rows == {("torch", "tpu"), ("torch_xla", "tpu")}
+
+
+def test_tpu_runtimes_stay_idle_on_a_host_without_tpu():
+    """With no TPU attached, the dualop command and the tests keep torch_tpu's autoload off and
+    libtpu from its metadata-server retries; jax is kept on the CPU exactly when libtpu is
+    installed (the latest environment), and a variable the caller set is left alone."""
+    import importlib.util
+    import json
+
+    if platforms.tpu_attached():
+        pytest.skip("this host has a TPU: the function leaves everything alone there")
+    names = ("TORCH_DEVICE_BACKEND_AUTOLOAD", "TPU_SKIP_MDS_QUERY", "ALLOW_MULTIPLE_LIBTPU_LOAD", "JAX_PLATFORMS")
+    code = (
+        "import json, os\n"
+        "from dualop.platforms import keep_tpu_runtimes_off_without_tpu as f\n"
+        "f()\n"
+        f"print(json.dumps({{n: os.environ.get(n) for n in {names!r}}}))\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k not in names}
+    got = json.loads(subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                                    check=True).stdout)
+    has_libtpu = importlib.util.find_spec("libtpu") is not None
+    assert got == {"TORCH_DEVICE_BACKEND_AUTOLOAD": "0", "TPU_SKIP_MDS_QUERY": "1",
+                   "ALLOW_MULTIPLE_LIBTPU_LOAD": "1", "JAX_PLATFORMS": "cpu" if has_libtpu else None}
+    env["JAX_PLATFORMS"] = "cpu,tpu"
+    got = json.loads(subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                                    check=True).stdout)
+    assert got["JAX_PLATFORMS"] == "cpu,tpu"
