@@ -317,7 +317,8 @@ def test_pallas_column_blocks(label, gran, static, with_ub, shape, block_cols):
     """Rows tiled in columns (the layout wide rows get; forced here by ``block_cols``): per token
     the two-pass running amax, per tensor elementwise blocks, per group several groups a block.
     Bit for bit against the jnp reference and the torch native body."""
-    jax = pytest.importorskip("jax", reason="jax is part of both test environments (dualop[torch], dualop[jax])")
+    import jax
+
     from dualop.kernels.pallas.common import interpret_mode
     from dualop.kernels.pallas.quant_fp8 import quant_fp8, quant_fp8_reference
 
@@ -337,7 +338,8 @@ def test_pallas_column_blocks(label, gran, static, with_ub, shape, block_cols):
 
 
 def test_pallas_rejects_unaligned_block_cols():
-    jax = pytest.importorskip("jax", reason="jax is part of both test environments (dualop[torch], dualop[jax])")
+    import jax
+
     from dualop.kernels.pallas.quant_fp8 import quant_fp8
 
     with pytest.raises(ValueError, match="block_cols must be a multiple of 128"):

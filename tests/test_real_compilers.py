@@ -18,7 +18,8 @@ import textwrap
 
 import pytest
 
-jax = pytest.importorskip("jax", reason="the Pallas kernels need jax")
+import jax  # noqa: E402  (both test environments have jax: a broken install fails here)
+
 jnp = jax.numpy
 
 TOPOLOGIES = {"v4": "v4:2x2x1", "v5e": "v5e:1x1", "v5p": "v5p:2x2x1", "v6e": "v6e:1x1", "tpu7x": "tpu7x:2x2x1"}
@@ -230,7 +231,7 @@ def test_triton_compiles_the_fp8_kernel_where_e4m3_exists():
     """The dynamic per-token fp8 kernel: accepted for sm_90 (e4m3fn; PTX, cubin) and gfx942
     (e4m3fnuz, fp8e4b8: AMDGCN with MI300's hardware fp8 conversion, hsaco), refused for sm_80 (no
     fp8e4nv), which is why quant_fp8 declines there."""
-    pytest.importorskip("triton", reason="the Triton kernels need triton")
+    import triton  # noqa: F401  (both test environments have it)
     env = dict(os.environ, TRITON_INTERPRET="0", TRITON_DEFAULT_FP_FUSION="1")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env["PYTHONPATH"] = os.pathsep.join([root, env.get("PYTHONPATH", "")])
