@@ -254,8 +254,7 @@ def _ctor_spec(cls: type, args: tuple, kwargs: dict) -> tuple[str | None, str | 
 def _fresh(cls: type, args: tuple = (), kwargs: dict | None = None) -> CustomOp:
     """A new instance with empty dispatch state (so subclasses that skip __init__ still work)."""
     obj = object.__new__(cls)
-    obj._dispatch_cache = {}
-    obj._resolutions = {}
+    obj._dispatch_cache = {}  # (frontend, platform, config key, generation) -> (bound method, name, reason)
     obj.last_fallback = None
     obj._last_hit = None
     obj._fast_type = obj._fast_method = None
@@ -290,7 +289,6 @@ class CustomOp:
     def __init__(self, *, enforce_enable: bool = False) -> None:
         self.enforce_enable = bool(enforce_enable)
         self._dispatch_cache.clear()
-        self._resolutions.clear()
         self._disarm()
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
@@ -463,9 +461,7 @@ class CustomOp:
         if candidate != method:
             reason += f", so {candidate}"
         bound = getattr(self, candidate)
-        key = (frontend, platform, cfg.dispatch_key, generation)
-        self._dispatch_cache[key] = bound
-        self._resolutions[key] = (candidate, reason)
+        self._dispatch_cache[(frontend, platform, cfg.dispatch_key, generation)] = (bound, candidate, reason)
         self._record(frontend, platform, candidate, enabled, reason)
         return bound
 
@@ -534,9 +530,8 @@ class CustomOp:
             )
         platform = _platforms.platform_of(first, frontend)
         gen = _platforms._generation
-        method = self._dispatch_cache.get((frontend, platform, cfg.dispatch_key, gen))
-        if method is None:
-            method = self._resolve(frontend, cfg, gen, platform)
+        cached = self._dispatch_cache.get((frontend, platform, cfg.dispatch_key, gen))
+        method = cached[0] if cached is not None else self._resolve(frontend, cfg, gen, platform)
         if _compile_hook is None and frontend != "jax":
             _install_torch_support()
         # A torch tensor's frontend and platform follow its device type: where devices can
@@ -581,9 +576,10 @@ class CustomOp:
         if platform is None:
             platform = _platforms.current_platform(frontend)
         key = (frontend, platform, cfg.dispatch_key, gen)
-        if key not in self._resolutions:
+        if key not in self._dispatch_cache:
             self._resolve(frontend, cfg, gen, platform)
-        return self._resolutions[key]
+        _, name, reason = self._dispatch_cache[key]
+        return name, reason
 
     def dispatched_method(self, frontend: str) -> str:
         """Name of the method a call from ``frontend`` resolves to under the active config, on that
