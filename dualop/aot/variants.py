@@ -18,7 +18,7 @@ import numpy as np
 
 from dualop import testing
 
-__all__ = ["InputSpec", "Variant", "SERVING_SHAPES", "variants_for", "check_dtypes"]
+__all__ = ["InputSpec", "Variant", "SERVING_SHAPES", "SERVING_INPUTS", "variants_for", "check_dtypes"]
 
 # Prefill of 8192 tokens and a 16-token decode batch at the widths of Llama-3-70B (hidden 8192,
 # intermediate 28672) and Llama-3-405B (hidden 16384, intermediate 53248). Gated activations take
@@ -51,6 +51,12 @@ def _grouped_rms_norm_gated(shape):
 
     return RMSNormGated(shape[-1], group_size=shape[-1] // 8)  # Mamba-2 style: 8 groups
 
+
+# Ops whose inputs are not row-shaped (attention over a paged cache, rope's positions, ...): how to
+# describe their serving inputs. ``SERVING_INPUTS[op](shape)`` returns the op's positional arguments
+# as InputSpecs (dtype None: the variant's dtype), scalars or None, for one entry of
+# ``SERVING_SHAPES[op]``, whose tuple then means whatever that op's function says.
+SERVING_INPUTS: dict[str, Callable[[tuple[int, ...]], tuple]] = {}
 
 # Cases whose ``make_op`` only knows its check shapes: how to build the op at a serving shape.
 _SERVING_MAKE_OP: dict[str, Callable[[tuple[int, ...]], Any]] = {
@@ -128,6 +134,21 @@ def _scaled(case: testing.OpCase, probe: tuple[int, ...], probe_inputs: tuple, s
     return tuple(out)
 
 
+def _serving_specs(case: testing.OpCase, shapes: list, templates: dict, shape: tuple[int, ...]) -> tuple:
+    """A serving shape's inputs: the op's own ``SERVING_INPUTS`` function, else the case's first
+    2-D check shape scaled up."""
+    describe = SERVING_INPUTS.get(case.op)
+    if describe is not None:
+        return tuple(describe(shape))
+    probe = next((s for s in shapes if len(s) == 2), None)
+    if probe is None:
+        raise ValueError(
+            f"dualop compile: case {case.label} has no 2-D check shape to scale to {shape}; "
+            f"give its op a SERVING_INPUTS entry"
+        )
+    return _scaled(case, probe, templates[probe], shape)
+
+
 def variants_for(ops: list[str] | None, dtypes: list[str]) -> list[Variant]:
     """Every (case, dtype, shape) to build, check shapes first, without duplicates."""
     from dualop.custom_op import CustomOp
@@ -141,12 +162,11 @@ def variants_for(ops: list[str] | None, dtypes: list[str]) -> list[Variant]:
     for case in testing.cases_for(ops):
         shapes = [tuple(s) for s in case.shapes if s and s[0] > 0]
         templates = {s: _templates(case.make_inputs(s, rng)) for s in shapes}
-        probe = next(s for s in shapes if len(s) == 2)
         serving = [tuple(s) for s in SERVING_SHAPES.get(case.op, ()) if tuple(s) not in templates]
         for dtype in dtypes:
             for shape in shapes + serving:
                 is_serving = shape not in templates
-                specs = _scaled(case, probe, templates[probe], shape) if is_serving else templates[shape]
+                specs = _serving_specs(case, shapes, templates, shape) if is_serving else templates[shape]
                 specs = tuple(
                     InputSpec(s.shape, s.dtype or dtype) if isinstance(s, InputSpec) else s for s in specs
                 )
