@@ -111,3 +111,17 @@ def std(x: torch.Tensor, axis: int = -1, keepdims: bool = False) -> torch.Tensor
 def asarray(value, like: torch.Tensor, dtype=None) -> torch.Tensor:
     """A tensor holding ``value`` on ``like``'s device."""
     return torch.as_tensor(value, dtype=dtype if dtype is not None else like.dtype, device=like.device)
+
+
+def concat(arrays, axis: int = 0) -> torch.Tensor:
+    return torch.cat(tuple(arrays), dim=axis)
+
+
+def stack(arrays, axis: int = 0) -> torch.Tensor:
+    return torch.stack(tuple(arrays), dim=axis)
+
+
+def take(x: torch.Tensor, indices: torch.Tensor, axis: int = 0) -> torch.Tensor:
+    """Rows of ``x`` along ``axis`` picked by the integer ``indices`` (any shape)."""
+    flat = torch.index_select(x, axis, indices.reshape(-1))
+    return flat.reshape(*x.shape[:axis], *indices.shape, *x.shape[axis + 1:])
