@@ -24,6 +24,7 @@ __all__ = [
     "pointwise_activation_cost",
     "quant_fp8_cost",
     "row_amax_cost",
+    "rotary_cost",
     "POINTWISE_COUNTS",
 ]
 
@@ -104,3 +105,14 @@ def row_amax_cost(rows: int, hidden: int, itemsize: int) -> KernelCost:
     write one float32 per row."""
     n = rows * hidden
     return KernelCost(flops=2 * n, transcendentals=0, bytes_accessed=n * itemsize + 4 * rows)
+
+
+def rotary_cost(tokens: int, heads: int, head_size: int, rotary_dim: int, itemsize: int,
+                cos_itemsize: int | None = None) -> KernelCost:
+    """Rotary embedding of ``heads`` heads (query and key together) per token: read and write each
+    head once, read one cos and one sin row (``rotary_dim / 2``) per token; 3 flops per rotated
+    channel (2 mul, 1 add)."""
+    n = tokens * heads * head_size
+    cos_bytes = 2 * tokens * (rotary_dim // 2) * (cos_itemsize or itemsize)
+    return KernelCost(flops=3 * tokens * heads * rotary_dim, transcendentals=0,
+                      bytes_accessed=2 * n * itemsize + cos_bytes)

@@ -10,20 +10,61 @@ differently (multimodal, dual chunk) override ``cos_sin``. All share the same ro
 
 from __future__ import annotations
 
+import functools
 import threading
 from typing import Any
 
 import numpy as np
 
 from dualop.backends import array_namespace
+from dualop.backends.torch.triton_launch import call_triton
+from dualop.backends.xla.pallas_bridge import call_pallas
 from dualop.custom_op import CustomOp
+from dualop.kernels.registry import KernelRef
 from dualop.kernels.rope_math import rotate
-from dualop.ops._checks import check_array, concrete_values, dtype_name
+from dualop.ops._checks import check_array, concrete_values, cpu_declines, decline_if_recording, dtype_name
 from dualop.platforms import family_of, frontend_of
 
-__all__ = ["RotaryEmbedding"]
+__all__ = ["RotaryEmbedding", "ApplyRotaryEmb", "DualChunkRotaryEmbedding"]
 
 INT_DTYPES = frozenset({"int32", "int64"})
+
+# One rotation kernel per backend, shared by every rope op: query [T, Hq, D] and key [T, Hk, D] (or
+# None) by per-token cos/sin [Tc, rotary_dim / 2] (token t takes row t % Tc), in one launch.
+_PALLAS_ROTARY = KernelRef("dualop.kernels.pallas.rotary", "rotary")
+_TRITON_ROTARY = KernelRef("dualop.kernels.cuda.rotary", "rotary")
+_CPU_ROTARY = KernelRef("dualop.kernels.cpu.rotary", "rotary")
+KERNEL_METHODS = ("forward_tpu", "forward_cuda", "forward_cpu")
+
+
+def rotate_pair(query: Any, key: Any, cos: Any, sin: Any, *, rotary_dim: int, is_neox_style: bool) -> tuple[Any, Any]:
+    """The kernels' contract in the native formula (``rope_math.rotate``): query/key ``[T, H, D]``,
+    cos/sin ``[Tc, rotary_dim // 2]`` repeated over T // Tc blocks of tokens. The Pallas path's
+    backward pass differentiates this."""
+    xp = array_namespace(query)
+    reps = query.shape[0] // cos.shape[0] if cos.shape[0] else 1
+    if reps > 1:
+        cos, sin = xp.concat([cos] * reps, axis=0), xp.concat([sin] * reps, axis=0)
+    out = [None if x is None else rotate(xp, x, cos, sin, rotary_dim, is_neox_style) for x in (query, key)]
+    return out[0], out[1]
+
+
+def rotate_heads(method: str, query: Any, key: Any, cos: Any, sin: Any, rotary_dim: int,
+                 is_neox_style: bool) -> tuple[Any, Any]:
+    """Run ``method``'s rotation kernel (``forward_tpu``: Pallas, ``forward_cuda``: Triton,
+    ``forward_cpu``: C++) on query/key ``[T, H, D]``; anything a kernel cannot take raises
+    NotImplementedError, which the dispatcher reports as a fallback to forward_native."""
+    fe = frontend_of(query)
+    static = dict(rotary_dim=rotary_dim, is_neox_style=is_neox_style)
+    if method == "forward_tpu":
+        native = functools.partial(rotate_pair, **static)
+        return call_pallas(fe, _PALLAS_ROTARY, query, key, cos, sin, native=native, **static)
+    if method == "forward_cuda":
+        return call_triton(fe, _TRITON_ROTARY, query, key, cos, sin, **static)
+    if method == "forward_cpu":
+        decline_if_recording("rotary", query, key, cos, sin)
+        return _CPU_ROTARY(query, key, cos, sin, **static)
+    raise AssertionError(method)
 
 
 def check_positive_int(op: str, name: str, value: Any) -> int:
@@ -179,22 +220,43 @@ class RotaryEmbedding(CustomOp):
             raise ValueError(f"{op}: argument '{arg}' has last dim {last}; expected head_size={d} or a multiple of it")
         return size // (tokens * d)
 
-    def forward_native(self, positions: Any, query: Any, key: Any = None) -> tuple[Any, Any]:
+    def forward_native(self, positions: Any, query: Any, key: Any = None) -> tuple[Any, Any | None]:
         xp = array_namespace(query)
         cos, sin = self.cos_sin(positions, query.dtype)
         return self.rotate_all(xp, cos, sin, query, key)
 
-    def rotate_all(self, xp: Any, cos: Any, sin: Any, query: Any, key: Any) -> tuple[Any, Any]:
-        """Rotate query (and key) by per-token ``cos``/``sin``; outputs keep the inputs' shapes."""
+    def rotate_all(self, xp: Any, cos: Any, sin: Any, query: Any, key: Any, method: str | None = None) -> tuple[Any, Any]:
+        """Rotate query (and key) by per-token ``cos``/``sin``: the native formula, or ``method``'s
+        kernel (one launch for both); outputs keep the inputs' shapes."""
         tokens = cos.shape[0]
-        out = []
-        for x in (query, key):
-            if x is None:
-                out.append(None)
-                continue
-            heads = x.reshape(tokens, -1, self.head_size) if tokens else x.reshape(0, 1, self.head_size)
-            out.append(rotate(xp, heads, cos, sin, self.rotary_dim, self.is_neox_style).reshape(x.shape))
-        return out[0], out[1]
+        heads = [
+            None if x is None else (x.reshape(tokens, -1, self.head_size) if tokens else x.reshape(0, 1, self.head_size))
+            for x in (query, key)
+        ]
+        if method is None:
+            out = [None if h is None else rotate(xp, h, cos, sin, self.rotary_dim, self.is_neox_style) for h in heads]
+        else:
+            out = rotate_heads(method, heads[0], heads[1], cos, sin, self.rotary_dim, self.is_neox_style)
+        return tuple(None if o is None else o.reshape(x.shape) for o, x in zip(out, (query, key)))
+
+    def forward_kernel(self, method: str, positions: Any, query: Any, key: Any = None) -> tuple[Any, Any]:
+        """The per-token cos/sin of ``cos_sin`` (which subclasses override) through ``method``'s kernel."""
+        cos, sin = self.cos_sin(positions, query.dtype)
+        return self.rotate_all(array_namespace(query), cos, sin, query, key, method)
+
+    def forward_tpu(self, positions: Any, query: Any, key: Any = None) -> tuple[Any, Any]:
+        return self.forward_kernel("forward_tpu", positions, query, key)
+
+    def forward_cuda(self, positions: Any, query: Any, key: Any = None) -> tuple[Any, Any]:
+        return self.forward_kernel("forward_cuda", positions, query, key)
+
+    def forward_cpu(self, positions: Any, query: Any, key: Any = None) -> tuple[Any, Any]:
+        """torch on the CPU: the C++ kernel (``kernels/cpu/csrc/rotary.cc``, query and key in one
+        OpenMP pass); it declines while autograd records (no backward)."""
+        return self.forward_kernel("forward_cpu", positions, query, key)
+
+    def declines(self, method: str, frontend: str) -> str | None:
+        return cpu_declines(method, frontend)
 
     def extra_repr(self) -> str:
         return (
@@ -202,3 +264,197 @@ class RotaryEmbedding(CustomOp):
             f"max_position_embeddings={self.max_position_embeddings}, base={self.base}, "
             f"is_neox_style={self.is_neox_style}"
         )
+
+
+@CustomOp.register("apply_rotary_emb")
+class ApplyRotaryEmb(CustomOp):
+    """Rotary embedding by given angles (the vision encoders' rope): ``op(x, cos, sin)``.
+
+    ``x`` is ``[B, S, H, D]`` or ``[S, H, D]``; ``cos``/``sin`` are ``[S, D/2]`` (any float dtype),
+    shared by the batch. Every channel of a head rotates (halves with ``is_neox_style``, else
+    interleaved pairs). The arithmetic is float32 with one cast to ``x``'s dtype in both modes;
+    ``enable_fp32_compute`` decides only the angles' precision: True uses cos/sin in float32, False
+    first rounds them to ``x``'s dtype, as the reference engine does. (The engine without
+    ``enable_fp32_compute`` also does the products and sums in ``x``'s dtype, rounding each; dualop
+    rounds once, so bfloat16 results can differ from it by an ulp, closer to the exact value.)
+    """
+
+    def __init__(self, enforce_enable: bool = False, is_neox_style: bool = True,
+                 enable_fp32_compute: bool = False) -> None:
+        super().__init__(enforce_enable=enforce_enable)
+        self.is_neox_style = bool(is_neox_style)
+        self.enable_fp32_compute = bool(enable_fp32_compute)
+
+    def check_inputs(self, x: Any, cos: Any, sin: Any) -> None:
+        op = type(self).name
+        fe = check_array(op, "x", x, min_ndim=3)
+        if x.ndim > 4:
+            raise ValueError(f"{op}: argument 'x' has shape {tuple(x.shape)}; expected [B, S, H, D] or [S, H, D]")
+        seq, head_size = x.shape[-3], x.shape[-1]
+        if head_size % 2:
+            raise ValueError(f"{op}: argument 'x' has head size {head_size}; expected an even head size")
+        for arg, t in (("cos", cos), ("sin", sin)):
+            tfe = check_array(op, arg, t, min_ndim=2)
+            if family_of(tfe) != family_of(fe):
+                raise TypeError(f"{op}: argument '{arg}' is a {family_of(tfe)} array but 'x' is a {family_of(fe)} array")
+            if tuple(t.shape) != (seq, head_size // 2):
+                raise ValueError(
+                    f"{op}: argument '{arg}' has shape {tuple(t.shape)}; expected ({seq}, {head_size // 2}) "
+                    f"([S, D/2] for x of shape {tuple(x.shape)})"
+                )
+
+    def angles(self, x: Any, cos: Any, sin: Any) -> tuple[Any, Any]:
+        """cos/sin in the precision the rotation uses (see the class docstring)."""
+        xp = array_namespace(x)
+        dtype = xp.float32 if self.enable_fp32_compute else x.dtype
+        return xp.astype(cos, dtype), xp.astype(sin, dtype)
+
+    def _rotate(self, method: str | None, x: Any, cos: Any, sin: Any) -> Any:
+        xp = array_namespace(x)
+        cos, sin = self.angles(x, cos, sin)
+        heads = x.reshape(-1, x.shape[-2], x.shape[-1])
+        static = dict(rotary_dim=x.shape[-1], is_neox_style=self.is_neox_style)
+        if method is None:
+            out, _ = rotate_pair(heads, None, cos, sin, **static)
+        else:
+            out, _ = rotate_heads(method, heads, None, cos, sin, **static)
+        del xp
+        return out.reshape(x.shape)
+
+    def forward_native(self, x: Any, cos: Any, sin: Any) -> Any:
+        return self._rotate(None, x, cos, sin)
+
+    def forward_tpu(self, x: Any, cos: Any, sin: Any) -> Any:
+        return self._rotate("forward_tpu", x, cos, sin)
+
+    def forward_cuda(self, x: Any, cos: Any, sin: Any) -> Any:
+        return self._rotate("forward_cuda", x, cos, sin)
+
+    def forward_cpu(self, x: Any, cos: Any, sin: Any) -> Any:
+        """torch on the CPU: the C++ rotation kernel (declines while autograd records)."""
+        return self._rotate("forward_cpu", x, cos, sin)
+
+    def declines(self, method: str, frontend: str) -> str | None:
+        return cpu_declines(method, frontend)
+
+    def extra_repr(self) -> str:
+        return f"is_neox_style={self.is_neox_style}, enable_fp32_compute={self.enable_fp32_compute}"
+
+
+@CustomOp.register("dual_chunk_rotary_embedding")
+class DualChunkRotaryEmbedding(RotaryEmbedding):
+    """Rotary embedding for dual chunk attention (long context in chunks of ``chunk_size``).
+
+    ``op(positions, query, key, offsets=None)`` -> ``(query5, key)``. With p = positions (+ offsets)
+    and L = chunk_size - local_size, the key rotates by angle position ``p % L``; the query by five
+    angle sets, concatenated along its last dim in this order: intra (``p % L``), succ
+    (``min(p % L + L, chunk_size)``), inter (the constant ``min(2L - 1, chunk_size)``), succ
+    unclamped (``p % L + L``) and inter unclamped (``p % L + chunk_size``). So a ``[T, H*D]`` query
+    gives ``[T, 5*H*D]`` and a ``[T, H, D]`` one ``[T, H, 5*D]``, as the reference engine's. The
+    angle tables are one float32 cache (key rows for every position, then L rows of each query
+    set), cast to the query's dtype like ``RotaryEmbedding``'s. p must lie in
+    ``[0, max_position_embeddings)`` (checked where visible, clamped under ``jit``).
+    """
+
+    # query angle sets after the key rows, in output order; "inter" is one row of the succ set
+    QUERY_SETS = ("intra", "succ", "inter", "succ_unclamped", "inter_unclamped")
+
+    def __init__(
+        self,
+        head_size: int,
+        rotary_dim: int,
+        max_position_embeddings: int,
+        base: float,
+        is_neox_style: bool,
+        dtype: Any,
+        chunk_size: int,
+        local_size: int,
+        *,
+        enforce_enable: bool = False,
+    ) -> None:
+        op = type(self).name
+        self.chunk_size = check_positive_int(op, "chunk_size", chunk_size)
+        if isinstance(local_size, bool) or not isinstance(local_size, (int, np.integer)) or not 0 <= local_size < chunk_size:
+            raise ValueError(f"{op}: local_size must be an int in [0, chunk_size={chunk_size}), got {local_size!r}")
+        self.local_size = int(local_size)
+        super().__init__(head_size, rotary_dim, max_position_embeddings, base, is_neox_style, dtype,
+                         enforce_enable=enforce_enable)
+
+    @property
+    def chunk_len(self) -> int:
+        return self.chunk_size - self.local_size
+
+    def _compute_cos_sin_cache(self) -> np.ndarray:
+        """Key rows ``[max_position]`` (angle position p % L), then L rows each of intra, succ,
+        succ unclamped and inter unclamped query angles."""
+        inv_freq = self._compute_inv_freq(self.base)
+        n = self.chunk_len
+        local = np.arange(n, dtype=np.float32)
+        angle_positions = (
+            np.arange(self.max_position_embeddings, dtype=np.float32) % np.float32(n),  # key
+            local,  # intra
+            np.minimum(local + n, np.float32(self.chunk_size)),  # succ
+            local + n,  # succ unclamped
+            local + np.float32(self.chunk_size),  # inter unclamped
+        )
+        freqs = np.outer(np.concatenate(angle_positions), inv_freq).astype(np.float32)
+        return np.concatenate([np.cos(freqs), np.sin(freqs)], axis=-1).astype(np.float32)
+
+    @property
+    def cache_positions(self) -> int:
+        return self.max_position_embeddings
+
+    def check_inputs(self, positions: Any, query: Any, key: Any = None, offsets: Any = None) -> None:
+        op = type(self).name
+        if key is None:
+            raise TypeError(f"{op}: argument 'key' is required")
+        if offsets is not None:
+            ofe = check_array(op, "offsets", offsets, min_ndim=0, dtypes=INT_DTYPES)
+            if family_of(ofe) != family_of(frontend_of(positions)):
+                raise TypeError(f"{op}: argument 'offsets' is a {family_of(ofe)} array but 'positions' is not")
+            if tuple(offsets.shape) != tuple(positions.shape):
+                raise ValueError(f"{op}: argument 'offsets' has shape {tuple(offsets.shape)}; expected positions' {tuple(positions.shape)}")
+        super().check_inputs(positions if offsets is None else positions + offsets, query, key)
+
+    def angle_rows(self, positions: Any, offsets: Any = None) -> list[Any]:
+        """Cache row indices per token for the key, then each query set (``QUERY_SETS`` order)."""
+        xp = array_namespace(positions)
+        p = positions.reshape(-1) if offsets is None else positions.reshape(-1) + offsets.reshape(-1)
+        p = xp.clip(p, 0, self.max_position_embeddings - 1)
+        n, base = self.chunk_len, self.max_position_embeddings
+        local = p % n
+        return [
+            p,
+            base + local,
+            base + n + local,
+            base + n + local * 0 + (n - 1),
+            base + 2 * n + local,
+            base + 3 * n + local,
+        ]
+
+    def _forward(self, method: str | None, positions: Any, query: Any, key: Any, offsets: Any) -> tuple[Any, Any]:
+        """Six rotations by six angle sets (the key's, then the query's five): the native formula, or
+        ``method``'s kernel once per set."""
+        xp = array_namespace(query)
+        cache = self.cache_for(positions, query.dtype)
+        half = self.rotary_dim // 2
+        rotated = []
+        for x, rows in zip((key, *(query,) * len(self.QUERY_SETS)), self.angle_rows(positions, offsets)):
+            angles = xp.take(cache, rows, axis=0)
+            rotated.append(self.rotate_all(xp, angles[:, :half], angles[:, half:], x, None, method)[0])
+        return xp.concat(rotated[1:], axis=-1), rotated[0]
+
+    def forward_native(self, positions: Any, query: Any, key: Any, offsets: Any = None) -> tuple[Any, Any]:
+        return self._forward(None, positions, query, key, offsets)
+
+    def forward_tpu(self, positions: Any, query: Any, key: Any, offsets: Any = None) -> tuple[Any, Any]:
+        return self._forward("forward_tpu", positions, query, key, offsets)
+
+    def forward_cuda(self, positions: Any, query: Any, key: Any, offsets: Any = None) -> tuple[Any, Any]:
+        return self._forward("forward_cuda", positions, query, key, offsets)
+
+    def forward_cpu(self, positions: Any, query: Any, key: Any, offsets: Any = None) -> tuple[Any, Any]:
+        return self._forward("forward_cpu", positions, query, key, offsets)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, chunk_size={self.chunk_size}, local_size={self.local_size}"

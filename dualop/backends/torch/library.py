@@ -13,7 +13,8 @@ The rule (``op_signature``, the one place it lives):
   Anything else is a ``TypeError`` naming the op and the parameter. Every argument is positional
   and explicit in the schema (keyword-only parameters included), so the graph shows the whole call.
 - the output, from the return annotation: an array (or none) is ``Tensor``; ``tuple[A, B]`` is
-  ``(Tensor, Tensor)``; a union of an array and tuples (the number of outputs depends on the call,
+  ``(Tensor, Tensor)``, an item ``Any | None`` (an output that is None when an optional input is,
+  as rotary_embedding's key) ``Tensor?``; a union of an array and tuples (the number of outputs depends on the call,
   as rms_norm's residual does) is ``Tensor[]``. One variable-length output rather than an overload
   per output count: the count follows from which optional inputs are given, which only the op's
   body knows, and one schema per op keeps ``torch.ops.dualop.<name>`` the single name for it.
@@ -94,7 +95,7 @@ class OpSignature:
         """How many tensors a call returns (None: it depends on the call)."""
         if self.returns == "Tensor[]":
             return None
-        return self.returns.count("Tensor")
+        return self.returns.count("Tensor")  # "Tensor?" included
 
     def bind(self, values: Sequence[Any]) -> tuple[list, dict]:
         """One value per parameter, as forward_native's positional and keyword arguments."""
@@ -135,20 +136,30 @@ def _return_type(op: str, hint: Any) -> str:
     def is_tuple(h: Any) -> bool:
         return typing.get_origin(h) is tuple
 
-    def fixed_tuple(h: Any) -> int | None:
+    def item_type(h: Any) -> str | None:
+        """``Tensor`` for an array, ``Tensor?`` for an array or None, else None."""
+        if h in _ARRAY_HINTS:
+            return "Tensor"
+        present = [m for m in _union_members(h) or () if m is not type(None)]
+        if len(present) == 1 and present[0] in _ARRAY_HINTS and len(_union_members(h)) == 2:
+            return "Tensor?"
+        return None
+
+    def fixed_tuple(h: Any) -> list[str] | None:
         items = typing.get_args(h)
-        if len(items) >= 2 and Ellipsis not in items and all(i in _ARRAY_HINTS for i in items):
-            return len(items)
+        if len(items) >= 2 and Ellipsis not in items and all(item_type(i) for i in items):
+            return [item_type(i) for i in items]
         return None
 
     members = _union_members(hint)
     if hint in _ARRAY_HINTS:
         return "Tensor"
     if is_tuple(hint) and fixed_tuple(hint):
-        return "(" + ", ".join(["Tensor"] * fixed_tuple(hint)) + ")"
+        return "(" + ", ".join(fixed_tuple(hint)) + ")"
     if is_tuple(hint) and typing.get_args(hint)[1:] == (Ellipsis,):
         return "Tensor[]"
-    if members and all(m in _ARRAY_HINTS or (is_tuple(m) and fixed_tuple(m)) for m in members):
+    if members and all(m in _ARRAY_HINTS or (is_tuple(m) and fixed_tuple(m) and "Tensor?" not in fixed_tuple(m))
+                       for m in members):
         return "Tensor[]"
     raise TypeError(
         f"{op}: forward_native's return annotation {hint!r} has no torch.library output type; annotate it "
@@ -185,7 +196,10 @@ def op_signature(cls: type) -> OpSignature:
 def _no_alias(outputs: list, inputs: Sequence[Any]) -> list[torch.Tensor]:
     """Custom-op outputs may not alias inputs: copy any output that shares an input's storage."""
     tensors = [a for a in inputs if isinstance(a, torch.Tensor)]
-    return [out.clone() if any(torch._C._is_alias_of(out, a) for a in tensors) else out for out in outputs]
+    return [
+        out.clone() if out is not None and any(torch._C._is_alias_of(out, a) for a in tensors) else out
+        for out in outputs
+    ]
 
 
 def _as_declared(sig: OpSignature, result: Any, inputs: Sequence[Any]) -> Any:
@@ -251,7 +265,7 @@ def library_op(name: str):  # noqa: C901 - one op's real, fake and autograd kern
             args, kwargs = sig.bind(leaves)
             result = op.forward_native(*args, **kwargs)
             outs = list(result) if isinstance(result, tuple) else [result]
-            pairs = [(o, g) for o, g in zip(outs, grads) if g is not None and o.requires_grad]
+            pairs = [(o, g) for o, g in zip(outs, grads) if g is not None and o is not None and o.requires_grad]
             wrt = [t for t in leaves if isinstance(t, torch.Tensor) and t.requires_grad]
             got = (
                 torch.autograd.grad([o for o, _ in pairs], wrt, [g for _, g in pairs], allow_unused=True)

@@ -1,0 +1,94 @@
+// Rotary embedding on the CPU: query and key in one pass (OpenMP over tokens). Semantics are
+// dualop.kernels.rope_math.rotate: per token, per head, the first rotary_dim channels rotate in
+// pairs (neox: i with i + rotary_dim/2; GPT-J: 2i with 2i+1) by that token's cos/sin, in float32
+// with one cast back; the remaining channels are copied. cos/sin rows are [half] floats of the
+// token's row (token t uses row t % cos_rows: a batch of sequences sharing one table).
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+
+#include "common.h"
+
+namespace dualop {
+
+template <class C>
+static void load_row(const void* base, int64_t row, int64_t stride, int64_t half, float* out) {
+  const C* p = static_cast<const C*>(base) + row * stride;
+  for (int64_t i = 0; i < half; ++i) out[i] = to_f32(p[i]);
+}
+
+// One head: in -> out (both head_size long).
+template <class T>
+DUALOP_INLINE void rotate_head(const T* __restrict in, T* __restrict out, const float* __restrict c,
+                               const float* __restrict s, int64_t head_size, int64_t half, bool neox) {
+  if (neox) {
+#pragma omp simd
+    for (int64_t i = 0; i < half; ++i) {
+      const float x1 = to_f32(in[i]), x2 = to_f32(in[i + half]);
+      out[i] = from_f32<T>(x1 * c[i] - x2 * s[i]);
+      out[i + half] = from_f32<T>(x2 * c[i] + x1 * s[i]);
+    }
+  } else {
+#pragma omp simd
+    for (int64_t i = 0; i < half; ++i) {
+      const float x1 = to_f32(in[2 * i]), x2 = to_f32(in[2 * i + 1]);
+      out[2 * i] = from_f32<T>(x1 * c[i] - x2 * s[i]);
+      out[2 * i + 1] = from_f32<T>(x2 * c[i] + x1 * s[i]);
+    }
+  }
+  const int64_t rotary = 2 * half;
+  if (rotary < head_size) std::memcpy(out + rotary, in + rotary, (head_size - rotary) * sizeof(T));
+}
+
+template <class T>
+static void rotary_tokens(int cos_dtype, const T* q, const T* k, const void* cos, const void* sin, T* q_out,
+                          T* k_out, int64_t tokens, int64_t cos_rows, int64_t cos_stride, int64_t q_heads,
+                          int64_t k_heads, int64_t head_size, int64_t half, bool neox, int threads) {
+#pragma omp parallel num_threads(threads)
+  {
+    float c[1024], s[1024];  // half <= 1024 (checked by the caller)
+#pragma omp for schedule(static)
+    for (int64_t t = 0; t < tokens; ++t) {
+      const int64_t row = t % cos_rows;
+      switch (cos_dtype) {
+        case 0: load_row<float>(cos, row, cos_stride, half, c); load_row<float>(sin, row, cos_stride, half, s); break;
+        case 1: load_row<bf16>(cos, row, cos_stride, half, c); load_row<bf16>(sin, row, cos_stride, half, s); break;
+        default: load_row<f16>(cos, row, cos_stride, half, c); load_row<f16>(sin, row, cos_stride, half, s); break;
+      }
+      const int64_t qw = q_heads * head_size, kw = k_heads * head_size;
+      for (int64_t h = 0; h < q_heads; ++h)
+        rotate_head(q + t * qw + h * head_size, q_out + t * qw + h * head_size, c, s, head_size, half, neox);
+      if (k != nullptr)
+        for (int64_t h = 0; h < k_heads; ++h)
+          rotate_head(k + t * kw + h * head_size, k_out + t * kw + h * head_size, c, s, head_size, half, neox);
+    }
+  }
+}
+
+}  // namespace dualop
+
+// dtype / cos_dtype: 0 float32, 1 bfloat16, 2 float16. q/k/q_out/k_out contiguous [tokens, heads,
+// head_size] (k, k_out null when there is no key); cos/sin [cos_rows, half] rows cos_stride
+// elements apart. Returns 0, -1 for an unknown dtype, -2 for half > 1024.
+extern "C" int dualop_rotary(int dtype, int cos_dtype, const void* q, const void* k, const void* cos, const void* sin,
+                             void* q_out, void* k_out, int64_t tokens, int64_t cos_rows, int64_t cos_stride,
+                             int64_t q_heads, int64_t k_heads, int64_t head_size, int64_t rotary_dim, int is_neox,
+                             int threads) {
+  using namespace dualop;
+  const int64_t half = rotary_dim / 2;
+  if (half > 1024) return -2;
+  if (cos_dtype < 0 || cos_dtype > 2) return -1;
+  switch (dtype) {
+#define DUALOP_ROTARY_CASE(code, T)                                                                            \
+  case code:                                                                                                   \
+    rotary_tokens<T>(cos_dtype, static_cast<const T*>(q), static_cast<const T*>(k), cos, sin,                  \
+                     static_cast<T*>(q_out), static_cast<T*>(k_out), tokens, cos_rows, cos_stride, q_heads,   \
+                     k_heads, head_size, half, is_neox != 0, threads);                                         \
+    return 0;
+    DUALOP_ROTARY_CASE(0, float)
+    DUALOP_ROTARY_CASE(1, bf16)
+    DUALOP_ROTARY_CASE(2, f16)
+#undef DUALOP_ROTARY_CASE
+    default: return -1;
+  }
+}

@@ -1,0 +1,60 @@
+"""Rotary embedding on the CPU for torch tensors (kernel: ``csrc/rotary.cc``): query and key in one
+OpenMP pass over tokens, float32 math, one cast."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from dualop.kernels.cpu import DTYPE_CODES, load
+from dualop.kernels.cpu.common import dtype_code, pointer, threads_for
+
+__all__ = ["rotary", "supports"]
+
+MAX_HALF = 1024  # the kernel keeps a token's cos/sin row (rotary_dim / 2 floats) on the stack
+
+
+def supports(query: Any, cos: Any) -> str | None:
+    """None if the kernel takes these arguments, else why not."""
+    if dtype_code(query) is None:
+        return f"dtype {query.dtype} on {query.device} has no CPU kernel"
+    if dtype_code(cos) is None:
+        return f"cos/sin of dtype {cos.dtype} on {cos.device} have no CPU kernel"
+    if cos.shape[-1] > MAX_HALF:
+        return f"rotary_dim {2 * cos.shape[-1]} exceeds the CPU kernel's {2 * MAX_HALF}"
+    return None
+
+
+def _cos_sin_rows(cos: Any, sin: Any) -> tuple[Any, Any, int]:
+    """cos and sin with unit last stride and one shared row stride (views of one cache row stay views)."""
+    if cos.stride(-1) != 1 or sin.stride(-1) != 1 or cos.stride(0) != sin.stride(0) or cos.dtype != sin.dtype:
+        cos, sin = cos.contiguous(), sin.to(cos.dtype).contiguous()
+    return cos, sin, cos.stride(0) if cos.shape[0] > 1 else cos.shape[-1]
+
+
+def rotary(query: Any, key: Any, cos: Any, sin: Any, *, rotary_dim: int, is_neox_style: bool) -> tuple[Any, Any]:
+    """Rotate ``query`` ``[T, Hq, D]`` (and ``key`` ``[T, Hk, D]`` or None) by ``cos``/``sin``
+    ``[Tc, rotary_dim // 2]`` (token t takes row t % Tc); returns new ``(query, key)``."""
+    import torch
+
+    lib = load()
+    why = supports(query, cos)
+    if why is not None:
+        raise NotImplementedError(why)
+    tokens, q_heads, head_size = query.shape
+    query = query.contiguous()
+    q_out = torch.empty_like(query)
+    k_out = None
+    if key is not None:
+        key = key.contiguous()
+        k_out = torch.empty_like(key)
+    if tokens and query.numel():
+        cos, sin, stride = _cos_sin_rows(cos, sin)
+        status = lib.dualop_rotary(
+            dtype_code(query), DTYPE_CODES[str(cos.dtype).removeprefix("torch.")],
+            pointer(query), pointer(key), pointer(cos), pointer(sin), pointer(q_out), pointer(k_out),
+            tokens, cos.shape[0], stride, q_heads, 0 if key is None else key.shape[1], head_size, rotary_dim,
+            int(is_neox_style), threads_for(query.numel() + (0 if key is None else key.numel())),
+        )
+        if status != 0:
+            raise NotImplementedError(f"dualop_rotary returned {status}")
+    return q_out, k_out
