@@ -458,3 +458,58 @@ class DualChunkRotaryEmbedding(RotaryEmbedding):
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, chunk_size={self.chunk_size}, local_size={self.local_size}"
+
+
+def check_cases():
+    """The shapes and inputs ``dualop check`` and the tests run this family with (SMALL: every
+    cell runs them in interpreters). A shape is the query's (``x``'s for apply_rotary_emb):
+    ``[..., H*D]`` or, with last dim D, ``[T, H, D]``."""
+    from dualop.testing import OpCase, Pinned, normal
+
+    max_pos = 64
+
+    def token_shape(shape, head_size):
+        return tuple(shape[:-2] if shape[-1] == head_size and len(shape) == 3 else shape[:-1])
+
+    def rope_inputs(head_size: int, key_heads: int | None, offsets: bool = False):
+        def make(shape, rng):
+            tokens = token_shape(shape, head_size)
+            positions = Pinned(rng.integers(0, max_pos // 2 if offsets else max_pos, tokens), "int32")
+            query = normal(shape, rng, 2.0)
+            key = None if key_heads is None else normal((*tokens, key_heads * head_size), rng, 2.0)
+            if not offsets:
+                return (positions, query, key)
+            return (positions, query, key, Pinned(rng.integers(0, max_pos // 2, tokens), "int32"))
+
+        return make
+
+    def vision_inputs(fp32_angles: bool):
+        def make(shape, rng):
+            seq, half = shape[-3], shape[-1] // 2
+            angles = np.outer(np.arange(seq), 1.0 / 10000.0 ** (np.arange(half) / half)).astype(np.float32)
+            cos, sin = np.cos(angles), np.sin(angles)
+            if fp32_angles:
+                cos, sin = Pinned(cos, "float32"), Pinned(sin, "float32")
+            return (normal(shape, rng, 2.0), cos, sin)
+
+        return make
+
+    def rope(d, r, neox, cls=RotaryEmbedding, **kw):
+        return lambda s: cls(d, r, max_pos, 10000.0, neox, **kw)
+
+    return [
+        OpCase("rotary_embedding", "rotary_embedding[neox,d64]", rope(64, 64, True), rope_inputs(64, 1),
+               ((0, 128), (1, 192), (9, 256), (5, 2, 64))),
+        OpCase("rotary_embedding", "rotary_embedding[gptj,d80,partial]", rope(80, 48, False), rope_inputs(80, 2),
+               ((0, 160), (1, 80), (2, 3, 240), (6, 3, 80))),
+        OpCase("rotary_embedding", "rotary_embedding[neox,d80,no_key]", rope(80, 80, True), rope_inputs(80, None),
+               ((0, 160), (1, 160), (7, 320), (4, 2, 80))),
+        OpCase("apply_rotary_emb", "apply_rotary_emb[neox,d80]", lambda s: ApplyRotaryEmb(), vision_inputs(False),
+               ((0, 2, 80), (1, 1, 80), (7, 3, 80), (2, 5, 2, 80))),
+        OpCase("apply_rotary_emb", "apply_rotary_emb[gptj,d64,fp32]",
+               lambda s: ApplyRotaryEmb(is_neox_style=False, enable_fp32_compute=True), vision_inputs(True),
+               ((0, 2, 64), (1, 1, 64), (6, 2, 64), (2, 3, 1, 64))),
+        OpCase("dual_chunk_rotary_embedding", "dual_chunk_rotary_embedding[neox,d64,partial]",
+               rope(64, 32, True, DualChunkRotaryEmbedding, dtype=None, chunk_size=16, local_size=4),
+               rope_inputs(64, 1, offsets=True), ((0, 128), (1, 192), (9, 128), (5, 2, 64))),
+    ]
