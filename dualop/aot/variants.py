@@ -43,6 +43,11 @@ SERVING_SHAPES: dict[str, tuple[tuple[int, ...], ...]] = {
     "relu2": _POINTWISE,
     "xielu": _POINTWISE,
     "quant_fp8": ((8192, 8192), (16, 53248)),
+    # rope: Llama-3-70B (64 query heads, 8 KV heads, head 128) for the text ropes, prefill 8192 and
+    # a 16-token decode batch; the Qwen2.5-VL vision encoder (4096 patches, 16 heads, head 80).
+    "rotary_embedding": ((8192, 64 * 128), (16, 64 * 128)),
+    "dual_chunk_rotary_embedding": ((8192, 64 * 128), (16, 64 * 128)),
+    "apply_rotary_emb": ((4096, 16, 80),),
 }
 
 
@@ -62,6 +67,47 @@ SERVING_INPUTS: dict[str, Callable[[tuple[int, ...]], tuple]] = {}
 _SERVING_MAKE_OP: dict[str, Callable[[tuple[int, ...]], Any]] = {
     "rms_norm_gated[z,group]": _grouped_rms_norm_gated,
 }
+
+
+# --- rope: (tokens, query width) -> positions, query and key of Llama-3-70B's attention ------------
+_ROPE_HEAD, _ROPE_KV_HEADS, _ROPE_MAX_POSITION = 128, 8, 8192
+
+
+def _rope_inputs(shape, *, offsets: bool = False):
+    tokens, width = shape
+    positions = InputSpec((tokens,), "int32")
+    args = (positions, InputSpec((tokens, width), None), InputSpec((tokens, _ROPE_KV_HEADS * _ROPE_HEAD), None))
+    return (*args, positions) if offsets else args
+
+
+def _vision_rope_inputs(shape):
+    seq, heads, head_size = shape
+    return (InputSpec(shape, None), InputSpec((seq, head_size // 2), None), InputSpec((seq, head_size // 2), None))
+
+
+def _serving_rope(case_label: str):
+    def make(shape):
+        from dualop.ops import DualChunkRotaryEmbedding, RotaryEmbedding
+
+        neox = "gptj" not in case_label
+        rotary_dim = _ROPE_HEAD * 3 // 4 if "partial" in case_label else _ROPE_HEAD
+        if case_label.startswith("dual_chunk"):  # Qwen2.5-1M style chunks, at this cache's length
+            return DualChunkRotaryEmbedding(_ROPE_HEAD, rotary_dim, _ROPE_MAX_POSITION, 1e6, neox, None, 2048, 256)
+        return RotaryEmbedding(_ROPE_HEAD, rotary_dim, _ROPE_MAX_POSITION, 500000.0, neox)
+
+    return make
+
+
+SERVING_INPUTS.update({
+    "rotary_embedding": _rope_inputs,
+    "dual_chunk_rotary_embedding": lambda shape: _rope_inputs(shape, offsets=True),
+    "apply_rotary_emb": _vision_rope_inputs,
+})
+_SERVING_MAKE_OP.update({
+    label: _serving_rope(label)
+    for label in ("rotary_embedding[neox,d64]", "rotary_embedding[gptj,d80,partial]",
+                  "rotary_embedding[neox,d80,no_key]", "dual_chunk_rotary_embedding[neox,d64,partial]")
+})
 
 
 @dataclasses.dataclass(frozen=True)

@@ -67,6 +67,13 @@ def rotate_heads(method: str, query: Any, key: Any, cos: Any, sin: Any, rotary_d
     raise AssertionError(method)
 
 
+def _is_fake(t: Any) -> bool:
+    """Whether a torch tensor is a FakeTensor (torch.compile's and opcheck's traces make them)."""
+    import torch
+
+    return isinstance(t, torch._subclasses.fake_tensor.FakeTensor)
+
+
 def check_positive_int(op: str, name: str, value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value <= 0:
         raise ValueError(f"{op}: {name} must be a positive int, got {value!r}")
@@ -148,6 +155,9 @@ class RotaryEmbedding(CustomOp):
         """``cos_sin_cache`` as an array of ``like``'s frontend and device, in ``dtype``; made once
         per (frontend, device, dtype) and kept."""
         fe = frontend_of(like)
+        if family_of(fe) == "torch" and _is_fake(like):  # a trace's fake tensors (torch.compile, opcheck):
+            xp = array_namespace(like)  # a cache made for them is valid only in that trace, and a kept one not
+            return xp.astype(xp.asarray(self.cos_sin_cache, like, xp.float32), dtype)
         key = (fe, str(getattr(like, "device", "")), str(dtype))
         cache = self._frontend_caches.get(key)
         if cache is None:

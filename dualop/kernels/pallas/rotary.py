@@ -58,24 +58,28 @@ def rotary_reference(query, key, cos, sin, *, rotary_dim: int, is_neox_style: bo
 
 def _matrices(width: int, head_size: int, rotary_dim: int, is_neox_style: bool):
     """``E`` (half, width): channel c takes frequency j; ``P`` (width, width): x @ P is the signed
-    pair swap; ``keep`` (1, width): 1.0 on pass-through channels. Built from iotas (no inputs)."""
+    pair swap; ``keep`` (1, width): 1.0 on pass-through channels. Built from iotas (no inputs);
+    ``lax.rem``/``lax.div`` on these non-negative indices (jnp's floor rules lower to ``sign``,
+    whose Mosaic rule asks the attached device for its TPU generation)."""
+    rem, div = jax.lax.rem, jax.lax.div
     half = rotary_dim // 2
     j = jax.lax.broadcasted_iota(jnp.int32, (half, width), 0)
-    c = jax.lax.broadcasted_iota(jnp.int32, (half, width), 1) % head_size
-    freq = (c % half) if is_neox_style else (c // 2)
+    c = rem(jax.lax.broadcasted_iota(jnp.int32, (half, width), 1), head_size)
+    freq = rem(c, half) if is_neox_style else div(c, 2)
     spread = jnp.where((c < rotary_dim) & (freq == j), 1.0, 0.0).astype(jnp.bfloat16)
     src = jax.lax.broadcasted_iota(jnp.int32, (width, width), 0)
     dst = jax.lax.broadcasted_iota(jnp.int32, (width, width), 1)
-    same_head = (src // head_size) == (dst // head_size)
-    s, d = src % head_size, dst % head_size
+    same_head = div(src, head_size) == div(dst, head_size)
+    s, d = rem(src, head_size), rem(dst, head_size)
     if is_neox_style:  # rot[d] = -x[d + half] (d < half), x[d - half] (half <= d < R)
         minus = (d < half) & (s == d + half)
         plus = (d >= half) & (d < rotary_dim) & (s == d - half)
     else:  # rot[2i] = -x[2i + 1], rot[2i + 1] = x[2i]
-        minus = (d % 2 == 0) & (d < rotary_dim) & (s == d + 1)
-        plus = (d % 2 == 1) & (d < rotary_dim) & (s == d - 1)
+        even = rem(d, 2) == 0
+        minus = even & (d < rotary_dim) & (s == d + 1)
+        plus = ~even & (d < rotary_dim) & (s == d - 1)
     perm = jnp.where(same_head & minus, -1.0, jnp.where(same_head & plus, 1.0, 0.0)).astype(jnp.bfloat16)
-    lane = jax.lax.broadcasted_iota(jnp.int32, (1, width), 1) % head_size
+    lane = rem(jax.lax.broadcasted_iota(jnp.int32, (1, width), 1), head_size)
     keep = jnp.where(lane >= rotary_dim, 1.0, 0.0).astype(jnp.float32)
     return spread, perm, keep
 
@@ -123,16 +127,52 @@ def rotary(query, key, cos, sin, *, rotary_dim: int, is_neox_style: bool, interp
     ``[Tc, rotary_dim // 2]`` (T a multiple of Tc: token t takes row t % Tc). Returns ``(query, key)``.
 
     ``block_tokens`` overrides the VMEM-budget choice of tokens per grid step (tests use it to
-    force several blocks and a ragged last one)."""
-    tokens, _, head_size = query.shape
+    force several blocks and a ragged last one). Under ``vmap`` the batch folds into tokens (one
+    grid, no batched ``pallas_call``)."""
+    head_size = query.shape[-1]
     if group_width(head_size) > MAX_GROUP_WIDTH:
         raise NotImplementedError(
             f"head_size {head_size}: a lane-aligned head group is {group_width(head_size)} lanes, over the "
             f"Pallas kernel's {MAX_GROUP_WIDTH}"
         )
+    call = _build(key is not None, rotary_dim, is_neox_style, interpret, block_tokens)
+    out = call(query, cos, sin) if key is None else call(query, key, cos, sin)
+    return out[0], (out[1] if key is not None else None)
+
+
+@functools.lru_cache(maxsize=None)
+def _build(has_key: bool, rotary_dim: int, is_neox_style: bool, interpret, block_tokens: int | None):
+    launch = functools.partial(_launch, rotary_dim=rotary_dim, is_neox_style=is_neox_style, interpret=interpret,
+                               block_tokens=block_tokens)
+
+    @jax.custom_batching.custom_vmap
+    def batched(*arrays):
+        *heads, cos, sin = arrays
+        return launch(*heads, cos, sin)
+
+    @batched.def_vmap
+    def _rule(axis_size, in_batched, *arrays):
+        full = [a if b else jnp.broadcast_to(a, (axis_size, *a.shape)) for a, b in zip(arrays, in_batched)]
+        *heads, cos, sin = full
+        reps = heads[0].shape[1] // max(cos.shape[1], 1)
+        if reps > 1:  # each batch member's tokens repeat its cos/sin rows: make that explicit first
+            cos, sin = jnp.tile(cos, (1, reps, 1)), jnp.tile(sin, (1, reps, 1))
+        fold = lambda a: a.reshape(-1, *a.shape[2:])  # noqa: E731
+        out = batched(*(fold(h) for h in heads), fold(cos), fold(sin))
+        return tuple(o.reshape(axis_size, -1, *o.shape[1:]) for o in out), (True,) * len(out)
+
+    return batched
+
+
+def _launch(query, key=None, cos=None, sin=None, *, rotary_dim: int, is_neox_style: bool, interpret,
+            block_tokens: int | None):
+    """One ``pallas_call`` over token blocks for query (and key); returns a tuple of outputs."""
+    if sin is None:  # called as (query, cos, sin): no key
+        key, cos, sin = None, key, cos
+    tokens, _, head_size = query.shape
     arrays = [query] if key is None else [query, key]
     if tokens == 0 or query.size == 0:
-        return query + 0, None if key is None else key + 0
+        return tuple(a + 0 for a in arrays)
     if cos.shape[0] != tokens:
         reps = tokens // cos.shape[0]
         cos, sin = jnp.tile(cos, (reps, 1)), jnp.tile(sin, (reps, 1))
@@ -145,10 +185,9 @@ def rotary(query, key, cos, sin, *, rotary_dim: int, is_neox_style: bool, interp
     blocks = row_blocks(tokens, 1, dtype, bytes_per_elem=per_token)
     bt = blocks.block_rows if block_tokens is None else min(block_tokens, tokens)
     vmem = block_vmem_bytes(bt, 1, dtype, per_token) // 128
-    split = dtype != jnp.bfloat16
     kernel = functools.partial(
         _kernel, widths=widths, head_size=head_size, rotary_dim=rotary_dim, is_neox_style=is_neox_style,
-        split=split, cos_split=cos.dtype != jnp.bfloat16,
+        split=dtype != jnp.bfloat16, cos_split=cos.dtype != jnp.bfloat16,
     )
     token_spec = lambda width: pl.BlockSpec((bt, width), lambda i: (i, 0))  # noqa: E731
     heads = sum(widths) // head_size
@@ -165,5 +204,4 @@ def rotary(query, key, cos, sin, *, rotary_dim: int, is_neox_style: bool, interp
         interpret=interpret,
         name="dualop_rotary",
     )(cos, sin, *rows)
-    q = outs[0].reshape(query.shape)
-    return q, None if key is None else outs[1].reshape(key.shape)
+    return tuple(o.reshape(a.shape) for o, a in zip(outs, arrays))
