@@ -313,3 +313,27 @@ def test_a_kernel_never_launches_on_bad_input(monkeypatch):
     with override_platform("cpu"), set_config(OpsConfig(["all"])), pytest.raises(ValueError):
         op(torch.tensor([0, 99], dtype=torch.int32), torch.zeros(2, 64))
     assert launched == []
+
+
+# ------------------------------------------------------------------ layers
+
+
+def test_rope_layers_in_both_frontends():
+    from dualop.jax import layers as jl
+    from dualop.torch import layers as tl
+
+    pos, q, k = _kernel_inputs(4, 2, 1, 64, 64, seed=8)
+    pos = pos % 32
+    op = RotaryEmbedding(64, 64, 32, 10000.0, True)
+    want = op.forward_native(torch.from_numpy(pos), torch.from_numpy(q), torch.from_numpy(k))
+    layer = tl.RotaryEmbedding(64, 64, 32, 10000.0, True)
+    seq = torch.nn.Sequential(layer)
+    got = seq[0](torch.from_numpy(pos), torch.from_numpy(q), torch.from_numpy(k))
+    _close(got[0], want[0])
+    _close(got[1], want[1])
+    jgot = jax.jit(jl.RotaryEmbedding(64, 64, 32, 10000.0, True))(jnp.asarray(pos), jnp.asarray(q), jnp.asarray(k))
+    _close(jgot[0], want[0])
+    x, cs = _data((3, 2, 80), 9), _data((3, 40), 10, 1.0)
+    vision = tl.ApplyRotaryEmb(is_neox_style=False)(torch.from_numpy(x), torch.from_numpy(cs), torch.from_numpy(cs))
+    _close(vision, jl.ApplyRotaryEmb(is_neox_style=False)(jnp.asarray(x), jnp.asarray(cs), jnp.asarray(cs)))
+    assert isinstance(tl.DualChunkRotaryEmbedding(64, 64, 32, 1e4, True, None, 16, 4), torch.nn.Module)

@@ -257,6 +257,53 @@ def _jax_pointwise(body: Callable[[Any, Any], Any]):
     return handwritten
 
 
+# --- rope: x is the query (tokens, heads * 128) of a Llama-style attention with 8 query heads per
+# KV head; positions span an 8192-token cache. torch has no built-in rope: its peer is
+# torch.compile of the native body (the bench's torch-compile impl).
+_ROPE_HEAD, _ROPE_GROUP, _ROPE_POSITIONS = 128, 8, 8192
+
+
+def _rope(hidden: int):
+    from dualop.ops import RotaryEmbedding
+
+    return RotaryEmbedding(_ROPE_HEAD, _ROPE_HEAD, _ROPE_POSITIONS, 500000.0, True)
+
+
+def _rope_inputs(shape, rng):
+    from dualop.testing import Pinned
+
+    tokens, hidden = shape
+    positions = Pinned(rng.integers(0, _ROPE_POSITIONS, tokens).astype(np.int32), "int32")
+    return (positions, _normal(shape, rng), _normal((tokens, max(_ROPE_HEAD, hidden // _ROPE_GROUP)), rng))
+
+
+def _rope_cost(op, shape, itemsize) -> KernelCost:
+    tokens, hidden = shape
+    heads = (hidden + max(_ROPE_HEAD, hidden // _ROPE_GROUP)) // op.head_size
+    return cost_model.rotary_cost(tokens, heads, op.head_size, op.rotary_dim, itemsize)
+
+
+def _jax_rope(op):
+    """What a jax user writes: gather cos/sin rows of a float32 table, rotate halves in float32."""
+    import jax.numpy as jnp
+
+    table = jnp.asarray(op.cos_sin_cache)
+    half, head = op.rotary_dim // 2, op.head_size
+
+    def rope(positions, query, key):
+        cos, sin = jnp.split(table[positions], 2, axis=-1)
+        cos, sin = cos.astype(query.dtype).astype(jnp.float32)[:, None], sin.astype(query.dtype).astype(jnp.float32)[:, None]
+
+        def rotate(x):
+            xf = x.reshape(x.shape[0], -1, head).astype(jnp.float32)
+            x1, x2 = xf[..., :half], xf[..., half:]
+            return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1).astype(x.dtype).reshape(x.shape)
+
+        return rotate(query), rotate(key)
+
+    return rope
+
+
 CASES: tuple[BenchCase, ...] = (
     BenchCase("rms_norm", "rms_norm", _rms_norm, _norm_inputs(False), _norm_cost(False),
               _torch_rms_norm(False), _jax_rms_norm(False)),
@@ -279,6 +326,7 @@ CASES: tuple[BenchCase, ...] = (
               None, _jax_pointwise(lambda jax, x: x * jax.nn.sigmoid(1.702 * x)), default=False),
     BenchCase("relu2", "relu2", _parameterless("ReLUSquaredActivation"), _x_only, _pointwise_cost("relu2"),
               _torch_relu2, _jax_pointwise(lambda jax, x: jax.numpy.square(jax.nn.relu(x))), default=False),
+    BenchCase("rotary_embedding", "rotary_embedding", _rope, _rope_inputs, _rope_cost, None, _jax_rope),
 )
 DEFAULT_CASES: tuple[str, ...] = tuple(c.label for c in CASES if c.default)
 

@@ -115,3 +115,10 @@ class XIELU(nnx.Module):
 
     def __call__(self, x):
         return self.op(x, self.alpha_p[...], self.alpha_n[...])
+
+
+# --- rope: the engine's rotary layers hold no parameters (the cos/sin cache lives in the op, built
+# once in float32 and kept per device and dtype), so each is the op behind the layer interface.
+for _op_class in (ops.RotaryEmbedding, ops.DualChunkRotaryEmbedding, ops.ApplyRotaryEmb):
+    globals()[_op_class.__name__] = _op_layer(_op_class)
+    __all__.append(_op_class.__name__)

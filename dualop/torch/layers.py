@@ -135,3 +135,10 @@ class XIELU(nn.Module):
 
     def extra_repr(self) -> str:
         return self.op.extra_repr()
+
+
+# --- rope: the engine's rotary layers hold no parameters (the cos/sin cache lives in the op, built
+# once in float32 and kept per device and dtype), so each is the op behind the layer interface.
+for _op_class in (ops.RotaryEmbedding, ops.DualChunkRotaryEmbedding, ops.ApplyRotaryEmb):
+    globals()[_op_class.__name__] = _op_layer(_op_class)
+    __all__.append(_op_class.__name__)
