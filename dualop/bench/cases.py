@@ -326,7 +326,8 @@ CASES: tuple[BenchCase, ...] = (
               None, _jax_pointwise(lambda jax, x: x * jax.nn.sigmoid(1.702 * x)), default=False),
     BenchCase("relu2", "relu2", _parameterless("ReLUSquaredActivation"), _x_only, _pointwise_cost("relu2"),
               _torch_relu2, _jax_pointwise(lambda jax, x: jax.numpy.square(jax.nn.relu(x))), default=False),
-    BenchCase("rotary_embedding", "rotary_embedding", _rope, _rope_inputs, _rope_cost, None, _jax_rope),
+    BenchCase("rotary_embedding", "rotary_embedding", _rope, _rope_inputs, _rope_cost, None, _jax_rope,
+              default=False),
 )
 DEFAULT_CASES: tuple[str, ...] = tuple(c.label for c in CASES if c.default)
 

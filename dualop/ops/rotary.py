@@ -32,6 +32,7 @@ INT_DTYPES = frozenset({"int32", "int64"})
 # One rotation kernel per backend, shared by every rope op: query [T, Hq, D] and key [T, Hk, D] (or
 # None) by per-token cos/sin [Tc, rotary_dim / 2] (token t takes row t % Tc), in one launch.
 _PALLAS_ROTARY = KernelRef("dualop.kernels.pallas.rotary", "rotary")
+_PALLAS_ROTARY_QUERY = KernelRef("dualop.kernels.pallas.rotary", "rotary_query")
 _TRITON_ROTARY = KernelRef("dualop.kernels.cuda.rotary", "rotary")
 _CPU_ROTARY = KernelRef("dualop.kernels.cpu.rotary", "rotary")
 KERNEL_METHODS = ("forward_tpu", "forward_cuda", "forward_cpu")
@@ -57,6 +58,9 @@ def rotate_heads(method: str, query: Any, key: Any, cos: Any, sin: Any, rotary_d
     fe = frontend_of(query)
     static = dict(rotary_dim=rotary_dim, is_neox_style=is_neox_style)
     if method == "forward_tpu":
+        if key is None:  # one output: no None for the bridges to carry
+            native = lambda q, c, s: rotate_pair(q, None, c, s, **static)[0]  # noqa: E731
+            return call_pallas(fe, _PALLAS_ROTARY_QUERY, query, cos, sin, native=native, **static), None
         native = functools.partial(rotate_pair, **static)
         return call_pallas(fe, _PALLAS_ROTARY, query, key, cos, sin, native=native, **static)
     if method == "forward_cuda":

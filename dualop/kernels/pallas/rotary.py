@@ -36,7 +36,7 @@ from dualop.kernels.pallas.common import (
 )
 from dualop.kernels.rope_math import rotate
 
-__all__ = ["rotary", "rotary_reference", "group_width", "MAX_GROUP_WIDTH"]
+__all__ = ["rotary", "rotary_query", "rotary_reference", "group_width", "MAX_GROUP_WIDTH"]
 
 # Widest head group (lanes) the kernel takes: its permutation matrix is group_width² floats.
 MAX_GROUP_WIDTH = 1024
@@ -138,6 +138,14 @@ def rotary(query, key, cos, sin, *, rotary_dim: int, is_neox_style: bool, interp
     call = _build(key is not None, rotary_dim, is_neox_style, interpret, block_tokens)
     out = call(query, cos, sin) if key is None else call(query, key, cos, sin)
     return out[0], (out[1] if key is not None else None)
+
+
+def rotary_query(query, cos, sin, *, rotary_dim: int, is_neox_style: bool, interpret=False,
+                 block_tokens: int | None = None):
+    """``rotary`` with no key, returning the rotated query alone (one array: the form the
+    torch_xla, torchax and torch_tpu bridges take when there is no second output)."""
+    return rotary(query, None, cos, sin, rotary_dim=rotary_dim, is_neox_style=is_neox_style, interpret=interpret,
+                  block_tokens=block_tokens)[0]
 
 
 @functools.lru_cache(maxsize=None)
