@@ -18,8 +18,10 @@ CELLS = [("torch", "cpu"), ("torch", "cuda"), ("jax", "tpu")]
 @st.composite
 def problems(draw):
     case = draw(st.sampled_from(CASES))
+    ranks = sorted({len(s) for s in case.shapes})  # the ranks the op takes (apply_rotary_emb: 3 and 4)
     last = draw(st.sampled_from(sorted({s[-1] for s in case.shapes})))
-    lead = draw(st.lists(st.integers(0, 5), min_size=1, max_size=2))
+    rank = draw(st.sampled_from([r for r in ranks if r <= 3] or ranks))
+    lead = draw(st.lists(st.integers(0, 5), min_size=rank - 1, max_size=rank - 1))
     dtype = draw(st.sampled_from(["float32", "bfloat16", "float16"]))
     scale = draw(st.sampled_from([1.0, 1e3]))
     special = draw(st.sampled_from([None, np.inf, -np.inf, np.nan]))
@@ -31,10 +33,11 @@ def problems(draw):
 def _inputs(case, shape, dtype, scale, special, seed, frontend):
     rng = np.random.default_rng(seed)
     raw = list(case.make_inputs(shape, rng))
-    x = raw[0] * np.float32(scale / 3.0)
+    main = next(i for i, a in enumerate(raw) if isinstance(a, np.ndarray))  # not an integer (Pinned) input
+    x = raw[main] * np.float32(scale / 3.0)
     if special is not None and x.size:
         x.flat[rng.integers(x.size)] = special
-    raw[0] = x
+    raw[main] = x
     return tuple(testing.to_frontend(a, frontend, dtype) for a in raw)
 
 
@@ -55,6 +58,9 @@ def test_fast_paths_agree_with_native(problem):
     want = op.forward_native(*args)
     got, want = (got, want) if isinstance(got, tuple) else ((got,), (want,))
     for g, w in zip(got, want):
+        if g is None or w is None:  # an output that is None when an optional input is (rope's key)
+            assert g is None and w is None
+            continue
         key, _ = testing.tolerance_for(dtype, w)
         cmp = testing.compare(testing.to_numpy(g), testing.to_numpy(w), key)
         assert cmp.ok, (case.label, shape, dtype, scale, special, frontend, platform, cmp)

@@ -12,6 +12,8 @@ torch >= 2.11: the xla environment (torch 2.9) has none, and these tests skip th
 
 from __future__ import annotations
 
+import math
+
 import os
 import subprocess
 import sys
@@ -62,9 +64,14 @@ def _fake_tpu(a):
     return torch.empty(tuple(a.shape), dtype=a.dtype, device="tpu")
 
 
+# Ops whose forward_tpu launches its kernel more than once (dual chunk rope: the key's angles,
+# then five query angle sets).
+KERNEL_LAUNCHES = {"dual_chunk_rotary_embedding": 6}
+
+
 def _structure(out) -> list[tuple[tuple[int, ...], str]]:
     outs = out if isinstance(out, (tuple, list)) else (out,)
-    return [(tuple(o.shape), str(o.dtype)) for o in outs]
+    return [(tuple(o.shape), str(o.dtype)) for o in outs if o is not None]  # None: an absent optional output
 
 
 def _bridge_nodes(gm) -> list:
@@ -92,19 +99,23 @@ def test_every_op_case_reaches_a_registered_pallas_op_on_tpu_tensors(tpu_device,
                 gm = make_fx(lambda *a: op(*a))(*fake)
             assert _structure(got) == want, where
             outs = got if isinstance(got, (tuple, list)) else (got,)
-            assert all(o.device.type == "tpu" for o in outs), where
+            assert all(o.device.type == "tpu" for o in outs if o is not None), where
             row = report_row(type(op), "torch_tpu", "tpu")
             assert row is not None and row["method"] == "forward_tpu", (where, row)
             assert "declined" not in row["reason"], (where, row)
 
             nodes = _bridge_nodes(gm)
-            assert len(nodes) == 1, (where, gm.code)
-            meta_args = [
-                torch.empty(tuple(a.meta["val"].shape), dtype=a.meta["val"].dtype, device="meta")
-                if isinstance(a, torch.fx.Node) else a
-                for a in nodes[0].args
-            ]
-            assert _structure(nodes[0].target(*meta_args)) == want, where
+            assert len(nodes) == KERNEL_LAUNCHES.get(case.op, 1), (where, gm.code)
+            for node in nodes:  # each registered op infers, on meta tensors, what it gave in the trace
+                meta_args = [
+                    torch.empty(tuple(a.meta["val"].shape), dtype=a.meta["val"].dtype, device="meta")
+                    if isinstance(a, torch.fx.Node) else a
+                    for a in node.args
+                ]
+                assert _structure(node.target(*meta_args)) == _structure(node.meta["val"]), where
+            if len(nodes) == 1 and _structure(nodes[0].meta["val"]) != want:
+                # the kernel's outputs are views of the op's (rope rotates [T, H, D] views of [T, H*D])
+                assert [math.prod(s) for s, _ in _structure(nodes[0].meta["val"])] == [math.prod(s) for s, _ in want], where
 
 
 def test_one_registered_op_per_kernel_inputs_and_static_options(tpu_device):

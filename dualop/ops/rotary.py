@@ -325,6 +325,8 @@ class ApplyRotaryEmb(CustomOp):
 
     def _rotate(self, method: str | None, x: Any, cos: Any, sin: Any) -> Any:
         xp = array_namespace(x)
+        if not int(np.prod(x.shape)):
+            return x + 0  # nothing to rotate (a new array, as every call returns)
         cos, sin = self.angles(x, cos, sin)
         heads = x.reshape(-1, x.shape[-2], x.shape[-1])
         static = dict(rotary_dim=x.shape[-1], is_neox_style=self.is_neox_style)

@@ -12,8 +12,10 @@ so every slice of the block is lane-aligned. The pair swap is a matmul by a sign
 by a 0/1 matrix ``E`` (no lane shuffles at unaligned offsets, which a head size of 80 would need):
 ``out = x * (cos @ E + pass) + (x @ P) * (sin @ E)``, ``pass`` being 1 on pass-through channels. The
 MXU products are exact: bfloat16 operands are multiplied by +-1 and 0 with float32 accumulation;
-float32 and float16 operands are split into three bfloat16 parts that sum back exactly. (A
-non-finite input channel makes its whole head group NaN here: 0 * inf in the products.)
+float32 and float16 operands are split into three bfloat16 parts that sum back exactly.
+Non-finite channels are carried by a second product of small codes (``_swap``), so inf and NaN land
+where the native formula puts them. cos/sin (the op's cache, or ApplyRotaryEmb's arguments) must
+be finite: a non-finite angle spreads NaN over its head group's channels.
 """
 
 from __future__ import annotations
@@ -98,6 +100,18 @@ def _exact_dot(a, m, split: bool):
     return dot(hi, m) + dot(mid, m) + dot(lo, m)
 
 
+def _swap(xf, perm, split: bool):
+    """``xf @ perm`` (the signed pair swap) with non-finite values moved, not smeared: the product
+    runs on the finite values (0 * inf would make the whole group NaN), and each non-finite value
+    travels as a small code (+-1: +-inf, 2: NaN) through a second, exact bfloat16 product."""
+    finite = jnp.abs(xf) < jnp.inf  # False for inf and NaN
+    rot = _exact_dot(jnp.where(finite, xf, 0.0), perm, split)
+    code = jnp.where(finite, 0.0, jnp.where(xf != xf, 2.0, jnp.where(xf > 0, 1.0, -1.0)))
+    moved = _exact_dot(code, perm, False)
+    special = jnp.where(moved == 1.0, jnp.inf, jnp.where(moved == -1.0, -jnp.inf, jnp.nan))
+    return jnp.where(moved == 0.0, rot, special)
+
+
 def _kernel(cos_ref, sin_ref, *refs, widths: tuple[int, ...], head_size: int, rotary_dim: int,
             is_neox_style: bool, split: bool, cos_split: bool):
     n = len(widths)
@@ -114,9 +128,8 @@ def _kernel(cos_ref, sin_ref, *refs, widths: tuple[int, ...], head_size: int, ro
                 s = _exact_dot(sin, spread, cos_split)
                 made[w] = (perm, c, s)
             perm, c, s = made[w]
-            x = x_ref[:, start:start + w]
-            xf = x.astype(jnp.float32)
-            out = xf * c + _exact_dot(x, perm, split) * s
+            xf = x_ref[:, start:start + w].astype(jnp.float32)
+            out = xf * c + _swap(xf, perm, split) * s
             o_ref[:, start:start + w] = out.astype(o_ref.dtype)
 
 
