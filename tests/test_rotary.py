@@ -337,3 +337,20 @@ def test_rope_layers_in_both_frontends():
     vision = tl.ApplyRotaryEmb(is_neox_style=False)(torch.from_numpy(x), torch.from_numpy(cs), torch.from_numpy(cs))
     _close(vision, jl.ApplyRotaryEmb(is_neox_style=False)(jnp.asarray(x), jnp.asarray(cs), jnp.asarray(cs)))
     assert isinstance(tl.DualChunkRotaryEmbedding(64, 64, 32, 1e4, True, None, 16, 4), torch.nn.Module)
+
+
+@pytest.mark.parametrize("special", [np.inf, -np.inf, np.nan])
+def test_pallas_kernel_puts_non_finite_values_where_native_does(special):
+    """The MXU pair swap must not smear a non-finite channel over its head group (0 * inf)."""
+    from dualop.kernels.pallas.common import interpret_mode
+    from dualop.kernels.pallas.rotary import rotary
+
+    op = RotaryEmbedding(80, 80, 64, 10000.0, True)
+    q = _data((3, 4, 80), 11)
+    q[1, 2, 5] = special
+    pos = jnp.asarray([0, 7, 63], jnp.int32)
+    cos, sin = op.cos_sin(pos, jnp.float32)
+    got, _ = rotary(jnp.asarray(q), None, cos, sin, rotary_dim=80, is_neox_style=True, interpret=interpret_mode())
+    want, _ = op.forward_native(pos, jnp.asarray(q))
+    _close(got, want)
+    assert int(jnp.sum(~jnp.isfinite(got))) == int(jnp.sum(~jnp.isfinite(want))) == 2
