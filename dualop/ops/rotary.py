@@ -11,6 +11,7 @@ differently (multimodal, dual chunk) override ``cos_sin``. All share the same ro
 from __future__ import annotations
 
 import functools
+import math
 import threading
 from typing import Any
 
@@ -324,17 +325,13 @@ class ApplyRotaryEmb(CustomOp):
         return xp.astype(cos, dtype), xp.astype(sin, dtype)
 
     def _rotate(self, method: str | None, x: Any, cos: Any, sin: Any) -> Any:
-        xp = array_namespace(x)
-        if not int(np.prod(x.shape)):
-            return x + 0  # nothing to rotate (a new array, as every call returns)
         cos, sin = self.angles(x, cos, sin)
-        heads = x.reshape(-1, x.shape[-2], x.shape[-1])
+        heads = x.reshape(math.prod(x.shape[:-2]), x.shape[-2], x.shape[-1])  # no -1: H may be 0
         static = dict(rotary_dim=x.shape[-1], is_neox_style=self.is_neox_style)
         if method is None:
             out, _ = rotate_pair(heads, None, cos, sin, **static)
         else:
             out, _ = rotate_heads(method, heads, None, cos, sin, **static)
-        del xp
         return out.reshape(x.shape)
 
     def forward_native(self, x: Any, cos: Any, sin: Any) -> Any:
