@@ -24,6 +24,7 @@ __all__ = [
     "pointwise_activation_cost",
     "quant_fp8_cost",
     "row_amax_cost",
+    "ragged_paged_attention_cost",
     "POINTWISE_COUNTS",
 ]
 
@@ -104,3 +105,18 @@ def row_amax_cost(rows: int, hidden: int, itemsize: int) -> KernelCost:
     write one float32 per row."""
     n = rows * hidden
     return KernelCost(flops=2 * n, transcendentals=0, bytes_accessed=n * itemsize + 4 * rows)
+
+
+def ragged_paged_attention_cost(tokens: int, q_heads: int, kv_heads: int, head_dim: int, cache_tokens: int,
+                                kv_per_query: int, q_itemsize: int, kv_itemsize: int,
+                                soft_cap: bool) -> KernelCost:
+    """Ragged paged attention, bounded from above (the real work depends on the lengths, which
+    are data): every query row scores ``kv_per_query`` positions (two matmuls, one exp each, a
+    tanh more with a soft cap); q is read and the output written once, and the KV cache is read
+    at most once (``cache_tokens`` positions of K and V)."""
+    scores = tokens * q_heads * kv_per_query
+    return KernelCost(
+        flops=4 * scores * head_dim,
+        transcendentals=scores * (2 if soft_cap else 1),
+        bytes_accessed=2 * tokens * q_heads * head_dim * q_itemsize + cache_tokens * 2 * kv_heads * head_dim * kv_itemsize,
+    )
