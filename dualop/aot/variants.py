@@ -173,3 +173,31 @@ def variants_for(ops: list[str] | None, dtypes: list[str]) -> list[Variant]:
                 v = Variant(case, dtype, shape, is_serving, specs)
                 variants.setdefault(v.key, v)
     return list(variants.values())
+
+
+# ragged_paged_attention: (T, num_seqs, num_pages, page_size, pages_per_seq, Hq, Hkv, D). One mixed
+# serving step of 2048 query tokens over 256 sequences (prefill chunks and many decodes) and a
+# 2048-page cache, Llama-3-8B heads (32 / 8, d 128) at pages of 16 and 128 tokens, then head dims
+# 64 and 256 (Gemma: 16 / 8 heads); pages_per_seq bounds a sequence at 2048 (4096) positions.
+SERVING_SHAPES["ragged_paged_attention"] = (
+    (2048, 256, 2048, 16, 128, 32, 8, 128),
+    (2048, 256, 2048, 128, 32, 32, 8, 128),
+    (2048, 256, 2048, 16, 128, 32, 8, 64),
+    (2048, 256, 2048, 16, 128, 16, 8, 256),
+)
+
+
+def _ragged_paged_attention_inputs(shape: tuple[int, ...]) -> tuple:
+    """q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs for one SERVING_SHAPES entry."""
+    tokens, seqs, pages, page_size, pages_per_seq, q_heads, kv_heads, head_dim = shape
+    return (
+        InputSpec((tokens, q_heads, head_dim), None),
+        InputSpec((pages, page_size, 2 * kv_heads, head_dim), None),
+        InputSpec((seqs,), "int32"),
+        InputSpec((seqs, pages_per_seq), "int32"),
+        InputSpec((seqs + 1,), "int32"),
+        InputSpec((1,), "int32"),
+    )
+
+
+SERVING_INPUTS["ragged_paged_attention"] = _ragged_paged_attention_inputs

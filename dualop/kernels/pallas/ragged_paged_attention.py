@@ -178,7 +178,8 @@ def _kernel(kv_lens_ref, page_ids_ref, cu_q_lens_ref, num_seqs_ref,  # scalar pr
             first, end = kv_blocks(s)
             return live(s) & (first >= end)
 
-        return jax.lax.while_loop(idle, lambda s: s + 1, s)
+        # Loop conditions read no refs (the generic interpreter of JAX 0.7 cannot discharge them).
+        return jax.lax.while_loop(lambda c: c[1], lambda c: (c[0] + 1, idle(c[0] + 1)), (s, idle(s)))[0]
 
     def advance(s, kb):
         """The (sequence, KV block) step after (s, kb)."""
@@ -224,7 +225,8 @@ def _kernel(kv_lens_ref, page_ids_ref, cu_q_lens_ref, num_seqs_ref,  # scalar pr
             k = _scaled(buf[pl.ds(2 * h, kv_tokens, stride=combined), :], k_scale, q_ref.dtype)
             v = _scaled(buf[pl.ds(2 * h + 1, kv_tokens, stride=combined), :], v_scale, q_ref.dtype)
             v = jnp.where(kv_in_seq, v, jnp.zeros_like(v))  # stale tail rows may hold NaN
-            for g in range(group):
+
+            def one_query_head(g, _, k=k, v=v, h=h):
                 hq = h * group + g
                 scores = jax.lax.dot_general(q_ref[hq], k, (((1,), (1,)), ((), ())),
                                              preferred_element_type=jnp.float32) * sm_scale
@@ -241,6 +243,10 @@ def _kernel(kv_lens_ref, page_ids_ref, cu_q_lens_ref, num_seqs_ref,  # scalar pr
                 acc_ref[hq] = jnp.where(own_d, acc_prev * alpha[:, :1] + pv, acc_prev)
                 m_ref[hq] = jnp.where(own_l, m_new, m_prev)
                 l_ref[hq] = jnp.where(own_l, l_new, l_prev)
+                return 0
+
+            # A loop, not unrolled: the query heads of a group share K and V, and the program stays small.
+            jax.lax.fori_loop(0, group, one_query_head, 0)
 
     m_ref[...] = jnp.full(m_ref.shape, -jnp.inf, jnp.float32)
     l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
@@ -257,7 +263,7 @@ def _kernel(kv_lens_ref, page_ids_ref, cu_q_lens_ref, num_seqs_ref,  # scalar pr
     def two_steps(carry):
         """Compute the step in buffer A (its copy already started) and the next one in B,
         starting each following step's copy before computing the current one."""
-        s, kb = carry
+        s, kb, _ = carry
         s_b, kb_b = advance(s, kb)
 
         @pl.when(live(s_b))
@@ -277,10 +283,10 @@ def _kernel(kv_lens_ref, page_ids_ref, cu_q_lens_ref, num_seqs_ref,  # scalar pr
             wait(s_b, kb_b, buf_b, sem_b)
             compute(s_b, kb_b, buf_b)
 
-        done = jnp.logical_not(live(s_b))
-        return jnp.where(done, s_b, s_a), kb_a
+        s_next = jnp.where(live(s_b), s_a, s_b)
+        return s_next, kb_a, live(s_next)
 
-    jax.lax.while_loop(lambda c: live(c[0]), two_steps, (s0, kb0))
+    jax.lax.while_loop(lambda c: c[2], two_steps, (s0, kb0, live(s0)))
 
     for hq in range(o_ref.shape[0]):
         l = l_ref[hq][:, :1]
