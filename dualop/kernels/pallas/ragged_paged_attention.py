@@ -21,8 +21,9 @@ max, sum and float32 accumulator in VMEM scratch; rows of other sequences in the
 K and V of head h are read from a buffer as strided row loads: the wrapper views the cache as
 ``[num_pages, page_size * 2*Hkv, D]`` (free when 2*Hkv is a multiple of the sublane tile, else XLA
 copies), so token t's combined head c is buffer row ``t * 2*Hkv + c``. Mosaic refuses per-head DMAs
-(an offset inside a tiled dim) and dynamic strided loads of packed types, hence whole-page copies
-and two buffers with static names rather than one indexed by a traced slot.
+(an offset inside a tiled dim), dynamic strided loads of packed types, and strided loads from a
+buffer wider than 128 lanes; hence whole-page copies (a head dim over 128 in 128-lane chunks, one
+buffer each) and two buffers with static names rather than one indexed by a traced slot.
 
 Defensive reads (the op validates, but no int value may make the kernel read out of bounds):
 sequence ids stop at ``min(num_seqs[0], S)``; kv_lens are clipped to [0, pages_per_seq *
@@ -133,9 +134,12 @@ def _scaled(x: jax.Array, scale: float | None, dtype) -> jax.Array:
 
 def _kernel(kv_lens_ref, page_ids_ref, cu_q_lens_ref, num_seqs_ref,  # scalar prefetch (SMEM)
             q_ref, kv_hbm, o_ref,  # (Hq, block_q, D) blocks; the cache in HBM
-            buf_a, buf_b, sems, m_ref, l_ref, acc_ref,  # scratch
-            *, sm_scale, sliding_window, soft_cap, mask_value, k_scale, v_scale,
-            page_size, pages_per_block, pages_per_seq, num_pages, max_seqs, kv_heads, group):
+            *scratch,  # page buffers A and B (lane_chunks each), DMA semaphores, max, sum, accumulator
+            sm_scale, sliding_window, soft_cap, mask_value, k_scale, v_scale,
+            page_size, pages_per_block, pages_per_seq, num_pages, max_seqs, kv_heads, group, lane_chunks):
+    bufs_a, bufs_b = scratch[:lane_chunks], scratch[lane_chunks:2 * lane_chunks]
+    sems, m_ref, l_ref, acc_ref = scratch[2 * lane_chunks:]
+    chunk = q_ref.shape[2] // lane_chunks
     block_q, head_dim = q_ref.shape[1], q_ref.shape[2]
     combined = 2 * kv_heads
     kv_tokens = pages_per_block * page_size  # KV positions per block
@@ -188,25 +192,33 @@ def _kernel(kv_lens_ref, page_ids_ref, cu_q_lens_ref, num_seqs_ref,  # scalar pr
         on = kb + 1 < end
         return jnp.where(on, s, nxt), jnp.where(on, kb + 1, kv_blocks(nxt)[0])
 
-    def page_copies(s, kb, buf, sem):
+    def page_copies(s, kb, bufs, sem):
+        """One DMA per page (per 128-lane chunk of a head dim over 128) into ``bufs``."""
         base = jnp.minimum(s, max_seqs - 1) * pages_per_seq
         copies = []
         for j in range(pages_per_block):
             column = jnp.minimum(kb * pages_per_block + j, pages_per_seq - 1)
             page = jnp.clip(page_ids_ref[base + column], 0, num_pages - 1)
-            copies.append(pltpu.make_async_copy(kv_hbm.at[page], buf.at[pl.ds(j * page_rows, page_rows)], sem))
+            for c, buf in enumerate(bufs):
+                src = kv_hbm.at[page] if lane_chunks == 1 else kv_hbm.at[page, :, pl.ds(c * chunk, chunk)]
+                copies.append(pltpu.make_async_copy(src, buf.at[pl.ds(j * page_rows, page_rows)], sem))
         return copies
 
-    def start(s, kb, buf, sem):
-        for copy in page_copies(s, kb, buf, sem):
+    def start(s, kb, bufs, sem):
+        for copy in page_copies(s, kb, bufs, sem):
             copy.start()
 
-    def wait(s, kb, buf, sem):
-        for copy in page_copies(s, kb, buf, sem):
+    def wait(s, kb, bufs, sem):
+        for copy in page_copies(s, kb, bufs, sem):
             copy.wait()
 
-    def compute(s, kb, buf):
-        """Fold KV block ``kb`` of sequence ``s`` (in ``buf``) into the rows of ``s`` in this block."""
+    def load_head(bufs, c):
+        """Combined head ``c`` of every position in the block: a strided row load per chunk."""
+        parts = [buf[pl.ds(c, kv_tokens, stride=combined), :] for buf in bufs]
+        return parts[0] if lane_chunks == 1 else jnp.concatenate(parts, axis=1)
+
+    def compute(s, kb, bufs):
+        """Fold KV block ``kb`` of sequence ``s`` (in ``bufs``) into the rows of ``s`` in this block."""
         row_lo, row_hi, kv_len, pos_of_row0 = seq_info(s)
 
         def rows_of_seq(width):
@@ -222,8 +234,8 @@ def _kernel(kv_lens_ref, page_ids_ref, cu_q_lens_ref, num_seqs_ref,  # scalar pr
         own_l, own_d = rows_of_seq(_LANES), rows_of_seq(head_dim)
         kv_in_seq = kb * kv_tokens + jax.lax.broadcasted_iota(jnp.int32, (kv_tokens, head_dim), 0) < kv_len
         for h in range(kv_heads):
-            k = _scaled(buf[pl.ds(2 * h, kv_tokens, stride=combined), :], k_scale, q_ref.dtype)
-            v = _scaled(buf[pl.ds(2 * h + 1, kv_tokens, stride=combined), :], v_scale, q_ref.dtype)
+            k = _scaled(load_head(bufs, 2 * h), k_scale, q_ref.dtype)
+            v = _scaled(load_head(bufs, 2 * h + 1), v_scale, q_ref.dtype)
             v = jnp.where(kv_in_seq, v, jnp.zeros_like(v))  # stale tail rows may hold NaN
 
             def one_query_head(g, _, k=k, v=v, h=h):
@@ -258,7 +270,7 @@ def _kernel(kv_lens_ref, page_ids_ref, cu_q_lens_ref, num_seqs_ref,  # scalar pr
 
     @pl.when(live(s0))
     def _():
-        start(s0, kb0, buf_a, sem_a)
+        start(s0, kb0, bufs_a, sem_a)
 
     def two_steps(carry):
         """Compute the step in buffer A (its copy already started) and the next one in B,
@@ -268,20 +280,20 @@ def _kernel(kv_lens_ref, page_ids_ref, cu_q_lens_ref, num_seqs_ref,  # scalar pr
 
         @pl.when(live(s_b))
         def _():
-            start(s_b, kb_b, buf_b, sem_b)
+            start(s_b, kb_b, bufs_b, sem_b)
 
-        wait(s, kb, buf_a, sem_a)
-        compute(s, kb, buf_a)
+        wait(s, kb, bufs_a, sem_a)
+        compute(s, kb, bufs_a)
         s_a, kb_a = advance(s_b, kb_b)
 
         @pl.when(live(s_b))
         def _():
             @pl.when(live(s_a))
             def _():
-                start(s_a, kb_a, buf_a, sem_a)
+                start(s_a, kb_a, bufs_a, sem_a)
 
-            wait(s_b, kb_b, buf_b, sem_b)
-            compute(s_b, kb_b, buf_b)
+            wait(s_b, kb_b, bufs_b, sem_b)
+            compute(s_b, kb_b, bufs_b)
 
         s_next = jnp.where(live(s_b), s_a, s_b)
         return s_next, kb_a, live(s_next)
@@ -311,6 +323,8 @@ def ragged_paged_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_se
     blocks = block_sizes or choose_block_sizes(tokens, q_heads, kv_heads, head_dim, page_size, pages_per_seq,
                                                q.dtype, kv_pages.dtype)
     block_q = blocks.block_q
+    # Mosaic's strided loads want a buffer at most 128 lanes wide: wider heads come in 128-lane chunks.
+    lane_chunks = head_dim // _LANES if head_dim > _LANES and head_dim % _LANES == 0 else 1
     padded = pl.cdiv(tokens, block_q) * block_q
     q_heads_first = jnp.pad(q, ((0, padded - tokens), (0, 0), (0, 0))).transpose(1, 0, 2)
     kernel = functools.partial(
@@ -318,8 +332,9 @@ def ragged_paged_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_se
         mask_value=DEFAULT_MASK_VALUE if mask_value is None else float(mask_value),
         k_scale=k_scale, v_scale=v_scale, page_size=page_size, pages_per_block=blocks.pages_per_block,
         pages_per_seq=pages_per_seq, num_pages=num_pages, max_seqs=max_seqs, kv_heads=kv_heads,
-        group=q_heads // kv_heads)
+        group=q_heads // kv_heads, lane_chunks=lane_chunks)
     kv_rows = blocks.pages_per_block * page_size * combined
+    page_buffers = [pltpu.VMEM((kv_rows, head_dim // lane_chunks), kv_pages.dtype)] * (2 * lane_chunks)
     io_block = pl.BlockSpec((q_heads, block_q, head_dim), lambda i, *_: (0, i, 0))
     vmem = blocks.vmem_bytes(q_heads=q_heads, kv_heads=kv_heads, head_dim=head_dim, page_size=page_size,
                              q_dtype=q.dtype, kv_dtype=kv_pages.dtype)
@@ -335,8 +350,7 @@ def ragged_paged_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_se
             in_specs=[io_block, pl.BlockSpec(memory_space=_ANY)],
             out_specs=io_block,
             scratch_shapes=[
-                pltpu.VMEM((kv_rows, head_dim), kv_pages.dtype),
-                pltpu.VMEM((kv_rows, head_dim), kv_pages.dtype),
+                *page_buffers,
                 pltpu.SemaphoreType.DMA((2,)),
                 pltpu.VMEM((q_heads, block_q, _LANES), jnp.float32),
                 pltpu.VMEM((q_heads, block_q, _LANES), jnp.float32),
