@@ -318,7 +318,7 @@ def ragged_paged_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_se
     num_pages, page_size, combined, _ = kv_pages.shape
     kv_heads = combined // 2
     max_seqs, pages_per_seq = page_indices.shape
-    if tokens == 0 or max_seqs == 0:
+    if tokens == 0 or max_seqs == 0 or pages_per_seq == 0:  # nothing to attend to (and no empty SMEM array)
         return jnp.zeros(q.shape, q.dtype)
     blocks = block_sizes or choose_block_sizes(tokens, q_heads, kv_heads, head_dim, page_size, pages_per_seq,
                                                q.dtype, kv_pages.dtype)
