@@ -139,8 +139,8 @@ def _kernel(kv_lens_ref, page_ids_ref, cu_q_lens_ref, num_seqs_ref,  # scalar pr
             page_size, pages_per_block, pages_per_seq, num_pages, max_seqs, kv_heads, group, lane_chunks):
     bufs_a, bufs_b = scratch[:lane_chunks], scratch[lane_chunks:2 * lane_chunks]
     sems, m_ref, l_ref, acc_ref = scratch[2 * lane_chunks:]
-    chunk = q_ref.shape[2] // lane_chunks
     block_q, head_dim = q_ref.shape[1], q_ref.shape[2]
+    chunk = head_dim // lane_chunks  # lanes per page buffer
     combined = 2 * kv_heads
     kv_tokens = pages_per_block * page_size  # KV positions per block
     page_rows = page_size * combined  # buffer rows one page fills
@@ -247,8 +247,11 @@ def _kernel(kv_lens_ref, page_ids_ref, cu_q_lens_ref, num_seqs_ref,  # scalar pr
                 scores = jnp.where(visible, scores, mask_value)
                 m_prev, l_prev = m_ref[hq], l_ref[hq]  # (block_q, 128), equal across lanes
                 m_new = jnp.maximum(m_prev, jnp.max(scores, axis=1, keepdims=True))
-                p = jnp.exp(scores - m_new[:, :1])
-                alpha = jnp.exp(m_prev - m_new)
+                # -inf until a row has seen a position (a window starting in a later block, with
+                # mask_value -inf): subtract 0 then, so exp gives 0 rather than NaN.
+                m_shift = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+                p = jnp.exp(scores - m_shift[:, :1])
+                alpha = jnp.exp(m_prev - m_shift)
                 l_new = alpha * l_prev + jnp.sum(p, axis=1, keepdims=True)
                 pv = jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)
                 acc_prev = acc_ref[hq]
