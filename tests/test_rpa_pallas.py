@@ -143,3 +143,5 @@ def test_compiles_for_v5e_at_a_serving_shape():
     assert result.status == "ok", result.message
     (kernel,) = result.kernels
     assert kernel["kernel"] == "dualop_ragged_paged_attention" and kernel["grid"][0] > 1
+    # The cache stays in HBM (128 MiB here): only the blocks and scratch count as VMEM.
+    assert 0 < kernel["vmem_bytes"] < 32 * 2**20
