@@ -21,7 +21,8 @@ from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas.ops.tpu.ragged_paged_attention import ref_ragged_paged_attention
 
 from dualop import testing
-from dualop.kernels.pallas.ragged_paged_attention import BlockSizes, ragged_paged_attention
+from dualop.kernels.pallas.common import compile_target, step_vmem_ceiling
+from dualop.kernels.pallas.ragged_paged_attention import BlockSizes, choose_block_sizes, ragged_paged_attention
 
 INTERPRETERS = {"generic": lambda: True, "tpu": lambda: pltpu.InterpretParams()}
 # A bfloat16 output is a weighted sum of bfloat16-rounded probabilities (the reference rounds them
@@ -75,7 +76,7 @@ def make_batch(layout: Layout, q_lens, kv_lens, seed: int):
     return (jnp.asarray(q, dtype), jnp.asarray(kv, dtype), jnp.asarray(lens), jnp.asarray(page_indices),
             jnp.asarray(cu), jnp.asarray([n], jnp.int32))
 
-def check_batch(inputs, interpreter: str, blocks: BlockSizes, **options):
+def check_batch(inputs, interpreter: str, blocks: BlockSizes | None, **options):
     """The kernel's rows of real sequences equal the reference's; padding rows are zeros."""
     out = ragged_paged_attention(*inputs, interpret=INTERPRETERS[interpreter](), block_sizes=blocks, **options)
     ref = ref_ragged_paged_attention(*inputs, **options)
@@ -119,14 +120,34 @@ def test_no_gqa_head_dim_256_kv_scales_mask_value(interpreter):
     check_batch(inputs, interpreter, BlockSizes(8, 2), sm_scale=0.0625, k_scale=0.5, v_scale=1.5,
                 mask_value=-1e30)
 
-def test_default_block_sizes_one_block():
-    """No ``block_sizes``: the VMEM-budget choice (one query block, one KV block here)."""
-    layout = dataclasses.replace(MIXED, tokens=16)
-    inputs = make_batch(layout, [3, 1, 9], [3, 25, 30], seed=3)
-    out = ragged_paged_attention(*inputs, interpret=True, sm_scale=0.09)
-    ref = ref_ragged_paged_attention(*inputs, sm_scale=0.09)
-    np.testing.assert_allclose(np.asarray(out[:13]), np.asarray(ref), atol=1e-5, rtol=1e-5)
-    np.testing.assert_array_equal(np.asarray(out[13:]), 0.0)
+def test_default_block_sizes():
+    """No ``block_sizes``: the VMEM-budget choice, here one query block of all 40 rows and KV blocks
+    of every page a sequence may have (the reference's work for this batch is already cached)."""
+    assert choose_block_sizes(40, 8, 2, 128, 4, 12, jnp.float32, jnp.float32) == BlockSizes(40, 12)
+    check_batch(make_batch(MIXED, *BATCHES["mixed_with_empty"], seed=3), "generic", None, sm_scale=0.09)
+
+
+@pytest.mark.parametrize("generation", ["v4", "v5e", "tpu7x"])
+def test_block_sizes_fit_the_generation_vmem(generation):
+    """At a serving shape (32 query heads of 256, float32) the blocks shrink until the step's
+    estimate fits what the chip's scoped limit can be raised to: v5e's 128 MiB takes the largest
+    blocks, tpu7x's 64 MiB fewer rows, v4's 16 MiB fewer rows and positions."""
+    def need(blocks):
+        return blocks.vmem_bytes(q_heads=32, kv_heads=8, head_dim=256, page_size=16, q_dtype=jnp.float32,
+                                 kv_dtype=jnp.float32)
+
+    largest = BlockSizes(128, 256 // 16)
+    with compile_target(generation):
+        blocks = choose_block_sizes(2048, 32, 8, 256, 16, 128, jnp.float32, jnp.float32)
+        ceiling = step_vmem_ceiling()
+    assert need(blocks) <= ceiling
+    if generation == "v5e":
+        assert blocks == largest
+    else:
+        assert need(largest) > ceiling and blocks.block_q < 128 and blocks.block_q % 8 == 0
+    if generation == "v4":
+        assert blocks.block_q < 32 and blocks.pages_per_block < largest.pages_per_block
+
 
 def test_compiles_for_v5e_at_a_serving_shape():
     """The real TPU compiler (libtpu's compile-only v5e) accepts the kernel at a serving shape."""
