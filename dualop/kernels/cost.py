@@ -24,8 +24,8 @@ __all__ = [
     "pointwise_activation_cost",
     "quant_fp8_cost",
     "row_amax_cost",
-    "ragged_paged_attention_cost",
     "POINTWISE_COUNTS",
+    "ragged_paged_attention_cost",
 ]
 
 
@@ -107,16 +107,13 @@ def row_amax_cost(rows: int, hidden: int, itemsize: int) -> KernelCost:
     return KernelCost(flops=2 * n, transcendentals=0, bytes_accessed=n * itemsize + 4 * rows)
 
 
-def ragged_paged_attention_cost(tokens: int, q_heads: int, kv_heads: int, head_dim: int, cache_tokens: int,
-                                kv_per_query: int, q_itemsize: int, kv_itemsize: int,
-                                soft_cap: bool) -> KernelCost:
-    """Ragged paged attention, bounded from above (the real work depends on the lengths, which
-    are data): every query row scores ``kv_per_query`` positions (two matmuls, one exp each, a
-    tanh more with a soft cap); q is read and the output written once, and the KV cache is read
-    at most once (``cache_tokens`` positions of K and V)."""
-    scores = tokens * q_heads * kv_per_query
-    return KernelCost(
-        flops=4 * scores * head_dim,
-        transcendentals=scores * (2 if soft_cap else 1),
-        bytes_accessed=2 * tokens * q_heads * head_dim * q_itemsize + cache_tokens * 2 * kv_heads * head_dim * kv_itemsize,
-    )
+def ragged_paged_attention_cost(q_rows: int, kv_tokens: int, pairs: int, num_q_heads: int, num_kv_heads: int,
+                                head_dim: int, itemsize: int) -> KernelCost:
+    """Ragged paged attention: read q and the K and V of the ``kv_tokens`` cached tokens its
+    sequences attend to (each page once: decode is bound by these bytes), write the output.
+    ``pairs``: (query row, visible KV position) pairs; per pair and query head, ``q . k`` and
+    ``p . v`` (2 * head_dim multiply-adds each) and one exp."""
+    reads = q_rows * num_q_heads * head_dim * itemsize + kv_tokens * 2 * num_kv_heads * head_dim * itemsize
+    writes = q_rows * num_q_heads * head_dim * itemsize
+    return KernelCost(flops=4 * pairs * num_q_heads * head_dim, transcendentals=pairs * num_q_heads,
+                      bytes_accessed=reads + writes)

@@ -5,8 +5,8 @@ kv_pages ``[num_pages, page_size, 2*Hkv, D]`` with K head h at combined head 2h 
 2h+1; sequence i < num_seqs[0] owns query rows cu_q_lens[i]:cu_q_lens[i+1] and KV positions
 0..kv_lens[i]-1 (token j at page page_indices[i, j // page_size]). Its query row r sits at position
 kv_len - q_len + r and sees the positions p <= it (and > it - sliding_window). Scores are
-``q . k * sm_scale`` in float32, soft-capped, masked to ``mask_value``; softmax in float32; the
-output cast once to q's dtype. Rows past cu_q_lens[num_seqs[0]] (padding) come out as zeros.
+``q . k * sm_scale`` in float32, soft-capped, masked to ``mask_value`` (positions from kv_len on
+never count); softmax in float32; the output cast once to q's dtype. Rows past cu_q_lens[num_seqs[0]] (padding) come out as zeros.
 
 Layout: the grid runs over blocks of ``block_q`` query rows (a static grid, so both interpreters
 run it); q and the output move as (Hq, block_q, D) blocks (the wrapper puts heads first, so each
@@ -28,7 +28,7 @@ buffer each) and two buffers with static names rather than one indexed by a trac
 Defensive reads (the op validates, but no int value may make the kernel read out of bounds):
 sequence ids stop at ``min(num_seqs[0], S)``; kv_lens are clipped to [0, pages_per_seq *
 page_size]; page-table columns to pages_per_seq - 1 and page ids to [0, num_pages - 1]. KV rows
-past kv_len (the last page's tail) are masked, and their V zeroed, so stale cache data never
+past kv_len (the last page's tail) score -inf and their V is zeroed, so stale cache data never
 reaches the output. A row that sees no position (kv_len < q_len, invalid) gets zeros.
 The page table (S * pages_per_seq int32) must fit in SMEM with the other metadata.
 """
@@ -132,6 +132,17 @@ def _scaled(x: jax.Array, scale: float | None, dtype) -> jax.Array:
     return x.astype(dtype)
 
 
+def _masked_positions_vanish(mask_value: float, soft_cap: float | None) -> bool:
+    """Whether a masked position's weight ``exp(mask_value - row max)`` is 0 in float32 for any
+    real attention row, so KV blocks no row can see may be skipped: -inf, a mask value at or
+    below -1e30 (JAX's default is -0.7 * float32 max), or one over 104 (float32's exp range) below
+    the lowest soft-capped score. A mask value near the scores (say -1) makes every masked position
+    of the sequence count, as in JAX's reference; then every KV block is visited."""
+    if mask_value <= -1e30:
+        return True
+    return soft_cap is not None and mask_value < -soft_cap - 104.0
+
+
 def _kernel(kv_lens_ref, page_ids_ref, cu_q_lens_ref, num_seqs_ref,  # scalar prefetch (SMEM)
             q_ref, kv_hbm, o_ref,  # (Hq, block_q, D) blocks; the cache in HBM
             *scratch,  # page buffers A and B (lane_chunks each), DMA semaphores, max, sum, accumulator
@@ -148,6 +159,7 @@ def _kernel(kv_lens_ref, page_ids_ref, cu_q_lens_ref, num_seqs_ref,  # scalar pr
     q_end = q_start + block_q
     n_seqs = jnp.clip(num_seqs_ref[0], 0, max_seqs)
     max_kv = pages_per_seq * page_size
+    skip_masked = _masked_positions_vanish(mask_value, soft_cap)
 
     def live(s):
         """Whether sequence ``s`` exists and starts before this block ends (later ones cannot meet it)."""
@@ -164,13 +176,15 @@ def _kernel(kv_lens_ref, page_ids_ref, cu_q_lens_ref, num_seqs_ref,  # scalar pr
         return row_lo, row_hi, kv_len, pos_of_row0
 
     def kv_blocks(s):
-        """[first, end) KV blocks of sequence ``s`` that its rows in this block can see; empty
-        (first >= end) when it has no rows here."""
+        """[first, end) KV blocks of sequence ``s`` that its rows in this block can see (all of
+        its blocks when masked positions count, see ``_masked_positions_vanish``); empty (first >=
+        end) when it has no rows here."""
         row_lo, row_hi, kv_len, pos_of_row0 = seq_info(s)
-        seen_end = jnp.clip(row_hi - 1 + pos_of_row0 + 1, 0, kv_len)
-        seen_start = 0
-        if sliding_window is not None:
-            seen_start = jnp.clip(row_lo + pos_of_row0 - sliding_window + 1, 0, seen_end)
+        seen_end, seen_start = kv_len, 0
+        if skip_masked:
+            seen_end = jnp.clip(row_hi - 1 + pos_of_row0 + 1, 0, kv_len)
+            if sliding_window is not None:
+                seen_start = jnp.clip(row_lo + pos_of_row0 - sliding_window + 1, 0, seen_end)
         first = jax.lax.div(seen_start, kv_tokens)  # non-negative: truncation is floor
         end = jax.lax.div(seen_end + (kv_tokens - 1), kv_tokens)
         return first, jnp.where(row_hi > row_lo, end, first)
@@ -228,9 +242,12 @@ def _kernel(kv_lens_ref, page_ids_ref, cu_q_lens_ref, num_seqs_ref,  # scalar pr
         rows = q_start + jax.lax.broadcasted_iota(jnp.int32, (block_q, kv_tokens), 0)
         kv_pos = kb * kv_tokens + jax.lax.broadcasted_iota(jnp.int32, (block_q, kv_tokens), 1)
         q_pos = rows + pos_of_row0
-        visible = rows_of_seq(kv_tokens) & (kv_pos <= q_pos) & (kv_pos < kv_len)
+        in_cache = kv_pos < kv_len
+        visible = rows_of_seq(kv_tokens) & (kv_pos <= q_pos) & in_cache
         if sliding_window is not None:
             visible &= kv_pos > q_pos - sliding_window
+        # A masked position of the sequence scores mask_value; one past kv_len never counts.
+        fill = jnp.where(in_cache, jnp.float32(mask_value), -jnp.inf)
         own_l, own_d = rows_of_seq(_LANES), rows_of_seq(head_dim)
         kv_in_seq = kb * kv_tokens + jax.lax.broadcasted_iota(jnp.int32, (kv_tokens, head_dim), 0) < kv_len
         for h in range(kv_heads):
@@ -244,7 +261,7 @@ def _kernel(kv_lens_ref, page_ids_ref, cu_q_lens_ref, num_seqs_ref,  # scalar pr
                                              preferred_element_type=jnp.float32) * sm_scale
                 if soft_cap is not None:
                     scores = soft_cap * jnp.tanh(scores / soft_cap)
-                scores = jnp.where(visible, scores, mask_value)
+                scores = jnp.where(visible, scores, fill)
                 m_prev, l_prev = m_ref[hq], l_ref[hq]  # (block_q, 128), equal across lanes
                 m_new = jnp.maximum(m_prev, jnp.max(scores, axis=1, keepdims=True))
                 # -inf until a row has seen a position (a window starting in a later block, with
@@ -341,10 +358,10 @@ def ragged_paged_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_se
     io_block = pl.BlockSpec((q_heads, block_q, head_dim), lambda i, *_: (0, i, 0))
     vmem = blocks.vmem_bytes(q_heads=q_heads, kv_heads=kv_heads, head_dim=head_dim, page_size=page_size,
                              q_dtype=q.dtype, kv_dtype=kv_pages.dtype)
-    seen = min(pages_per_seq, num_pages) * page_size
+    # An upper bound (the lengths are data): every row sees a whole sequence's pages, each page read once.
     cost = cost_model.ragged_paged_attention_cost(
-        tokens, q_heads, kv_heads, head_dim, min(num_pages, max_seqs * pages_per_seq) * page_size, seen,
-        q.dtype.itemsize, kv_pages.dtype.itemsize, soft_cap is not None)
+        tokens, min(num_pages, max_seqs * pages_per_seq) * page_size, tokens * pages_per_seq * page_size,
+        q_heads, kv_heads, head_dim, q.dtype.itemsize)
     out = pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
