@@ -192,18 +192,22 @@ def _rpa_kernel(
              cast_out(out, out_ptr, EXACT_BF16), mask=io_mask)
 
 
-def block_shape(num_tokens: int, max_seqs: int, group: int, head_dim: int) -> tuple[int, int]:
-    """``(BLOCK_Q, BLOCK_N)``: query tokens per program and KV positions per tile.
+def block_shape(num_tokens: int, max_seqs: int, group: int, head_dim: int, itemsize: int) -> tuple[int, int, int]:
+    """``(BLOCK_Q, BLOCK_N, num_warps)``: query tokens per program, KV positions per tile, warps.
 
     A program's tile has ``BLOCK_Q * next_pow2(group)`` rows, at least 16 (``tl.dot``'s minimum):
     16 when the batch looks decode-heavy (no more tokens than sequences: a bigger block would be
-    mostly padding rows), 64 otherwise. KV tiles of 64 positions, 32 at head dim 256 (registers).
+    mostly padding rows), else 64 (32 past head dim 128, where the float32 accumulator would spill).
+    KV tiles of 64 positions, 32 past head dim 128 or for float32 (no tensor-core products). Eight
+    warps once the accumulator reaches 64 x 128 (registers measured with ``dualop compile``).
     """
     group_pad = triton.next_power_of_2(group)
-    rows = 16 if num_tokens <= max_seqs else 64
+    head_dim_pad = max(triton.next_power_of_2(head_dim), 16)
+    rows = 16 if num_tokens <= max_seqs else (64 if head_dim_pad <= 128 else 32)
     block_q = max(rows // group_pad, 1)
-    block_n = 32 if head_dim > 128 else 64
-    return block_q, block_n
+    block_n = 32 if head_dim_pad > 128 or itemsize >= 4 else 64
+    num_warps = 8 if block_q * group_pad * head_dim_pad >= 64 * 128 else 4
+    return block_q, block_n, num_warps
 
 
 def ragged_paged_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *, sm_scale=1.0,
@@ -225,7 +229,7 @@ def ragged_paged_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_se
     kv_lens, cu_q_lens, num_seqs = (a.to(torch.int32).contiguous() for a in (kv_lens, cu_q_lens, num_seqs))
     page_indices = page_indices.to(torch.int32).contiguous()
 
-    block_q, block_n = block_shape(num_tokens, max_seqs, group, head_dim)
+    block_q, block_n, num_warps = block_shape(num_tokens, max_seqs, group, head_dim, q.element_size())
     head_dim_pad = max(triton.next_power_of_2(head_dim), 16)
     grid = (num_tokens // block_q + max_seqs, num_kv_heads)
     _rpa_kernel[grid](
@@ -245,6 +249,6 @@ def ragged_paged_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_se
         HAS_K_SCALE=k_scale is not None, HAS_V_SCALE=v_scale is not None,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         EXACT_BF16=needs_exact_bf16(q.dtype),
-        num_warps=4 if block_n * head_dim_pad <= 8192 else 8,
+        num_warps=num_warps,
     )
     return out
