@@ -39,7 +39,7 @@ import triton
 import triton.language as tl
 
 from dualop.kernels.cuda import interpreting
-from dualop.kernels.cuda.common import cast_out, needs_exact_bf16
+from dualop.kernels.cuda.common import _round_to_bf16, cast_out, needs_exact_bf16
 
 __all__ = ["ragged_paged_attention", "DEFAULT_MASK_VALUE", "block_shape"]
 
@@ -57,6 +57,24 @@ def _soft_cap(s, cap):
 
 
 @triton.jit
+def _dot(a, b, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    """``a @ b`` accumulated in float32. ``UPCAST`` (interpreting only) multiplies float32 copies:
+    Triton's interpreter reads bfloat16 dot operands as raw integers (seen in 3.5 and 3.9); the
+    upcast is exact, so products and sums are the ones a GPU's float32 accumulation makes."""
+    if UPCAST:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    return tl.dot(a, b, input_precision=PRECISION)
+
+
+@triton.jit
+def _cast(x, dtype: tl.constexpr, EXACT_BF16: tl.constexpr):
+    """float32 ``x`` to ``dtype``, rounding to nearest even in the interpreter too (``cast_out``)."""
+    if EXACT_BF16:
+        x = _round_to_bf16(x)
+    return x.to(dtype)
+
+
+@triton.jit
 def _kv_tile(
     tile, q, acc, m_i, l_i, q_pos,
     kv_ptr, page_row_ptr, kv_head_off, kv_len, num_pages, pages_per_seq,
@@ -64,7 +82,8 @@ def _kv_tile(
     sm_scale, soft_cap, mask_value, k_scale, v_scale, sliding_window,
     PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     HAS_WINDOW: tl.constexpr, HAS_SOFT_CAP: tl.constexpr, HAS_K_SCALE: tl.constexpr,
-    HAS_V_SCALE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    HAS_V_SCALE: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
+    EXACT_BF16: tl.constexpr,
 ):
     """Fold KV positions ``tile*BLOCK_N ..`` into the online softmax of the query tile ``q``."""
     pos = tile * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -79,15 +98,15 @@ def _kv_tile(
     k = tl.load(k_ptrs, mask=kv_mask, other=0.0)
     v = tl.load(k_ptrs + kv_stride_head, mask=kv_mask, other=0.0)  # V head 2h+1 follows K head 2h
     if HAS_K_SCALE:
-        k = (k.to(tl.float32) * k_scale).to(q.dtype)
+        k = _cast(k.to(tl.float32) * k_scale, q.dtype, EXACT_BF16)
     else:
         k = k.to(q.dtype)
     if HAS_V_SCALE:
-        v = (v.to(tl.float32) * v_scale).to(q.dtype)
+        v = _cast(v.to(tl.float32) * v_scale, q.dtype, EXACT_BF16)
     else:
         v = v.to(q.dtype)
 
-    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * sm_scale
+    s = _dot(q, tl.trans(k), DOT_PRECISION, DOT_UPCAST) * sm_scale
     if HAS_SOFT_CAP:
         s = _soft_cap(s, soft_cap)
     allowed = in_seq[None, :] & (pos[None, :] <= q_pos[:, None])
@@ -99,7 +118,7 @@ def _kv_tile(
     alpha = tl.exp(m_i - m_new)
     p = tl.exp(s - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, axis=1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    acc = acc * alpha[:, None] + _dot(_cast(p, v.dtype, EXACT_BF16), v, DOT_PRECISION, DOT_UPCAST)
     return acc, m_new, l_i
 
 
@@ -114,7 +133,8 @@ def _rpa_kernel(
     BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     SEARCH_STEPS: tl.constexpr, NUM_KV_TILES: tl.constexpr, RUNTIME_LOOP: tl.constexpr,
     HAS_WINDOW: tl.constexpr, HAS_SOFT_CAP: tl.constexpr, HAS_K_SCALE: tl.constexpr,
-    HAS_V_SCALE: tl.constexpr, DOT_PRECISION: tl.constexpr, EXACT_BF16: tl.constexpr,
+    HAS_V_SCALE: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
+    EXACT_BF16: tl.constexpr,
 ):
     block_id = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -176,7 +196,7 @@ def _rpa_kernel(
                 pages_per_seq, kv_stride_page, kv_stride_slot, kv_stride_head,
                 sm_scale, soft_cap, mask_value, k_scale, v_scale, sliding_window,
                 PAGE_SIZE, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, HAS_WINDOW, HAS_SOFT_CAP, HAS_K_SCALE,
-                HAS_V_SCALE, DOT_PRECISION)
+                HAS_V_SCALE, DOT_PRECISION, DOT_UPCAST, EXACT_BF16)
     else:
         for tile in range(NUM_KV_TILES):
             if (tile >= tile_lo) & (tile < tile_hi):
@@ -185,7 +205,7 @@ def _rpa_kernel(
                     pages_per_seq, kv_stride_page, kv_stride_slot, kv_stride_head,
                     sm_scale, soft_cap, mask_value, k_scale, v_scale, sliding_window,
                     PAGE_SIZE, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, HAS_WINDOW, HAS_SOFT_CAP, HAS_K_SCALE,
-                    HAS_V_SCALE, DOT_PRECISION)
+                    HAS_V_SCALE, DOT_PRECISION, DOT_UPCAST, EXACT_BF16)
 
     out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
     tl.store(out_ptr + token64[:, None] * o_stride_t + head64[:, None] * o_stride_h + d[None, :],
@@ -248,6 +268,7 @@ def ragged_paged_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_se
         HAS_WINDOW=sliding_window is not None, HAS_SOFT_CAP=soft_cap is not None,
         HAS_K_SCALE=k_scale is not None, HAS_V_SCALE=v_scale is not None,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        DOT_UPCAST=interpreting() and q.dtype != torch.float32,
         EXACT_BF16=needs_exact_bf16(q.dtype),
         num_warps=num_warps,
     )
