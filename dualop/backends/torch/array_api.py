@@ -111,3 +111,21 @@ def std(x: torch.Tensor, axis: int = -1, keepdims: bool = False) -> torch.Tensor
 def asarray(value, like: torch.Tensor, dtype=None) -> torch.Tensor:
     """A tensor holding ``value`` on ``like``'s device."""
     return torch.as_tensor(value, dtype=dtype if dtype is not None else like.dtype, device=like.device)
+
+
+# --- reshape_and_cache (ops/kv_cache.py) ---------------------------------------------------
+
+
+def stack(arrays, axis: int = 0) -> torch.Tensor:
+    return torch.stack(tuple(arrays), dim=axis)
+
+
+def reshape(x: torch.Tensor, shape) -> torch.Tensor:
+    return torch.reshape(x, tuple(shape))
+
+
+def set_at_dropping(x: torch.Tensor, index: tuple, values: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """``x[index] = values`` for the entries where ``keep`` (the others are dropped), IN PLACE:
+    torch updates ``x`` and returns it (the jax twin returns a new array)."""
+    x.index_put_(tuple(i[keep] for i in index), values[keep])
+    return x

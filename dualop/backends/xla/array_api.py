@@ -100,3 +100,22 @@ def std(x: jax.Array, axis: int = -1, keepdims: bool = False) -> jax.Array:
 def asarray(value, like: jax.Array, dtype=None) -> jax.Array:
     """An array holding ``value`` (jax places it; ``like`` fixes the default dtype)."""
     return jnp.asarray(value, dtype=dtype if dtype is not None else like.dtype)
+
+
+# --- reshape_and_cache (ops/kv_cache.py) ---------------------------------------------------
+
+
+def stack(arrays, axis: int = 0) -> jax.Array:
+    return jnp.stack(tuple(arrays), axis=axis)
+
+
+def reshape(x: jax.Array, shape) -> jax.Array:
+    return jnp.reshape(x, tuple(shape))
+
+
+def set_at_dropping(x: jax.Array, index: tuple, values: jax.Array, keep: jax.Array) -> jax.Array:
+    """``x[index] = values`` for the entries where ``keep`` (the others are dropped), as a NEW
+    array (jax arrays are immutable; the torch twin updates in place). A dropped entry's first
+    index becomes ``x.shape[0]``, out of range, which ``mode="drop"`` skips."""
+    first = jnp.where(keep, index[0], x.shape[0])
+    return x.at[(first, *index[1:])].set(values, mode="drop")
