@@ -43,6 +43,8 @@ SERVING_SHAPES: dict[str, tuple[tuple[int, ...], ...]] = {
     "relu2": _POINTWISE,
     "xielu": _POINTWISE,
     "quant_fp8": ((8192, 8192), (16, 53248)),
+    # reshape_and_cache: (tokens, num_kv_heads, head_dim, num_pages, page_size), see SERVING_INPUTS
+    "reshape_and_cache": ((2048, 8, 128, 2048, 16), (2048, 8, 128, 2048, 128)),
 }
 
 
@@ -57,6 +59,16 @@ def _grouped_rms_norm_gated(shape):
 # as InputSpecs (dtype None: the variant's dtype), scalars or None, for one entry of
 # ``SERVING_SHAPES[op]``, whose tuple then means whatever that op's function says.
 SERVING_INPUTS: dict[str, Callable[[tuple[int, ...]], tuple]] = {}
+
+
+def _reshape_and_cache_inputs(shape):
+    """A step's tokens written into a paged cache of ``num_pages`` pages (Llama-3-70B's 8 KV heads of 128)."""
+    tokens, heads, head_dim, num_pages, page_size = shape
+    kv = InputSpec((tokens, heads, head_dim), None)
+    return (kv, kv, InputSpec((num_pages, page_size, 2 * heads, head_dim), None), InputSpec((tokens,), "int32"))
+
+
+SERVING_INPUTS["reshape_and_cache"] = _reshape_and_cache_inputs
 
 # Cases whose ``make_op`` only knows its check shapes: how to build the op at a serving shape.
 _SERVING_MAKE_OP: dict[str, Callable[[tuple[int, ...]], Any]] = {

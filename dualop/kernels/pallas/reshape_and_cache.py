@@ -46,7 +46,9 @@ def _kernel(slots_ref, kv_ref, cache_in_ref, cache_ref, sem, *, page_size: int, 
 
     def copy(i):
         slot = slots_ref[base + i]
-        page, offset = slot // page_size, slot % page_size
+        # lax.div/rem (truncating; used only for slots >= 0): jnp's floor division lowers through
+        # sign, whose Mosaic rule asks the default device for the TPU generation (the CPU here).
+        page, offset = jax.lax.div(slot, page_size), jax.lax.rem(slot, page_size)
         return slot, pltpu.make_async_copy(kv_ref.at[i], cache_ref.at[page, offset], sem)
 
     def start(i, carry):
