@@ -147,9 +147,10 @@ class ReshapeAndCache(CustomOp):
         return kv_pages
 
     def forward_cuda(self, key: Any, value: Any, kv_pages: Any, slot_mapping: Any) -> Any:
-        if kv_pages.stride(-1) != 1:
+        fe = frontend_of(key)
+        if fe == "torch" and kv_pages.stride(-1) != 1:
             raise NotImplementedError("reshape_and_cache: the Triton kernel writes a cache with a unit-strided last dim")
-        return call_triton(frontend_of(key), _TRITON_RESHAPE_AND_CACHE, key, value, kv_pages, slot_mapping)
+        return call_triton(fe, _TRITON_RESHAPE_AND_CACHE, key, value, kv_pages, slot_mapping)
 
     def forward_tpu(self, key: Any, value: Any, kv_pages: Any, slot_mapping: Any) -> Any:
         """The Pallas kernel; the torch frontends get its new array written back into ``kv_pages``
