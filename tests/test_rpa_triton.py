@@ -2,7 +2,7 @@
 ``ref_ragged_paged_attention`` (shipped with jax; nobody here wrote it), run in Triton's CPU
 interpreter on mixed batches: decode-only, prefill-only, chunked prefill, sequences over many pages,
 page tables in random order, GQA groups 1/4/8 (and 3), head dims 64/128/256 (and 80), sliding
-window, soft cap, k/v scales, bfloat16 and float32; padding rows are zeros, out-of-range integers are
+window, soft cap, k/v scales, bfloat16, float16 and float32; padding rows are zeros, out-of-range integers are
 clamped as documented, and launches on meta tensors are captured for ``dualop compile``.
 Shapes are small: the interpreter runs every program in numpy."""
 
@@ -29,7 +29,9 @@ jnp = jax.numpy
 # Kernel vs JAX's reference. float32: both compute exact float32 products (the kernel's dots are
 # "ieee"), in different orders. bfloat16: both round p to bfloat16 before p.v, but the kernel
 # normalises after the product and JAX before, so outputs differ by a few bfloat16 ulps.
-TOL = {torch.float32: dict(atol=2e-5, rtol=2e-5), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
+TOL = {torch.float32: dict(atol=2e-5, rtol=2e-5), torch.bfloat16: dict(atol=2e-2, rtol=2e-2),
+       torch.float16: dict(atol=3e-3, rtol=3e-3)}
+_JAX_DTYPES = {torch.float32: jnp.float32, torch.bfloat16: jnp.bfloat16, torch.float16: jnp.float16}
 
 
 @dataclasses.dataclass
@@ -92,7 +94,7 @@ def run_reference(batch: Batch, **options) -> np.ndarray:
     """JAX's reference under one ``jit``: the lengths stay concrete numpy values (its Python loop
     and slices need them), so XLA compiles one program per batch instead of every eager op per
     sequence shape (about 20 s per batch on this machine)."""
-    jdtype = jnp.bfloat16 if batch.dtype == torch.bfloat16 else jnp.float32
+    jdtype = _JAX_DTYPES[batch.dtype]
 
     def reference(q, kv_pages, page_indices):
         return ref_ragged_paged_attention(q, kv_pages, batch.kv_lens, page_indices, batch.cu_q_lens,
@@ -128,6 +130,7 @@ CASES = {
     "soft_cap_f32": ([3, 2], [3, 15], 2, 1, 64, 8, torch.float32, {"soft_cap": 1.5}),
     "kv_scales_f32": ([4, 1], [10, 7], 4, 2, 64, 8, torch.float32, {"k_scale": 0.5, "v_scale": 1.75, "sm_scale": 0.2}),
     "kv_scales_bf16": ([3, 2], [8, 14], 4, 1, 64, 8, torch.bfloat16, {"k_scale": 0.3, "v_scale": 2.5}),
+    "mixed_f16": ([1, 5], [9, 12], 4, 2, 64, 8, torch.float16, {"sm_scale": 0.125, "sliding_window": 7}),
     "everything_gqa4_bf16": ([1, 7, 2], [19, 7, 26], 8, 2, 128, 4, torch.bfloat16,
                              {"sliding_window": 6, "soft_cap": 3.0, "k_scale": 0.75, "v_scale": 1.25, "sm_scale": 0.1,
                               "mask_value": -1e30}),
@@ -140,6 +143,19 @@ def test_kernel_matches_jax_reference(name):
     batch = make_batch(q_lens, kv_lens, hq=hq, hkv=hkv, d=d, page_size=page_size, dtype=dtype,
                        seed=len(name))
     check_against_reference(batch, **options)
+
+
+def test_the_compiled_runtime_bounded_kv_loop_matches(monkeypatch):
+    """GPUs run the KV loop over exactly the reachable tiles (runtime bounds); Triton 3.9's
+    interpreter can run that loop too, so the compiled branch is checked here as well."""
+    import triton
+
+    if tuple(int(p) for p in triton.__version__.split(".")[:2]) < (3, 9):
+        pytest.skip(f"triton {triton.__version__}'s interpreter cannot loop to a runtime bound under numpy 2 "
+                    "(the latest environment's 3.9 runs this)")
+    monkeypatch.setattr(rpa_mod, "runtime_kv_loop", lambda: True)
+    batch = make_batch([1, 9, 4], [30, 21, 4], hq=4, hkv=2, d=64, page_size=4, pad_tokens=2, seed=13)
+    check_against_reference(batch, sliding_window=6, sm_scale=0.125)
 
 
 def test_padding_rows_and_sequences_past_num_seqs_are_ignored():

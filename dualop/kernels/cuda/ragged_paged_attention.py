@@ -212,6 +212,12 @@ def _rpa_kernel(
              cast_out(out, out_ptr, EXACT_BF16), mask=io_mask)
 
 
+def runtime_kv_loop() -> bool:
+    """Whether the KV loop runs over runtime bounds (compiled) or a constexpr count (interpreted:
+    Triton 3.5's interpreter cannot loop to a runtime bound under numpy 2.4)."""
+    return not interpreting()
+
+
 def block_shape(num_tokens: int, max_seqs: int, group: int, head_dim: int, itemsize: int) -> tuple[int, int, int]:
     """``(BLOCK_Q, BLOCK_N, num_warps)``: query tokens per program, KV positions per tile, warps.
 
@@ -264,7 +270,7 @@ def ragged_paged_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_se
         PAGE_SIZE=page_size, GROUP=group, GROUP_PAD=triton.next_power_of_2(group),
         BLOCK_Q=block_q, BLOCK_N=block_n, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
         SEARCH_STEPS=(max_seqs + 1).bit_length(), NUM_KV_TILES=triton.cdiv(pages_per_seq * page_size, block_n),
-        RUNTIME_LOOP=not interpreting(),
+        RUNTIME_LOOP=runtime_kv_loop(),
         HAS_WINDOW=sliding_window is not None, HAS_SOFT_CAP=soft_cap is not None,
         HAS_K_SCALE=k_scale is not None, HAS_V_SCALE=v_scale is not None,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
