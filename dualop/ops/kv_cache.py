@@ -19,8 +19,9 @@ torchax) get its new array back and write it into ``kv_pages`` with ``kv_pages.c
 they too see the update in place (the same contents as the jax result).
 
 Validation before any kernel: shapes, dtypes, one device, and for arrays whose values are at hand
-(torch CPU/CUDA tensors, concrete jax arrays) ``max(slot_mapping) < num_pages * page_size``; lazy
-or traced slot mappings (torch_xla, torchax, ``jax.jit``) are not read. Every path drops a slot
+(torch CPU/CUDA tensors, concrete jax arrays) ``max(slot_mapping) < num_pages * page_size`` (on CUDA
+that reads one value back; not while a CUDA graph is being captured); lazy or traced slot mappings
+(torch_xla, torchax, torch.compile, ``jax.jit``) are not read. Every path drops a slot
 outside ``[0, num_pages * page_size)`` rather than writing out of bounds.
 
 Kernels: Pallas (``kernels/pallas/reshape_and_cache.py``: per-token DMAs into the HBM cache,
@@ -58,6 +59,8 @@ def _known_max(slot_mapping: Any, frontend: str) -> int | None:
 
         if torch.compiler.is_compiling() or isinstance(slot_mapping, torch._subclasses.FakeTensor):
             return None
+        if slot_mapping.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None  # a CUDA graph being captured cannot read a value back
         return int(slot_mapping.max())
     if frontend == "jax":
         import jax
