@@ -30,6 +30,9 @@ page_size]``, page ids to ``[0, num_pages - 1]``.
 KV loop: compiled, it runs over exactly the reachable tiles (runtime bounds). Triton 3.5's
 interpreter cannot loop to a runtime bound under numpy 2.4, so interpreted it loops over all
 ``cdiv(pages_per_seq * page_size, BLOCK_N)`` tiles (a constexpr) and skips the unreachable ones.
+Also only when interpreting: 16-bit dot operands are upcast to float32 first (the interpreter
+misreads bfloat16 ``tl.dot`` operands; the upcast is exact) and bfloat16 casts round to nearest
+even (the interpreter truncates), so the interpreter computes what a GPU does.
 """
 
 from __future__ import annotations
