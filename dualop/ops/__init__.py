@@ -6,7 +6,8 @@ from dualop.ops.gated_norm import *  # noqa: F403
 from dualop.ops.layernorm import *  # noqa: F403
 from dualop.ops.pointwise import *  # noqa: F403
 from dualop.ops.quantization import *  # noqa: F403
-from dualop.ops import activation, gated_norm, layernorm, pointwise, quantization
+from dualop.ops.rotary import *  # noqa: F403
+from dualop.ops import activation, gated_norm, layernorm, pointwise, quantization, rotary
 from dualop.ops.kv_cache import *  # noqa: F403
 from dualop.ops import kv_cache
 
@@ -22,5 +23,6 @@ __all__ = [
     *layernorm.__all__,
     *pointwise.__all__,
     *quantization.__all__,
+    *rotary.__all__,
     *kv_cache.__all__,
 ]

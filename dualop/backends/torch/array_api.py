@@ -113,11 +113,21 @@ def asarray(value, like: torch.Tensor, dtype=None) -> torch.Tensor:
     return torch.as_tensor(value, dtype=dtype if dtype is not None else like.dtype, device=like.device)
 
 
-# --- reshape_and_cache (ops/kv_cache.py) ---------------------------------------------------
+def concat(arrays, axis: int = 0) -> torch.Tensor:
+    return torch.cat(tuple(arrays), dim=axis)
 
 
 def stack(arrays, axis: int = 0) -> torch.Tensor:
     return torch.stack(tuple(arrays), dim=axis)
+
+
+def take(x: torch.Tensor, indices: torch.Tensor, axis: int = 0) -> torch.Tensor:
+    """Rows of ``x`` along ``axis`` picked by the integer ``indices`` (any shape)."""
+    flat = torch.index_select(x, axis, indices.reshape(-1))
+    return flat.reshape(*x.shape[:axis], *indices.shape, *x.shape[axis + 1:])
+
+
+# --- reshape_and_cache (ops/kv_cache.py) ---------------------------------------------------
 
 
 def reshape(x: torch.Tensor, shape) -> torch.Tensor:

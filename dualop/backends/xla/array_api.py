@@ -102,11 +102,21 @@ def asarray(value, like: jax.Array, dtype=None) -> jax.Array:
     return jnp.asarray(value, dtype=dtype if dtype is not None else like.dtype)
 
 
-# --- reshape_and_cache (ops/kv_cache.py) ---------------------------------------------------
+def concat(arrays, axis: int = 0) -> jax.Array:
+    return jnp.concatenate(tuple(arrays), axis=axis)
 
 
 def stack(arrays, axis: int = 0) -> jax.Array:
     return jnp.stack(tuple(arrays), axis=axis)
+
+
+def take(x: jax.Array, indices: jax.Array, axis: int = 0) -> jax.Array:
+    """Rows of ``x`` along ``axis`` picked by the integer ``indices`` (any shape); out-of-range
+    indices are clamped (XLA's gather semantics, made explicit)."""
+    return jnp.take(x, indices, axis=axis, mode="clip")
+
+
+# --- reshape_and_cache (ops/kv_cache.py) ---------------------------------------------------
 
 
 def reshape(x: jax.Array, shape) -> jax.Array:
