@@ -6,7 +6,9 @@ from dualop.ops.gated_norm import *  # noqa: F403
 from dualop.ops.layernorm import *  # noqa: F403
 from dualop.ops.pointwise import *  # noqa: F403
 from dualop.ops.quantization import *  # noqa: F403
+from dualop.ops.encoder_attention import *  # noqa: F403
 from dualop.ops import activation, gated_norm, layernorm, pointwise, quantization
+from dualop.ops import encoder_attention
 
 # Ops that hold no parameters: the layer modules wrap each as-is (dualop.torch/jax.layers).
 PARAMETERLESS_OPS = (
@@ -20,4 +22,5 @@ __all__ = [
     *layernorm.__all__,
     *pointwise.__all__,
     *quantization.__all__,
+    *encoder_attention.__all__,
 ]

@@ -111,3 +111,12 @@ def std(x: torch.Tensor, axis: int = -1, keepdims: bool = False) -> torch.Tensor
 def asarray(value, like: torch.Tensor, dtype=None) -> torch.Tensor:
     """A tensor holding ``value`` on ``like``'s device."""
     return torch.as_tensor(value, dtype=dtype if dtype is not None else like.dtype, device=like.device)
+
+
+# --- integer positions (mm_encoder_attn's segment ids) ---------------------------------------
+int32 = torch.int32
+
+
+def arange(n: int, like: torch.Tensor, dtype=None) -> torch.Tensor:
+    """``0, 1, ..., n - 1`` on ``like``'s device (int32 unless ``dtype`` says otherwise)."""
+    return torch.arange(n, dtype=dtype if dtype is not None else torch.int32, device=like.device)

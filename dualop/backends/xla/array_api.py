@@ -100,3 +100,12 @@ def std(x: jax.Array, axis: int = -1, keepdims: bool = False) -> jax.Array:
 def asarray(value, like: jax.Array, dtype=None) -> jax.Array:
     """An array holding ``value`` (jax places it; ``like`` fixes the default dtype)."""
     return jnp.asarray(value, dtype=dtype if dtype is not None else like.dtype)
+
+
+# --- integer positions (mm_encoder_attn's segment ids) ---------------------------------------
+int32 = jnp.int32
+
+
+def arange(n: int, like: jax.Array, dtype=None) -> jax.Array:
+    """``0, 1, ..., n - 1`` (int32 unless ``dtype`` says otherwise); ``like`` for the torch twin's device."""
+    return jnp.arange(n, dtype=dtype if dtype is not None else jnp.int32)

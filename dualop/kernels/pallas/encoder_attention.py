@@ -1,0 +1,115 @@
+"""``mm_encoder_attn`` on TPU: JAX's own Pallas flash-attention kernel
+(``jax.experimental.pallas.ops.tpu.flash_attention``), driven with segment ids.
+
+Why JAX's kernel rather than our own: it is maintained with Pallas, takes ``SegmentIds`` (exactly
+packed sequences: a query attends to keys of its own segment id), and here it runs in both
+interpreters (JAX's TPU interpreter and the generic one that torch_xla's ``call_jax`` needs, seen
+with jax 0.10.2 and 0.7.1) and compiles with the real TPU compiler for v4, v5e, v5p, v6e and tpu7x
+(``dualop compile``). What this wrapper adds:
+
+- layout: ``[B, S, H*D]`` / ``[B, S, H, D]`` in and out; the kernel wants ``[B, H, S, D]``.
+- float32 operands: the kernel casts the probabilities to the input dtype before ``P @ V``; dualop's
+  contract is float32 softmax and ``P @ V`` with one cast at the end, so 16-bit inputs are
+  widened first (twice the kernel's HBM reads; the result then matches the native body to the
+  tolerance table).
+- GQA: the kernel has one K/V head per query head, so K and V heads are repeated ``H / Hkv`` times.
+- lengths: its key blocks must divide the sequence, so S is padded to a multiple of 128 and the
+  padding gets a segment id of its own (real tokens never see it; padded rows are sliced off).
+- head size: padded with zeros to a multiple of 128 lanes (80 and 72 are common in ViTs): zero
+  columns change neither ``q . k`` nor the real output columns.
+- ``cu_seqlens`` -> segment ids by comparison (``ops/encoder_attention.segment_ids``), so it
+  traces with ``cu_seqlens`` unknown.
+- interpretation: the kernel has no ``interpret`` argument, so the mode dualop chose is forced
+  around its trace (JAX's ``force_tpu_interpret_mode`` for the TPU interpreter; the same JAX config
+  value set to ``True`` for the generic interpreter).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import jax
+import jax.numpy as jnp
+from jax.experimental.pallas.ops.tpu import flash_attention as jax_flash
+
+from dualop.kernels.pallas.common import tpu_jit
+
+__all__ = ["encoder_attention", "flash_block_sizes"]
+
+_LANES = 128
+_SEQ_TILE = 128  # S is padded to a multiple of this (the kernel's smallest key block)
+_MAX_BLOCK = 512  # query / key rows per grid step (float32: about 3 MiB of VMEM per step at D 128)
+
+
+def flash_block_sizes(padded_len: int) -> jax_flash.BlockSizes:
+    """The largest of 512, 256, 128 rows that divides the padded sequence, for queries and keys
+    (the backward-pass sizes are the kernel's defaults' shape; the VJP here is the native body's)."""
+    block = next(b for b in (_MAX_BLOCK, 256, _SEQ_TILE) if padded_len % b == 0)
+    return jax_flash.BlockSizes(block_q=block, block_k_major=block, block_k=block, block_b=1)
+
+
+@contextlib.contextmanager
+def _interpreting(interpret):
+    """Run the pallas_calls traced inside in dualop's interpret mode (False: compile)."""
+    if interpret is False or interpret is None:
+        yield
+        return
+    if interpret is True:
+        from jax._src import config as jax_config  # the value force_tpu_interpret_mode sets
+
+        prev = jax_config.pallas_tpu_interpret_mode_context_manager.swap_local(True)
+        try:
+            yield
+        finally:
+            jax_config.pallas_tpu_interpret_mode_context_manager.set_local(prev)
+        return
+    from jax.experimental.pallas import tpu as pltpu
+
+    with pltpu.force_tpu_interpret_mode(interpret):
+        yield
+
+
+def _segment_ids(cu_seqlens, seq_len: int, padded_len: int):
+    """int32 [1, padded_len]: segment of each token (0 everywhere without ``cu_seqlens``); the
+    padding gets an id no real token has."""
+    pos = jnp.arange(padded_len, dtype=jnp.int32)
+    if cu_seqlens is None:
+        seg = jnp.zeros((padded_len,), jnp.int32)
+        pad_id = 1
+    else:
+        seg = jnp.sum((pos[:, None] >= cu_seqlens[1:].astype(jnp.int32)[None, :]).astype(jnp.int32), axis=-1)
+        pad_id = cu_seqlens.shape[0]  # n + 1 > any real id
+    return jnp.where(pos < seq_len, seg, pad_id)[None, :]
+
+
+@tpu_jit(static_argnames=("num_heads", "num_kv_heads", "head_size", "scale", "interpret"))
+def encoder_attention(query, key, value, cu_seqlens=None, *, num_heads: int, num_kv_heads: int, head_size: int,
+                      scale: float, interpret=False):
+    """Non-causal attention of ``query`` over ``key``/``value`` (see the module docstring)."""
+    shape, dtype = query.shape, query.dtype
+    b, s = shape[:2]
+    if b * s == 0:
+        return jnp.zeros(shape, dtype)
+    group = num_heads // num_kv_heads
+    d_pad = -head_size % _LANES
+    s_pad = -s % _SEQ_TILE
+    padded_len = s + s_pad
+
+    def heads_first(t, heads):
+        t = t.reshape(b, s, heads, head_size).astype(jnp.float32).transpose(0, 2, 1, 3)
+        if group > 1 and heads == num_kv_heads:
+            t = jnp.repeat(t, group, axis=1)
+        return jnp.pad(t, ((0, 0), (0, 0), (0, s_pad), (0, d_pad)))
+
+    q = heads_first(query, num_heads)
+    k = heads_first(key, num_kv_heads)
+    v = heads_first(value, num_kv_heads)
+    segments = None
+    if cu_seqlens is not None or s_pad:
+        ids = jnp.broadcast_to(_segment_ids(cu_seqlens, s, padded_len), (b, padded_len))
+        segments = jax_flash.SegmentIds(q=ids, kv=ids)
+    with _interpreting(interpret):
+        out = jax_flash.flash_attention(q, k, v, segment_ids=segments, sm_scale=scale,
+                                        block_sizes=flash_block_sizes(padded_len))
+    out = out[:, :, :s, :head_size].transpose(0, 2, 1, 3)
+    return out.reshape(shape).astype(dtype)
