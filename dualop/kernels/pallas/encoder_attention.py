@@ -15,8 +15,9 @@ with jax 0.10.2 and 0.7.1) and compiles with the real TPU compiler for v4, v5e, 
 - GQA: the kernel has one K/V head per query head, so K and V heads are repeated ``H / Hkv`` times.
 - lengths: its key blocks must divide the sequence, so S is padded to a multiple of 128 and the
   padding gets a segment id of its own (real tokens never see it; padded rows are sliced off).
-- head size: padded with zeros to a multiple of 128 lanes (80 and 72 are common in ViTs): zero
-  columns change neither ``q . k`` nor the real output columns.
+- head size: not padded. A block spans the whole head dim, which is legal at any size; Mosaic
+  lays 80 or 72 columns (common in ViTs) out in 128-lane vregs itself (``dualop compile`` builds
+  D 64/72/80 for every generation), so zero-padding in HBM would only add traffic.
 - ``cu_seqlens`` -> segment ids by comparison (``ops/encoder_attention.segment_ids``), so it
   traces with ``cu_seqlens`` unknown.
 - interpretation: the kernel has no ``interpret`` argument, so the mode dualop chose is forced
@@ -36,7 +37,6 @@ from dualop.kernels.pallas.common import tpu_jit
 
 __all__ = ["encoder_attention", "flash_block_sizes"]
 
-_LANES = 128
 _SEQ_TILE = 128  # S is padded to a multiple of this (the kernel's smallest key block)
 _MAX_BLOCK = 512  # query / key rows per grid step (float32: about 3 MiB of VMEM per step at D 128)
 
@@ -91,7 +91,6 @@ def encoder_attention(query, key, value, cu_seqlens=None, *, num_heads: int, num
     if b * s == 0:
         return jnp.zeros(shape, dtype)
     group = num_heads // num_kv_heads
-    d_pad = -head_size % _LANES
     s_pad = -s % _SEQ_TILE
     padded_len = s + s_pad
 
@@ -99,7 +98,7 @@ def encoder_attention(query, key, value, cu_seqlens=None, *, num_heads: int, num
         t = t.reshape(b, s, heads, head_size).astype(jnp.float32).transpose(0, 2, 1, 3)
         if group > 1 and heads == num_kv_heads:
             t = jnp.repeat(t, group, axis=1)
-        return jnp.pad(t, ((0, 0), (0, 0), (0, s_pad), (0, d_pad)))
+        return jnp.pad(t, ((0, 0), (0, 0), (0, s_pad), (0, 0)))
 
     q = heads_first(query, num_heads)
     k = heads_first(key, num_kv_heads)
@@ -111,5 +110,5 @@ def encoder_attention(query, key, value, cu_seqlens=None, *, num_heads: int, num
     with _interpreting(interpret):
         out = jax_flash.flash_attention(q, k, v, segment_ids=segments, sm_scale=scale,
                                         block_sizes=flash_block_sizes(padded_len))
-    out = out[:, :, :s, :head_size].transpose(0, 2, 1, 3)
+    out = out[:, :, :s].transpose(0, 2, 1, 3)
     return out.reshape(shape).astype(dtype)
