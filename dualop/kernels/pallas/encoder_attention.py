@@ -28,6 +28,7 @@ with jax 0.10.2 and 0.7.1) and compiles with the real TPU compiler for v4, v5e, 
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -69,27 +70,22 @@ def _interpreting(interpret):
         yield
 
 
-def _segment_ids(cu_seqlens, seq_len: int, padded_len: int):
-    """int32 [1, padded_len]: segment of each token (0 everywhere without ``cu_seqlens``); the
-    padding gets an id no real token has."""
+def _segment_ids(cu_rows, seq_len: int, padded_len: int):
+    """int32 [rows, padded_len]: each token's segment per row of ``cu_rows`` ([rows, n + 1], or
+    None: one segment); the padding gets an id no real token has."""
     pos = jnp.arange(padded_len, dtype=jnp.int32)
-    if cu_seqlens is None:
-        seg = jnp.zeros((padded_len,), jnp.int32)
-        pad_id = 1
-    else:
-        seg = jnp.sum((pos[:, None] >= cu_seqlens[1:].astype(jnp.int32)[None, :]).astype(jnp.int32), axis=-1)
-        pad_id = cu_seqlens.shape[0]  # n + 1 > any real id
-    return jnp.where(pos < seq_len, seg, pad_id)[None, :]
+    if cu_rows is None:
+        return jnp.where(pos < seq_len, 0, 1)[None, :]
+    bounds = cu_rows[:, 1:].astype(jnp.int32)
+    seg = jnp.sum((pos[None, :, None] >= bounds[:, None, :]).astype(jnp.int32), axis=-1)
+    return jnp.where(pos[None, :] < seq_len, seg, cu_rows.shape[1])  # n + 1 > any real id
 
 
-@tpu_jit(static_argnames=("num_heads", "num_kv_heads", "head_size", "scale", "interpret"))
-def encoder_attention(query, key, value, cu_seqlens=None, *, num_heads: int, num_kv_heads: int, head_size: int,
-                      scale: float, interpret=False):
-    """Non-causal attention of ``query`` over ``key``/``value`` (see the module docstring)."""
+def _attention_rows(query, key, value, cu_rows, *, num_heads: int, num_kv_heads: int, head_size: int,
+                    scale: float, interpret):
+    """The kernel call on [R, S, ...] inputs; ``cu_rows`` None or int32 [R, n + 1] (row r's packing)."""
     shape, dtype = query.shape, query.dtype
     b, s = shape[:2]
-    if b * s == 0:
-        return jnp.zeros(shape, dtype)
     group = num_heads // num_kv_heads
     s_pad = -s % _SEQ_TILE
     padded_len = s + s_pad
@@ -104,11 +100,47 @@ def encoder_attention(query, key, value, cu_seqlens=None, *, num_heads: int, num
     k = heads_first(key, num_kv_heads)
     v = heads_first(value, num_kv_heads)
     segments = None
-    if cu_seqlens is not None or s_pad:
-        ids = jnp.broadcast_to(_segment_ids(cu_seqlens, s, padded_len), (b, padded_len))
+    if cu_rows is not None or s_pad:
+        ids = jnp.broadcast_to(_segment_ids(cu_rows, s, padded_len), (b, padded_len))
         segments = jax_flash.SegmentIds(q=ids, kv=ids)
     with _interpreting(interpret):
         out = jax_flash.flash_attention(q, k, v, segment_ids=segments, sm_scale=scale,
                                         block_sizes=flash_block_sizes(padded_len))
-    out = out[:, :, :s].transpose(0, 2, 1, 3)
-    return out.reshape(shape).astype(dtype)
+    return out[:, :, :s].transpose(0, 2, 1, 3).reshape(shape).astype(dtype)
+
+
+@functools.lru_cache(maxsize=None)
+def _build(static: tuple, has_cu: bool):
+    """The call, batched under ``vmap`` by folding the vmapped axis into the kernel's batch rows
+    (its grid has no room for another axis: the TPU interpreter refuses a vmapped kernel whose
+    dimension semantics name fewer axes than the grid)."""
+    opts = dict(static)
+
+    @jax.custom_batching.custom_vmap
+    def call(*arrays):
+        q, k, v = arrays[:3]
+        return _attention_rows(q, k, v, arrays[3] if has_cu else None, **opts)
+
+    @call.def_vmap
+    def _rule(axis_size, in_batched, *arrays):
+        full = [a if batched else jnp.broadcast_to(a, (axis_size, *a.shape)) for a, batched in zip(arrays, in_batched)]
+        rows = [a.reshape(axis_size * a.shape[1], *a.shape[2:]) for a in full]
+        out = call(*rows)
+        return out.reshape(axis_size, -1, *out.shape[1:]), True
+
+    return call
+
+
+@tpu_jit(static_argnames=("num_heads", "num_kv_heads", "head_size", "scale", "interpret"))
+def encoder_attention(query, key, value, cu_seqlens=None, *, num_heads: int, num_kv_heads: int, head_size: int,
+                      scale: float, interpret=False):
+    """Non-causal attention of ``query`` over ``key``/``value`` (see the module docstring)."""
+    b, s = query.shape[:2]
+    if b * s == 0:
+        return jnp.zeros(query.shape, query.dtype)
+    static = (("num_heads", num_heads), ("num_kv_heads", num_kv_heads), ("head_size", head_size),
+              ("scale", scale), ("interpret", interpret))
+    if cu_seqlens is None:
+        return _build(static, False)(query, key, value)
+    cu_rows = jnp.broadcast_to(cu_seqlens.astype(jnp.int32), (b, cu_seqlens.shape[0]))
+    return _build(static, True)(query, key, value, cu_rows)
