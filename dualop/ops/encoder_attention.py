@@ -184,7 +184,7 @@ class MMEncoderAttention(CustomOp):
             logits = xp.where(seg[:, None] == seg[None, :], logits, float("-inf"))
         p = xp.exp(logits - xp.amax(logits, axis=-1, keepdims=True))
         out = (p @ v) / xp.sum(p, axis=-1, keepdims=True)  # [B, Hkv, G, S, D]
-        out = out.swapaxes(1, 2).swapaxes(1, 3).reshape(query.shape)
+        out = out.swapaxes(1, 2).swapaxes(1, 3).reshape(b, s, h * d).reshape(query.shape)  # contiguous
         return xp.astype(out, query.dtype)
 
     def _static(self) -> dict[str, Any]:

@@ -41,4 +41,4 @@ def encoder_attention(query, key, value, cu_seqlens=None, *, num_heads: int, num
                 out[:, :, start:end] = F.scaled_dot_product_attention(
                     q[:, :, start:end], k[:, :, start:end], v[:, :, start:end], scale=scale, enable_gqa=gqa
                 )
-    return out.transpose(1, 2).reshape(query.shape).to(query.dtype)
+    return out.transpose(1, 2).reshape(b, s, -1).reshape(query.shape).to(query.dtype)  # contiguous, as the native body
