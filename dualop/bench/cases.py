@@ -282,8 +282,8 @@ CASES: tuple[BenchCase, ...] = (
 )
 # --- mm_encoder_attn: a ViT's attention over packed images ---------------------------------------
 # The bench shape (tokens, hidden) is a packed batch of images, ``hidden = heads x 80`` (Qwen2.5-VL's
-# vision tower: 16 heads of 80 at hidden 1280), each image ``ENCODER_IMAGE_TOKENS`` patches long
-# (the last one shorter), as ``cu_seqlens``. Not run by default: its cost grows with tokens x image
+# vision tower: 16 heads of 80 at hidden 1280; one head of ``hidden`` when 80 does not divide it),
+# each image ``ENCODER_IMAGE_TOKENS`` patches long (the last one shorter), as ``cu_seqlens``. Not run by default: its cost grows with tokens x image
 # size, not with the row sizes the other cases use; ask with ``--ops mm_encoder_attn --sizes 1024x1280``.
 ENCODER_HEAD_SIZE = 80
 ENCODER_IMAGE_TOKENS = 256
@@ -297,9 +297,8 @@ def _encoder_segments(tokens: int) -> list[int]:
 def _encoder_attention(hidden: int):
     from dualop.ops import MMEncoderAttention
 
-    if hidden % ENCODER_HEAD_SIZE:
-        raise ValueError(f"mm_encoder_attn bench: hidden {hidden} is not a multiple of the head size {ENCODER_HEAD_SIZE}")
-    return MMEncoderAttention(hidden // ENCODER_HEAD_SIZE, ENCODER_HEAD_SIZE)
+    head_size = ENCODER_HEAD_SIZE if hidden % ENCODER_HEAD_SIZE == 0 else hidden
+    return MMEncoderAttention(hidden // head_size, head_size)
 
 
 def _encoder_inputs(shape, rng):
