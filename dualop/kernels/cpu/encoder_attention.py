@@ -4,7 +4,9 @@ torch's fused CPU attention (a flash-attention loop over key blocks, vectorised,
 batch x heads) in float32, then one cast, as the op's contract says (in bfloat16 it would round
 the probabilities before ``P @ V``). Packed sequences (``cu_seqlens``) run one call per segment:
 a block-diagonal mask would make the kernel visit every (query, key) block of the whole packed
-sequence, per segment only its own (see BENCHMARKS.md for the measurement). GQA goes through
+sequence, per segment only its own. Measured here (1024 tokens as 4 images of 256, 16 heads of 80,
+float32, 2 shared cores): 229 ms per segment against 356 ms with the mask; the gap grows with the
+number of segments. GQA goes through
 ``enable_gqa``, which reads kv head ``h // group`` without copying K and V per query head.
 """
 
