@@ -116,6 +116,10 @@ def encoder_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
         else:
             longest = int((cu[1:] - cu[:-1]).max())
     block, n_kv_blocks = block_sizes(longest)
+    block_d = max(_MIN_BLOCK, triton.next_power_of_2(head_size))
+    # float32 operands (IEEE dots, no tensor-core layout) hold q, k, v, the logits and the
+    # accumulator in registers: 8 warps at head sizes above 64 keep them from spilling.
+    num_warps = 8 if query.dtype == torch.float32 and block_d > 64 else 4
     out2 = out.view(b * s, num_heads * head_size)
     grid = (cu.shape[0] - 1, n_kv_blocks, num_heads)
     _encoder_attention_kernel[grid](
@@ -123,8 +127,8 @@ def encoder_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
         q.stride(0), k.stride(0), out2.stride(0),
         head_size, float(scale),
         GROUP=num_heads // num_kv_heads, BLOCK_M=block, BLOCK_N=block,
-        BLOCK_D=max(_MIN_BLOCK, triton.next_power_of_2(head_size)), N_KV_BLOCKS=n_kv_blocks,
+        BLOCK_D=block_d, N_KV_BLOCKS=n_kv_blocks,
         IEEE_QK=query.dtype == torch.float32 or interpreting(), EXACT_BF16=needs_exact_bf16(query.dtype),
-        num_warps=4,
+        num_warps=num_warps,
     )
     return out
