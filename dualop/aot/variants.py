@@ -185,3 +185,30 @@ def variants_for(ops: list[str] | None, dtypes: list[str]) -> list[Variant]:
                 v = Variant(case, dtype, shape, is_serving, specs)
                 variants.setdefault(v.key, v)
     return list(variants.values())
+
+
+# --- mm_encoder_attn: (B, S, heads, head size, packed segments; 0 = none) -------------------------
+# Qwen2.5-VL's vision tower (16 heads of 80; 4096 patches packed as 16 windows of 256 via
+# cu_seqlens), SigLIP-so400m at 384 px (16 heads of 72, 729 patches) and SigLIP at 512 px (16
+# heads of 64, 1024 patches), a batch of 8 images each.
+SERVING_SHAPES["mm_encoder_attn"] = ((1, 4096, 16, 80, 16), (8, 729, 16, 72, 0), (8, 1024, 16, 64, 0))
+
+
+def _encoder_attention_inputs(shape: tuple[int, ...]) -> tuple:
+    b, s, heads, head_size, segments = shape
+    x = InputSpec((b, s, heads * head_size), None)
+    cu = InputSpec((segments + 1,), "int32") if segments else None
+    return (x, x, x, cu, s // segments if segments else None)
+
+
+def _encoder_attention_op(shape: tuple[int, ...]):
+    from dualop.ops import MMEncoderAttention
+
+    return MMEncoderAttention(shape[2], shape[3])
+
+
+SERVING_INPUTS["mm_encoder_attn"] = _encoder_attention_inputs
+_SERVING_MAKE_OP.update({
+    label: _encoder_attention_op
+    for label in ("mm_encoder_attn", "mm_encoder_attn[gqa,bshd]", "mm_encoder_attn[cu_seqlens]")
+})

@@ -152,3 +152,10 @@ def set_at_dropping(x: torch.Tensor, index: tuple, values: torch.Tensor, keep: t
     index = tuple(torch.where(keep, i, f) for i, f in zip(index, fallback_index))
     x.index_put_(index, torch.where(keep.reshape(-1, *rows), values, fallback_value))
     return x
+# --- integer positions (mm_encoder_attn's segment ids) ---------------------------------------
+int32 = torch.int32
+
+
+def arange(n: int, like: torch.Tensor, dtype=None) -> torch.Tensor:
+    """``0, 1, ..., n - 1`` on ``like``'s device (int32 unless ``dtype`` says otherwise)."""
+    return torch.arange(n, dtype=dtype if dtype is not None else torch.int32, device=like.device)
