@@ -13,7 +13,7 @@ from dualop.platforms import family_of, frontend_of
 
 __all__ = [
     "FLOAT_DTYPES", "dtype_name", "check_array", "check_optional_like", "records_grad", "cpu_declines",
-    "decline_if_recording",
+    "decline_if_recording", "concrete_values",
 ]
 
 # The floating dtypes every dualop kernel takes.
@@ -101,4 +101,26 @@ def cpu_declines(method: str, frontend: str) -> str | None:
     only; jax, torchax and torch_xla arrays reach XLA, which compiles the native body itself."""
     if method == "forward_cpu" and frontend != "torch":
         return f"no CPU kernel for {frontend} arrays: XLA compiles the native body"
+    return None
+
+
+def concrete_values(x: Any):
+    """``x``'s values as a numpy array when they can be read without tracing or capturing: torch
+    tensors on the CPU or a GPU (not while a CUDA graph is being captured), jax arrays outside a
+    trace. None for jax tracers, torch_xla / torchax tensors (reading them would force the lazy
+    graph or leave jit) and meta tensors: there, kernels clamp indices instead (each op says how).
+    """
+    import numpy as np
+
+    fe = frontend_of(x)
+    if fe == "jax":
+        import jax
+
+        return None if isinstance(x, jax.core.Tracer) else np.asarray(x)
+    if fe == "torch":
+        import torch
+
+        if x.device.type == "meta" or (x.device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+            return None
+        return x.detach().cpu().numpy()
     return None
