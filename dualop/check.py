@@ -112,13 +112,13 @@ def _run_cell(case: testing.OpCase, frontend: str, platform: str, dtype: str, se
             op = case.make_op(shape)
             args = tuple(testing.to_frontend(a, frontend, dtype) for a in case.make_inputs(shape, rng))
             op.last_fallback = None
-            got = _outputs(op(*args))
+            got = _outputs(op(*args, **case.options))
             res.method, reason = op.last_run(frontend, platform)
             if res.method == "forward_native":
                 res.status, res.detail, res.path = "native", reason, "native"
                 return res
             res.path = _path(res.method, frontend)
-            want = _outputs(op.forward_native(*args))
+            want = _outputs(op.forward_native(*args, **case.options))
             for g, w in zip(got, want, strict=True):
                 key, out_tol = testing.tolerance_for(dtype, w)
                 if key != dtype:

@@ -125,3 +125,15 @@ def take(x: torch.Tensor, indices: torch.Tensor, axis: int = 0) -> torch.Tensor:
     """Rows of ``x`` along ``axis`` picked by the integer ``indices`` (any shape)."""
     flat = torch.index_select(x, axis, indices.reshape(-1))
     return flat.reshape(*x.shape[:axis], *indices.shape, *x.shape[axis + 1:])
+
+
+int32 = torch.int32
+
+
+def arange(n: int, like: torch.Tensor, dtype=None) -> torch.Tensor:
+    """``0, 1, ..., n-1`` on ``like``'s device (int32 unless ``dtype`` says otherwise)."""
+    return torch.arange(n, dtype=dtype if dtype is not None else torch.int32, device=like.device)
+
+
+def einsum(subscripts: str, *operands: torch.Tensor) -> torch.Tensor:
+    return torch.einsum(subscripts, *operands)

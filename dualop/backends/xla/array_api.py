@@ -114,3 +114,16 @@ def take(x: jax.Array, indices: jax.Array, axis: int = 0) -> jax.Array:
     """Rows of ``x`` along ``axis`` picked by the integer ``indices`` (any shape); out-of-range
     indices are clamped (XLA's gather semantics, made explicit)."""
     return jnp.take(x, indices, axis=axis, mode="clip")
+
+
+int32 = jnp.int32
+
+
+def arange(n: int, like: jax.Array, dtype=None) -> jax.Array:
+    """``0, 1, ..., n-1`` (int32 unless ``dtype`` says otherwise)."""
+    return jnp.arange(n, dtype=dtype if dtype is not None else jnp.int32)
+
+
+def einsum(subscripts: str, *operands: jax.Array) -> jax.Array:
+    """At full float32 precision (XLA:TPU otherwise multiplies float32 in bfloat16 passes)."""
+    return jnp.einsum(subscripts, *operands, precision=jax.lax.Precision.HIGHEST)
