@@ -254,8 +254,6 @@ class RaggedPagedAttention(CustomOp):
                     mask_value: float | None = None, k_scale: float | None = None,
                     v_scale: float | None = None) -> Any:
         options = _options(sm_scale, sliding_window, soft_cap, mask_value, k_scale, v_scale)
-        if q.shape[0] == 0:
-            return q  # no rows: nothing to launch
         return call_pallas(frontend_of(q), _PALLAS_RPA, q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs,
                            native=_NativeWithOptions(self, options), **options)
 
@@ -263,8 +261,6 @@ class RaggedPagedAttention(CustomOp):
                      *, sm_scale: float = 1.0, sliding_window: int | None = None, soft_cap: float | None = None,
                      mask_value: float | None = None, k_scale: float | None = None,
                      v_scale: float | None = None) -> Any:
-        if q.shape[0] == 0:
-            return q  # no rows: nothing to launch
         return call_triton(frontend_of(q), _TRITON_RPA, q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs,
                            **_options(sm_scale, sliding_window, soft_cap, mask_value, k_scale, v_scale))
 
