@@ -128,7 +128,9 @@ def test_native_matches_jax_reference_with_options(name, dtype, frontend):
     ("mixed", 1, {"sliding_window": 4}),
     ("chunked", 4, {"soft_cap": 2.5}),
     ("many_pages", 8, {"k_scale": 0.5, "v_scale": 2.0}),
-    ("mixed", 4, {"mask_value": -50.0}),  # a mask value near the scores: the written-out path
+    ("mixed", 4, {"mask_value": -50.0}),  # a mask value not effectively -inf: the written-out path
+    ("decode", 4, {"mask_value": 0.5}),  # near the scores: positions past a kv_len still never count
+    ("mixed", 4, {"mask_value": 0.5}),  # near the scores: causally masked positions take it
 ])
 def test_torch_cpu_path_matches_reference_and_native(layout, group, options, dtype):
     arrays = _batch(layout, group=group, head_dim=64)

@@ -25,6 +25,7 @@ __all__ = [
     "quant_fp8_cost",
     "row_amax_cost",
     "POINTWISE_COUNTS",
+    "ragged_paged_attention_cost",
 ]
 
 
@@ -104,3 +105,15 @@ def row_amax_cost(rows: int, hidden: int, itemsize: int) -> KernelCost:
     write one float32 per row."""
     n = rows * hidden
     return KernelCost(flops=2 * n, transcendentals=0, bytes_accessed=n * itemsize + 4 * rows)
+
+
+def ragged_paged_attention_cost(q_rows: int, kv_tokens: int, pairs: int, num_q_heads: int, num_kv_heads: int,
+                                head_dim: int, itemsize: int) -> KernelCost:
+    """Ragged paged attention: read q and the K and V of the ``kv_tokens`` cached tokens its
+    sequences attend to (each page once: decode is bound by these bytes), write the output.
+    ``pairs``: (query row, visible KV position) pairs; per pair and query head, ``q . k`` and
+    ``p . v`` (2 * head_dim multiply-adds each) and one exp."""
+    reads = q_rows * num_q_heads * head_dim * itemsize + kv_tokens * 2 * num_kv_heads * head_dim * itemsize
+    writes = q_rows * num_q_heads * head_dim * itemsize
+    return KernelCost(flops=4 * pairs * num_q_heads * head_dim, transcendentals=pairs * num_q_heads,
+                      bytes_accessed=reads + writes)

@@ -15,10 +15,11 @@ the serving engine's TPU attention kernel, with the exact call of JAX's
   ``j % page_size``. Its queries are its last positions: row ``r`` of a sequence sits at position
   ``kv_len - q_len + r`` and sees KV position ``p`` iff ``p <= position`` (and, with a sliding
   window ``w``, ``p > position - w``). One call thus mixes prefill, chunked prefill and decode.
-- In float32: ``s = (q . k) * sm_scale``; with ``soft_cap`` c, ``s = c * tanh(s / c)``; a masked
-  score is replaced by ``mask_value`` (default JAX's ``DEFAULT_MASK_VALUE``, ``-0.7 *`` float32 max;
-  JAX's reference adds it instead, which gives the same result unless a mask value near the
-  scores is asked for); softmax; ``p . v``; cast once to ``q``'s dtype. ``k_scale`` / ``v_scale``
+- In float32: ``s = (q . k) * sm_scale``; with ``soft_cap`` c, ``s = c * tanh(s / c)``; the score
+  of a masked position below ``kv_len`` is replaced by ``mask_value`` (default JAX's
+  ``DEFAULT_MASK_VALUE``, ``-0.7 *`` float32 max; JAX's reference adds it instead, which gives the
+  same result unless a mask value near the scores is asked for), positions from ``kv_len`` on never
+  count; softmax; ``p . v``; cast once to ``q``'s dtype. ``k_scale`` / ``v_scale``
   (floats, a quantised cache) multiply K / V in float32 before use. GQA: query head ``h`` reads KV
   head ``h // (Hq // Hkv)``.
 - Rows past ``cu_q_lens[num_seqs[0]]`` (padding up to ``T``) are zeros, never NaN; a sequence with
@@ -232,10 +233,12 @@ class RaggedPagedAttention(CustomOp):
         if soft_cap is not None:
             scores = soft_cap * xp.tanh(scores / soft_cap)
         kv_pos = xp.arange(span, q)[None, :]
-        allowed = (kv_pos <= position[:, None]) & (kv_pos < kv_len[:, None])
+        cached = kv_pos < kv_len[:, None]  # positions past kv_len never count, whatever mask_value
+        allowed = (kv_pos <= position[:, None]) & cached
         if sliding_window is not None:
             allowed = allowed & (kv_pos > position[:, None] - sliding_window)
         fill = DEFAULT_MASK_VALUE if mask_value is None else mask_value
+        fill = xp.where(cached, fill, DEFAULT_MASK_VALUE)[:, None, None, :]
         scores = xp.where(allowed[:, None, None, :], scores, fill)
         scores = xp.exp(scores - xp.amax(scores, axis=-1, keepdims=True))
         probs = scores / xp.sum(scores, axis=-1, keepdims=True)
@@ -315,7 +318,8 @@ def _torch_cpu_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs
     def gather(seqs: list[int], length: int):
         """K and V of ``seqs``, ``[B, Hkv, length, D]`` float32 views of one gathered copy."""
         used = -(-length // page_size)
-        kv = kv_pages[page_indices[seqs, :used]].reshape(len(seqs), used * page_size, combined, head_dim)
+        ids = page_indices[seqs, :used].reshape(-1)
+        kv = kv_pages.index_select(0, ids).reshape(len(seqs), used * page_size, combined, head_dim)
         kv = kv.to(torch.float32)
         return kv[:, :length, 0::2].transpose(1, 2), kv[:, :length, 1::2].transpose(1, 2)
 
@@ -339,7 +343,8 @@ def _torch_cpu_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs
         rows = torch.tensor([cu[i] for i in decode])
         qd = q[rows].to(torch.float32).reshape(len(decode), num_kv_heads, group, head_dim)
         mask = allowed(torch.tensor([lens[i] - 1 for i in decode]), length)  # [B, length]
-        o = attend(qd, k, v, mask[:, None, None, :], scale, soft_cap, mask_value)
+        cached = torch.arange(length) < torch.tensor([lens[i] for i in decode])[:, None]
+        o = attend(qd, k, v, mask[:, None, None, :], cached[:, None, None, :], scale, soft_cap, mask_value)
         finish(o.reshape(len(decode), num_q_heads, head_dim), rows)
     for i in range(count):
         q_len = cu[i + 1] - cu[i]
@@ -349,25 +354,29 @@ def _torch_cpu_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs
         qs = q[cu[i]:cu[i + 1]].to(torch.float32).reshape(q_len, num_kv_heads, group, head_dim)
         qs = qs.permute(1, 2, 0, 3).reshape(1, num_kv_heads, group * q_len, head_dim)
         positions = torch.arange(lens[i] - q_len, lens[i]).repeat(group)  # row g * q_len + r
-        o = attend(qs, k, v, allowed(positions, lens[i]), scale, soft_cap, mask_value)
+        o = attend(qs, k, v, allowed(positions, lens[i]), None, scale, soft_cap, mask_value)
         o = o.reshape(num_kv_heads, group, q_len, head_dim).permute(2, 0, 1, 3).reshape(q_len, num_q_heads, head_dim)
         finish(o, torch.arange(cu[i], cu[i + 1]))
     return out
 
 
-def _sdpa(q, k, v, mask, scale, soft_cap, mask_value):
+def _sdpa(q, k, v, mask, cached, scale, soft_cap, mask_value):
+    """``mask`` (the positions each query sees) already excludes those past kv_len (``cached``)."""
     import torch.nn.functional as F
 
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
 
 
-def _written_out(q, k, v, mask, scale, soft_cap, mask_value):
+def _written_out(q, k, v, mask, cached, scale, soft_cap, mask_value):
+    """Masked scores below kv_len take ``mask_value``; positions past it (``cached`` False) none."""
     import torch
 
     scores = torch.matmul(q, k.transpose(-1, -2)) * scale
     if soft_cap is not None:
         scores = soft_cap * torch.tanh(scores / soft_cap)
     scores = scores.masked_fill(~mask, DEFAULT_MASK_VALUE if mask_value is None else mask_value)
+    if cached is not None:
+        scores = scores.masked_fill(~cached, DEFAULT_MASK_VALUE)
     return torch.matmul(torch.softmax(scores, dim=-1), v)
 
 
