@@ -1,4 +1,4 @@
-"""ragged_paged_attention: the native body (torch and jax) and the torch CPU path against JAX's
+"""ragged_paged_attention: the native body (torch and jax) and the torch CPU path (C++) against JAX's
 ``ref_ragged_paged_attention`` (from the jax install; nobody here wrote it) on mixed batches; jit with
 traced metadata; the clamp under jit; every bad input refused before any kernel launches.
 
@@ -128,7 +128,7 @@ def test_native_matches_jax_reference_with_options(name, dtype, frontend):
     ("mixed", 1, {"sliding_window": 4}),
     ("chunked", 4, {"soft_cap": 2.5}),
     ("many_pages", 8, {"k_scale": 0.5, "v_scale": 2.0}),
-    ("mixed", 4, {"mask_value": -50.0}),  # a mask value not effectively -inf: the written-out path
+    ("mixed", 4, {"mask_value": -50.0}),  # a mask value not effectively -inf: masked keys are visited
     ("decode", 4, {"mask_value": 0.5}),  # near the scores: positions past a kv_len still never count
     ("mixed", 4, {"mask_value": 0.5}),  # near the scores: causally masked positions take it
 ])
@@ -273,7 +273,7 @@ class _NoLaunch:
 def no_kernels(monkeypatch):
     monkeypatch.setattr(attention, "_PALLAS_RPA", _NoLaunch())
     monkeypatch.setattr(attention, "_TRITON_RPA", _NoLaunch())
-    monkeypatch.setattr(attention, "_torch_cpu_attention", _NoLaunch())
+    monkeypatch.setattr(attention, "_CPU_RPA", _NoLaunch())
 
 
 @pytest.mark.parametrize("frontend, platform", [("torch", "cpu"), ("torch", "cuda"), ("jax", "tpu")])
@@ -327,3 +327,17 @@ def test_under_jit_only_static_checks_run():
     with pytest.raises(ValueError, match="'kv_lens'"):
         jax.jit(lambda *a: op(*a))(*(jnp.asarray(a) for a in bad_shape))
     jax.jit(lambda *a: op(*a))(*(jnp.asarray(a) for a in _edit("cu_q_lens_decreasing")[0](list(arrays))))
+
+
+def test_cpu_kernel_clamps_metadata_it_is_not_given_validated():
+    """The C++ kernel, called past the op's checks with out-of-range metadata, reads nothing out of
+    bounds (it clamps, as the module docstring says) and writes finite values."""
+    from dualop.kernels.cpu.ragged_paged_attention import ragged_paged_attention as cpu_kernel
+
+    q, kv_pages, kv_lens, page_indices, cu, num_seqs = _to("torch", _batch("mixed"))
+    bad = [(kv_lens * 1000, page_indices, cu, num_seqs), (kv_lens, page_indices * 0 + 10**6, cu, num_seqs),
+           (kv_lens, page_indices * 0 - 7, cu, num_seqs), (kv_lens, page_indices, cu.flip(0), num_seqs),
+           (kv_lens, page_indices, cu, num_seqs + 100)]
+    for meta in bad:
+        out = cpu_kernel(q, kv_pages, *meta, sm_scale=0.1)
+        assert torch.isfinite(out).all()

@@ -61,6 +61,7 @@ INT32 = frozenset({"int32"})
 
 _PALLAS_RPA = KernelRef("dualop.kernels.pallas.ragged_paged_attention", "ragged_paged_attention")
 _TRITON_RPA = KernelRef("dualop.kernels.cuda.ragged_paged_attention", "ragged_paged_attention")
+_CPU_RPA = KernelRef("dualop.kernels.cpu.ragged_paged_attention", "ragged_paged_attention")
 
 
 def _check_option(name: str, value: Any, *, kind: type, positive: bool) -> None:
@@ -86,8 +87,8 @@ class RaggedPagedAttention(CustomOp):
     paged KV cache; see the module docstring for the contract.
 
     Fast paths: ``forward_tpu`` a Pallas kernel (K/V pages streamed from HBM by manual DMA),
-    ``forward_cuda`` a Triton kernel, ``forward_cpu`` (torch CPU tensors) a torch body of its own:
-    decode rows batched, one attention call per prefill sequence, each over its gathered pages.
+    ``forward_cuda`` a Triton kernel, ``forward_cpu`` (torch CPU tensors) a C++ kernel that reads
+    the pages in place.
     JAX arrays on a GPU run the native body (no jax-triton; ``jax.nn.dot_product_attention`` takes
     padded ``[batch, seq]`` layouts, not a ragged paged batch: see ``declines``).
     """
@@ -271,11 +272,13 @@ class RaggedPagedAttention(CustomOp):
                     *, sm_scale: float = 1.0, sliding_window: int | None = None, soft_cap: float | None = None,
                     mask_value: float | None = None, k_scale: float | None = None,
                     v_scale: float | None = None) -> Any:
-        """torch on the CPU (``_torch_cpu_attention``); declines while autograd records, so the
-        differentiable native body runs."""
+        """torch on the CPU: the C++ kernel (``kernels/cpu``), which reads each K/V row from its page
+        once per (sequence, KV head, block of query rows), no gathered copy (BENCHMARKS.md: about
+        twice a gather-then-SDPA decode in float32 here). It declines while autograd records (no
+        backward) and where the kernels cannot be built."""
         decline_if_recording(OP, q, kv_pages)
-        return _torch_cpu_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs,
-                                    **_options(sm_scale, sliding_window, soft_cap, mask_value, k_scale, v_scale))
+        return _CPU_RPA(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs,
+                        **_options(sm_scale, sliding_window, soft_cap, mask_value, k_scale, v_scale))
 
 
 class _NativeWithOptions:
@@ -287,97 +290,6 @@ class _NativeWithOptions:
 
     def __call__(self, *arrays: Any) -> Any:
         return self.op.forward_native(*arrays, **self.options)
-
-
-# --- torch on the CPU ------------------------------------------------------------------------------
-
-
-def _torch_cpu_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *, sm_scale, sliding_window,
-                         soft_cap, mask_value, k_scale, v_scale):
-    """The CPU path: the metadata (validated by ``check_inputs``) is read once; decode rows
-    (``q_len == 1``) are batched into one attention call over their gathered pages, each longer
-    sequence takes one call with its causal-offset mask. A query row's GQA group rides in the
-    query dim, so each K/V head is read once per group. The calls are
-    ``F.scaled_dot_product_attention`` in float32 (its reduced-precision CPU kernel rounds the
-    probabilities to the input dtype, which the tolerance table does not allow), or, for a soft
-    cap or a mask value not effectively minus infinity, the same steps written out."""
-    import torch
-
-    num_tokens, num_q_heads, head_dim = q.shape
-    num_pages, page_size, combined, _ = kv_pages.shape
-    num_kv_heads = combined // 2
-    group = num_q_heads // num_kv_heads
-    count = int(num_seqs[0])
-    cu = cu_q_lens[: count + 1].tolist()
-    lens = kv_lens[:count].tolist()
-    out = q.new_empty(q.shape)
-    out[cu[count]:].zero_()  # padding rows
-    scale = sm_scale * (1.0 if k_scale is None else k_scale)
-    attend = _sdpa if soft_cap is None and (mask_value is None or mask_value <= DEFAULT_MASK_VALUE) else _written_out
-
-    def gather(seqs: list[int], length: int):
-        """K and V of ``seqs``, ``[B, Hkv, length, D]`` float32 views of one gathered copy."""
-        used = -(-length // page_size)
-        ids = page_indices[seqs, :used].reshape(-1)
-        kv = kv_pages.index_select(0, ids).reshape(len(seqs), used * page_size, combined, head_dim)
-        kv = kv.to(torch.float32)
-        return kv[:, :length, 0::2].transpose(1, 2), kv[:, :length, 1::2].transpose(1, 2)
-
-    def allowed(positions, length: int):
-        """``[..., length]`` mask of the KV positions each query position sees."""
-        kv_pos = torch.arange(length)
-        ok = kv_pos <= positions[..., None]
-        if sliding_window is not None:
-            ok &= kv_pos > positions[..., None] - sliding_window
-        return ok
-
-    def finish(o, rows):
-        if v_scale is not None:
-            o = o * v_scale
-        out.index_copy_(0, rows, o.to(q.dtype))
-
-    decode = [i for i in range(count) if cu[i + 1] - cu[i] == 1]
-    if decode:
-        length = max(lens[i] for i in decode)
-        k, v = gather(decode, length)
-        rows = torch.tensor([cu[i] for i in decode])
-        qd = q[rows].to(torch.float32).reshape(len(decode), num_kv_heads, group, head_dim)
-        mask = allowed(torch.tensor([lens[i] - 1 for i in decode]), length)  # [B, length]
-        cached = torch.arange(length) < torch.tensor([lens[i] for i in decode])[:, None]
-        o = attend(qd, k, v, mask[:, None, None, :], cached[:, None, None, :], scale, soft_cap, mask_value)
-        finish(o.reshape(len(decode), num_q_heads, head_dim), rows)
-    for i in range(count):
-        q_len = cu[i + 1] - cu[i]
-        if q_len <= 1:
-            continue
-        k, v = gather([i], lens[i])
-        qs = q[cu[i]:cu[i + 1]].to(torch.float32).reshape(q_len, num_kv_heads, group, head_dim)
-        qs = qs.permute(1, 2, 0, 3).reshape(1, num_kv_heads, group * q_len, head_dim)
-        positions = torch.arange(lens[i] - q_len, lens[i]).repeat(group)  # row g * q_len + r
-        o = attend(qs, k, v, allowed(positions, lens[i]), None, scale, soft_cap, mask_value)
-        o = o.reshape(num_kv_heads, group, q_len, head_dim).permute(2, 0, 1, 3).reshape(q_len, num_q_heads, head_dim)
-        finish(o, torch.arange(cu[i], cu[i + 1]))
-    return out
-
-
-def _sdpa(q, k, v, mask, cached, scale, soft_cap, mask_value):
-    """``mask`` (the positions each query sees) already excludes those past kv_len (``cached``)."""
-    import torch.nn.functional as F
-
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
-
-
-def _written_out(q, k, v, mask, cached, scale, soft_cap, mask_value):
-    """Masked scores below kv_len take ``mask_value``; positions past it (``cached`` False) none."""
-    import torch
-
-    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
-    if soft_cap is not None:
-        scores = soft_cap * torch.tanh(scores / soft_cap)
-    scores = scores.masked_fill(~mask, DEFAULT_MASK_VALUE if mask_value is None else mask_value)
-    if cached is not None:
-        scores = scores.masked_fill(~cached, DEFAULT_MASK_VALUE)
-    return torch.matmul(torch.softmax(scores, dim=-1), v)
 
 
 # --- check cases ---------------------------------------------------------------------------------
