@@ -304,19 +304,21 @@ def _rpa_decode_cost(op, shape, itemsize) -> KernelCost:
 
 def _torch_gather_sdpa(op):
     """What a torch user writes for a decode batch: gather each sequence's pages, then SDPA with a
-    length mask (GQA by ``enable_gqa``), in the input dtype, with the op's default ``sm_scale`` 1."""
+    length mask (GQA by ``enable_gqa``) and the op's default ``sm_scale`` 1, in float32 (SDPA's
+    bfloat16 CPU kernel rounds the probabilities to bfloat16, outside the tolerance table), one
+    cast back."""
     import torch
     import torch.nn.functional as F
 
     def decode(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs):
         num_seqs_, pages_per_seq = page_indices.shape
         _, page_size, combined, head_dim = kv_pages.shape
-        kv = kv_pages[page_indices].reshape(num_seqs_, pages_per_seq * page_size, combined, head_dim)
+        kv = kv_pages[page_indices].reshape(num_seqs_, pages_per_seq * page_size, combined, head_dim).float()
         k, v = kv[:, :, 0::2].transpose(1, 2), kv[:, :, 1::2].transpose(1, 2)
         mask = torch.arange(pages_per_seq * page_size) < kv_lens[:, None]
-        out = F.scaled_dot_product_attention(q[:, :, None], k, v, attn_mask=mask[:, None, None], scale=1.0,
+        out = F.scaled_dot_product_attention(q[:, :, None].float(), k, v, attn_mask=mask[:, None, None], scale=1.0,
                                              enable_gqa=True)  # the op's default sm_scale
-        return out[:, :, 0]
+        return out[:, :, 0].to(q.dtype)
 
     return decode
 
