@@ -368,6 +368,84 @@ CASES: tuple[BenchCase, ...] = (
               _rpa_decode_inputs, _rpa_decode_cost, _torch_gather_sdpa, _jax_paged_decode, default=False,
               shape_of=_rpa_decode_shape),
 )
+# --- mm_encoder_attn: a ViT's attention over packed images ---------------------------------------
+# The bench shape (tokens, hidden) is a packed batch of images, ``hidden = heads x 80`` (Qwen2.5-VL's
+# vision tower: 16 heads of 80 at hidden 1280; one head of ``hidden`` when 80 does not divide it),
+# each image ``ENCODER_IMAGE_TOKENS`` patches long (the last one shorter), as ``cu_seqlens``. Not run by default: its cost grows with tokens x image
+# size, not with the row sizes the other cases use; ask with ``--ops mm_encoder_attn --sizes 1024x1280``.
+ENCODER_HEAD_SIZE = 80
+ENCODER_IMAGE_TOKENS = 256
+
+
+def _encoder_segments(tokens: int) -> list[int]:
+    full, rest = divmod(tokens, ENCODER_IMAGE_TOKENS)
+    return [ENCODER_IMAGE_TOKENS] * full + ([rest] if rest else [])
+
+
+def _encoder_attention(hidden: int):
+    from dualop.ops import MMEncoderAttention
+
+    head_size = ENCODER_HEAD_SIZE if hidden % ENCODER_HEAD_SIZE == 0 else hidden
+    return MMEncoderAttention(hidden // head_size, head_size)
+
+
+def _encoder_inputs(shape, rng):
+    from dualop.testing import Pinned
+
+    tokens, hidden = shape
+    cu = np.cumsum([0, *_encoder_segments(tokens)]).astype(np.int32)
+    x = [_normal((1, tokens, hidden), rng) for _ in range(3)]
+    return (*x, Pinned(cu, "int32"), None)
+
+
+def _encoder_cost(op, shape, itemsize) -> KernelCost:
+    return cost_model.encoder_attention_cost(_encoder_segments(shape[0]), op.num_heads, op.num_kv_heads,
+                                             op.head_size, itemsize)
+
+
+def _torch_encoder_attention(op):
+    """What a user writes: ``F.scaled_dot_product_attention`` per image, in the input dtype."""
+    import torch
+    import torch.nn.functional as F
+
+    h, hkv, d = op.num_heads, op.num_kv_heads, op.head_size
+
+    def sdpa(q, k, v, cu_seqlens, max_seqlen=None):
+        s = q.shape[1]
+        qh, kh, vh = (t.reshape(s, n, d).transpose(0, 1) for t, n in ((q, h), (k, hkv), (v, hkv)))
+        bounds = cu_seqlens.tolist()
+        outs = [F.scaled_dot_product_attention(qh[:, a:b], kh[:, a:b], vh[:, a:b], scale=op.scale,
+                                               enable_gqa=h != hkv) for a, b in zip(bounds[:-1], bounds[1:])]
+        return torch.cat(outs, dim=1).transpose(0, 1).reshape(q.shape)
+
+    return sdpa
+
+
+def _jax_encoder_attention(op):
+    """What a user writes in jax.numpy: float32 logits over the packed sequence with a
+    block-diagonal mask from the segment ids, softmax, ``P @ V``, one cast."""
+    import jax
+    import jax.numpy as jnp
+
+    h, hkv, d = op.num_heads, op.num_kv_heads, op.head_size
+
+    def attention(q, k, v, cu_seqlens, max_seqlen=None):
+        s = q.shape[1]
+        seg = jnp.searchsorted(cu_seqlens[1:], jnp.arange(s), side="right")
+        qf = q.reshape(s, hkv, h // hkv, d).astype(jnp.float32)
+        kf, vf = (t.reshape(s, hkv, d).astype(jnp.float32) for t in (k, v))
+        logits = jnp.einsum("qkgd,tkd->kgqt", qf, kf) * op.scale
+        logits = jnp.where(seg[:, None] == seg[None, :], logits, -jnp.inf)
+        out = jnp.einsum("kgqt,tkd->qkgd", jax.nn.softmax(logits, axis=-1), vf)
+        return out.reshape(q.shape).astype(q.dtype)
+
+    return attention
+
+
+CASES = (*CASES, BenchCase("mm_encoder_attn", "mm_encoder_attn", _encoder_attention, _encoder_inputs, _encoder_cost,
+                           _torch_encoder_attention, _jax_encoder_attention, default=False))
+
+
 DEFAULT_CASES: tuple[str, ...] = tuple(c.label for c in CASES if c.default)
 
 

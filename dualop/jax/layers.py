@@ -115,3 +115,14 @@ class XIELU(nnx.Module):
 
     def __call__(self, x):
         return self.op(x, self.alpha_p[...], self.alpha_n[...])
+
+
+class MMEncoderAttention(OpLayer):
+    """``MMEncoderAttention(num_heads, head_size, scale=None, num_kv_heads=None)``; ``__call__(query,
+    key, value, cu_seqlens=None, max_seqlen=None)``: the vision encoder's attention (no parameters;
+    the projections around it are the model's)."""
+
+    op_class = ops.MMEncoderAttention
+
+
+__all__.append("MMEncoderAttention")

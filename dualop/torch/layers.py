@@ -135,3 +135,14 @@ class XIELU(nn.Module):
 
     def extra_repr(self) -> str:
         return self.op.extra_repr()
+
+
+class MMEncoderAttention(OpLayer):
+    """``MMEncoderAttention(num_heads, head_size, scale=None, num_kv_heads=None)``; ``forward(query,
+    key, value, cu_seqlens=None, max_seqlen=None)``: the vision encoder's attention (no parameters;
+    the projections around it are the model's)."""
+
+    op_class = ops.MMEncoderAttention
+
+
+__all__.append("MMEncoderAttention")
