@@ -113,7 +113,7 @@ def _run_cell(case: testing.OpCase, frontend: str, platform: str, dtype: str, se
             inputs = case.make_inputs(shape, rng)
             args = tuple(testing.to_frontend(a, frontend, dtype) for a in inputs)
             op.last_fallback = None
-            got = _outputs(op(*args))
+            got = _outputs(op(*args, **case.options))
             res.method, reason = op.last_run(frontend, platform)
             if res.method == "forward_native":
                 res.status, res.detail, res.path = "native", reason, "native"
@@ -121,7 +121,7 @@ def _run_cell(case: testing.OpCase, frontend: str, platform: str, dtype: str, se
             res.path = _path(res.method, frontend)
             # Fresh inputs: an op that updates an argument in place (reshape_and_cache) must be
             # compared with the native body run on the untouched originals, not its own result.
-            want = _outputs(op.forward_native(*(testing.to_frontend(a, frontend, dtype) for a in inputs)))
+            want = _outputs(op.forward_native(*(testing.to_frontend(a, frontend, dtype) for a in inputs), **case.options))
             for g, w in zip(got, want, strict=True):
                 key, out_tol = testing.tolerance_for(dtype, w)
                 if key != dtype:

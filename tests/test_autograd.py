@@ -45,9 +45,9 @@ def test_torch_cpu_path_gradients(case, dtype):
 
     got_in, want_in = leaves(), leaves()
     with override_platform("cpu"), set_config(OpsConfig(["all"])):
-        got = torch.autograd.grad(loss(op(*got_in)), [t for t in got_in if t is not None and t.requires_grad],
-                                  allow_unused=True)
-    want = torch.autograd.grad(loss(op.forward_native(*want_in)),
+        got = torch.autograd.grad(loss(op(*got_in, **case.options)),
+                                  [t for t in got_in if t is not None and t.requires_grad], allow_unused=True)
+    want = torch.autograd.grad(loss(op.forward_native(*want_in, **case.options)),
                                [t for t in want_in if t is not None and t.requires_grad], allow_unused=True)
     for g, w in zip(got, want):
         if w is None:
@@ -67,7 +67,7 @@ def test_jax_tpu_path_gradients(case):
             full = list(args)
             for i, v in zip(present, xs):
                 full[i] = v
-            outs = fn(*full)
+            outs = fn(*full, **case.options)
             outs = outs if isinstance(outs, tuple) else (outs,)
             return sum(jnp.sum(o.astype(jnp.float32) * jnp.linspace(-1, 1, o.shape[-1])) for o in outs)
         return inner

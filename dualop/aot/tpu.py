@@ -227,4 +227,5 @@ def compile_function(fn: Callable, args: tuple, generation: str) -> KernelResult
 def compile_variant(variant: Variant, generation: str) -> KernelResult:
     """Build ``variant``'s ``forward_tpu`` (its Pallas kernels) for ``generation``."""
     op = variant.make_op()
-    return compile_function(lambda *a: op.forward_tpu(*a), variant.inputs, generation)
+    options = variant.case.options
+    return compile_function(lambda *a: op.forward_tpu(*a, **options), variant.inputs, generation)

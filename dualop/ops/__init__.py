@@ -9,7 +9,9 @@ from dualop.ops.layernorm import *  # noqa: F403
 from dualop.ops.pointwise import *  # noqa: F403
 from dualop.ops.quantization import *  # noqa: F403
 from dualop.ops.rotary import *  # noqa: F403
+from dualop.ops.attention import *  # noqa: F403
 from dualop.ops import activation, encoder_attention, gated_norm, kv_cache, layernorm, pointwise, quantization, rotary
+from dualop.ops import attention
 
 # Ops that hold no parameters: the layer modules wrap each as-is (dualop.torch/jax.layers).
 PARAMETERLESS_OPS = (
@@ -26,4 +28,5 @@ __all__ = [
     *pointwise.__all__,
     *quantization.__all__,
     *rotary.__all__,
+    *attention.__all__,
 ]

@@ -159,3 +159,7 @@ int32 = torch.int32
 def arange(n: int, like: torch.Tensor, dtype=None) -> torch.Tensor:
     """``0, 1, ..., n - 1`` on ``like``'s device (int32 unless ``dtype`` says otherwise)."""
     return torch.arange(n, dtype=dtype if dtype is not None else torch.int32, device=like.device)
+
+
+def einsum(subscripts: str, *operands: torch.Tensor) -> torch.Tensor:
+    return torch.einsum(subscripts, *operands)

@@ -136,3 +136,8 @@ int32 = jnp.int32
 def arange(n: int, like: jax.Array, dtype=None) -> jax.Array:
     """``0, 1, ..., n - 1`` (int32 unless ``dtype`` says otherwise); ``like`` for the torch twin's device."""
     return jnp.arange(n, dtype=dtype if dtype is not None else jnp.int32)
+
+
+def einsum(subscripts: str, *operands: jax.Array) -> jax.Array:
+    """At full float32 precision (XLA:TPU otherwise multiplies float32 in bfloat16 passes)."""
+    return jnp.einsum(subscripts, *operands, precision=jax.lax.Precision.HIGHEST)
