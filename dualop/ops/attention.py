@@ -46,6 +46,7 @@ from dualop.backends import array_namespace
 from dualop.backends.torch.triton_launch import call_triton
 from dualop.backends.xla.pallas_bridge import call_pallas
 from dualop.custom_op import CustomOp
+from dualop.kernels.paged_attention_math import DEFAULT_MASK_VALUE
 from dualop.kernels.registry import KernelRef
 from dualop.ops._checks import (
     check_array, check_optional_like, concrete_values, cpu_declines, decline_if_recording,
@@ -55,8 +56,6 @@ from dualop.platforms import frontend_of
 __all__ = ["RaggedPagedAttention", "DEFAULT_MASK_VALUE"]
 
 OP = "ragged_paged_attention"
-# JAX's default: very negative but finite, so a fully masked row gives no NaN.
-DEFAULT_MASK_VALUE = -0.7 * 3.4028234663852886e38
 INT32 = frozenset({"int32"})
 
 _PALLAS_RPA = KernelRef("dualop.kernels.pallas.ragged_paged_attention", "ragged_paged_attention")

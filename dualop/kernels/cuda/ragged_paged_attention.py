@@ -17,9 +17,15 @@ A program holds ``BLOCK_Q`` query rows times all ``Hq // Hkv`` query heads of it
 of ``BLOCK_N`` positions: each position's page id comes from ``page_indices`` (any page size, any page
 order), only over the tiles the block's causal / sliding-window span can reach. Scores are float32
 ``(q . k) * sm_scale``, soft-capped (``c * tanh(s / c)``), masked to ``mask_value``, folded into an
-online softmax in float32; ``p`` is cast to the value dtype for the ``p . v`` product (as JAX's
-reference does) and the output is cast once to q's dtype. ``k_scale`` / ``v_scale`` multiply K / V in
-float32, the product rounded to q's dtype before the products (JAX's reference does the same).
+online softmax in float32, the output cast once to q's dtype: the op's float32 semantics, so the
+kernel matches its native body in every dtype. For 16-bit caches the ``p . v`` product keeps ``p``
+in float32 as two 16-bit halves (``p_hi = round(p)``, ``p_lo = round(p - p_hi)``; two tensor-core
+products, about 16 significant bits of ``p``) rather than one rounding of ``p`` to 16 bits, which
+loses outputs near zero by cancellation. ``k_scale`` / ``v_scale`` scale the scores / the output in
+float32 (exactly the products with scaled K / V, without rounding scaled values to 16 bits).
+Positions at or past ``kv_len`` never count; causally masked positions below it score
+``mask_value``, and when that can matter (``masked_positions_vanish``) every tile up to ``kv_len``
+is visited.
 
 Output rows no sequence owns (padding past ``cu_q_lens[num_seqs[0]]``) are zeros: the output starts
 zeroed and only owned rows are stored. The kernel assumes validated input (the op's check_inputs)
@@ -43,11 +49,10 @@ import triton.language as tl
 
 from dualop.kernels.cuda import interpreting
 from dualop.kernels.cuda.common import _round_to_bf16, cast_out, needs_exact_bf16
+from dualop.kernels.paged_attention_math import DEFAULT_MASK_VALUE, masked_positions_vanish
 
 __all__ = ["ragged_paged_attention", "DEFAULT_MASK_VALUE", "block_shape"]
 
-# JAX's DEFAULT_MASK_VALUE: -0.7 * float32 max (finite, so fully masked tiles never make NaN).
-DEFAULT_MASK_VALUE = -0.7 * 3.4028234663852886e38
 
 
 @triton.jit
@@ -86,7 +91,7 @@ def _kv_tile(
     PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     HAS_WINDOW: tl.constexpr, HAS_SOFT_CAP: tl.constexpr, HAS_K_SCALE: tl.constexpr,
     HAS_V_SCALE: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
-    EXACT_BF16: tl.constexpr,
+    EXACT_BF16: tl.constexpr, SPLIT_P: tl.constexpr, MASKED_COUNT: tl.constexpr,
 ):
     """Fold KV positions ``tile*BLOCK_N ..`` into the online softmax of the query tile ``q``."""
     pos = tile * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -100,28 +105,32 @@ def _kv_tile(
     k_ptrs = kv_ptr + row_off[:, None] + d[None, :]
     k = tl.load(k_ptrs, mask=kv_mask, other=0.0)
     v = tl.load(k_ptrs + kv_stride_head, mask=kv_mask, other=0.0)  # V head 2h+1 follows K head 2h
-    if HAS_K_SCALE:
-        k = _cast(k.to(tl.float32) * k_scale, q.dtype, EXACT_BF16)
-    else:
-        k = k.to(q.dtype)
-    if HAS_V_SCALE:
-        v = _cast(v.to(tl.float32) * v_scale, q.dtype, EXACT_BF16)
-    else:
-        v = v.to(q.dtype)
+    k = k.to(q.dtype)
+    v = v.to(q.dtype)
 
     s = _dot(q, tl.trans(k), DOT_PRECISION, DOT_UPCAST) * sm_scale
+    if HAS_K_SCALE:
+        s = s * k_scale
     if HAS_SOFT_CAP:
         s = _soft_cap(s, soft_cap)
     allowed = in_seq[None, :] & (pos[None, :] <= q_pos[:, None])
     if HAS_WINDOW:
         allowed = allowed & (pos[None, :] > q_pos[:, None] - sliding_window)
     s = tl.where(allowed, s, mask_value)
+    s = tl.where(in_seq[None, :], s, float("-inf"))  # past kv_len: never counts
 
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
-    alpha = tl.exp(m_i - m_new)
-    p = tl.exp(s - m_new[:, None])
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing yet (mask -inf): no NaN
+    alpha = tl.exp(m_i - m_safe)
+    p = tl.exp(s - m_safe[:, None])
     l_i = l_i * alpha + tl.sum(p, axis=1)
-    acc = acc * alpha[:, None] + _dot(_cast(p, v.dtype, EXACT_BF16), v, DOT_PRECISION, DOT_UPCAST)
+    if SPLIT_P:
+        p_hi = _cast(p, v.dtype, EXACT_BF16)
+        p_lo = _cast(p - p_hi.to(tl.float32), v.dtype, EXACT_BF16)
+        pv = _dot(p_hi, v, DOT_PRECISION, DOT_UPCAST) + _dot(p_lo, v, DOT_PRECISION, DOT_UPCAST)
+    else:
+        pv = _dot(p, v, DOT_PRECISION, DOT_UPCAST)
+    acc = acc * alpha[:, None] + pv
     return acc, m_new, l_i
 
 
@@ -137,7 +146,7 @@ def _rpa_kernel(
     SEARCH_STEPS: tl.constexpr, NUM_KV_TILES: tl.constexpr, RUNTIME_LOOP: tl.constexpr,
     HAS_WINDOW: tl.constexpr, HAS_SOFT_CAP: tl.constexpr, HAS_K_SCALE: tl.constexpr,
     HAS_V_SCALE: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
-    EXACT_BF16: tl.constexpr,
+    EXACT_BF16: tl.constexpr, SPLIT_P: tl.constexpr, MASKED_COUNT: tl.constexpr,
 ):
     block_id = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -183,7 +192,9 @@ def _rpa_kernel(
     hi_pos = tl.minimum(kv_len, kv_len - q_len + (block_last - q_start) + 1)
     tile_hi = tl.where(owned, (hi_pos + BLOCK_N - 1) // BLOCK_N, 0)
     tile_lo = tile_hi * 0
-    if HAS_WINDOW:
+    if MASKED_COUNT:  # masked positions below kv_len score mask_value and count: visit them all
+        tile_hi = tl.where(owned, (kv_len + BLOCK_N - 1) // BLOCK_N, 0)
+    elif HAS_WINDOW:
         lo_pos = tl.maximum(kv_len - q_len + (block_start - q_start) - sliding_window + 1, 0)
         tile_lo = lo_pos // BLOCK_N
 
@@ -199,7 +210,7 @@ def _rpa_kernel(
                 pages_per_seq, kv_stride_page, kv_stride_slot, kv_stride_head,
                 sm_scale, soft_cap, mask_value, k_scale, v_scale, sliding_window,
                 PAGE_SIZE, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, HAS_WINDOW, HAS_SOFT_CAP, HAS_K_SCALE,
-                HAS_V_SCALE, DOT_PRECISION, DOT_UPCAST, EXACT_BF16)
+                HAS_V_SCALE, DOT_PRECISION, DOT_UPCAST, EXACT_BF16, SPLIT_P, MASKED_COUNT)
     else:
         for tile in range(NUM_KV_TILES):
             if (tile >= tile_lo) & (tile < tile_hi):
@@ -208,9 +219,11 @@ def _rpa_kernel(
                     pages_per_seq, kv_stride_page, kv_stride_slot, kv_stride_head,
                     sm_scale, soft_cap, mask_value, k_scale, v_scale, sliding_window,
                     PAGE_SIZE, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, HAS_WINDOW, HAS_SOFT_CAP, HAS_K_SCALE,
-                    HAS_V_SCALE, DOT_PRECISION, DOT_UPCAST, EXACT_BF16)
+                    HAS_V_SCALE, DOT_PRECISION, DOT_UPCAST, EXACT_BF16, SPLIT_P, MASKED_COUNT)
 
     out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+    if HAS_V_SCALE:
+        out = out * v_scale
     tl.store(out_ptr + token64[:, None] * o_stride_t + head64[:, None] * o_stride_h + d[None, :],
              cast_out(out, out_ptr, EXACT_BF16), mask=io_mask)
 
@@ -258,6 +271,7 @@ def ragged_paged_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_se
     kv_lens, cu_q_lens, num_seqs = (a.to(torch.int32).contiguous() for a in (kv_lens, cu_q_lens, num_seqs))
     page_indices = page_indices.to(torch.int32).contiguous()
 
+    fill = float(DEFAULT_MASK_VALUE if mask_value is None else mask_value)
     block_q, block_n, num_warps = block_shape(num_tokens, max_seqs, group, head_dim, q.element_size())
     head_dim_pad = max(triton.next_power_of_2(head_dim), 16)
     grid = (num_tokens // block_q + max_seqs, num_kv_heads)
@@ -267,7 +281,7 @@ def ragged_paged_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_se
         kv_pages.stride(0), kv_pages.stride(1), kv_pages.stride(2), page_indices.stride(0),
         num_tokens, max_seqs, num_pages, pages_per_seq,
         float(sm_scale), float(soft_cap or 0.0),
-        float(DEFAULT_MASK_VALUE if mask_value is None else mask_value),
+        fill,
         float(1.0 if k_scale is None else k_scale), float(1.0 if v_scale is None else v_scale),
         int(sliding_window or 0),
         PAGE_SIZE=page_size, GROUP=group, GROUP_PAD=triton.next_power_of_2(group),
@@ -279,6 +293,8 @@ def ragged_paged_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_se
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         DOT_UPCAST=interpreting() and q.dtype != torch.float32,
         EXACT_BF16=needs_exact_bf16(q.dtype),
+        SPLIT_P=q.dtype != torch.float32,
+        MASKED_COUNT=not masked_positions_vanish(fill, soft_cap),
         num_warps=num_warps,
     )
     return out

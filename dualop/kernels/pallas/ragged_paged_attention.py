@@ -44,6 +44,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from dualop.kernels import cost as cost_model
+from dualop.kernels.paged_attention_math import DEFAULT_MASK_VALUE, masked_positions_vanish
 from dualop.kernels.pallas.common import (
     compiler_params,
     cost_estimate,
@@ -55,7 +56,6 @@ from dualop.kernels.pallas.common import (
 __all__ = ["ragged_paged_attention", "BlockSizes", "choose_block_sizes", "DEFAULT_MASK_VALUE"]
 
 # JAX's default for masked scores (its ragged_paged_attention and flash_attention use the same).
-DEFAULT_MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 
 # Query rows per grid step at most, and the KV positions one DMA block aims at (a multiple of 128
 # lanes keeps the (block_q, kv positions) scores lane-dense).
@@ -125,22 +125,16 @@ def choose_block_sizes(tokens: int, q_heads: int, kv_heads: int, head_dim: int, 
     return BlockSizes(block_q, pages)
 
 
-def _scaled(x: jax.Array, scale: float | None, dtype) -> jax.Array:
-    """A K or V tile in the compute dtype, multiplied by its cache scale in float32 first."""
-    if scale is not None:
-        x = x.astype(jnp.float32) * scale
-    return x.astype(dtype)
-
-
-def _masked_positions_vanish(mask_value: float, soft_cap: float | None) -> bool:
-    """Whether a masked position's weight ``exp(mask_value - row max)`` is 0 in float32 for any
-    real attention row, so KV blocks no row can see may be skipped: -inf, a mask value at or
-    below -1e30 (JAX's default is -0.7 * float32 max), or one over 104 (float32's exp range) below
-    the lowest soft-capped score. A mask value near the scores (say -1) makes every masked position
-    of the sequence count, as in JAX's reference; then every KV block is visited."""
-    if mask_value <= -1e30:
-        return True
-    return soft_cap is not None and mask_value < -soft_cap - 104.0
+def _p_times_v(p: jax.Array, v: jax.Array) -> jax.Array:
+    """``p . v`` with ``p`` kept to float32 accuracy: for a 16-bit ``v``, ``p`` goes in as two 16-bit
+    halves (``hi = round(p)``, ``lo = round(p - hi)``; two MXU passes, about 16 significant bits) rather
+    than one rounding, which loses outputs near zero by cancellation; the op's semantics are float32."""
+    if v.dtype == jnp.float32:
+        return jnp.dot(p, v, preferred_element_type=jnp.float32)
+    hi = p.astype(v.dtype)
+    lo = (p - hi.astype(jnp.float32)).astype(v.dtype)
+    return (jnp.dot(hi, v, preferred_element_type=jnp.float32)
+            + jnp.dot(lo, v, preferred_element_type=jnp.float32))
 
 
 def _kernel(kv_lens_ref, page_ids_ref, cu_q_lens_ref, num_seqs_ref,  # scalar prefetch (SMEM)
@@ -159,7 +153,7 @@ def _kernel(kv_lens_ref, page_ids_ref, cu_q_lens_ref, num_seqs_ref,  # scalar pr
     q_end = q_start + block_q
     n_seqs = jnp.clip(num_seqs_ref[0], 0, max_seqs)
     max_kv = pages_per_seq * page_size
-    skip_masked = _masked_positions_vanish(mask_value, soft_cap)
+    skip_masked = masked_positions_vanish(mask_value, soft_cap)
 
     def live(s):
         """Whether sequence ``s`` exists and starts before this block ends (later ones cannot meet it)."""
@@ -177,7 +171,7 @@ def _kernel(kv_lens_ref, page_ids_ref, cu_q_lens_ref, num_seqs_ref,  # scalar pr
 
     def kv_blocks(s):
         """[first, end) KV blocks of sequence ``s`` that its rows in this block can see (all of
-        its blocks when masked positions count, see ``_masked_positions_vanish``); empty (first >=
+        its blocks when masked positions count, see ``masked_positions_vanish``); empty (first >=
         end) when it has no rows here."""
         row_lo, row_hi, kv_len, pos_of_row0 = seq_info(s)
         seen_end, seen_start = kv_len, 0
@@ -250,15 +244,18 @@ def _kernel(kv_lens_ref, page_ids_ref, cu_q_lens_ref, num_seqs_ref,  # scalar pr
         fill = jnp.where(in_cache, jnp.float32(mask_value), -jnp.inf)
         own_l, own_d = rows_of_seq(_LANES), rows_of_seq(head_dim)
         kv_in_seq = kb * kv_tokens + jax.lax.broadcasted_iota(jnp.int32, (kv_tokens, head_dim), 0) < kv_len
+        score_scale = sm_scale if k_scale is None else sm_scale * k_scale
         for h in range(kv_heads):
-            k = _scaled(load_head(bufs, 2 * h), k_scale, q_ref.dtype)
-            v = _scaled(load_head(bufs, 2 * h + 1), v_scale, q_ref.dtype)
+            # Cache scales act on the float32 scores and output (exactly the products with scaled
+            # K / V, with no rounding of scaled values to 16 bits).
+            k = load_head(bufs, 2 * h).astype(q_ref.dtype)
+            v = load_head(bufs, 2 * h + 1).astype(q_ref.dtype)
             v = jnp.where(kv_in_seq, v, jnp.zeros_like(v))  # stale tail rows may hold NaN
 
             def one_query_head(g, _, k=k, v=v, h=h):
                 hq = h * group + g
                 scores = jax.lax.dot_general(q_ref[hq], k, (((1,), (1,)), ((), ())),
-                                             preferred_element_type=jnp.float32) * sm_scale
+                                             preferred_element_type=jnp.float32) * score_scale
                 if soft_cap is not None:
                     scores = soft_cap * jnp.tanh(scores / soft_cap)
                 scores = jnp.where(visible, scores, fill)
@@ -270,7 +267,7 @@ def _kernel(kv_lens_ref, page_ids_ref, cu_q_lens_ref, num_seqs_ref,  # scalar pr
                 p = jnp.exp(scores - m_shift[:, :1])
                 alpha = jnp.exp(m_prev - m_shift)
                 l_new = alpha * l_prev + jnp.sum(p, axis=1, keepdims=True)
-                pv = jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+                pv = _p_times_v(p, v)
                 acc_prev = acc_ref[hq]
                 acc_ref[hq] = jnp.where(own_d, acc_prev * alpha[:, :1] + pv, acc_prev)
                 m_ref[hq] = jnp.where(own_l, m_new, m_prev)
@@ -323,6 +320,8 @@ def _kernel(kv_lens_ref, page_ids_ref, cu_q_lens_ref, num_seqs_ref,  # scalar pr
     for hq in range(o_ref.shape[0]):
         l = l_ref[hq][:, :1]
         out = acc_ref[hq] / jnp.where(l > 0, l, 1.0)
+        if v_scale is not None:
+            out = out * v_scale
         o_ref[hq] = jnp.where(l > 0, out, 0.0).astype(o_ref.dtype)
 
 
