@@ -356,8 +356,9 @@ def check_cases():
     return [
         OpCase(OP, f"{OP}[mixed,gqa2]", lambda s: RaggedPagedAttention(), inputs(2, 4), shapes,
                options={"sm_scale": 0.125}),
-        OpCase(OP, f"{OP}[gqa4,window,soft_cap]", lambda s: RaggedPagedAttention(), inputs(4, 8), shapes,
-               options={"sm_scale": 0.125, "sliding_window": 5, "soft_cap": 3.0}),
+        # mask_value -2 lies among the soft-capped scores: masked positions below kv_len count.
+        OpCase(OP, f"{OP}[gqa4,window,soft_cap,mask_value]", lambda s: RaggedPagedAttention(), inputs(4, 8), shapes,
+               options={"sm_scale": 0.125, "sliding_window": 5, "soft_cap": 3.0, "mask_value": -2.0}),
         OpCase(OP, f"{OP}[k_scale,v_scale]", lambda s: RaggedPagedAttention(), inputs(1, 4), shapes,
                options={"sm_scale": 0.125, "k_scale": 0.5, "v_scale": 1.5}),
     ]
