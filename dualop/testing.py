@@ -209,7 +209,8 @@ class OpCase:
     """One way to call a registered op, with the shapes ``dualop check`` and the tests use.
 
     ``make_op(shape)`` builds the op for inputs of ``shape``; ``make_inputs(shape, rng)`` returns
-    float32 numpy positional arguments (None for absent optional ones).
+    float32 numpy positional arguments (None for absent optional ones); ``options`` are the call's
+    keyword arguments (static options such as attention's ``sm_scale``), the same for every shape.
     """
 
     op: str
@@ -217,6 +218,7 @@ class OpCase:
     make_op: Callable[[tuple[int, ...]], Any]
     make_inputs: Callable[[tuple[int, ...], np.random.Generator], tuple]
     shapes: tuple[tuple[int, ...], ...]
+    options: dict[str, Any] = dataclasses.field(default_factory=dict, hash=False)
 
 
 # Shapes most cases use: a hidden size off the 128-lane grid, a single token, zero tokens, 3-D.

@@ -21,7 +21,13 @@ def _problem(case, seed=0):
 
 
 def _differentiable(case) -> bool:
-    return case.op != "quant_fp8"  # a rounding op: no useful gradient
+    # quant_fp8 is a rounding op (no useful gradient); reshape_and_cache an in-place cache write
+    return case.op not in ("quant_fp8", "reshape_and_cache")
+
+
+def _is_float_input(a) -> bool:
+    """An input gradients flow to: present, and not an integer one (segment bounds, positions)."""
+    return a is not None and not (isinstance(a, testing.Pinned) and not a.dtype.startswith(("float", "bfloat")))
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -29,9 +35,9 @@ def _differentiable(case) -> bool:
 def test_torch_cpu_path_gradients(case, dtype):
     op, raw = _problem(case)
 
-    def leaves():  # integer inputs (Pinned: rope's positions) take no gradient
-        return [None if a is None else testing.to_frontend(a, "torch", dtype).detach() if isinstance(a, testing.Pinned)
-                else testing.to_frontend(a, "torch", dtype).detach().requires_grad_() for a in raw]
+    def leaves():
+        return [testing.to_frontend(a, "torch", dtype).detach().requires_grad_() if _is_float_input(a)
+                else testing.to_frontend(a, "torch", dtype) for a in raw]
 
     def loss(outputs):
         outputs = outputs if isinstance(outputs, tuple) else (outputs,)
@@ -42,8 +48,10 @@ def test_torch_cpu_path_gradients(case, dtype):
 
     got_in, want_in = leaves(), leaves()
     with override_platform("cpu"), set_config(OpsConfig(["all"])):
-        got = torch.autograd.grad(loss(op(*got_in)), wrt(got_in), allow_unused=True)
-    want = torch.autograd.grad(loss(op.forward_native(*want_in)), wrt(want_in), allow_unused=True)
+        got = torch.autograd.grad(loss(op(*got_in, **case.options)),
+                                  [t for t in got_in if t is not None and t.requires_grad], allow_unused=True)
+    want = torch.autograd.grad(loss(op.forward_native(*want_in, **case.options)),
+                               [t for t in want_in if t is not None and t.requires_grad], allow_unused=True)
     for g, w in zip(got, want):
         if w is None:
             assert g is None or torch.count_nonzero(g) == 0
@@ -55,14 +63,14 @@ def test_torch_cpu_path_gradients(case, dtype):
 def test_jax_tpu_path_gradients(case):
     op, raw = _problem(case)
     args = [jnp.asarray(a.array if isinstance(a, testing.Pinned) else a) if a is not None else None for a in raw]
-    present = [i for i, a in enumerate(args) if a is not None and jnp.issubdtype(a.dtype, jnp.floating)]
+    present = [i for i, a in enumerate(raw) if _is_float_input(a)]
 
     def loss(fn):
         def inner(*xs):
             full = list(args)
             for i, v in zip(present, xs):
                 full[i] = v
-            outs = fn(*full)
+            outs = fn(*full, **case.options)
             outs = outs if isinstance(outs, tuple) else (outs,)
             return sum(jnp.sum(o.astype(jnp.float32) * jnp.linspace(-1, 1, o.shape[-1])) for o in outs if o is not None)
         return inner

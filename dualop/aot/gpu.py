@@ -177,7 +177,7 @@ def compile_variant(variant: Variant, target_name: str) -> KernelResult:
     result = KernelResult(status="ok")
     with override_platform("rocm" if hip else "cuda"), cuda.compile_target(target), capture_launches() as launches:
         try:
-            method(*_meta_inputs(variant))
+            method(*_meta_inputs(variant), **variant.case.options)
         except NotImplementedError as err:
             result.status, result.message = "n/a", first_line(err)
         except Exception as err:

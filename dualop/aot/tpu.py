@@ -133,8 +133,10 @@ def _block_dims(block_shape) -> tuple[int, ...]:
 
 
 def _in_smem(aval) -> bool:
-    """Whether a block or scratch buffer lives in SMEM (scalars) rather than VMEM."""
-    return "smem" in str(getattr(aval, "memory_space", "")).lower()
+    """Whether a block or scratch buffer lives outside VMEM: in SMEM (scalars), or left in HBM
+    (``memory_space=ANY``, an input the kernel copies from itself, such as a paged KV cache)."""
+    space = str(getattr(aval, "memory_space", "")).lower()
+    return any(name in space for name in ("smem", "any", "hbm"))
 
 
 def describe_pallas_call(eqn) -> dict[str, Any]:
@@ -225,4 +227,5 @@ def compile_function(fn: Callable, args: tuple, generation: str) -> KernelResult
 def compile_variant(variant: Variant, generation: str) -> KernelResult:
     """Build ``variant``'s ``forward_tpu`` (its Pallas kernels) for ``generation``."""
     op = variant.make_op()
-    return compile_function(lambda *a: op.forward_tpu(*a), variant.inputs, generation)
+    options = variant.case.options
+    return compile_function(lambda *a: op.forward_tpu(*a, **options), variant.inputs, generation)

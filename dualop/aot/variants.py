@@ -43,6 +43,8 @@ SERVING_SHAPES: dict[str, tuple[tuple[int, ...], ...]] = {
     "relu2": _POINTWISE,
     "xielu": _POINTWISE,
     "quant_fp8": ((8192, 8192), (16, 53248)),
+    # reshape_and_cache: (tokens, num_kv_heads, head_dim, num_pages, page_size), see SERVING_INPUTS
+    "reshape_and_cache": ((2048, 8, 128, 2048, 16), (2048, 8, 128, 2048, 128)),
     # rope: Llama-3-70B (64 query heads, 8 KV heads, head 128) for the text ropes, prefill 8192 and
     # a 16-token decode batch; the Qwen2.5-VL vision encoder (4096 patches, 16 heads, head 80).
     "rotary_embedding": ((8192, 64 * 128), (16, 64 * 128)),
@@ -62,6 +64,16 @@ def _grouped_rms_norm_gated(shape):
 # as InputSpecs (dtype None: the variant's dtype), scalars or None, for one entry of
 # ``SERVING_SHAPES[op]``, whose tuple then means whatever that op's function says.
 SERVING_INPUTS: dict[str, Callable[[tuple[int, ...]], tuple]] = {}
+
+
+def _reshape_and_cache_inputs(shape):
+    """A step's tokens written into a paged cache of ``num_pages`` pages (Llama-3-70B's 8 KV heads of 128)."""
+    tokens, heads, head_dim, num_pages, page_size = shape
+    kv = InputSpec((tokens, heads, head_dim), None)
+    return (kv, kv, InputSpec((num_pages, page_size, 2 * heads, head_dim), None), InputSpec((tokens,), "int32"))
+
+
+SERVING_INPUTS["reshape_and_cache"] = _reshape_and_cache_inputs
 
 # Cases whose ``make_op`` only knows its check shapes: how to build the op at a serving shape.
 _SERVING_MAKE_OP: dict[str, Callable[[tuple[int, ...]], Any]] = {
@@ -219,3 +231,58 @@ def variants_for(ops: list[str] | None, dtypes: list[str]) -> list[Variant]:
                 v = Variant(case, dtype, shape, is_serving, specs)
                 variants.setdefault(v.key, v)
     return list(variants.values())
+
+
+# --- mm_encoder_attn: (B, S, heads, head size, packed segments; 0 = none) -------------------------
+# Qwen2.5-VL's vision tower (16 heads of 80; 4096 patches packed as 16 windows of 256 via
+# cu_seqlens), SigLIP-so400m at 384 px (16 heads of 72, 729 patches) and SigLIP at 512 px (16
+# heads of 64, 1024 patches), a batch of 8 images each.
+SERVING_SHAPES["mm_encoder_attn"] = ((1, 4096, 16, 80, 16), (8, 729, 16, 72, 0), (8, 1024, 16, 64, 0))
+
+
+def _encoder_attention_inputs(shape: tuple[int, ...]) -> tuple:
+    b, s, heads, head_size, segments = shape
+    x = InputSpec((b, s, heads * head_size), None)
+    cu = InputSpec((segments + 1,), "int32") if segments else None
+    return (x, x, x, cu, s // segments if segments else None)
+
+
+def _encoder_attention_op(shape: tuple[int, ...]):
+    from dualop.ops import MMEncoderAttention
+
+    return MMEncoderAttention(shape[2], shape[3])
+
+
+SERVING_INPUTS["mm_encoder_attn"] = _encoder_attention_inputs
+_SERVING_MAKE_OP.update({
+    label: _encoder_attention_op
+    for label in ("mm_encoder_attn", "mm_encoder_attn[gqa,bshd]", "mm_encoder_attn[cu_seqlens]")
+})
+
+
+# ragged_paged_attention: (T, num_seqs, num_pages, page_size, pages_per_seq, Hq, Hkv, D). One mixed
+# serving step of 2048 query tokens over 256 sequences (prefill chunks and many decodes) and a
+# 2048-page cache, Llama-3-8B heads (32 / 8, d 128) at pages of 16 and 128 tokens, then head dims
+# 64 and 256 (Gemma: 16 / 8 heads); pages_per_seq bounds a sequence at 2048 (4096) positions.
+SERVING_SHAPES["ragged_paged_attention"] = (
+    (2048, 256, 2048, 16, 128, 32, 8, 128),
+    (2048, 256, 2048, 128, 32, 32, 8, 128),
+    (2048, 256, 2048, 16, 128, 32, 8, 64),
+    (2048, 256, 2048, 16, 128, 16, 8, 256),
+)
+
+
+def _ragged_paged_attention_inputs(shape: tuple[int, ...]) -> tuple:
+    """q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs for one SERVING_SHAPES entry."""
+    tokens, seqs, pages, page_size, pages_per_seq, q_heads, kv_heads, head_dim = shape
+    return (
+        InputSpec((tokens, q_heads, head_dim), None),
+        InputSpec((pages, page_size, 2 * kv_heads, head_dim), None),
+        InputSpec((seqs,), "int32"),
+        InputSpec((seqs, pages_per_seq), "int32"),
+        InputSpec((seqs + 1,), "int32"),
+        InputSpec((1,), "int32"),
+    )
+
+
+SERVING_INPUTS["ragged_paged_attention"] = _ragged_paged_attention_inputs

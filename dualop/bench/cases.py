@@ -39,7 +39,7 @@ class BenchCase:
     ``hidden``. make_inputs(shape, rng): float32 numpy positional arguments. cost(op, shape,
     itemsize): the kernel's cost model for one call. torch_builtin(op) / jax_handwritten(op): the
     peer's function, called with the same arguments as the op, or None when there is none.
-    default: run when ``--ops`` is not given.
+    default: run when ``--ops`` is not given. shape_of: see ``input_shape``.
     """
 
     label: str
@@ -50,6 +50,13 @@ class BenchCase:
     torch_builtin: Callable[[Any], Callable[..., Any]] | None = None
     jax_handwritten: Callable[[Any], Callable[..., Any]] | None = None
     default: bool = True
+    shape_of: Callable[[tuple[int, ...]], tuple[int, ...]] | None = None
+
+    def input_shape(self, size: tuple[int, ...]) -> tuple[int, ...]:
+        """The shape this case runs for a bench size (``small``, ``RxC``, ...): the size itself,
+        the shape of x, for row-wise ops; ``shape_of(size)`` for a case whose inputs are not rows
+        (attention over a paged cache), whose ``make_inputs`` and cost read that shape."""
+        return tuple(self.shape_of(tuple(size))) if self.shape_of is not None else tuple(size)
 
     def kernel_cost(self, shape: tuple[int, ...], dtype: str) -> KernelCost:
         """The cost model's numbers for one call on ``x`` of ``shape`` in ``dtype``."""
@@ -257,6 +264,82 @@ def _jax_pointwise(body: Callable[[Any, Any], Any]):
     return handwritten
 
 
+# --- ragged paged attention: decode over a paged KV cache ----------------------------------------
+# Shape (num_seqs, kv_len, 2 * Hkv * D): one query row per sequence (decode), every sequence kv_len
+# tokens long, Hkv = 8 KV heads of D = 128 (Llama-3-70B's), Hq = 32, pages of 16 tokens in random
+# order. The last two dims are the K/V rows the op must read, so the copy roofline copies exactly
+# those bytes. A bench size (R, C) maps to R // 128 sequences of C // 4 tokens (small: 32 x 1024).
+_RPA_HEAD_DIM, _RPA_GROUP, _RPA_PAGE = 128, 4, 16
+
+
+def _rpa_decode_shape(size: tuple[int, ...]) -> tuple[int, int, int]:
+    rows, cols = size[0], size[-1]
+    return (max(1, rows // 128), max(_RPA_PAGE, cols // 4 // _RPA_PAGE * _RPA_PAGE), 2 * 8 * _RPA_HEAD_DIM)
+
+
+def _rpa_heads(shape: tuple[int, ...]) -> tuple[int, int, int]:
+    """(Hq, Hkv, D) of a decode shape."""
+    num_kv_heads = shape[2] // (2 * _RPA_HEAD_DIM)
+    return _RPA_GROUP * num_kv_heads, num_kv_heads, _RPA_HEAD_DIM
+
+
+def _rpa_decode_inputs(shape, rng):
+    from dualop.ops.attention import paged_batch
+    from dualop.testing import Pinned
+
+    num_seqs, kv_len, _ = shape
+    num_q_heads, num_kv_heads, head_dim = _rpa_heads(shape)
+    arrays = paged_batch(rng, [1] * num_seqs, [kv_len] * num_seqs, num_tokens=num_seqs, num_q_heads=num_q_heads,
+                         num_kv_heads=num_kv_heads, head_dim=head_dim, page_size=_RPA_PAGE, spare_pages=0,
+                         q_scale=head_dim ** -0.5)  # the op's default sm_scale is 1: scale q instead
+    return (*arrays[:2], *(Pinned(a, "int32") for a in arrays[2:]))
+
+
+def _rpa_decode_cost(op, shape, itemsize) -> KernelCost:
+    num_seqs, kv_len, _ = shape
+    num_q_heads, num_kv_heads, head_dim = _rpa_heads(shape)
+    return cost_model.ragged_paged_attention_cost(num_seqs, num_seqs * kv_len, num_seqs * kv_len, num_q_heads,
+                                                  num_kv_heads, head_dim, itemsize)
+
+
+def _torch_gather_sdpa(op):
+    """What a torch user writes for a decode batch: gather each sequence's pages, then SDPA with a
+    length mask (GQA by ``enable_gqa``) and the op's default ``sm_scale`` 1, in float32 (SDPA's
+    bfloat16 CPU kernel rounds the probabilities to bfloat16, outside the tolerance table), one
+    cast back."""
+    import torch
+    import torch.nn.functional as F
+
+    def decode(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs):
+        num_seqs_, pages_per_seq = page_indices.shape
+        _, page_size, combined, head_dim = kv_pages.shape
+        kv = kv_pages[page_indices].reshape(num_seqs_, pages_per_seq * page_size, combined, head_dim).float()
+        k, v = kv[:, :, 0::2].transpose(1, 2), kv[:, :, 1::2].transpose(1, 2)
+        mask = torch.arange(pages_per_seq * page_size) < kv_lens[:, None]
+        out = F.scaled_dot_product_attention(q[:, :, None].float(), k, v, attn_mask=mask[:, None, None], scale=1.0,
+                                             enable_gqa=True)  # the op's default sm_scale
+        return out[:, :, 0].to(q.dtype)
+
+    return decode
+
+
+def _jax_paged_decode(op):
+    """A hand-written jax.numpy decode: gather pages per sequence, float32 softmax, one cast."""
+    import jax
+    import jax.numpy as jnp
+
+    def decode(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs):
+        num_seqs_, pages_per_seq = page_indices.shape
+        _, page_size, combined, head_dim = kv_pages.shape
+        num_kv_heads, span = combined // 2, pages_per_seq * page_size
+        kv = kv_pages[page_indices].reshape(num_seqs_, span, combined, head_dim).astype(jnp.float32)
+        qf = q.astype(jnp.float32).reshape(num_seqs_, num_kv_heads, -1, head_dim)
+        scores = jnp.einsum("skgd,slkd->skgl", qf, kv[:, :, 0::2])
+        scores = jnp.where((jnp.arange(span) < kv_lens[:, None])[:, None, None], scores, -jnp.inf)
+        out = jnp.einsum("skgl,slkd->skgd", jax.nn.softmax(scores, axis=-1), kv[:, :, 1::2])
+        return out.reshape(q.shape).astype(q.dtype)
+
+    return decode
 # --- rope: x is the query (tokens, heads * 128) of a Llama-style attention with 8 query heads per
 # KV head; positions span an 8192-token cache. torch has no built-in rope: its peer is
 # torch.compile of the native body (the bench's torch-compile impl).
@@ -326,9 +409,90 @@ CASES: tuple[BenchCase, ...] = (
               None, _jax_pointwise(lambda jax, x: x * jax.nn.sigmoid(1.702 * x)), default=False),
     BenchCase("relu2", "relu2", _parameterless("ReLUSquaredActivation"), _x_only, _pointwise_cost("relu2"),
               _torch_relu2, _jax_pointwise(lambda jax, x: jax.numpy.square(jax.nn.relu(x))), default=False),
+    BenchCase("ragged_paged_attention[decode]", "ragged_paged_attention", _parameterless("RaggedPagedAttention"),
+              _rpa_decode_inputs, _rpa_decode_cost, _torch_gather_sdpa, _jax_paged_decode, default=False,
+              shape_of=_rpa_decode_shape),
     BenchCase("rotary_embedding", "rotary_embedding", _rope, _rope_inputs, _rope_cost, None, _jax_rope,
               default=False),
 )
+# --- mm_encoder_attn: a ViT's attention over packed images ---------------------------------------
+# The bench shape (tokens, hidden) is a packed batch of images, ``hidden = heads x 80`` (Qwen2.5-VL's
+# vision tower: 16 heads of 80 at hidden 1280; one head of ``hidden`` when 80 does not divide it),
+# each image ``ENCODER_IMAGE_TOKENS`` patches long (the last one shorter), as ``cu_seqlens``. Not run by default: its cost grows with tokens x image
+# size, not with the row sizes the other cases use; ask with ``--ops mm_encoder_attn --sizes 1024x1280``.
+ENCODER_HEAD_SIZE = 80
+ENCODER_IMAGE_TOKENS = 256
+
+
+def _encoder_segments(tokens: int) -> list[int]:
+    full, rest = divmod(tokens, ENCODER_IMAGE_TOKENS)
+    return [ENCODER_IMAGE_TOKENS] * full + ([rest] if rest else [])
+
+
+def _encoder_attention(hidden: int):
+    from dualop.ops import MMEncoderAttention
+
+    head_size = ENCODER_HEAD_SIZE if hidden % ENCODER_HEAD_SIZE == 0 else hidden
+    return MMEncoderAttention(hidden // head_size, head_size)
+
+
+def _encoder_inputs(shape, rng):
+    from dualop.testing import Pinned
+
+    tokens, hidden = shape
+    cu = np.cumsum([0, *_encoder_segments(tokens)]).astype(np.int32)
+    x = [_normal((1, tokens, hidden), rng) for _ in range(3)]
+    return (*x, Pinned(cu, "int32"), None)
+
+
+def _encoder_cost(op, shape, itemsize) -> KernelCost:
+    return cost_model.encoder_attention_cost(_encoder_segments(shape[0]), op.num_heads, op.num_kv_heads,
+                                             op.head_size, itemsize)
+
+
+def _torch_encoder_attention(op):
+    """What a user writes: ``F.scaled_dot_product_attention`` per image, in the input dtype."""
+    import torch
+    import torch.nn.functional as F
+
+    h, hkv, d = op.num_heads, op.num_kv_heads, op.head_size
+
+    def sdpa(q, k, v, cu_seqlens, max_seqlen=None):
+        s = q.shape[1]
+        qh, kh, vh = (t.reshape(s, n, d).transpose(0, 1) for t, n in ((q, h), (k, hkv), (v, hkv)))
+        bounds = cu_seqlens.tolist()
+        outs = [F.scaled_dot_product_attention(qh[:, a:b], kh[:, a:b], vh[:, a:b], scale=op.scale,
+                                               enable_gqa=h != hkv) for a, b in zip(bounds[:-1], bounds[1:])]
+        return torch.cat(outs, dim=1).transpose(0, 1).reshape(q.shape)
+
+    return sdpa
+
+
+def _jax_encoder_attention(op):
+    """What a user writes in jax.numpy: float32 logits over the packed sequence with a
+    block-diagonal mask from the segment ids, softmax, ``P @ V``, one cast."""
+    import jax
+    import jax.numpy as jnp
+
+    h, hkv, d = op.num_heads, op.num_kv_heads, op.head_size
+
+    def attention(q, k, v, cu_seqlens, max_seqlen=None):
+        s = q.shape[1]
+        seg = jnp.searchsorted(cu_seqlens[1:], jnp.arange(s), side="right")
+        qf = q.reshape(s, hkv, h // hkv, d).astype(jnp.float32)
+        kf, vf = (t.reshape(s, hkv, d).astype(jnp.float32) for t in (k, v))
+        logits = jnp.einsum("qkgd,tkd->kgqt", qf, kf) * op.scale
+        logits = jnp.where(seg[:, None] == seg[None, :], logits, -jnp.inf)
+        out = jnp.einsum("kgqt,tkd->qkgd", jax.nn.softmax(logits, axis=-1), vf)
+        return out.reshape(q.shape).astype(q.dtype)
+
+    return attention
+
+
+CASES = (*CASES, BenchCase("mm_encoder_attn", "mm_encoder_attn", _encoder_attention, _encoder_inputs, _encoder_cost,
+                           _torch_encoder_attention, _jax_encoder_attention, default=False))
+
+
 DEFAULT_CASES: tuple[str, ...] = tuple(c.label for c in CASES if c.default)
 
 

@@ -64,6 +64,7 @@ def check_device(name: str) -> Device:
 def predict(case: BenchCase, shape: tuple[int, ...], dtype: str, device: str) -> dict:
     """The roofline record of one call of ``case`` on ``x`` of ``shape``/``dtype`` on ``device``."""
     dev = check_device(device)
+    shape = case.input_shape(shape)
     cost = case.kernel_cost(tuple(shape), dtype)
     memory_s = cost.bytes_accessed / (dev.hbm_gbps * 1e9)
     peak_tflops, peak_kind = (

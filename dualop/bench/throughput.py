@@ -206,6 +206,7 @@ def _run_case(
     rng: np.random.Generator,
     on_step: Callable[[str], None],
 ) -> list[dict]:
+    shape = case.input_shape(shape)
     base = {"op": case.label, "op_name": case.op_name, "frontend": frontend, "shape": list(shape), "dtype": dtype}
     sync = None
     if frontend == "jax":

@@ -26,6 +26,7 @@ __all__ = [
     "row_amax_cost",
     "rotary_cost",
     "POINTWISE_COUNTS",
+    "ragged_paged_attention_cost",
 ]
 
 
@@ -107,6 +108,30 @@ def row_amax_cost(rows: int, hidden: int, itemsize: int) -> KernelCost:
     return KernelCost(flops=2 * n, transcendentals=0, bytes_accessed=n * itemsize + 4 * rows)
 
 
+def encoder_attention_cost(segment_lengths: list[int], num_heads: int, num_kv_heads: int, head_size: int,
+                           itemsize: int) -> KernelCost:
+    """``mm_encoder_attn`` over packed segments: per segment of L tokens and per query head,
+    ``q . k`` and ``P @ V`` (2 * L * L * D flops each) and one exp per logit; read q, k and v once,
+    write the output once (the flash kernels never write the L x L logits)."""
+    tokens = sum(segment_lengths)
+    pairs = sum(n * n for n in segment_lengths)
+    return KernelCost(
+        flops=4 * pairs * num_heads * head_size,
+        transcendentals=pairs * num_heads,
+        bytes_accessed=tokens * head_size * itemsize * (2 * num_heads + 2 * num_kv_heads),
+    )
+
+
+def ragged_paged_attention_cost(q_rows: int, kv_tokens: int, pairs: int, num_q_heads: int, num_kv_heads: int,
+                                head_dim: int, itemsize: int) -> KernelCost:
+    """Ragged paged attention: read q and the K and V of the ``kv_tokens`` cached tokens its
+    sequences attend to (each page once: decode is bound by these bytes), write the output.
+    ``pairs``: (query row, visible KV position) pairs; per pair and query head, ``q . k`` and
+    ``p . v`` (2 * head_dim multiply-adds each) and one exp."""
+    reads = q_rows * num_q_heads * head_dim * itemsize + kv_tokens * 2 * num_kv_heads * head_dim * itemsize
+    writes = q_rows * num_q_heads * head_dim * itemsize
+    return KernelCost(flops=4 * pairs * num_q_heads * head_dim, transcendentals=pairs * num_q_heads,
+                      bytes_accessed=reads + writes)
 def rotary_cost(tokens: int, heads: int, head_size: int, rotary_dim: int, itemsize: int,
                 cos_itemsize: int | None = None) -> KernelCost:
     """Rotary embedding of ``heads`` heads (query and key together) per token: read and write each

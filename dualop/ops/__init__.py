@@ -2,12 +2,16 @@
 every op (it imports no torch or jax)."""
 
 from dualop.ops.activation import *  # noqa: F403
+from dualop.ops.encoder_attention import *  # noqa: F403
 from dualop.ops.gated_norm import *  # noqa: F403
+from dualop.ops.kv_cache import *  # noqa: F403
 from dualop.ops.layernorm import *  # noqa: F403
 from dualop.ops.pointwise import *  # noqa: F403
 from dualop.ops.quantization import *  # noqa: F403
 from dualop.ops.rotary import *  # noqa: F403
-from dualop.ops import activation, gated_norm, layernorm, pointwise, quantization, rotary
+from dualop.ops.attention import *  # noqa: F403
+from dualop.ops import activation, encoder_attention, gated_norm, kv_cache, layernorm, pointwise, quantization, rotary
+from dualop.ops import attention
 
 # Ops that hold no parameters: the layer modules wrap each as-is (dualop.torch/jax.layers).
 PARAMETERLESS_OPS = (
@@ -17,9 +21,12 @@ PARAMETERLESS_OPS = (
 
 __all__ = [
     *activation.__all__,
+    *encoder_attention.__all__,
     *gated_norm.__all__,
+    *kv_cache.__all__,
     *layernorm.__all__,
     *pointwise.__all__,
     *quantization.__all__,
     *rotary.__all__,
+    *attention.__all__,
 ]

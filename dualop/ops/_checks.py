@@ -52,9 +52,10 @@ def check_optional_like(
     *,
     shape: tuple[int, ...] | None = None,
     same_dtype: bool = False,
+    dtypes: frozenset[str] = FLOAT_DTYPES,
 ) -> None:
     """Check an optional array that must live with ``ref``: same frontend family and device, the
-    given ``shape`` (default: ``ref``'s), and optionally ``ref``'s dtype."""
+    given ``shape`` (default: ``ref``'s), optionally ``ref``'s dtype, and one of ``dtypes``."""
     if value is None:
         return
     fe = frontend_of(value)
@@ -76,8 +77,8 @@ def check_optional_like(
     name = dtype_name(value)
     if same_dtype and name != dtype_name(ref):
         raise TypeError(f"{op}: argument '{arg}' has dtype {name}; expected {dtype_name(ref)} (the dtype of '{ref_arg}')")
-    if name not in FLOAT_DTYPES:
-        raise TypeError(f"{op}: argument '{arg}' has dtype {name}; expected one of {', '.join(sorted(FLOAT_DTYPES))}")
+    if name not in dtypes:
+        raise TypeError(f"{op}: argument '{arg}' has dtype {name}; expected one of {', '.join(sorted(dtypes))}")
 
 
 def records_grad(*tensors: Any) -> bool:

@@ -137,6 +137,15 @@ class XIELU(nn.Module):
         return self.op.extra_repr()
 
 
+class MMEncoderAttention(OpLayer):
+    """``MMEncoderAttention(num_heads, head_size, scale=None, num_kv_heads=None)``; ``forward(query,
+    key, value, cu_seqlens=None, max_seqlen=None)``: the vision encoder's attention (no parameters;
+    the projections around it are the model's)."""
+
+    op_class = ops.MMEncoderAttention
+
+
+__all__.append("MMEncoderAttention")
 # --- rope: the engine's rotary layers hold no parameters (the cos/sin cache lives in the op, built
 # once in float32 and kept per device and dtype), so each is the op behind the layer interface.
 for _op_class in (ops.RotaryEmbedding, ops.DualChunkRotaryEmbedding, ops.ApplyRotaryEmb):

@@ -125,3 +125,41 @@ def take(x: torch.Tensor, indices: torch.Tensor, axis: int = 0) -> torch.Tensor:
     """Rows of ``x`` along ``axis`` picked by the integer ``indices`` (any shape)."""
     flat = torch.index_select(x, axis, indices.reshape(-1))
     return flat.reshape(*x.shape[:axis], *indices.shape, *x.shape[axis + 1:])
+
+
+# --- reshape_and_cache (ops/kv_cache.py) ---------------------------------------------------
+
+
+def reshape(x: torch.Tensor, shape) -> torch.Tensor:
+    return torch.reshape(x, tuple(shape))
+
+
+def set_at_dropping(x: torch.Tensor, index: tuple, values: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """``x[index] = values`` for the entries where ``keep`` (the others are dropped), IN PLACE:
+    torch updates ``x`` and returns it (the jax twin returns a new array).
+
+    No data-dependent shapes (torch.compile, torch_xla): a dropped entry rewrites the first kept
+    entry's value at its index (a duplicate write of the same value), or, when nothing is kept,
+    ``x``'s first element with itself."""
+    if keep.shape[0] == 0:
+        return x
+    # One-element index tensors throughout (no Python ints from data: torch.compile traces this).
+    first = torch.argmax(keep.to(torch.int32)).reshape(1)  # the first kept entry (0 when none is)
+    rows = (1,) * (values.ndim - 1)
+    any_kept = keep.index_select(0, first)
+    fallback_index = tuple(torch.where(any_kept, i.index_select(0, first), 0) for i in index)
+    fallback_value = torch.where(any_kept.reshape(1, *rows), values.index_select(0, first), x[fallback_index])
+    index = tuple(torch.where(keep, i, f) for i, f in zip(index, fallback_index))
+    x.index_put_(index, torch.where(keep.reshape(-1, *rows), values, fallback_value))
+    return x
+# --- integer positions (mm_encoder_attn's segment ids) ---------------------------------------
+int32 = torch.int32
+
+
+def arange(n: int, like: torch.Tensor, dtype=None) -> torch.Tensor:
+    """``0, 1, ..., n - 1`` on ``like``'s device (int32 unless ``dtype`` says otherwise)."""
+    return torch.arange(n, dtype=dtype if dtype is not None else torch.int32, device=like.device)
+
+
+def einsum(subscripts: str, *operands: torch.Tensor) -> torch.Tensor:
+    return torch.einsum(subscripts, *operands)

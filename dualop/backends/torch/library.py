@@ -19,6 +19,13 @@ The rule (``op_signature``, the one place it lives):
   per output count: the count follows from which optional inputs are given, which only the op's
   body knows, and one schema per op keeps ``torch.ops.dualop.<name>`` the single name for it.
 
+An op that updates arguments in place names them in its class attribute ``mutates_args`` (e.g.
+``reshape_and_cache``'s ``("kv_pages",)``); its forward_native must return exactly those arguments.
+Each becomes ``Tensor(a!)`` (``Tensor(b!)``, ...) in the schema, the custom op is defined with
+``mutates_args`` and returns nothing (``-> ()``: a custom op's outputs may not alias its inputs), and
+a compiled call returns the mutated argument(s) as the eager call does. It gets no autograd formula
+(an in-place cache write has no gradient).
+
 The real kernel rebuilds the op (cached per ``ctor``) and runs its ordinary eager dispatch
 (config, platform path, fallbacks); the fake kernel runs ``forward_native`` on fake tensors;
 autograd differentiates ``forward_native``.
@@ -83,11 +90,17 @@ class OpSignature:
     params: tuple[tuple[str, str], ...]  # (parameter, schema type) in forward_native's order
     defaults: tuple[Any, ...]  # each parameter's default; inspect.Parameter.empty when required
     keyword_only: frozenset[str]
-    returns: str  # "Tensor", "(Tensor, Tensor)", ... or "Tensor[]"
+    returns: str  # "Tensor", "(Tensor, Tensor)", ... or "Tensor[]"; "()" for an op that mutates
+    mutated: tuple[str, ...] = ()  # parameters updated in place (the op class's ``mutates_args``)
 
     @property
     def schema(self) -> str:
-        args = ", ".join(f"{kind} {param}" for param, kind in self.params)
+        aliases = {param: f"({chr(ord('a') + i)}!)" for i, param in enumerate(self.mutated)}
+        args = ", ".join(
+            f"{kind[:-1] + aliases[param] + '?' if kind.endswith('?') else kind + aliases[param]} {param}"
+            if param in aliases else f"{kind} {param}"
+            for param, kind in self.params
+        )
         return f"({args}, str {CTOR}) -> {self.returns}"
 
     @property
@@ -181,12 +194,18 @@ def op_signature(cls: type) -> OpSignature:
         hints = typing.get_type_hints(fn)
     except (NameError, TypeError, AttributeError) as err:
         raise TypeError(f"{op}: forward_native's annotations do not resolve ({err})") from None
+    typed = tuple((p.name, _param_type(op, p, hints.get(p.name, Any))) for p in params)
+    mutated = tuple(getattr(cls, "mutates_args", ()) or ())
+    for name in mutated:
+        if dict(typed).get(name, "").rstrip("?") != "Tensor":
+            raise TypeError(f"{op}: mutates_args names {name!r}, which is not an array parameter of forward_native")
     return OpSignature(
         name=op,
-        params=tuple((p.name, _param_type(op, p, hints.get(p.name, Any))) for p in params),
+        params=typed,
         defaults=tuple(p.default for p in params),
         keyword_only=frozenset(p.name for p in params if p.kind is p.KEYWORD_ONLY),
-        returns=_return_type(op, hints.get("return", Any)),
+        returns="()" if mutated else _return_type(op, hints.get("return", Any)),
+        mutated=mutated,
     )
 
 
@@ -233,16 +252,26 @@ def library_op(name: str):  # noqa: C901 - one op's real, fake and autograd kern
         *call, ctor = values
         op = ctor_spec.build(ctor)  # at run time this is an eager call: the ordinary dispatch runs
         args, kwargs = sig.bind(call)
-        return _as_declared(sig, op(*args, **kwargs), call)
+        result = op(*args, **kwargs)
+        if sig.mutated:
+            _into_mutated(sig, call, result)
+            return None
+        return _as_declared(sig, result, call)
 
     real.__name__ = name
-    custom = torch.library.custom_op(f"{_NAMESPACE}::{name}", real, mutates_args=(), schema=sig.schema)
+    custom = torch.library.custom_op(f"{_NAMESPACE}::{name}", real, mutates_args=sig.mutated, schema=sig.schema)
 
     @custom.register_fake
     def _fake(*values: Any) -> Any:
         *call, ctor = values
+        if sig.mutated:
+            return None  # the mutated arguments keep their shapes; nothing is returned
         args, kwargs = sig.bind(call)
         return _as_declared(sig, ctor_spec.build(ctor).forward_native(*args, **kwargs), call)
+
+    if sig.mutated:
+        _DEFINED[name] = sig
+        return custom
 
     def setup_context(ctx, inputs, output):
         *call, ctx.ctor = inputs
@@ -278,6 +307,19 @@ def library_op(name: str):  # noqa: C901 - one op's real, fake and autograd kern
     custom.register_autograd(backward, setup_context=setup_context)
     _DEFINED[name] = sig
     return custom
+
+
+def _into_mutated(sig: OpSignature, call: Sequence[Any], result: Any) -> None:
+    """After a mutating op ran: its result must be its mutated argument(s), updated in place; a
+    path that returned new tensors instead has them copied in (so the declared mutation holds)."""
+    results = list(result) if isinstance(result, (tuple, list)) else [result]
+    targets = [value for (param, _), value in zip(sig.params, call) if param in sig.mutated]
+    if len(results) != len(targets):
+        raise TypeError(f"{sig.name}: a mutating op must return its mutated argument(s) {list(sig.mutated)}, "
+                        f"got {len(results)} array(s)")
+    for target, out in zip(targets, results):
+        if out is not target:
+            target.copy_(out)
 
 
 # ---------------------------------------------------------------- calls
@@ -375,7 +417,12 @@ def compiled_call(op: CustomOp, args: tuple, kwargs: dict) -> Any:
     if name is None or not _enabled_now(name, op.enforce_enable):
         return op.forward_native(*args, **kwargs)
     _check_library_call(name, op._ctor or "", op._ctor_error or "")
-    out = getattr(getattr(torch.ops, _NAMESPACE), name)(*library_args(op, args, kwargs))
+    values = library_args(op, args, kwargs)
+    out = getattr(getattr(torch.ops, _NAMESPACE), name)(*values)
+    sig = _DEFINED[name]
+    if sig.mutated:  # the call's result is its mutated argument(s), as in eager
+        mutated = [v for (param, _), v in zip(sig.params, values) if param in sig.mutated]
+        return mutated[0] if len(mutated) == 1 else tuple(mutated)
     if isinstance(out, list):  # Tensor[]: as the op's own call returns it, one array or a tuple
         return out[0] if len(out) == 1 else tuple(out)
     return out

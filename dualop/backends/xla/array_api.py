@@ -114,3 +114,30 @@ def take(x: jax.Array, indices: jax.Array, axis: int = 0) -> jax.Array:
     """Rows of ``x`` along ``axis`` picked by the integer ``indices`` (any shape); out-of-range
     indices are clamped (XLA's gather semantics, made explicit)."""
     return jnp.take(x, indices, axis=axis, mode="clip")
+
+
+# --- reshape_and_cache (ops/kv_cache.py) ---------------------------------------------------
+
+
+def reshape(x: jax.Array, shape) -> jax.Array:
+    return jnp.reshape(x, tuple(shape))
+
+
+def set_at_dropping(x: jax.Array, index: tuple, values: jax.Array, keep: jax.Array) -> jax.Array:
+    """``x[index] = values`` for the entries where ``keep`` (the others are dropped), as a NEW
+    array (jax arrays are immutable; the torch twin updates in place). A dropped entry's first
+    index becomes ``x.shape[0]``, out of range, which ``mode="drop"`` skips."""
+    first = jnp.where(keep, index[0], x.shape[0])
+    return x.at[(first, *index[1:])].set(values, mode="drop")
+# --- integer positions (mm_encoder_attn's segment ids) ---------------------------------------
+int32 = jnp.int32
+
+
+def arange(n: int, like: jax.Array, dtype=None) -> jax.Array:
+    """``0, 1, ..., n - 1`` (int32 unless ``dtype`` says otherwise); ``like`` for the torch twin's device."""
+    return jnp.arange(n, dtype=dtype if dtype is not None else jnp.int32)
+
+
+def einsum(subscripts: str, *operands: jax.Array) -> jax.Array:
+    """At full float32 precision (XLA:TPU otherwise multiplies float32 in bfloat16 passes)."""
+    return jnp.einsum(subscripts, *operands, precision=jax.lax.Precision.HIGHEST)

@@ -26,6 +26,7 @@ __all__ = [
     "TPU_VMEM",
     "vmem_spec",
     "block_budget",
+    "step_vmem_ceiling",
     "current_generation",
     "tpu_jit",
     "resident_spec",
@@ -121,6 +122,14 @@ def vmem_spec(generation: str | None = None) -> VmemSpec:
 def block_budget() -> int:
     """Bytes one grid step's blocks (double-buffered I/O and float32 temporaries) should take."""
     return vmem_spec().scoped_default // _BUDGET_FRACTION
+
+
+def step_vmem_ceiling() -> int:
+    """The largest estimated VMEM of one grid step that ``compiler_params(vmem_bytes=...)`` can
+    still raise the scoped limit for on the current generation (its margin included): the budget
+    of kernels whose working set cannot shrink to ``block_budget()`` (attention's per-head state)."""
+    spec = vmem_spec()
+    return int(spec.capacity * _CAPACITY_SHARE) // _LIMIT_MARGIN
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,0 +1,156 @@
+// Ragged paged attention on the CPU. Semantics: dualop/ops/attention.py (forward_native).
+//
+// One task is (sequence, KV head, block of up to kRows query rows): it walks the sequence's KV
+// positions once, reading each K and V row of its head straight from its page (no gathered copy),
+// and updates an online softmax in float32 for the block's G * rows query vectors (G = Hq / Hkv,
+// the query heads sharing that KV head). So decode reads every cached K/V row once. Tasks run in
+// parallel (OpenMP). Metadata is validated by the op; here it is clamped anyway (num_seqs to
+// [0, S], cu_q_lens to [0, T], kv_lens to [0, pages_per_seq * page_size], page ids to
+// [0, num_pages)), so no value reads out of bounds. Rows outside every sequence are left alone
+// (the caller zeroes the padding rows).
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#include "common.h"
+
+namespace dualop {
+namespace {
+
+constexpr int64_t kRows = 8;
+
+struct Shape {
+  int64_t tokens, q_heads, kv_heads, head_dim, num_pages, page_size, pages_per_seq, max_seqs;
+};
+
+struct Options {
+  float scale;       // sm_scale * k_scale
+  int64_t window;    // 0: none
+  float soft_cap;    // 0: none
+  bool custom_mask;  // a mask value was given: masked positions below kv_len take it
+  float mask_value;
+  float v_scale;
+};
+
+int64_t clamp64(int64_t v, int64_t lo, int64_t hi) { return v < lo ? lo : (v > hi ? hi : v); }
+
+// q . k in float32 with 8 partial sums (a vector register's worth: GCC vectorises the lanes, which
+// it may not do for one running sum without -ffast-math).
+float dot(const float* a, const float* b, int64_t d) {
+  float part[8] = {};
+  int64_t i = 0;
+  for (; i + 8 <= d; i += 8)
+    for (int k = 0; k < 8; ++k) part[k] += a[i + k] * b[i + k];
+  float sum = ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
+  for (; i < d; ++i) sum += a[i] * b[i];
+  return sum;
+}
+
+template <class T>
+void run_task(const T* q, const T* kv, const int32_t* pages, T* out, const Shape& s, const Options& o,
+              int64_t seq, int64_t head, int64_t row0, int64_t row1, int64_t q_start, int64_t q_len, int64_t kv_len) {
+  const int64_t d = s.head_dim, group = s.q_heads / s.kv_heads, n = (row1 - row0) * group;
+  const int64_t combined = 2 * s.kv_heads;
+  std::vector<float> qf(n * d), acc(n * d, 0.0f), kf(d), vf(d), m(n, -INFINITY), l(n, 0.0f);
+  std::vector<int64_t> pos(n);
+  for (int64_t r = row0; r < row1; ++r) {
+    for (int64_t g = 0; g < group; ++g) {
+      const int64_t j = (r - row0) * group + g;
+      const T* src = q + (r * s.q_heads + head * group + g) * d;
+      for (int64_t i = 0; i < d; ++i) qf[j * d + i] = to_f32(src[i]);
+      pos[j] = kv_len - q_len + (r - q_start);
+    }
+  }
+  const int64_t last = o.custom_mask ? kv_len - 1 : std::min(kv_len - 1, pos[n - 1]);
+  for (int64_t p = 0; p <= last; ++p) {
+    const int64_t page = clamp64(pages[seq * s.pages_per_seq + p / s.page_size], 0, s.num_pages - 1);
+    const T* krow = kv + ((page * s.page_size + p % s.page_size) * combined + 2 * head) * d;
+    const T* vrow = krow + d;
+    for (int64_t i = 0; i < d; ++i) kf[i] = to_f32(krow[i]);
+    bool v_loaded = false;
+    for (int64_t j = 0; j < n; ++j) {
+      const bool allowed = p <= pos[j] && (o.window == 0 || p > pos[j] - o.window);
+      if (!allowed && !o.custom_mask) continue;  // the default mask value's weight is exactly 0
+      float score;
+      if (allowed) {
+        const float* qj = &qf[j * d];
+        score = dot(qj, kf.data(), d) * o.scale;
+        if (o.soft_cap != 0.0f) score = o.soft_cap * std::tanh(score / o.soft_cap);
+      } else {
+        score = o.mask_value;
+      }
+      if (!v_loaded) {
+        for (int64_t i = 0; i < d; ++i) vf[i] = to_f32(vrow[i]);
+        v_loaded = true;
+      }
+      float* aj = &acc[j * d];
+      if (score > m[j]) {
+        const float alpha = std::exp(m[j] - score);  // exp(-inf) = 0 on the first key
+        for (int64_t i = 0; i < d; ++i) aj[i] *= alpha;
+        l[j] *= alpha;
+        m[j] = score;
+      }
+      const float w = std::exp(score - m[j]);
+      l[j] += w;
+      for (int64_t i = 0; i < d; ++i) aj[i] += w * vf[i];
+    }
+  }
+  for (int64_t r = row0; r < row1; ++r) {
+    for (int64_t g = 0; g < group; ++g) {
+      const int64_t j = (r - row0) * group + g;
+      const float norm = o.v_scale / l[j];
+      T* dst = out + (r * s.q_heads + head * group + g) * d;
+      for (int64_t i = 0; i < d; ++i) dst[i] = from_f32<T>(acc[j * d + i] * norm);
+    }
+  }
+}
+
+struct Task {
+  int64_t seq, head, row0, row1;
+};
+
+template <class T>
+int run(const void* q, const void* kv, const int32_t* kv_lens, const int32_t* pages, const int32_t* cu,
+        int32_t num_seqs, void* out, const Shape& s, const Options& o, int threads) {
+  const int64_t count = clamp64(num_seqs, 0, s.max_seqs), span = s.pages_per_seq * s.page_size;
+  std::vector<Task> tasks;
+  for (int64_t i = 0; i < count; ++i) {
+    const int64_t start = clamp64(cu[i], 0, s.tokens), end = clamp64(cu[i + 1], start, s.tokens);
+    if (clamp64(kv_lens[i], 0, span) < end - start) continue;  // invalid (refused by the op): no row
+    for (int64_t r = start; r < end; r += kRows)
+      for (int64_t h = 0; h < s.kv_heads; ++h) tasks.push_back({i, h, r, std::min(r + kRows, end)});
+  }
+  const auto* qt = static_cast<const T*>(q);
+  const auto* kvt = static_cast<const T*>(kv);
+  auto* ot = static_cast<T*>(out);
+#pragma omp parallel for schedule(dynamic) num_threads(threads)
+  for (int64_t t = 0; t < static_cast<int64_t>(tasks.size()); ++t) {
+    const Task& task = tasks[t];
+    const int64_t start = clamp64(cu[task.seq], 0, s.tokens), end = clamp64(cu[task.seq + 1], start, s.tokens);
+    run_task<T>(qt, kvt, pages, ot, s, o, task.seq, task.head, task.row0, task.row1, start, end - start,
+                clamp64(kv_lens[task.seq], 0, span));
+  }
+  return 0;
+}
+
+}  // namespace
+}  // namespace dualop
+
+extern "C" int dualop_ragged_paged_attention(int dtype, const void* q, const void* kv_pages, const int32_t* kv_lens,
+                                             const int32_t* page_indices, const int32_t* cu_q_lens, int32_t num_seqs,
+                                             void* out, int64_t tokens, int64_t q_heads, int64_t kv_heads,
+                                             int64_t head_dim, int64_t num_pages, int64_t page_size,
+                                             int64_t pages_per_seq, int64_t max_seqs, float scale, int64_t window,
+                                             float soft_cap, int custom_mask, float mask_value, float v_scale,
+                                             int threads) {
+  using namespace dualop;
+  const Shape s{tokens, q_heads, kv_heads, head_dim, num_pages, page_size, pages_per_seq, max_seqs};
+  const Options o{scale, window, soft_cap, custom_mask != 0, mask_value, v_scale};
+  switch (dtype) {
+    case 0: return run<float>(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, out, s, o, threads);
+    case 1: return run<bf16>(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, out, s, o, threads);
+    case 2: return run<f16>(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, out, s, o, threads);
+    default: return 1;
+  }
+}

@@ -1,0 +1,44 @@
+"""Ragged paged attention on the CPU for torch tensors (kernel: ``csrc/ragged_paged_attention.cc``):
+each K/V row read straight from its page, once per (sequence, KV head, block of query rows)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from dualop.kernels.cpu import load
+from dualop.kernels.cpu.common import dtype_code, pointer
+
+__all__ = ["ragged_paged_attention"]
+
+
+def ragged_paged_attention(q: Any, kv_pages: Any, kv_lens: Any, page_indices: Any, cu_q_lens: Any, num_seqs: Any, *,
+                           sm_scale: float = 1.0, sliding_window: int | None = None, soft_cap: float | None = None,
+                           mask_value: float | None = None, k_scale: float | None = None,
+                           v_scale: float | None = None) -> Any:
+    """``[T, Hq, D]`` in q's dtype; rows past ``cu_q_lens[num_seqs]`` are zeros. Inputs validated
+    by the op (``RaggedPagedAttention.check_inputs``)."""
+    import torch
+
+    lib = load()
+    code = dtype_code(q)
+    if code is None:
+        raise NotImplementedError(f"dtype {q.dtype} on {q.device} has no CPU kernel")
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_pages, page_size, combined, _ = kv_pages.shape
+    max_seqs, pages_per_seq = page_indices.shape
+    q, kv_pages = q.contiguous(), kv_pages.contiguous()
+    kv_lens, page_indices, cu_q_lens = kv_lens.contiguous(), page_indices.contiguous(), cu_q_lens.contiguous()
+    count = int(num_seqs[0])
+    out = torch.empty_like(q)
+    out[int(cu_q_lens[min(max(count, 0), max_seqs)]):].zero_()  # padding rows
+    if num_tokens:
+        status = lib.dualop_ragged_paged_attention(
+            code, pointer(q), pointer(kv_pages), pointer(kv_lens), pointer(page_indices), pointer(cu_q_lens), count,
+            pointer(out), num_tokens, num_q_heads, combined // 2, head_dim, num_pages, page_size, pages_per_seq,
+            max_seqs, sm_scale * (1.0 if k_scale is None else k_scale), sliding_window or 0, soft_cap or 0.0,
+            int(mask_value is not None), 0.0 if mask_value is None else mask_value,
+            1.0 if v_scale is None else v_scale, torch.get_num_threads(),
+        )
+        if status != 0:
+            raise NotImplementedError(f"dualop_ragged_paged_attention returned {status}")
+    return out

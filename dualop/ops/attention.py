@@ -1,0 +1,364 @@
+"""Attention over a paged KV cache: ``RaggedPagedAttention`` (registered ``ragged_paged_attention``),
+the serving engine's TPU attention kernel, with the exact call of JAX's
+``jax.experimental.pallas.ops.tpu.ragged_paged_attention`` so callers can swap it in::
+
+    out = RaggedPagedAttention()(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *,
+                                 sm_scale=1.0, sliding_window=None, soft_cap=None,
+                                 mask_value=None, k_scale=None, v_scale=None)
+
+- ``q`` ``[T, Hq, D]`` (float32/bfloat16/float16); ``kv_pages`` ``[num_pages, page_size, 2*Hkv, D]``
+  in ``q``'s dtype, K and V heads interleaved (combined head ``2h`` is K head ``h``, ``2h+1`` V head
+  ``h``); ``kv_lens`` int32 ``[S]``; ``page_indices`` int32 ``[S, pages_per_seq]``; ``cu_q_lens``
+  int32 ``[S+1]``; ``num_seqs`` int32 ``[1]``.
+- Sequence ``i < num_seqs[0]`` owns query rows ``cu_q_lens[i]:cu_q_lens[i+1]`` and KV positions
+  ``0..kv_lens[i]-1``; token ``j`` lives at page ``page_indices[i, j // page_size]``, offset
+  ``j % page_size``. Its queries are its last positions: row ``r`` of a sequence sits at position
+  ``kv_len - q_len + r`` and sees KV position ``p`` iff ``p <= position`` (and, with a sliding
+  window ``w``, ``p > position - w``). One call thus mixes prefill, chunked prefill and decode.
+- In float32: ``s = (q . k) * sm_scale``; with ``soft_cap`` c, ``s = c * tanh(s / c)``; the score
+  of a masked position below ``kv_len`` is replaced by ``mask_value`` (default JAX's
+  ``DEFAULT_MASK_VALUE``, ``-0.7 *`` float32 max; JAX's reference adds it instead, which gives the
+  same result unless a mask value near the scores is asked for), positions from ``kv_len`` on never
+  count; softmax; ``p . v``; cast once to ``q``'s dtype. ``k_scale`` / ``v_scale``
+  (floats, a quantised cache) multiply K / V in float32 before use. GQA: query head ``h`` reads KV
+  head ``h // (Hq // Hkv)``.
+- Rows past ``cu_q_lens[num_seqs[0]]`` (padding up to ``T``) are zeros, never NaN; a sequence with
+  ``q_len == 0`` produces nothing.
+
+Validation (``check_inputs``, before any kernel): kinds, dtypes, ranks and shapes always; where the
+metadata's values are visible (torch CPU/GPU tensors, jax arrays outside a trace: see
+``_checks.concrete_values``) also ``cu_q_lens`` starting at 0, non-decreasing and ending at most at
+``T`` (over its first ``num_seqs + 1`` entries), ``0 <= num_seqs <= S``, ``q_len <= kv_len <=
+pages_per_seq * page_size`` per sequence, and every page index a sequence uses in
+``[0, num_pages)``. Where they are not visible (under ``jax.jit``, torch_xla and torchax tensors)
+nothing reads out of bounds: ``num_seqs`` is clamped to ``[0, S]``, ``cu_q_lens`` to ``[0, T]``,
+``kv_lens`` to ``[0, pages_per_seq * page_size]`` and page indices to ``[0, num_pages)`` (the native
+body here; the Pallas and Triton kernels clamp the same way, each documents it), so bad metadata
+gives wrong numbers, never a fault.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from dualop.backends import array_namespace
+from dualop.backends.torch.triton_launch import call_triton
+from dualop.backends.xla.pallas_bridge import call_pallas
+from dualop.custom_op import CustomOp
+from dualop.kernels.paged_attention_math import DEFAULT_MASK_VALUE
+from dualop.kernels.registry import KernelRef
+from dualop.ops._checks import (
+    check_array, check_optional_like, concrete_values, cpu_declines, decline_if_recording,
+)
+from dualop.platforms import frontend_of
+
+__all__ = ["RaggedPagedAttention", "DEFAULT_MASK_VALUE"]
+
+OP = "ragged_paged_attention"
+INT32 = frozenset({"int32"})
+
+_PALLAS_RPA = KernelRef("dualop.kernels.pallas.ragged_paged_attention", "ragged_paged_attention")
+_TRITON_RPA = KernelRef("dualop.kernels.cuda.ragged_paged_attention", "ragged_paged_attention")
+_CPU_RPA = KernelRef("dualop.kernels.cpu.ragged_paged_attention", "ragged_paged_attention")
+
+
+def _check_option(name: str, value: Any, *, kind: type, positive: bool) -> None:
+    """A keyword option: None or a number of ``kind`` (an int passes for a float), positive if asked."""
+    if value is None:
+        return
+    ok = not isinstance(value, bool) and isinstance(value, (int, float) if kind is float else int)
+    if ok and positive:
+        ok = math.isfinite(value) and value > 0
+    if not ok:
+        want = ("a positive " if positive else "a ") + ("int" if kind is int else "float")
+        raise ValueError(f"{OP}: option '{name}' must be None or {want}, got {value!r}")
+
+
+def _options(sm_scale, sliding_window, soft_cap, mask_value, k_scale, v_scale) -> dict[str, Any]:
+    return dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap, mask_value=mask_value,
+                k_scale=k_scale, v_scale=v_scale)
+
+
+@CustomOp.register("ragged_paged_attention")
+class RaggedPagedAttention(CustomOp):
+    """Attention of a ragged batch of queries (prefill, chunked prefill and decode rows mixed) over a
+    paged KV cache; see the module docstring for the contract.
+
+    Fast paths: ``forward_tpu`` a Pallas kernel (K/V pages streamed from HBM by manual DMA),
+    ``forward_cuda`` a Triton kernel, ``forward_cpu`` (torch CPU tensors) a C++ kernel that reads
+    the pages in place.
+    JAX arrays on a GPU run the native body (no jax-triton; ``jax.nn.dot_product_attention`` takes
+    padded ``[batch, seq]`` layouts, not a ragged paged batch: see ``declines``).
+    """
+
+    def __init__(self, *, enforce_enable: bool = False) -> None:
+        super().__init__(enforce_enable=enforce_enable)
+
+    # ------------------------------------------------------------------ validation
+
+    def check_inputs(self, q: Any = None, kv_pages: Any = None, kv_lens: Any = None, page_indices: Any = None,
+                     cu_q_lens: Any = None, num_seqs: Any = None, *, sm_scale: float = 1.0,
+                     sliding_window: int | None = None, soft_cap: float | None = None,
+                     mask_value: float | None = None, k_scale: float | None = None,
+                     v_scale: float | None = None) -> None:
+        arrays = dict(q=q, kv_pages=kv_pages, kv_lens=kv_lens, page_indices=page_indices, cu_q_lens=cu_q_lens,
+                      num_seqs=num_seqs)
+        for name, value in arrays.items():
+            if value is None:
+                raise TypeError(f"{OP}: argument '{name}' is required")
+        fe = check_array(OP, "q", q, min_ndim=3)
+        if q.ndim != 3:
+            raise ValueError(f"{OP}: argument 'q' must be [num_tokens, num_q_heads, head_dim], got shape {tuple(q.shape)}")
+        check_optional_like(OP, "kv_pages", kv_pages, "q", q, fe, shape=tuple(getattr(kv_pages, "shape", ())),
+                            same_dtype=True)
+        if kv_pages.ndim != 4:
+            raise ValueError(f"{OP}: argument 'kv_pages' must be [num_pages, page_size, 2 * num_kv_heads, head_dim], "
+                             f"got shape {tuple(kv_pages.shape)}")
+        num_tokens, num_q_heads, head_dim = q.shape
+        num_pages, page_size, combined, kv_head_dim = kv_pages.shape
+        if kv_head_dim != head_dim:
+            raise ValueError(f"{OP}: argument 'kv_pages' has head dim {kv_head_dim}; expected q's head dim {head_dim}")
+        if combined == 0 or combined % 2:
+            raise ValueError(f"{OP}: argument 'kv_pages' has {combined} combined K/V heads; expected an even, "
+                             f"non-zero count (K and V heads interleaved)")
+        num_kv_heads = combined // 2
+        if num_q_heads == 0 or num_q_heads % num_kv_heads:
+            raise ValueError(f"{OP}: q has {num_q_heads} heads, which {num_kv_heads} KV heads do not divide; "
+                             f"expected num_q_heads % num_kv_heads == 0")
+        if page_size == 0:
+            raise ValueError(f"{OP}: argument 'kv_pages' has page_size 0; expected at least 1")
+        check_optional_like(OP, "page_indices", page_indices, "q", q, fe,
+                            shape=tuple(getattr(page_indices, "shape", ())), dtypes=INT32)
+        if page_indices.ndim != 2:
+            raise ValueError(f"{OP}: argument 'page_indices' must be [max_num_seqs, pages_per_seq], "
+                             f"got shape {tuple(page_indices.shape)}")
+        max_seqs, pages_per_seq = page_indices.shape
+        for name, shape in (("kv_lens", (max_seqs,)), ("page_indices", (max_seqs, pages_per_seq)),
+                            ("cu_q_lens", (max_seqs + 1,)), ("num_seqs", (1,))):
+            check_optional_like(OP, name, arrays[name], "q", q, fe, shape=shape, dtypes=INT32)
+        _check_option("sm_scale", sm_scale, kind=float, positive=False)
+        if sm_scale is None:
+            raise ValueError(f"{OP}: option 'sm_scale' must be a float, got None")
+        _check_option("sliding_window", sliding_window, kind=int, positive=True)
+        _check_option("soft_cap", soft_cap, kind=float, positive=True)
+        _check_option("mask_value", mask_value, kind=float, positive=False)
+        _check_option("k_scale", k_scale, kind=float, positive=False)
+        _check_option("v_scale", v_scale, kind=float, positive=False)
+        self._check_values(num_tokens, num_pages, page_size, kv_lens, page_indices, cu_q_lens, num_seqs)
+
+    @staticmethod
+    def _check_values(num_tokens: int, num_pages: int, page_size: int, kv_lens: Any, page_indices: Any,
+                      cu_q_lens: Any, num_seqs: Any) -> None:
+        """The metadata's values, where they can be read (see the module docstring)."""
+        import numpy as np
+
+        values = [concrete_values(a) for a in (kv_lens, page_indices, cu_q_lens, num_seqs)]
+        if any(v is None for v in values):
+            return
+        kv_len, pages, cu, count = values
+        max_seqs, pages_per_seq = pages.shape
+        n = int(count[0])
+        if not 0 <= n <= max_seqs:
+            raise ValueError(f"{OP}: argument 'num_seqs' is {n}; expected 0 <= num_seqs <= {max_seqs} "
+                             f"(page_indices' first dim)")
+        used = cu[: n + 1].astype(np.int64)
+        if used[0] != 0:
+            raise ValueError(f"{OP}: argument 'cu_q_lens' starts at {used[0]}; expected 0")
+        steps = np.diff(used)
+        if (steps < 0).any():
+            i = int(np.argmax(steps < 0))
+            raise ValueError(f"{OP}: argument 'cu_q_lens' is not non-decreasing: cu_q_lens[{i + 1}] = {used[i + 1]} "
+                             f"< cu_q_lens[{i}] = {used[i]}")
+        if used[-1] > num_tokens:
+            raise ValueError(f"{OP}: argument 'cu_q_lens' ends at {used[-1]} (cu_q_lens[num_seqs]); expected at most "
+                             f"{num_tokens} (q's rows)")
+        lens = kv_len[:n].astype(np.int64)
+        short = np.nonzero(lens < steps)[0]
+        if short.size:
+            i = int(short[0])
+            raise ValueError(f"{OP}: argument 'kv_lens' has kv_lens[{i}] = {lens[i]} < q_len {steps[i]} of sequence "
+                             f"{i}; expected kv_len >= q_len (queries are a sequence's last positions)")
+        capacity = pages_per_seq * page_size
+        long = np.nonzero(lens > capacity)[0]
+        if long.size:
+            i = int(long[0])
+            raise ValueError(f"{OP}: argument 'kv_lens' has kv_lens[{i}] = {lens[i]}; expected at most pages_per_seq * "
+                             f"page_size = {capacity}")
+        needed = (lens + page_size - 1) // page_size
+        in_use = np.arange(pages_per_seq)[None, :] < needed[:, None]
+        bad = in_use & ((pages[:n] < 0) | (pages[:n] >= num_pages))
+        if bad.any():
+            i, j = (int(v) for v in np.argwhere(bad)[0])
+            raise ValueError(f"{OP}: argument 'page_indices' has page_indices[{i}, {j}] = {pages[i, j]}, used by "
+                             f"sequence {i}; expected a page in [0, {num_pages})")
+
+    # ------------------------------------------------------------------ implementations
+
+    def forward_native(self, q: Any, kv_pages: Any, kv_lens: Any, page_indices: Any, cu_q_lens: Any, num_seqs: Any,
+                       *, sm_scale: float = 1.0, sliding_window: int | None = None, soft_cap: float | None = None,
+                       mask_value: float | None = None, k_scale: float | None = None,
+                       v_scale: float | None = None) -> Any:
+        """Each query row finds its sequence by comparison with ``cu_q_lens`` (no loop over the
+        runtime ``num_seqs``, so it traces under ``jit`` with traced metadata), gathers that
+        sequence's pages and masks by position. Memory: ``T * pages_per_seq * page_size`` K/V rows,
+        a reference, not a serving path. Metadata is clamped (module docstring)."""
+        xp = array_namespace(q)
+        num_tokens, num_q_heads, head_dim = q.shape
+        num_pages, page_size, combined, _ = kv_pages.shape
+        num_kv_heads = combined // 2
+        group = num_q_heads // num_kv_heads
+        max_seqs, pages_per_seq = page_indices.shape
+        span = pages_per_seq * page_size
+        rows = xp.arange(num_tokens, q)
+        count = xp.clip(num_seqs[0], 0, max_seqs)
+        cu = xp.clip(cu_q_lens, 0, num_tokens)
+        # sequence of each row: how many sequences end at or before it
+        seq = xp.astype(xp.sum(xp.astype(cu[None, 1:] <= rows[:, None], xp.int32), axis=1), xp.int32)
+        valid = (seq < count) & (rows >= cu[0])
+        seq = xp.minimum(seq, max_seqs - 1)
+        q_start, q_end = xp.take(cu, seq), xp.take(cu, seq + 1)
+        kv_len = xp.clip(xp.take(kv_lens, seq), 0, span)
+        position = kv_len - (q_end - q_start) + (rows - q_start)  # [T]
+        pages = xp.clip(xp.take(page_indices, seq, axis=0), 0, num_pages - 1)  # [T, pages_per_seq]
+        kv = xp.take(kv_pages, pages, axis=0).reshape((num_tokens, span, combined, head_dim))
+        k = xp.astype(kv[:, :, 0::2, :], xp.float32)  # [T, span, Hkv, D]
+        v = xp.astype(kv[:, :, 1::2, :], xp.float32)
+        if k_scale is not None:
+            k = k * k_scale
+        if v_scale is not None:
+            v = v * v_scale
+        qf = xp.astype(q, xp.float32).reshape((num_tokens, num_kv_heads, group, head_dim))
+        scores = xp.einsum("tkgd,tlkd->tkgl", qf, k) * sm_scale
+        if soft_cap is not None:
+            scores = soft_cap * xp.tanh(scores / soft_cap)
+        kv_pos = xp.arange(span, q)[None, :]
+        cached = kv_pos < kv_len[:, None]  # positions past kv_len never count, whatever mask_value
+        allowed = (kv_pos <= position[:, None]) & cached
+        if sliding_window is not None:
+            allowed = allowed & (kv_pos > position[:, None] - sliding_window)
+        fill = DEFAULT_MASK_VALUE if mask_value is None else mask_value
+        fill = xp.where(cached, fill, DEFAULT_MASK_VALUE)[:, None, None, :]
+        scores = xp.where(allowed[:, None, None, :], scores, fill)
+        scores = xp.exp(scores - xp.amax(scores, axis=-1, keepdims=True))
+        probs = scores / xp.sum(scores, axis=-1, keepdims=True)
+        out = xp.einsum("tkgl,tlkd->tkgd", probs, v).reshape((num_tokens, num_q_heads, head_dim))
+        out = xp.where(valid[:, None, None], out, 0.0)
+        return xp.astype(out, q.dtype)
+
+    def declines(self, method: str, frontend: str) -> str | None:
+        if method == "forward_cuda" and frontend == "jax":
+            return ("no Triton kernel for jax arrays (it would need jax-triton), and jax.nn.dot_product_attention "
+                    "does not apply: it takes padded [batch, seq] layouts, not ragged rows over a paged cache")
+        return cpu_declines(method, frontend)
+
+    def forward_tpu(self, q: Any, kv_pages: Any, kv_lens: Any, page_indices: Any, cu_q_lens: Any, num_seqs: Any,
+                    *, sm_scale: float = 1.0, sliding_window: int | None = None, soft_cap: float | None = None,
+                    mask_value: float | None = None, k_scale: float | None = None,
+                    v_scale: float | None = None) -> Any:
+        options = _options(sm_scale, sliding_window, soft_cap, mask_value, k_scale, v_scale)
+        return call_pallas(frontend_of(q), _PALLAS_RPA, q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs,
+                           native=_NativeWithOptions(self, options), **options)
+
+    def forward_cuda(self, q: Any, kv_pages: Any, kv_lens: Any, page_indices: Any, cu_q_lens: Any, num_seqs: Any,
+                     *, sm_scale: float = 1.0, sliding_window: int | None = None, soft_cap: float | None = None,
+                     mask_value: float | None = None, k_scale: float | None = None,
+                     v_scale: float | None = None) -> Any:
+        return call_triton(frontend_of(q), _TRITON_RPA, q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs,
+                           **_options(sm_scale, sliding_window, soft_cap, mask_value, k_scale, v_scale))
+
+    def forward_cpu(self, q: Any, kv_pages: Any, kv_lens: Any, page_indices: Any, cu_q_lens: Any, num_seqs: Any,
+                    *, sm_scale: float = 1.0, sliding_window: int | None = None, soft_cap: float | None = None,
+                    mask_value: float | None = None, k_scale: float | None = None,
+                    v_scale: float | None = None) -> Any:
+        """torch on the CPU: the C++ kernel (``kernels/cpu``), which reads each K/V row from its page
+        once per (sequence, KV head, block of query rows), no gathered copy (BENCHMARKS.md: about
+        twice a gather-then-SDPA decode in float32 here). It declines while autograd records (no
+        backward) and where the kernels cannot be built."""
+        decline_if_recording(OP, q, kv_pages)
+        return _CPU_RPA(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs,
+                        **_options(sm_scale, sliding_window, soft_cap, mask_value, k_scale, v_scale))
+
+
+class _NativeWithOptions:
+    """``forward_native`` with the call's keyword options bound: the backward pass of the Pallas
+    path (``call_pallas``'s ``native``) is the VJP of the same computation."""
+
+    def __init__(self, op: RaggedPagedAttention, options: dict[str, Any]) -> None:
+        self.op, self.options = op, options
+
+    def __call__(self, *arrays: Any) -> Any:
+        return self.op.forward_native(*arrays, **self.options)
+
+
+# --- check cases ---------------------------------------------------------------------------------
+
+
+def paged_batch(rng, q_lens, kv_lens, *, num_tokens: int, num_q_heads: int, num_kv_heads: int, head_dim: int,
+                page_size: int, max_seqs: int | None = None, spare_pages: int = 1, q_scale: float = 1.0):
+    """A ragged batch as numpy arrays ``(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs)``
+    (float32 q and pages, int32 metadata): the sequences' pages in random order across the cache,
+    ``spare_pages`` unused page slots per sequence (random in-range ids), ``max_seqs - len(q_lens)``
+    padding sequences and rows from ``sum(q_lens)`` to ``num_tokens`` as padding."""
+    import numpy as np
+
+    count = len(q_lens)
+    max_seqs = count if max_seqs is None else max_seqs
+    pages_per_seq = max([-(-k // page_size) for k in kv_lens] + [1]) + spare_pages
+    num_pages = max_seqs * pages_per_seq + 2
+    order = rng.permutation(num_pages).astype(np.int32)
+    page_indices = order[: max_seqs * pages_per_seq].reshape(max_seqs, pages_per_seq)
+    lens = np.zeros(max_seqs, np.int32)
+    lens[:count] = kv_lens
+    cu = np.zeros(max_seqs + 1, np.int32)
+    cu[1:count + 1] = np.cumsum(q_lens)
+    cu[count + 1:] = cu[count]
+    assert cu[count] <= num_tokens
+    q = (rng.standard_normal((num_tokens, num_q_heads, head_dim)) * q_scale).astype(np.float32)
+    kv_pages = rng.standard_normal((num_pages, page_size, 2 * num_kv_heads, head_dim)).astype(np.float32)
+    return q, kv_pages, lens, page_indices, cu, np.array([count], np.int32)
+
+
+# (q_len, kv_len) per sequence for a check shape's T rows: decode, prefill, a chunk of a longer
+# prompt, another decode, an empty sequence; the rows left over are padding.
+_MIXED = ((1, 9), (3, 3), (1, 14), (0, 6), (4, 11))
+
+
+def _mixed_layout(num_tokens: int) -> tuple[list[int], list[int]]:
+    q_lens, kv_lens, used = [], [], 0
+    for q_len, kv_len in _MIXED:
+        if used + q_len > num_tokens:
+            break
+        q_lens.append(q_len)
+        kv_lens.append(kv_len)
+        used += q_len
+    return q_lens, kv_lens
+
+
+def check_cases():
+    """Small mixed batches (every cell runs them, interpreters included): ``shape`` is q's
+    ``(T, Hq, D)``; the sequences are ``_MIXED``'s first ones that fit in ``T`` rows, with one
+    padding sequence and padding rows."""
+    from dualop.testing import OpCase, Pinned
+
+    def inputs(group: int, page_size: int):
+        def make(shape, rng):
+            num_tokens, num_q_heads, head_dim = shape
+            q_lens, kv_lens = _mixed_layout(num_tokens)
+            arrays = paged_batch(rng, q_lens, kv_lens, num_tokens=num_tokens, num_q_heads=num_q_heads,
+                                 num_kv_heads=max(1, num_q_heads // group), head_dim=head_dim, page_size=page_size,
+                                 max_seqs=len(q_lens) + 1)
+            return (*arrays[:2], *(Pinned(a, "int32") for a in arrays[2:]))
+
+        return make
+
+    shapes = ((0, 4, 64), (1, 1, 64), (12, 8, 128))
+    return [
+        OpCase(OP, f"{OP}[mixed,gqa2]", lambda s: RaggedPagedAttention(), inputs(2, 4), shapes,
+               options={"sm_scale": 0.125}),
+        # mask_value -2 lies among the soft-capped scores: masked positions below kv_len count.
+        OpCase(OP, f"{OP}[gqa4,window,soft_cap,mask_value]", lambda s: RaggedPagedAttention(), inputs(4, 8), shapes,
+               options={"sm_scale": 0.125, "sliding_window": 5, "soft_cap": 3.0, "mask_value": -2.0}),
+        OpCase(OP, f"{OP}[k_scale,v_scale]", lambda s: RaggedPagedAttention(), inputs(1, 4), shapes,
+               options={"sm_scale": 0.125, "k_scale": 0.5, "v_scale": 1.5}),
+    ]

@@ -1,0 +1,274 @@
+"""Vision-encoder attention: ``MMEncoderAttention`` (registered ``mm_encoder_attn``), the reference
+serving engine's non-causal attention for ViT towers.
+
+``op = MMEncoderAttention(num_heads, head_size, scale=None, num_kv_heads=None)``;
+``out = op(query, key, value, cu_seqlens=None, max_seqlen=None)``.
+
+- ``query`` ``[B, S, H*D]`` or ``[B, S, H, D]``; ``key``/``value`` the same layout with
+  ``num_kv_heads`` heads; ``out`` has ``query``'s shape and dtype. Non-causal.
+- GQA: ``num_heads % num_kv_heads == 0``; query head ``h`` reads kv head ``h // (H / Hkv)``.
+- ``cu_seqlens`` (int32 ``[n + 1]``, ``0 = c0 <= c1 <= ... <= cn = S``, only with ``B == 1``): the
+  tokens are ``n`` packed sequences (images, windows); each attends only to itself.
+  ``max_seqlen`` (optional int, at least the longest segment) bounds the Triton kernel's loops; it
+  is read from ``cu_seqlens`` when not given.
+- ``scale`` defaults to ``head_size ** -0.5``. Logits, softmax and ``P @ V`` in float32, one cast.
+
+Bad ``cu_seqlens`` values (decreasing, not from 0 to S) are refused when they can be read (eager
+calls); under ``jax.jit`` they cannot: token ``i`` then belongs to segment ``#{j >= 1: c_j <= i}``
+(every kernel uses that rule, so they agree; no NaN, since a token is always in its own segment).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from dualop.backends import array_namespace
+from dualop.backends.torch.triton_launch import call_triton
+from dualop.backends.xla.pallas_bridge import call_pallas
+from dualop.custom_op import CustomOp
+from dualop.kernels.registry import KernelRef
+from dualop.ops._checks import FLOAT_DTYPES, check_array, cpu_declines, decline_if_recording, dtype_name
+from dualop.platforms import family_of, frontend_of
+
+__all__ = ["MMEncoderAttention"]
+
+_OP = "mm_encoder_attn"
+_PALLAS_ENCODER_ATTENTION = KernelRef("dualop.kernels.pallas.encoder_attention", "encoder_attention")
+_TRITON_ENCODER_ATTENTION = KernelRef("dualop.kernels.cuda.encoder_attention", "encoder_attention")
+
+
+def _positive_int(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{_OP}: {name} must be a positive int, got {value!r}")
+    return value
+
+
+def concrete_values(a: Any):
+    """``a``'s values as a numpy array, or None when they cannot be read without tracing
+    (jax tracers, torch fake/meta tensors)."""
+    import numpy as np
+
+    if family_of(frontend_of(a)) == "jax":
+        import jax
+
+        if isinstance(a, jax.core.Tracer):
+            return None
+        return np.asarray(a)
+    if getattr(a, "device", None) is not None and a.device.type == "meta":
+        return None
+    try:
+        if frontend_of(a) == "torchax":
+            from torchax.interop import jax_view
+
+            return np.asarray(jax_view(a))
+        return a.detach().to("cpu").numpy()
+    except Exception:  # a fake tensor under torch.compile, a torchax tensor under a jax trace
+        return None
+
+
+def segment_ids(xp: Any, cu_seqlens: Any, seq_len: int, like: Any) -> Any:
+    """Token ``i``'s segment: how many of ``cu_seqlens[1:]`` are ``<= i`` (comparisons only, so
+    it traces with ``cu_seqlens`` unknown). int32 ``[S]``."""
+    pos = xp.arange(seq_len, like)
+    bounds = xp.astype(cu_seqlens[1:], xp.int32)
+    return xp.sum(xp.astype(pos[:, None] >= bounds[None, :], xp.int32), axis=-1)
+
+
+@CustomOp.register(_OP)
+class MMEncoderAttention(CustomOp):
+    """Non-causal multi-head attention of a vision encoder, with GQA and packed sequences
+    (``cu_seqlens``); see the module docstring for the contract."""
+
+    def __init__(
+        self,
+        num_heads: int,
+        head_size: int,
+        scale: float | None = None,
+        num_kv_heads: int | None = None,
+        *,
+        enforce_enable: bool = False,
+    ) -> None:
+        super().__init__(enforce_enable=enforce_enable)
+        self.num_heads = _positive_int("num_heads", num_heads)
+        self.head_size = _positive_int("head_size", head_size)
+        self.num_kv_heads = num_heads if num_kv_heads is None else _positive_int("num_kv_heads", num_kv_heads)
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"{_OP}: num_heads={num_heads} must be a multiple of num_kv_heads={num_kv_heads}"
+            )
+        if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float)) or not scale > 0):
+            raise ValueError(f"{_OP}: scale must be a positive float or None, got {scale!r}")
+        self.scale = float(head_size**-0.5 if scale is None else scale)
+
+    # ---------------------------------------------------------------- validation
+
+    def _check_layout(self, name: str, a: Any, heads: int, ref: Any | None) -> None:
+        d = self.head_size
+        if a.ndim == 3:
+            if a.shape[-1] != heads * d:
+                raise ValueError(
+                    f"{_OP}: argument '{name}' has last dim {a.shape[-1]}; expected {heads} heads x "
+                    f"head_size {d} = {heads * d} ([B, S, H*D] layout)"
+                )
+        elif a.ndim == 4:
+            if tuple(a.shape[2:]) != (heads, d):
+                raise ValueError(
+                    f"{_OP}: argument '{name}' has heads x head_size {tuple(a.shape[2:])}; expected "
+                    f"({heads}, {d}) ([B, S, H, D] layout)"
+                )
+        else:
+            raise ValueError(f"{_OP}: argument '{name}' must be [B, S, H*D] or [B, S, H, D], got shape {tuple(a.shape)}")
+        if ref is None:
+            return
+        if a.ndim != ref.ndim:
+            raise ValueError(f"{_OP}: argument '{name}' has {a.ndim} dims but 'query' has {ref.ndim}; use one layout")
+        if tuple(a.shape[:2]) != tuple(ref.shape[:2]):
+            raise ValueError(
+                f"{_OP}: argument '{name}' has [B, S] = {tuple(a.shape[:2])}; expected {tuple(ref.shape[:2])} (as 'query')"
+            )
+        if frontend_of(a) != frontend_of(ref) or (family_of(frontend_of(a)) == "torch" and a.device != ref.device):
+            raise ValueError(f"{_OP}: argument '{name}' is on another frontend or device than 'query'")
+        if dtype_name(a) != dtype_name(ref):
+            raise TypeError(f"{_OP}: argument '{name}' has dtype {dtype_name(a)}; expected {dtype_name(ref)} (as 'query')")
+
+    def check_inputs(self, query: Any, key: Any, value: Any, cu_seqlens: Any = None, max_seqlen: Any = None) -> None:
+        fe = check_array(_OP, "query", query, min_ndim=3, dtypes=FLOAT_DTYPES)
+        check_array(_OP, "key", key, min_ndim=3)
+        check_array(_OP, "value", value, min_ndim=3)
+        self._check_layout("query", query, self.num_heads, None)
+        self._check_layout("key", key, self.num_kv_heads, query)
+        self._check_layout("value", value, self.num_kv_heads, query)
+        if max_seqlen is not None and (isinstance(max_seqlen, bool) or not isinstance(max_seqlen, int) or max_seqlen < 0):
+            raise ValueError(f"{_OP}: argument 'max_seqlen' must be a non-negative int or None, got {max_seqlen!r}")
+        if cu_seqlens is None:
+            return
+        if frontend_of(cu_seqlens) is None or family_of(frontend_of(cu_seqlens)) != family_of(fe):
+            raise TypeError(f"{_OP}: argument 'cu_seqlens' must be a {family_of(fe)} int32 array like 'query'")
+        if dtype_name(cu_seqlens) != "int32":
+            raise TypeError(f"{_OP}: argument 'cu_seqlens' has dtype {dtype_name(cu_seqlens)}; expected int32")
+        if cu_seqlens.ndim != 1 or cu_seqlens.shape[0] < 2:
+            raise ValueError(f"{_OP}: argument 'cu_seqlens' must be 1-D [n + 1] with n >= 1, got shape {tuple(cu_seqlens.shape)}")
+        if query.shape[0] != 1:
+            raise ValueError(f"{_OP}: argument 'cu_seqlens' needs packed sequences (B == 1); 'query' has B = {query.shape[0]}")
+        values = concrete_values(cu_seqlens)
+        if values is None:
+            return  # traced: see the module docstring for what bad values do
+        seq_len = query.shape[1]
+        if values[0] != 0 or values[-1] != seq_len:
+            raise ValueError(f"{_OP}: argument 'cu_seqlens' must start at 0 and end at S = {seq_len}, got {values.tolist()}")
+        lengths = values[1:] - values[:-1]
+        if (lengths < 0).any():
+            raise ValueError(f"{_OP}: argument 'cu_seqlens' must be non-decreasing, got {values.tolist()}")
+        if max_seqlen is not None and max_seqlen < lengths.max():
+            raise ValueError(
+                f"{_OP}: argument 'max_seqlen' = {max_seqlen} is below the longest segment ({int(lengths.max())})"
+            )
+
+    # ---------------------------------------------------------------- bodies
+
+    def forward_native(self, query: Any, key: Any, value: Any, cu_seqlens: Any = None,
+                       max_seqlen: int | None = None) -> Any:
+        xp = array_namespace(query)
+        b, s = query.shape[0], query.shape[1]
+        h, hkv, d = self.num_heads, self.num_kv_heads, self.head_size
+        g = h // hkv
+        if b * s == 0:
+            return query * 0  # nothing to attend; a new array, as every other call returns
+        # [B, S, Hkv, G, D] -> [B, Hkv, G, S, D]; K, V [B, S, Hkv, D] -> [B, Hkv, 1, S, D]
+        q = xp.astype(query, xp.float32).reshape(b, s, hkv, g, d).swapaxes(1, 3).swapaxes(1, 2)
+        k = xp.astype(key, xp.float32).reshape(b, s, hkv, 1, d).swapaxes(1, 3).swapaxes(1, 2)
+        v = xp.astype(value, xp.float32).reshape(b, s, hkv, 1, d).swapaxes(1, 3).swapaxes(1, 2)
+        logits = (q @ k.swapaxes(-1, -2)) * self.scale  # [B, Hkv, G, S, S]
+        if cu_seqlens is not None:
+            seg = segment_ids(xp, cu_seqlens, s, query)
+            logits = xp.where(seg[:, None] == seg[None, :], logits, float("-inf"))
+        p = xp.exp(logits - xp.amax(logits, axis=-1, keepdims=True))
+        out = (p @ v) / xp.sum(p, axis=-1, keepdims=True)  # [B, Hkv, G, S, D]
+        out = out.swapaxes(1, 2).swapaxes(1, 3).reshape(b, s, h * d).reshape(query.shape)  # contiguous
+        return xp.astype(out, query.dtype)
+
+    def _static(self) -> dict[str, Any]:
+        return dict(num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, head_size=self.head_size,
+                    scale=self.scale)
+
+    def declines(self, method: str, frontend: str) -> str | None:
+        why = cpu_declines(method, frontend)
+        if why is None and method == "forward_cuda" and family_of(frontend) == "jax":
+            from dualop.kernels.jax_gpu import cudnn_declines
+
+            why = cudnn_declines(frontend)
+        return why
+
+    def forward_cpu(self, query: Any, key: Any, value: Any, cu_seqlens: Any = None,
+                    max_seqlen: int | None = None) -> Any:
+        """torch on the CPU: ``F.scaled_dot_product_attention`` (torch's fused CPU flash attention)
+        in float32, once per segment of ``cu_seqlens`` (no wasted cross-segment work), one cast."""
+        decline_if_recording(_OP, query, key, value)
+        from dualop.kernels.cpu.encoder_attention import encoder_attention
+
+        return encoder_attention(query, key, value, cu_seqlens, **self._static())
+
+    def forward_cuda(self, query: Any, key: Any, value: Any, cu_seqlens: Any = None,
+                     max_seqlen: int | None = None) -> Any:
+        """torch on CUDA/ROCm: the Triton flash-attention kernel. jax arrays on a GPU: cuDNN's flash
+        attention through ``jax.nn.dot_product_attention`` (no jax-triton for Python 3.11)."""
+        fe = frontend_of(query)
+        if family_of(fe) == "jax":
+            from dualop.kernels.jax_gpu import cudnn_encoder_attention
+
+            return cudnn_encoder_attention(query, key, value, cu_seqlens, **self._static())
+        return call_triton(fe, _TRITON_ENCODER_ATTENTION, query, key, value, cu_seqlens,
+                           max_seqlen=max_seqlen, **self._static())
+
+    def forward_tpu(self, query: Any, key: Any, value: Any, cu_seqlens: Any = None,
+                    max_seqlen: int | None = None) -> Any:
+        return call_pallas(frontend_of(query), _PALLAS_ENCODER_ATTENTION, query, key, value, cu_seqlens,
+                           native=self.forward_native, **self._static())
+
+    def extra_repr(self) -> str:
+        return (f"num_heads={self.num_heads}, head_size={self.head_size}, scale={self.scale}, "
+                f"num_kv_heads={self.num_kv_heads}")
+
+
+# --- check cases ---------------------------------------------------------------------------------
+
+# (B, S, H*D) per case: zero tokens, a single token, a ragged batch; the [B, S, H, D] case builds
+# 4-D inputs from the same tuple. Head sizes 80 and 72 are the ViTs' (off the 128-lane grid).
+_SHAPES_80 = ((1, 0, 160), (1, 1, 160), (2, 37, 160))
+_SHAPES_72 = ((1, 0, 288), (1, 1, 288), (2, 21, 288))
+
+
+def packed_cu_seqlens(seq_len: int):
+    """Segment boundaries used by the check case: an empty segment, a one-token one, ragged ones."""
+    import numpy as np
+
+    if seq_len <= 1:
+        return np.array([0, seq_len], np.int32)
+    cuts = sorted({0, 1, seq_len // 3, seq_len // 3, (2 * seq_len) // 3, seq_len})
+    cuts.insert(2, cuts[1])  # an empty segment
+    return np.array(cuts, np.int32)
+
+
+def check_cases():
+    """The shapes and inputs ``dualop check`` and the tests run this op with."""
+    from dualop.testing import OpCase, Pinned, normal
+
+    def inputs(heads: int, kv_heads: int, four_d: bool, packed: bool):
+        def make(shape, rng):
+            b, s, hd = shape
+            d = hd // heads
+            qs = (b, s, heads, d) if four_d else (b, s, heads * d)
+            ks = (b, s, kv_heads, d) if four_d else (b, s, kv_heads * d)
+            cu = Pinned(packed_cu_seqlens(s), "int32") if packed else None
+            return (normal(qs, rng, 2.0), normal(ks, rng, 2.0), normal(ks, rng), cu, None)
+
+        return make
+
+    return [
+        OpCase(_OP, "mm_encoder_attn", lambda s: MMEncoderAttention(2, s[-1] // 2),
+               inputs(2, 2, False, False), _SHAPES_80),
+        OpCase(_OP, "mm_encoder_attn[gqa,bshd]", lambda s: MMEncoderAttention(4, s[-1] // 4, num_kv_heads=2),
+               inputs(4, 2, True, False), _SHAPES_72),
+        OpCase(_OP, "mm_encoder_attn[cu_seqlens]", lambda s: MMEncoderAttention(2, s[-1] // 2, scale=0.07),
+               inputs(2, 2, False, True), tuple((1, *s[1:]) for s in _SHAPES_80)),
+    ]

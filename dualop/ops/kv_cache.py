@@ -1,0 +1,188 @@
+"""Paged KV-cache writes: ``ReshapeAndCache`` (registered ``reshape_and_cache``), the reference
+serving engine's op that stores a step's new keys and values in the paged cache
+``ragged_paged_attention`` reads.
+
+``op = ReshapeAndCache()``; ``kv_pages = op(key, value, kv_pages, slot_mapping)``.
+
+- ``key``, ``value``: ``[T, Hkv, D]``, float32/bfloat16/float16, the cache's dtype.
+- ``kv_pages``: ``[num_pages, page_size, 2*Hkv, D]``, K and V heads interleaved as
+  ``ragged_paged_attention`` reads them: key head h goes to combined head 2h, value head h to 2h+1.
+- ``slot_mapping``: int32/int64 ``[T]``; token t goes to page ``slot // page_size``, offset
+  ``slot % page_size``. Negative slots are padding: those tokens are skipped. Two tokens with one
+  slot leave either's row (unspecified, as in the reference engine).
+
+Returns the updated cache. torch (every torch device) updates ``kv_pages`` IN PLACE and returns it
+(the same tensor). JAX arrays are immutable: a new array is returned; under ``jax.jit`` pass the
+cache as a donated argument (``jax.jit(step, donate_argnums=...)``) so XLA reuses its buffer
+instead of copying the whole cache. The torch frontends that reach the Pallas kernel (torch_xla,
+torchax) get its new array back and write it into ``kv_pages`` with ``kv_pages.copy_(new)``, so
+they too see the update in place (the same contents as the jax result).
+
+Validation before any kernel: shapes, dtypes, one device, and for arrays whose values are at hand
+(torch CPU/CUDA tensors, concrete jax arrays) ``max(slot_mapping) < num_pages * page_size`` (on CUDA
+that reads one value back; not while a CUDA graph is being captured); lazy or traced slot mappings
+(torch_xla, torchax, torch.compile, ``jax.jit``) are not read. Every path drops a slot
+outside ``[0, num_pages * page_size)`` rather than writing out of bounds.
+
+Kernels: Pallas (``kernels/pallas/reshape_and_cache.py``: per-token DMAs into the HBM cache,
+input/output aliased), Triton (``kernels/cuda/reshape_and_cache.py``: in place), and on the torch
+CPU ``index_copy_`` of the kept rows into the flattened cache (faster here than the native body's
+``index_put_`` on (page, offset) pairs).
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+from dualop.backends import array_namespace
+from dualop.backends.torch.triton_launch import call_triton
+from dualop.backends.xla.pallas_bridge import call_pallas
+from dualop.custom_op import CustomOp
+from dualop.kernels.registry import KernelRef
+from dualop.ops._checks import check_array, check_optional_like, cpu_declines, dtype_name
+from dualop.platforms import family_of, frontend_of
+
+__all__ = ["ReshapeAndCache"]
+
+_PALLAS_RESHAPE_AND_CACHE = KernelRef("dualop.kernels.pallas.reshape_and_cache", "reshape_and_cache")
+_TRITON_RESHAPE_AND_CACHE = KernelRef("dualop.kernels.cuda.reshape_and_cache", "reshape_and_cache")
+_SLOT_DTYPES = ("int32", "int64")
+
+
+def _known_max(slot_mapping: Any, frontend: str) -> int | None:
+    """``max(slot_mapping)`` where its values are at hand without a device sync of a lazy graph
+    or a trace: torch CPU/CUDA tensors and concrete jax arrays; None otherwise."""
+    if frontend == "torch":
+        if slot_mapping.device.type not in ("cpu", "cuda"):
+            return None
+        import torch
+
+        if torch.compiler.is_compiling() or isinstance(slot_mapping, torch._subclasses.FakeTensor):
+            return None
+        if slot_mapping.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None  # a CUDA graph being captured cannot read a value back
+        return int(slot_mapping.max())
+    if frontend == "jax":
+        import jax
+
+        if isinstance(slot_mapping, jax.core.Tracer):
+            return None
+        return int(jax.numpy.max(slot_mapping))
+    return None
+
+
+@CustomOp.register("reshape_and_cache")
+class ReshapeAndCache(CustomOp):
+    """Write new keys and values into the paged KV cache (see the module docstring)."""
+
+    # The argument torch updates in place (torch.library declares it mutated; see library.py).
+    mutates_args: ClassVar[tuple[str, ...]] = ("kv_pages",)
+
+    def __init__(self, *, enforce_enable: bool = False) -> None:
+        super().__init__(enforce_enable=enforce_enable)
+
+    def check_inputs(self, key: Any, value: Any, kv_pages: Any, slot_mapping: Any) -> None:
+        op = "reshape_and_cache"
+        fe = check_array(op, "key", key, min_ndim=3)
+        if key.ndim != 3:
+            raise ValueError(f"{op}: argument 'key' must be [tokens, num_kv_heads, head_dim], got shape {tuple(key.shape)}")
+        tokens, heads, head_dim = key.shape
+        if value is None:
+            raise ValueError(f"{op}: argument 'value' is required (shape {tuple(key.shape)})")
+        check_optional_like(op, "value", value, "key", key, fe, same_dtype=True)
+        if kv_pages is None:
+            raise ValueError(f"{op}: argument 'kv_pages' is required ([num_pages, page_size, {2 * heads}, {head_dim}])")
+        check_array(op, "kv_pages", kv_pages, min_ndim=4)
+        if kv_pages.ndim != 4:
+            raise ValueError(f"{op}: argument 'kv_pages' must be [num_pages, page_size, 2*num_kv_heads, head_dim], "
+                             f"got shape {tuple(kv_pages.shape)}")
+        num_pages, page_size = kv_pages.shape[:2]
+        check_optional_like(op, "kv_pages", kv_pages, "key", key, fe,
+                            shape=(num_pages, page_size, 2 * heads, head_dim), same_dtype=True)
+        self._check_slot_mapping(op, slot_mapping, key, fe, tokens, num_pages * page_size)
+
+    @staticmethod
+    def _check_slot_mapping(op: str, slot_mapping: Any, key: Any, fe: str, tokens: int, capacity: int) -> None:
+        slot_fe = frontend_of(slot_mapping)
+        if slot_fe is None:
+            raise TypeError(f"{op}: argument 'slot_mapping' must be a torch.Tensor or jax.Array, got "
+                            f"{type(slot_mapping).__module__}.{type(slot_mapping).__qualname__}")
+        if family_of(slot_fe) != family_of(fe):
+            raise TypeError(f"{op}: argument 'slot_mapping' is a {family_of(slot_fe)} array but 'key' is a "
+                            f"{family_of(fe)} array; pass arrays of one frontend")
+        if slot_fe != fe or (family_of(fe) == "torch" and slot_mapping.device != key.device):
+            raise ValueError(f"{op}: argument 'slot_mapping' is on {getattr(slot_mapping, 'device', slot_fe)} but 'key' "
+                             f"is on {getattr(key, 'device', fe)}; expected the same device")
+        if dtype_name(slot_mapping) not in _SLOT_DTYPES:
+            raise TypeError(f"{op}: argument 'slot_mapping' has dtype {dtype_name(slot_mapping)}; expected int32 or int64")
+        if tuple(slot_mapping.shape) != (tokens,):
+            raise ValueError(f"{op}: argument 'slot_mapping' has shape {tuple(slot_mapping.shape)}; expected ({tokens},) "
+                             f"(one slot per token of 'key')")
+        if tokens:
+            top = _known_max(slot_mapping, fe)
+            if top is not None and top >= capacity:
+                raise ValueError(f"{op}: argument 'slot_mapping' holds slot {top}; expected slots below "
+                                 f"num_pages * page_size = {capacity} (negative slots are skipped)")
+
+    def forward_native(self, key: Any, value: Any, kv_pages: Any, slot_mapping: Any) -> Any:
+        xp = array_namespace(kv_pages)
+        num_pages, page_size, combined, head_dim = kv_pages.shape
+        rows = xp.reshape(xp.stack([key, value], axis=2), (key.shape[0], combined, head_dim))
+        keep = (slot_mapping >= 0) & (slot_mapping < num_pages * page_size)
+        index = (slot_mapping // page_size, slot_mapping % page_size)
+        return xp.set_at_dropping(kv_pages, index, xp.astype(rows, kv_pages.dtype), keep)
+
+    def declines(self, method: str, frontend: str) -> str | None:
+        return cpu_declines(method, frontend)
+
+    def forward_cpu(self, key: Any, value: Any, kv_pages: Any, slot_mapping: Any) -> Any:
+        """torch on the CPU: ``index_copy_`` of the kept tokens' interleaved rows into the cache
+        viewed as ``[num_pages * page_size, 2*Hkv, D]`` (needs a contiguous cache to view)."""
+        import torch
+
+        if not kv_pages.is_contiguous():
+            raise NotImplementedError("reshape_and_cache: the CPU path views the cache flat and needs it contiguous")
+        num_pages, page_size, combined, head_dim = kv_pages.shape
+        rows = torch.stack((key, value), dim=2).reshape(key.shape[0], combined, head_dim)
+        keep = (slot_mapping >= 0) & (slot_mapping < num_pages * page_size)
+        kv_pages.view(num_pages * page_size, combined, head_dim).index_copy_(
+            0, slot_mapping[keep].to(torch.int64), rows[keep])
+        return kv_pages
+
+    def forward_cuda(self, key: Any, value: Any, kv_pages: Any, slot_mapping: Any) -> Any:
+        fe = frontend_of(key)
+        if fe == "torch" and kv_pages.stride(-1) != 1:
+            raise NotImplementedError("reshape_and_cache: the Triton kernel writes a cache with a unit-strided last dim")
+        return call_triton(fe, _TRITON_RESHAPE_AND_CACHE, key, value, kv_pages, slot_mapping)
+
+    def forward_tpu(self, key: Any, value: Any, kv_pages: Any, slot_mapping: Any) -> Any:
+        """The Pallas kernel; the torch frontends get its new array written back into ``kv_pages``
+        (``copy_``), so torch callers see the update in place on every device."""
+        fe = frontend_of(key)
+        new = call_pallas(fe, _PALLAS_RESHAPE_AND_CACHE, key, value, kv_pages, slot_mapping)
+        if family_of(fe) == "torch":
+            kv_pages.copy_(new)
+            return kv_pages
+        return new
+
+
+def check_cases():
+    """Small caches: shapes are the key's ``(tokens, num_kv_heads, head_dim)``; the cache has
+    ``2 * tokens + 3`` slots in pages of 4 (so untouched rows remain), a fifth of the tokens are
+    padding (slot -1), the rest go to distinct slots in random order."""
+    import numpy as np
+
+    from dualop.testing import OpCase, Pinned, normal
+
+    page_size = 4
+
+    def make_inputs(shape, rng):
+        tokens, heads, head_dim = shape
+        num_pages = -(-(2 * tokens + 3) // page_size)
+        slots = rng.permutation(num_pages * page_size)[:tokens].astype(np.int32)
+        slots[rng.random(tokens) < 0.2] = -1
+        cache = normal((num_pages, page_size, 2 * heads, head_dim), rng)
+        return (normal(shape, rng), normal(shape, rng), cache, Pinned(slots, "int32"))
+
+    shapes = ((0, 2, 64), (1, 1, 64), (7, 2, 128), (12, 1, 72), (5, 4, 32))
+    return [OpCase("reshape_and_cache", "reshape_and_cache", lambda s: ReshapeAndCache(), make_inputs, shapes)]
