@@ -7,7 +7,9 @@ from dualop.ops.layernorm import *  # noqa: F403
 from dualop.ops.pointwise import *  # noqa: F403
 from dualop.ops.quantization import *  # noqa: F403
 from dualop.ops.rotary import *  # noqa: F403
+from dualop.ops.rope_scaling import *  # noqa: F403
 from dualop.ops import activation, gated_norm, layernorm, pointwise, quantization, rotary
+from dualop.ops import rope_scaling
 
 # Ops that hold no parameters: the layer modules wrap each as-is (dualop.torch/jax.layers).
 PARAMETERLESS_OPS = (
@@ -22,4 +24,5 @@ __all__ = [
     *pointwise.__all__,
     *quantization.__all__,
     *rotary.__all__,
+    *rope_scaling.__all__,
 ]
