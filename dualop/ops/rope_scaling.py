@@ -465,7 +465,8 @@ class MRotaryEmbedding(RotaryEmbedding):
     (``t + h + w == rotary_dim // 2``), or with ``mrope_interleaved`` in the pattern ``t h w t h w
     ...`` (frequency c reads h when ``c % 3 == 1 and c < 3 h``, w when ``c % 3 == 2 and c < 3 w``,
     else t; Qwen3-VL). The cache holds ``4 * max_position_embeddings`` rows (the engine's room for
-    long videos). With ``scaling_factor`` the frequencies and cache are YaRN's (mrope + yarn)."""
+    long videos). With ``scaling_factor`` the frequencies and cache are YaRN's (mrope + yarn), the
+    ramp over the original ``max_position_embeddings``, ``ceil(4 * max * factor)`` rows."""
 
     def __init__(
         self,
@@ -504,6 +505,7 @@ class MRotaryEmbedding(RotaryEmbedding):
         self.attn_factor = float(attn_factor)
         self.beta_fast, self.beta_slow, self.truncate = float(beta_fast), float(beta_slow), bool(truncate)
         self.mscale = 1.0 if self.scaling_factor is None else float(yarn_get_mscale(self.scaling_factor) * attn_factor)
+        self.original_max_position = max_position
         self.cache_max_position_num = 4 * max_position
         super().__init__(head_size, rotary_dim, self.cache_max_position_num, base, is_neox_style, dtype,
                          enforce_enable=enforce_enable)
@@ -512,7 +514,9 @@ class MRotaryEmbedding(RotaryEmbedding):
     def _compute_inv_freq(self, base: float) -> np.ndarray:
         if self.scaling_factor is None:
             return super()._compute_inv_freq(base)
-        return yarn_inv_freq(self.rotary_dim, base, self.scaling_factor, self.max_position_embeddings,
+        # the correction range spans the ORIGINAL context (as Hugging Face's yarn; the engine passes
+        # its 4x cache length here, which moves the ramp)
+        return yarn_inv_freq(self.rotary_dim, base, self.scaling_factor, self.original_max_position,
                              self.beta_fast, self.beta_slow, self.extrapolation_factor, self.truncate)
 
     def _compute_cos_sin_cache(self) -> np.ndarray:
