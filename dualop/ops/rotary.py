@@ -46,6 +46,14 @@ def dtype_label(dtype: Any) -> str | None:
     return text.removeprefix("torch.") if text.startswith("torch.") else np.dtype(dtype).name
 
 
+def _is_fake(x: Any) -> bool:
+    """Whether a torch tensor is a fake tensor (a fake kernel's input under torch.compile); Dynamo
+    tracing user code sees its inputs as ordinary tensors, where a kept real cache is a fine constant."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return isinstance(x, FakeTensor)
+
+
 @CustomOp.register("rotary_embedding")
 class RotaryEmbedding(CustomOp):
     """Rotary embedding of queries and keys by token position.
@@ -107,6 +115,9 @@ class RotaryEmbedding(CustomOp):
         """``cos_sin_cache`` as an array of ``like``'s frontend and device, in ``dtype``; made once
         per (frontend, device, dtype) and kept."""
         fe = frontend_of(like)
+        if fe == "torch" and _is_fake(like):  # torch.compile / fake kernels: a constant of the trace, never kept
+            xp = array_namespace(like)
+            return xp.astype(xp.asarray(self.cos_sin_cache, like, xp.float32), dtype)
         key = (fe, str(getattr(like, "device", "")), str(dtype))
         cache = self._frontend_caches.get(key)
         if cache is None:
