@@ -208,8 +208,8 @@ class DynamicNTKScalingRotaryEmbedding(RotaryEmbedding):
 
     def _compute_cos_sin_cache(self) -> np.ndarray:
         factor, d = self.scaling_factor, self.rotary_dim
+        base = self.base * (factor * factor - (factor - 1)) ** (d / (d - 2))
         rows = _scaled_rows(self.max_position_embeddings, factor)
-        base = self.base * (factor * rows / self.max_position_embeddings - (factor - 1)) ** (d / (d - 2))
         return _angles(self._compute_inv_freq(base), np.arange(rows, dtype=np.float32))
 
 
