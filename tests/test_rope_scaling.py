@@ -66,11 +66,12 @@ def positions_below(limit: int, count: int = 40, seed: int = 0) -> np.ndarray:
 # dynamic/longrope functions, positions' upper bound)
 HF_TYPES = [
     ("default", 2048, {"rope_type": "default", "rope_theta": 10000.0}, None, 2048),
-    ("default-partial", 2048, {"rope_type": "default", "rope_theta": 500000.0, "partial_rotary_factor": 0.5}, None, 2048),
+    ("default-partial", 2048, {"rope_type": "default", "rope_theta": 500000.0, "partial_rotary_factor": 0.5},
+     None, 2048),
     ("linear", 1024, {"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.5}, None, 2560),
     ("dynamic", 512, {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 4.0}, 2048, 2048),
-    ("yarn", 4096, {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 1024},
-     None, 4096),
+    ("yarn", 4096,
+     {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 1024}, None, 4096),
     ("yarn-betas-untruncated", 4096,
      {"rope_type": "yarn", "rope_theta": 1e6, "factor": 3.0, "original_max_position_embeddings": 512,
       "beta_fast": 16, "beta_slow": 2, "truncate": False}, None, 1536),
@@ -94,7 +95,8 @@ HF_TYPES = [
 ]
 
 
-@pytest.mark.parametrize("max_position, params, seq_len, limit", [t[1:] for t in HF_TYPES], ids=[t[0] for t in HF_TYPES])
+@pytest.mark.parametrize("max_position, params, seq_len, limit", [t[1:] for t in HF_TYPES],
+                         ids=[t[0] for t in HF_TYPES])
 def test_cache_matches_transformers_rope_init(max_position, params, seq_len, limit):
     rope = get_rope(HEAD, max_position, True, params)
     positions = positions_below(limit)
@@ -258,7 +260,8 @@ def test_op_matches_transformers_apply_rotary_pos_emb(max_position, params, seq_
     got_q, got_k = rope(frontend_array(positions.astype(np.int32), frontend), frontend_array(query, frontend),
                         frontend_array(key, frontend))
     assert_close(got_q, hf_rotate(query, cos, sin, rope.rotary_dim, neox), atol=1e-3)
-    assert_close(got_k, hf_rotate(key.reshape(11, 1, HEAD), cos, sin, rope.rotary_dim, neox).reshape(11, HEAD), atol=1e-3)
+    want_k = hf_rotate(key.reshape(11, 1, HEAD), cos, sin, rope.rotary_dim, neox).reshape(11, HEAD)
+    assert_close(got_k, want_k, atol=1e-3)
 
 
 @pytest.mark.parametrize("frontend", FRONTENDS)
@@ -298,7 +301,8 @@ def qwen_reference(positions: np.ndarray, query: np.ndarray, params: dict, max_p
     config = Config(hidden_size=2 * HEAD, num_attention_heads=2, head_dim=HEAD, max_position_embeddings=max_position,
                     rope_parameters=dict(params))
     x = torch.from_numpy(query)  # [T, H, D]
-    pos = torch.from_numpy(positions.reshape(3, 1, -1) if positions.ndim == 2 else np.broadcast_to(positions, (3, 1, len(positions))).copy())
+    rows = positions if positions.ndim == 2 else np.stack([positions] * 3)  # text: the same position thrice
+    pos = torch.from_numpy(rows.reshape(3, 1, -1))
     with torch.no_grad():
         cos, sin = Rotary(config)(x, pos)
         out, _ = apply_rotary_pos_emb(x.transpose(0, 1)[None], x.transpose(0, 1)[None], cos, sin)
@@ -326,7 +330,8 @@ def test_mrope_matches_qwen_vl(params, max_position, interleaved, one_row, front
     positions = rng.integers(0, limit, tokens if one_row else (3, tokens)).astype(np.int64)
     query = rng.standard_normal((tokens, 3, HEAD)).astype(np.float32)
     want = qwen_reference(positions, query, params, max_position, interleaved)
-    got, key = rope(frontend_array(positions.astype(np.int32), frontend), frontend_array(query.reshape(tokens, -1), frontend))
+    got, key = rope(frontend_array(positions.astype(np.int32), frontend),
+                    frontend_array(query.reshape(tokens, -1), frontend))
     assert key is None
     assert_close(testing.to_numpy(got).reshape(tokens, 3, HEAD), want, atol=1e-3)
 
@@ -351,7 +356,8 @@ def test_mrope_under_jit():
 def test_mrope_refuses_bad_positions_and_sections():
     rope = get_rope(HEAD, 64, True, MROPE[0][1])
     q = torch.zeros(4, HEAD)
-    with pytest.raises(ValueError, match=r"rotary_embedding: argument 'positions' has shape \(2, 4\); expected \[T\] or \[3, T\]"):
+    with pytest.raises(ValueError,
+                       match=r"rotary_embedding: argument 'positions' has shape \(2, 4\); expected \[T\] or \[3, T\]"):
         rope(torch.zeros(2, 4, dtype=torch.int64), q)
     with pytest.raises(ValueError, match=r"argument 'positions' holds values in \[0, 256\]"):
         rope(torch.tensor([[0, 1, 2, 3], [0, 0, 0, 0], [0, 0, 0, 256]]), q)
@@ -398,7 +404,8 @@ def test_get_rope_caches_instances_per_arguments():
     assert get_rope(HEAD, 256, True, {k: (list(v) if isinstance(v, list) else v) for k, v in params.items()}) is first
     assert get_rope(HEAD, 256, True, {**params, "long_factor": [3.0] * 32}) is not first
     assert get_rope(HEAD, 256, True, params, dtype="bfloat16") is not first
-    assert get_rope(HEAD, 256, True, params, dtype=torch.bfloat16) is get_rope(HEAD, 256, True, params, dtype="bfloat16")
+    bf16 = get_rope(HEAD, 256, True, params, dtype="bfloat16")
+    assert get_rope(HEAD, 256, True, params, dtype=torch.bfloat16) is bf16
     assert get_rope(HEAD, 512, True, params) is not first
 
 
@@ -414,8 +421,10 @@ def test_get_rope_partial_rotary_factor():
     ({"rope_type": "su"}, r"get_rope: unknown rope_type 'su'; expected one of default, linear"),
     ({"rope_type": "linear"}, r"rope_type 'linear' needs rope_parameters\['factor'\]"),
     ({"rope_type": "dynamic"}, r"rope_type 'dynamic' needs rope_parameters\['factor'\] or \['alpha'\]"),
-    ({"rope_type": "yarn", "factor": 2.0}, r"rope_type 'yarn' needs rope_parameters\['original_max_position_embeddings'\]"),
-    ({"rope_type": "linear", "factor": -1.0}, r"LinearScalingRotaryEmbedding\): scaling_factors must be a positive number"),
+    ({"rope_type": "yarn", "factor": 2.0},
+     r"rope_type 'yarn' needs rope_parameters\['original_max_position_embeddings'\]"),
+    ({"rope_type": "linear", "factor": -1.0},
+     r"LinearScalingRotaryEmbedding\): scaling_factors must be a positive number"),
     ({"rope_type": "longrope", "original_max_position_embeddings": 64, "short_factor": [1.0] * 3,
       "long_factor": [1.0] * 32}, r"short_factor must be a list of rotary_dim // 2 = 32 numbers"),
 ])

@@ -416,7 +416,8 @@ class Phi3LongRoPEScaledRotaryEmbedding(RotaryEmbedding):
         self.short_factor = [float(f) for f in short_factor]
         self.long_factor = [float(f) for f in long_factor]
         scale = max_position_embeddings / self.original_max_position_embeddings
-        default = 1.0 if scale <= 1.0 else math.sqrt(1 + math.log(scale) / math.log(self.original_max_position_embeddings))
+        original = self.original_max_position_embeddings
+        default = 1.0 if scale <= 1.0 else math.sqrt(1 + math.log(scale) / math.log(original))
         self.short_mscale = default if short_mscale is None else float(short_mscale)
         self.long_mscale = default if long_mscale is None else float(long_mscale)
         self.use_long_rope = None if use_long_rope is None else bool(use_long_rope)
@@ -500,7 +501,8 @@ class MRotaryEmbedding(RotaryEmbedding):
             mrope_section = [int(s) for s in section]
         self.mrope_section = mrope_section
         self.mrope_interleaved = bool(mrope_interleaved)
-        self.scaling_factor = None if scaling_factor is None else check_positive_float(who, "scaling_factor", scaling_factor)
+        self.scaling_factor = (None if scaling_factor is None
+                               else check_positive_float(who, "scaling_factor", scaling_factor))
         self.extrapolation_factor = float(extrapolation_factor)
         self.attn_factor = float(attn_factor)
         self.beta_fast, self.beta_slow, self.truncate = float(beta_fast), float(beta_slow), bool(truncate)
@@ -550,7 +552,8 @@ class MRotaryEmbedding(RotaryEmbedding):
                 f"(temporal, height, width rows) for {type(self).__name__}"
             )
         if self.mrope_section is None:
-            raise ValueError(f"{op}: argument 'positions' is [3, T] but this {type(self).__name__} has no mrope_section")
+            raise ValueError(
+                f"{op}: argument 'positions' is [3, T] but this {type(self).__name__} has no mrope_section")
         values = concrete_values(positions)
         if values is not None and values.size:
             lo, hi = int(values.min()), int(values.max())
