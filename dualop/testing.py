@@ -239,13 +239,25 @@ def x_only(scale: float = 3.0):
     return make
 
 
+def _op_modules() -> list[str]:
+    """Modules defining registered ops, in registry order, each followed by the dualop modules of
+    its subclasses (variants sharing the registered name, e.g. the scaled rotary embeddings)."""
+    from dualop.custom_op import CustomOp
+
+    def with_subclasses(cls: type) -> Iterator[str]:
+        yield cls.__module__
+        for sub in cls.__subclasses__():
+            if sub.__module__.startswith("dualop."):
+                yield from with_subclasses(sub)
+
+    return list(dict.fromkeys(m for cls in CustomOp.op_registry.values() for m in with_subclasses(cls)))
+
+
 def _build_cases() -> list[OpCase]:
     """Every op module's ``check_cases()``, in registry order (an op family defines its own)."""
     import importlib
 
-    from dualop.custom_op import CustomOp
-
-    modules = dict.fromkeys(cls.__module__ for cls in CustomOp.op_registry.values())
+    modules = _op_modules()
     cases: list[OpCase] = []
     for name in modules:
         provider = getattr(importlib.import_module(name), "check_cases", None)

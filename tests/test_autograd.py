@@ -48,10 +48,8 @@ def test_torch_cpu_path_gradients(case, dtype):
 
     got_in, want_in = leaves(), leaves()
     with override_platform("cpu"), set_config(OpsConfig(["all"])):
-        got = torch.autograd.grad(loss(op(*got_in, **case.options)),
-                                  [t for t in got_in if t is not None and t.requires_grad], allow_unused=True)
-    want = torch.autograd.grad(loss(op.forward_native(*want_in, **case.options)),
-                               [t for t in want_in if t is not None and t.requires_grad], allow_unused=True)
+        got = torch.autograd.grad(loss(op(*got_in, **case.options)), wrt(got_in), allow_unused=True)
+    want = torch.autograd.grad(loss(op.forward_native(*want_in, **case.options)), wrt(want_in), allow_unused=True)
     for g, w in zip(got, want):
         if w is None:
             assert g is None or torch.count_nonzero(g) == 0

@@ -2,16 +2,19 @@
 every op (it imports no torch or jax)."""
 
 from dualop.ops.activation import *  # noqa: F403
+from dualop.ops.attention import *  # noqa: F403
 from dualop.ops.encoder_attention import *  # noqa: F403
 from dualop.ops.gated_norm import *  # noqa: F403
 from dualop.ops.kv_cache import *  # noqa: F403
 from dualop.ops.layernorm import *  # noqa: F403
 from dualop.ops.pointwise import *  # noqa: F403
 from dualop.ops.quantization import *  # noqa: F403
+from dualop.ops.rope_scaling import *  # noqa: F403
 from dualop.ops.rotary import *  # noqa: F403
-from dualop.ops.attention import *  # noqa: F403
-from dualop.ops import activation, encoder_attention, gated_norm, kv_cache, layernorm, pointwise, quantization, rotary
-from dualop.ops import attention
+from dualop.ops import (
+    activation, attention, encoder_attention, gated_norm, kv_cache, layernorm, pointwise, quantization, rope_scaling,
+    rotary,
+)
 
 # Ops that hold no parameters: the layer modules wrap each as-is (dualop.torch/jax.layers).
 PARAMETERLESS_OPS = (
@@ -21,12 +24,13 @@ PARAMETERLESS_OPS = (
 
 __all__ = [
     *activation.__all__,
+    *attention.__all__,
     *encoder_attention.__all__,
     *gated_norm.__all__,
     *kv_cache.__all__,
     *layernorm.__all__,
     *pointwise.__all__,
     *quantization.__all__,
+    *rope_scaling.__all__,
     *rotary.__all__,
-    *attention.__all__,
 ]

@@ -99,6 +99,14 @@ def dtype_label(dtype: Any) -> str | None:
     return text.removeprefix("torch.") if text.startswith("torch.") else np.dtype(dtype).name
 
 
+def _is_fake(x: Any) -> bool:
+    """Whether a torch tensor is a fake tensor (a fake kernel's input under torch.compile); Dynamo
+    tracing user code sees its inputs as ordinary tensors, where a kept real cache is a fine constant."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return isinstance(x, FakeTensor)
+
+
 @CustomOp.register("rotary_embedding")
 class RotaryEmbedding(CustomOp):
     """Rotary embedding of queries and keys by token position.
