@@ -349,7 +349,19 @@ _ROPE_HEAD, _ROPE_GROUP, _ROPE_POSITIONS = 128, 8, 8192
 def _rope(hidden: int):
     from dualop.ops import RotaryEmbedding
 
-    return RotaryEmbedding(_ROPE_HEAD, _ROPE_HEAD, _ROPE_POSITIONS, 500000.0, True)
+    head = _rope_head(hidden)
+    return RotaryEmbedding(head, head, _ROPE_POSITIONS, 500000.0, True)
+
+
+def _rope_head(hidden: int) -> int:
+    """Llama's head size 128 when x holds whole heads of it, else one head as wide as x."""
+    return _ROPE_HEAD if hidden % _ROPE_HEAD == 0 else hidden
+
+
+def _rope_key_width(hidden: int) -> int:
+    """The key's width: GQA with 8 query heads per KV head, at least one head."""
+    head = _rope_head(hidden)
+    return max(head, hidden // _ROPE_GROUP // head * head)
 
 
 def _rope_inputs(shape, rng):
@@ -357,12 +369,12 @@ def _rope_inputs(shape, rng):
 
     tokens, hidden = shape
     positions = Pinned(rng.integers(0, _ROPE_POSITIONS, tokens).astype(np.int32), "int32")
-    return (positions, _normal(shape, rng), _normal((tokens, max(_ROPE_HEAD, hidden // _ROPE_GROUP)), rng))
+    return (positions, _normal(shape, rng), _normal((tokens, _rope_key_width(hidden)), rng))
 
 
 def _rope_cost(op, shape, itemsize) -> KernelCost:
     tokens, hidden = shape
-    heads = (hidden + max(_ROPE_HEAD, hidden // _ROPE_GROUP)) // op.head_size
+    heads = (hidden + _rope_key_width(hidden)) // op.head_size
     return cost_model.rotary_cost(tokens, heads, op.head_size, op.rotary_dim, itemsize)
 
 
