@@ -70,6 +70,19 @@ def require_frontend(frontend: str) -> None:
     pytest.skip(f"{frontend} is not installed in this environment ({why}); it is tested in {where}")
 
 
+def pytest_collection_modifyitems(config, items):
+    """The 'xla' environment is there for what its versions change (torch_xla and torchax cells,
+    jax 0.7's and triton 3.5's interpreters); reference tests (marker ``reference``) compare native
+    bodies with outside implementations and run once, in 'latest': here they are deselected (shown
+    in pytest's summary as deselected, not skipped)."""
+    if TEST_ENV != "xla":
+        return
+    once = [item for item in items if item.get_closest_marker("reference")]
+    if once:
+        config.hook.pytest_deselected(items=once)
+        items[:] = [item for item in items if not item.get_closest_marker("reference")]
+
+
 @pytest.fixture
 def clean_registry():
     """Snapshot and restore both registries, so a test may register ops freely."""

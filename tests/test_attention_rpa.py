@@ -82,6 +82,7 @@ def _scale(head_dim: int) -> float:
     return head_dim ** -0.5
 
 
+@pytest.mark.reference
 @pytest.mark.parametrize("frontend", ["torch", "jax"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("layout", list(LAYOUTS))
@@ -93,6 +94,7 @@ def test_native_matches_jax_reference_on_layouts(layout, dtype, frontend):
     _assert_matches(got, arrays, dtype, options)
 
 
+@pytest.mark.reference
 @pytest.mark.parametrize("frontend", ["torch", "jax"])
 @pytest.mark.parametrize("group, head_dim", [(1, 128), (4, 256), (8, 64), (8, 128)])
 def test_native_matches_jax_reference_gqa_and_head_dims(group, head_dim, frontend):
@@ -111,6 +113,7 @@ OPTIONS = {
 }
 
 
+@pytest.mark.reference
 @pytest.mark.parametrize("frontend", ["torch", "jax"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("name", list(OPTIONS))

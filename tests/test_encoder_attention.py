@@ -50,6 +50,7 @@ def _rounded(a: np.ndarray, dtype: str) -> np.ndarray:
 HEADS = [(2, 2, 80), (4, 2, 64), (4, 1, 128)]
 
 
+@pytest.mark.reference
 @pytest.mark.parametrize("frontend", ["torch", "jax"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("packed", [False, True], ids=["batch", "cu_seqlens"])

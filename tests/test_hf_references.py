@@ -17,6 +17,9 @@ from dualop import ops, testing
 jnp = jax.numpy
 from transformers.activations import ACT2FN  # noqa: E402
 
+# Against transformers (the same version in both environments): run once, in 'latest' (conftest).
+pytestmark = pytest.mark.reference
+
 
 def _data(shape, seed=0, scale=2.0):
     return np.random.default_rng(seed).standard_normal(shape).astype(np.float32) * scale

@@ -22,6 +22,9 @@ from dualop.ops import get_rope
 from dualop.ops import rope_scaling
 from dualop.ops._checks import dtype_name
 
+# Against transformers (the same version in both environments): run once, in 'latest' (conftest).
+pytestmark = pytest.mark.reference
+
 jnp = jax.numpy
 
 HEAD = 64

@@ -42,6 +42,7 @@ def _both_frontends(op, *arrays):
 # ------------------------------------------------------------------ native vs transformers
 
 
+@pytest.mark.reference
 @pytest.mark.parametrize("head_size, rotary_dim", [(64, 64), (128, 128), (80, 80), (128, 64)])
 def test_neox_matches_llama(head_size, rotary_dim):
     """Llama's LlamaRotaryEmbedding + apply_rotary_pos_emb on the rotated channels (a partial
@@ -66,6 +67,7 @@ def test_neox_matches_llama(head_size, rotary_dim):
         _close_angles(got_k, want_k)
 
 
+@pytest.mark.reference
 @pytest.mark.parametrize("head_size, rotary_dim", [(64, 64), (256, 64), (80, 48)])
 def test_gptj_matches_transformers(head_size, rotary_dim):
     """GPT-J's sinusoidal table and apply_rotary_pos_emb (interleaved pairs) on the first
@@ -85,6 +87,7 @@ def test_gptj_matches_transformers(head_size, rotary_dim):
         _close_angles(got, want)
 
 
+@pytest.mark.reference
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("batched", [False, True])
 def test_apply_rotary_emb_matches_qwen2_5_vl_vision(dtype, batched):
@@ -115,6 +118,7 @@ def test_apply_rotary_emb_without_fp32_compute_rounds_the_angles_first():
     assert torch.equal(got, want)
 
 
+@pytest.mark.reference
 def test_dual_chunk_matches_the_engine_definition():
     """The five query angle sets and the key's, stated here in float64 numpy from the reference
     engine's definition (no library ships this op)."""
