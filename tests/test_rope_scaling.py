@@ -443,10 +443,6 @@ def test_longrope_refuses_gptj_style():
 
 def test_dual_chunk_config_builds_the_dual_chunk_op():
     config = {"chunk_size": 64, "local_size": 16, "sparse_attention_config": {"a": [1, 2]}}
-    if not hasattr(ops, "DualChunkRotaryEmbedding"):
-        with pytest.raises(NotImplementedError, match="DualChunkRotaryEmbedding"):
-            get_rope(HEAD, 256, True, None, dual_chunk_attention_config=config)
-        pytest.skip("DualChunkRotaryEmbedding is not in this dualop yet (its branch adds it); get_rope says so")
     rope = get_rope(HEAD, 256, True, {"rope_theta": 10000.0}, dual_chunk_attention_config=config)
     assert type(rope) is ops.DualChunkRotaryEmbedding
     assert (rope.chunk_size, rope.local_size) == (64, 16)

@@ -22,7 +22,9 @@ import numpy as np
 
 from dualop.backends import array_namespace
 from dualop.ops._checks import check_array, concrete_values
-from dualop.ops.rotary import INT_DTYPES, RotaryEmbedding, check_positive_float, check_positive_int, dtype_label
+from dualop.ops.rotary import (
+    INT_DTYPES, DualChunkRotaryEmbedding, RotaryEmbedding, check_positive_float, check_positive_int, dtype_label,
+)
 
 __all__ = [
     "LinearScalingRotaryEmbedding",
@@ -658,12 +660,6 @@ def _build_rope(head_size, max_position, is_neox_style, params, dtype, dual_chun
     common = (head_size, rotary_dim, max_position, base, is_neox_style)
 
     if dual_chunk_attention_config is not None:
-        try:
-            from dualop.ops.rotary import DualChunkRotaryEmbedding
-        except ImportError as err:
-            raise NotImplementedError(
-                "get_rope: dual_chunk_attention_config needs DualChunkRotaryEmbedding, which this dualop lacks"
-            ) from err
         extra = _picked(dual_chunk_attention_config, ("chunk_size", "local_size"))
         return DualChunkRotaryEmbedding(*common, dtype, **extra)
 
