@@ -154,8 +154,8 @@ def run_check(
 
     dtypes = list(dtypes or ("float32", "bfloat16"))
     for d in dtypes:
-        if d not in testing.TOLERANCES:
-            raise ValueError(f"dualop check: unknown dtype {d!r}; expected one of {list(testing.TOLERANCES)}")
+        if d not in testing.DTYPES:
+            raise ValueError(f"dualop check: unknown dtype {d!r}; expected one of {list(testing.DTYPES)}")
     if ops:
         unknown = [o for o in ops if o not in CustomOp.op_registry]
         if unknown:

@@ -43,6 +43,9 @@ TOLERANCES: dict[str, Tolerance] = {
     "float16": Tolerance(atol=1e-5, rtol=2e-3),  # 2 ulp of an 11-bit significand
     "float8_e4m3fn": Tolerance(atol=2.0**-9, rtol=0.125),  # 1 ulp of a 4-bit significand; 2^-9 = one subnormal step
     "float8_e4m3fnuz": Tolerance(atol=2.0**-10, rtol=0.125),  # the same; fnuz's subnormal step is 2^-10
+    # Integer outputs (grouped_topk's expert ids) must be equal.
+    "int32": Tolerance(atol=0.0, rtol=0.0),
+    "int64": Tolerance(atol=0.0, rtol=0.0),
 }
 # The input dtypes ops are checked in; outputs are compared under their own dtype's row.
 DTYPES = ("float32", "bfloat16", "float16")

@@ -45,6 +45,12 @@ NATIVE_CELLS = {
     ("jax", "cpu"): "no CPU kernel for jax arrays: XLA compiles the native body",
     ("jax", "cuda"): "would need jax-triton",
 }
+# Ops that do have a kernel in a NATIVE_CELLS cell: {(op, frontend, platform): the method that runs}.
+# The MoE experts run XLA's grouped matmul (jax.lax.ragged_dot) for jax arrays on the CPU and GPUs.
+KERNEL_OPS_IN_NATIVE_CELLS = {
+    **{(op, "jax", platform): method for op in ("fused_moe", "unquantized_fused_moe")
+       for platform, method in (("cpu", "forward_cpu"), ("cuda", "forward_cuda"))},
+}
 # Op cases (labels) with no kernel in a cell of KERNEL_CELLS: {(label, frontend, platform): reason}.
 NATIVE_CASES = {
     **{(label, "torch", "cpu"): "no activation-sparsity gate"
@@ -53,6 +59,9 @@ NATIVE_CASES = {
     ("swigluoai_and_mul", "torch", "cpu"): "the C++ CPU kernel has no swigluoai gate",
     ("rms_norm[var_hidden_size]", "torch", "cpu"): "var_hidden_size < hidden_size",
     ("xielu", "torch", "cpu"): "torch has no fused xIELU",
+    **{(label, fe, "cpu"): "forward_cpu not implemented"
+       for label in ("grouped_topk[softmax,k2]", "grouped_topk[softmax,groups,k4,no_renorm]",
+                     "grouped_topk[sigmoid,groups,bias,k6,scale2.5]") for fe in ("torch", "jax")},
 }
 
 

@@ -221,6 +221,8 @@ def variants_for(ops: list[str] | None, dtypes: list[str]) -> list[Variant]:
         shapes = [tuple(s) for s in case.shapes if s and s[0] > 0]
         templates = {s: _templates(case.make_inputs(s, rng)) for s in shapes}
         serving = [tuple(s) for s in SERVING_SHAPES.get(case.op, ()) if tuple(s) not in templates]
+        if case.label not in SERVING_CASES.get(case.op, (case.label,)):
+            serving = []
         for dtype in dtypes:
             for shape in shapes + serving:
                 is_serving = shape not in templates
@@ -286,3 +288,91 @@ def _ragged_paged_attention_inputs(shape: tuple[int, ...]) -> tuple:
 
 
 SERVING_INPUTS["ragged_paged_attention"] = _ragged_paged_attention_inputs
+
+
+# --- mixture of experts ---------------------------------------------------------------------------
+# fused_moe / unquantized_fused_moe: (tokens, E_global, top_k, hidden, intermediate, E_local). One
+# chip's experts: DeepSeek-V3 (256 experts of 7168 -> 2048, top-8, grouped sigmoid routing) with
+# experts spread over 8 chips (32 local, the rest masked by expert_map), and Qwen3-235B-A22B (128
+# experts of 4096 -> 1536, top-8, softmax) whole; a 16-token decode batch and an 8192-token prefill.
+_MOE_SERVING = (
+    (16, 256, 8, 7168, 2048, 32), (8192, 256, 8, 7168, 2048, 32),
+    (16, 128, 8, 4096, 1536, 128), (8192, 128, 8, 4096, 1536, 128),
+)
+SERVING_SHAPES["fused_moe"] = _MOE_SERVING
+SERVING_SHAPES["unquantized_fused_moe"] = _MOE_SERVING
+# grouped_topk: (tokens, num_experts, num_expert_group, topk_group, top_k): DeepSeek-V3's router
+# (8 groups, best 4, correction bias) and Qwen3-235B's plain softmax top-8.
+SERVING_SHAPES["grouped_topk"] = ((16, 256, 8, 4, 8), (8192, 256, 8, 4, 8), (16, 128, 0, 0, 8), (8192, 128, 0, 0, 8))
+
+# Ops whose serving shapes are built for these case labels only (one model-shaped op each, not
+# every check variant again at full size).
+SERVING_CASES: dict[str, tuple[str, ...]] = {
+    "fused_moe": ("fused_moe[silu,E8,I128]",),
+    "unquantized_fused_moe": ("unquantized_fused_moe[gelu,expert_map,E8,I128]",),
+    "grouped_topk": ("grouped_topk[softmax,k2]",),
+}
+
+
+def _deepseek_like(num_experts: int) -> bool:
+    return num_experts == 256
+
+
+def _moe_weight_specs(shape: tuple[int, ...]) -> tuple:
+    tokens, experts, top_k, hidden, inter, local = shape
+    return (InputSpec((local, 2 * inter, hidden), None), InputSpec((local, hidden, inter), None))
+
+
+def _fused_moe_inputs(shape: tuple[int, ...]) -> tuple:
+    tokens, experts, top_k, hidden, inter, local = shape
+    w13, w2 = _moe_weight_specs(shape)
+    correction = InputSpec((experts,), "float32") if _deepseek_like(experts) else None
+    expert_map = InputSpec((experts,), "int32") if local < experts else None
+    return (InputSpec((tokens, hidden), None), InputSpec((tokens, experts), None), w13, w2, None, None, correction,
+            expert_map)
+
+
+def _fused_moe_op(shape: tuple[int, ...]):
+    from dualop.ops import FusedMoE
+
+    tokens, experts, top_k, hidden, inter, local = shape
+    if _deepseek_like(experts):
+        return FusedMoE(experts, top_k, hidden, inter, use_grouped_topk=True, num_expert_group=8, topk_group=4,
+                        scoring_func="sigmoid", routed_scaling_factor=2.5)
+    return FusedMoE(experts, top_k, hidden, inter)
+
+
+def _experts_inputs(shape: tuple[int, ...]) -> tuple:
+    tokens, experts, top_k, hidden, inter, local = shape
+    w13, w2 = _moe_weight_specs(shape)
+    routing = (InputSpec((tokens, top_k), "float32"), InputSpec((tokens, top_k), "int32"))
+    expert_map = InputSpec((experts,), "int32") if local < experts else None
+    return (InputSpec((tokens, hidden), None), *routing, w13, w2, None, None, expert_map)
+
+
+def _experts_op(shape: tuple[int, ...]):
+    from dualop.ops import UnquantizedFusedMoEMethod
+
+    return UnquantizedFusedMoEMethod("silu")
+
+
+def _grouped_topk_inputs(shape: tuple[int, ...]) -> tuple:
+    tokens, experts, groups, topk_group, top_k = shape
+    correction = InputSpec((experts,), "float32") if groups else None
+    return (InputSpec((tokens, 16), None), InputSpec((tokens, experts), None), correction)
+
+
+def _grouped_topk_op(shape: tuple[int, ...]):
+    from dualop.ops import GroupedTopk
+
+    tokens, experts, groups, topk_group, top_k = shape
+    if groups:
+        return GroupedTopk(top_k, True, groups, topk_group, "sigmoid", 2.5)
+    return GroupedTopk(top_k, True)
+
+
+SERVING_INPUTS.update({"fused_moe": _fused_moe_inputs, "unquantized_fused_moe": _experts_inputs,
+                       "grouped_topk": _grouped_topk_inputs})
+_SERVING_MAKE_OP.update({"fused_moe[silu,E8,I128]": _fused_moe_op,
+                         "unquantized_fused_moe[gelu,expert_map,E8,I128]": _experts_op,
+                         "grouped_topk[softmax,k2]": _grouped_topk_op})

@@ -7,13 +7,14 @@ from dualop.ops.encoder_attention import *  # noqa: F403
 from dualop.ops.gated_norm import *  # noqa: F403
 from dualop.ops.kv_cache import *  # noqa: F403
 from dualop.ops.layernorm import *  # noqa: F403
+from dualop.ops.moe import *  # noqa: F403
 from dualop.ops.pointwise import *  # noqa: F403
 from dualop.ops.quantization import *  # noqa: F403
 from dualop.ops.rope_scaling import *  # noqa: F403
 from dualop.ops.rotary import *  # noqa: F403
 from dualop.ops import (
-    activation, attention, encoder_attention, gated_norm, kv_cache, layernorm, pointwise, quantization, rope_scaling,
-    rotary,
+    activation, attention, encoder_attention, gated_norm, kv_cache, layernorm, moe, pointwise, quantization,
+    rope_scaling, rotary,
 )
 
 # Ops that hold no parameters: the layer modules wrap each as-is (dualop.torch/jax.layers).
@@ -29,6 +30,7 @@ __all__ = [
     *gated_norm.__all__,
     *kv_cache.__all__,
     *layernorm.__all__,
+    *moe.__all__,
     *pointwise.__all__,
     *quantization.__all__,
     *rope_scaling.__all__,

@@ -163,3 +163,23 @@ def arange(n: int, like: torch.Tensor, dtype=None) -> torch.Tensor:
 
 def einsum(subscripts: str, *operands: torch.Tensor) -> torch.Tensor:
     return torch.einsum(subscripts, *operands)
+
+
+# --- mixture of experts (kernels/moe_math.py) ------------------------------------------------
+
+
+def softmax(x: torch.Tensor, axis: int = -1) -> torch.Tensor:
+    return torch.softmax(x, dim=axis)
+
+
+def top_k(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``k`` largest values along the last axis and their int64 indices, largest first; among
+    equal values the lower index first (a stable descending sort: ``torch.topk`` leaves the order
+    of equal values unspecified, ``jax.lax.top_k`` puts the lower index first)."""
+    values, indices = torch.sort(x, dim=-1, descending=True, stable=True)
+    return values[..., :k], indices[..., :k]
+
+
+def take_along_last(x: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+    """``x[..., indices[..., j]]`` along the last axis (same leading shape)."""
+    return torch.gather(x, -1, indices.to(torch.int64))

@@ -141,3 +141,21 @@ def arange(n: int, like: jax.Array, dtype=None) -> jax.Array:
 def einsum(subscripts: str, *operands: jax.Array) -> jax.Array:
     """At full float32 precision (XLA:TPU otherwise multiplies float32 in bfloat16 passes)."""
     return jnp.einsum(subscripts, *operands, precision=jax.lax.Precision.HIGHEST)
+
+
+# --- mixture of experts (kernels/moe_math.py) ------------------------------------------------
+
+
+def softmax(x: jax.Array, axis: int = -1) -> jax.Array:
+    return jax.nn.softmax(x, axis=axis)
+
+
+def top_k(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+    """The ``k`` largest values along the last axis and their int32 indices, largest first; among
+    equal values the lower index first (``jax.lax.top_k``'s rule; the torch twin sorts stably)."""
+    return jax.lax.top_k(x, k)
+
+
+def take_along_last(x: jax.Array, indices: jax.Array) -> jax.Array:
+    """``x[..., indices[..., j]]`` along the last axis (same leading shape)."""
+    return jnp.take_along_axis(x, indices, axis=-1)

@@ -1,0 +1,545 @@
+"""Mixture of experts: routing and the fused experts, with the reference serving engine's names.
+
+- ``grouped_topk`` (``GroupedTopk``): router logits -> ``(topk_weights float32 [T, k], topk_ids
+  int32 [T, k])``, softmax or sigmoid scores, optional correction bias and expert groups
+  (DeepSeek-V3), renormalization and routed scaling. ``fused_topk`` is the plain (no groups)
+  routing function on the same op and kernels.
+- ``unquantized_fused_moe`` (``UnquantizedFusedMoEMethod``): the experts for given routing,
+  ``op(x, topk_weights, topk_ids, w13, w2, ...)`` -> ``[T, H]``; the method object ``FusedMoE``
+  uses for unquantized weights (``create_weights``, ``apply``).
+- ``fused_moe`` (``FusedMoE``): routing then experts, ``op(hidden_states, router_logits, w13, w2,
+  ...)`` -> ``[T, H]``.
+
+The formulas, layouts and conventions (gate rows first in ``w13``, interleaved for ``swigluoai``;
+float32 intermediate; ties in top-k go to the lower expert index) are in ``kernels/moe_math.py``,
+the one place every path takes them from.
+
+Expert parallelism's building block is ``expert_map``: ``[E_global]`` int32, each global expert's
+index among this device's experts or -1. With a map, ``w13``/``w2`` (and the biases) hold only the
+local experts and tokens routed elsewhere contribute 0; summing the devices' outputs gives the
+one-device result.
+
+Validation (before any kernel): shapes, dtypes, devices and options; and where values are at hand
+(``_checks.concrete_values``: torch CPU/CUDA tensors, jax arrays outside a trace) the ids and the
+map's entries are range-checked. Traced or lazy ids are not read: every path treats an id outside
+``[0, E_global)`` or a map entry outside ``[-1, E_local)`` as -1 (adds nothing).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from dualop.backends import array_namespace
+from dualop.backends.torch.triton_launch import call_triton
+from dualop.backends.xla.pallas_bridge import call_pallas
+from dualop.custom_op import CustomOp
+from dualop.kernels import moe_math
+from dualop.kernels.registry import KernelRef
+from dualop.ops._checks import check_array, check_optional_like, concrete_values, dtype_name
+from dualop.platforms import family_of, frontend_of
+
+__all__ = ["GroupedTopk", "fused_topk", "UnquantizedFusedMoEMethod", "FusedMoE"]
+
+TOPK_OP = "grouped_topk"
+EXPERTS_OP = "unquantized_fused_moe"
+MOE_OP = "fused_moe"
+_INT_DTYPES = frozenset({"int32", "int64"})
+_F32 = frozenset({"float32"})
+
+# Kernel entry points (each module states its contract in its docstring).
+_PALLAS_TOPK = KernelRef("dualop.kernels.pallas.moe_routing", "grouped_topk")
+_TRITON_TOPK = KernelRef("dualop.kernels.cuda.moe_routing", "grouped_topk")
+_PALLAS_EXPERTS = KernelRef("dualop.kernels.pallas.fused_moe", "fused_experts")
+_TRITON_EXPERTS = KernelRef("dualop.kernels.cuda.fused_moe", "fused_experts")
+_CPU_EXPERTS = KernelRef("dualop.kernels.cpu.fused_moe", "fused_experts")
+_RAGGED_EXPERTS = KernelRef("dualop.kernels.ragged_moe", "fused_experts")
+
+
+def _check_int(op: str, name: str, value: Any, *, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{op}: argument '{name}' must be an int, got {value!r}")
+    if value < minimum:
+        raise ValueError(f"{op}: argument '{name}' must be at least {minimum}, got {value}")
+    return value
+
+
+def _check_choice(op: str, name: str, value: Any, choices: tuple[str, ...]) -> str:
+    if value not in choices:
+        raise ValueError(f"{op}: argument '{name}' is {value!r}; expected one of {', '.join(map(repr, choices))}")
+    return value
+
+
+def _require(op: str, name: str, value: Any) -> None:
+    if value is None:
+        raise TypeError(f"{op}: argument '{name}' is required")
+
+
+def _check_2d(op: str, name: str, value: Any, ref_name: str, ref: Any, fe: str, shape: tuple, **kw: Any) -> None:
+    _require(op, name, value)
+    check_optional_like(op, name, value, ref_name, ref, fe, shape=shape, **kw)
+
+
+# ---------------------------------------------------------------------------------- routing
+
+
+@CustomOp.register(TOPK_OP)
+class GroupedTopk(CustomOp):
+    """``GroupedTopk(topk, renormalize, num_expert_group=0, topk_group=0, scoring_func="softmax",
+    routed_scaling_factor=1.0)``; ``op(hidden_states, gating_output, e_score_correction_bias=None)``
+    -> ``(topk_weights float32 [T, topk], topk_ids int32 [T, topk])``.
+
+    ``hidden_states`` ``[T, H]`` only fixes the token count (the engine's signature); the scores are
+    ``gating_output`` ``[T, E]``'s softmax or sigmoid in float32. Groups apply when
+    ``num_expert_group > 1`` divides E and ``topk_group > 0``; otherwise plain top-k
+    (``moe_math.route`` has the rule and the tie order: the lower expert index first).
+    """
+
+    def __init__(
+        self,
+        topk: int,
+        renormalize: bool,
+        num_expert_group: int | None = 0,
+        topk_group: int | None = 0,
+        scoring_func: str = "softmax",
+        routed_scaling_factor: float = 1.0,
+        *,
+        enforce_enable: bool = False,
+    ) -> None:
+        super().__init__(enforce_enable=enforce_enable)
+        self.topk = _check_int(TOPK_OP, "topk", topk, minimum=1)
+        self.renormalize = bool(renormalize)
+        self.num_expert_group = _check_int(TOPK_OP, "num_expert_group", num_expert_group or 0, minimum=0)
+        self.topk_group = _check_int(TOPK_OP, "topk_group", topk_group or 0, minimum=0)
+        self.scoring_func = _check_choice(TOPK_OP, "scoring_func", scoring_func, moe_math.SCORING_FUNCS)
+        if isinstance(routed_scaling_factor, bool) or not isinstance(routed_scaling_factor, (int, float)):
+            raise TypeError(f"{TOPK_OP}: argument 'routed_scaling_factor' must be a float, got {routed_scaling_factor!r}")
+        self.routed_scaling_factor = float(routed_scaling_factor)
+
+    def routing_options(self) -> dict[str, Any]:
+        """The static options every routing path takes (``moe_math.route``'s keywords)."""
+        return dict(top_k=self.topk, renormalize=self.renormalize, num_expert_group=self.num_expert_group,
+                    topk_group=self.topk_group, scoring_func=self.scoring_func,
+                    routed_scaling_factor=self.routed_scaling_factor)
+
+    def extra_repr(self) -> str:
+        return ", ".join(f"{k}={v}" for k, v in self.routing_options().items())
+
+    def check_inputs(self, hidden_states: Any, gating_output: Any, e_score_correction_bias: Any = None) -> None:
+        op = TOPK_OP
+        _require(op, "gating_output", gating_output)
+        fe = check_array(op, "gating_output", gating_output, min_ndim=2)
+        if gating_output.ndim != 2:
+            raise ValueError(f"{op}: argument 'gating_output' must be [tokens, num_experts], got shape "
+                             f"{tuple(gating_output.shape)}")
+        tokens, num_experts = gating_output.shape
+        if hidden_states is not None:
+            check_optional_like(op, "hidden_states", hidden_states, "gating_output", gating_output, fe,
+                                shape=tuple(hidden_states.shape))
+            if hidden_states.ndim != 2 or hidden_states.shape[0] != tokens:
+                raise ValueError(f"{op}: argument 'hidden_states' has shape {tuple(hidden_states.shape)}; expected "
+                                 f"[{tokens}, hidden] (one row per row of 'gating_output')")
+        if self.topk > num_experts:
+            raise ValueError(f"{op}: topk={self.topk} is more than the {num_experts} experts of 'gating_output'")
+        check_optional_like(op, "e_score_correction_bias", e_score_correction_bias, "gating_output", gating_output, fe,
+                            shape=(num_experts,))
+
+    def forward_native(self, hidden_states: Any, gating_output: Any,
+                       e_score_correction_bias: Any = None) -> tuple[Any, Any]:
+        xp = array_namespace(gating_output)
+        return moe_math.route(xp, gating_output, e_score_correction_bias=e_score_correction_bias,
+                              **self.routing_options())
+
+    def forward_tpu(self, hidden_states: Any, gating_output: Any,
+                    e_score_correction_bias: Any = None) -> tuple[Any, Any]:
+        return call_pallas(frontend_of(gating_output), _PALLAS_TOPK, gating_output, e_score_correction_bias,
+                           **self.routing_options())
+
+    def forward_cuda(self, hidden_states: Any, gating_output: Any,
+                     e_score_correction_bias: Any = None) -> tuple[Any, Any]:
+        return call_triton(frontend_of(gating_output), _TRITON_TOPK, gating_output, e_score_correction_bias,
+                           **self.routing_options())
+
+
+def fused_topk(gating_output: Any, topk: int, renormalize: bool, scoring_func: str = "softmax",
+               e_score_correction_bias: Any = None) -> tuple[Any, Any]:
+    """Plain top-k routing (no groups): ``(topk_weights float32 [T, topk], topk_ids int32 [T, topk])``.
+    The ``grouped_topk`` op with no groups, so the same kernels and dispatch serve it."""
+    op = GroupedTopk(topk, renormalize, 0, 0, scoring_func)
+    return op(gating_output, gating_output, e_score_correction_bias)
+
+
+# ---------------------------------------------------------------------------------- experts
+
+
+def _check_experts(op: str, x: Any, w13: Any, w2: Any, w13_bias: Any, w2_bias: Any, expert_map: Any,
+                   activation: str, *, hidden_size: int | None = None, intermediate_size: int | None = None,
+                   num_experts: int | None = None) -> tuple[str, int, int]:
+    """Shapes of the expert weights against ``x`` and each other; returns (frontend, E_local, E_global)."""
+    _require(op, "hidden_states", x)
+    fe = check_array(op, "hidden_states", x, min_ndim=2)
+    if x.ndim != 2:
+        raise ValueError(f"{op}: argument 'hidden_states' must be [tokens, hidden], got shape {tuple(x.shape)}")
+    hidden = x.shape[1]
+    if hidden_size is not None and hidden != hidden_size:
+        raise ValueError(f"{op}: argument 'hidden_states' has hidden size {hidden}; expected {hidden_size}")
+    for name, w in (("w13", w13), ("w2", w2)):
+        _require(op, name, w)
+        check_optional_like(op, name, w, "hidden_states", x, fe, shape=tuple(w.shape), same_dtype=True)
+        if w.ndim != 3:
+            raise ValueError(f"{op}: argument '{name}' must be 3-D [experts, ...], got shape {tuple(w.shape)}")
+    local, rows, w13_hidden = w13.shape
+    if w13_hidden != hidden:
+        raise ValueError(f"{op}: argument 'w13' has shape {tuple(w13.shape)}; expected [experts, rows, {hidden}] "
+                         f"(the hidden size of 'hidden_states')")
+    inter = w2.shape[2]
+    if intermediate_size is not None and inter != intermediate_size:
+        raise ValueError(f"{op}: argument 'w2' has intermediate size {inter}; expected {intermediate_size}")
+    want_rows = moe_math.w13_rows(activation, inter)
+    if rows != want_rows:
+        raise ValueError(f"{op}: argument 'w13' has {rows} rows per expert; expected {want_rows} "
+                         f"({'2 * ' if moe_math.is_gated(activation) else ''}the intermediate size {inter} of 'w2' "
+                         f"for activation {activation!r})")
+    if tuple(w2.shape) != (local, hidden, inter):
+        raise ValueError(f"{op}: argument 'w2' has shape {tuple(w2.shape)}; expected ({local}, {hidden}, {inter}) "
+                         f"([experts, hidden, intermediate], agreeing with 'w13' and 'hidden_states')")
+    check_optional_like(op, "w13_bias", w13_bias, "hidden_states", x, fe, shape=(local, rows))
+    check_optional_like(op, "w2_bias", w2_bias, "hidden_states", x, fe, shape=(local, hidden))
+    if expert_map is None:
+        num_global = local
+        if num_experts is not None and local != num_experts:
+            raise ValueError(f"{op}: argument 'w13' holds {local} experts; expected num_experts={num_experts} "
+                             f"(pass expert_map when the weights hold only this device's experts)")
+    else:
+        if expert_map.ndim != 1:
+            raise ValueError(f"{op}: argument 'expert_map' must be 1-D [num_experts], got shape {tuple(expert_map.shape)}")
+        num_global = expert_map.shape[0]
+        if num_experts is not None and num_global != num_experts:
+            raise ValueError(f"{op}: argument 'expert_map' has length {num_global}; expected num_experts={num_experts} "
+                             f"(one entry per global expert)")
+        check_optional_like(op, "expert_map", expert_map, "hidden_states", x, fe, shape=(num_global,),
+                            dtypes=_INT_DTYPES)
+        values = concrete_values(expert_map)
+        if values is not None and values.size and (values.min() < -1 or values.max() >= local):
+            bad = int(values[(values < -1) | (values >= local)][0])
+            raise ValueError(f"{op}: argument 'expert_map' holds {bad}; expected -1 (elsewhere) or a local expert "
+                             f"index in [0, {local}) ('w13' holds {local} experts)")
+    return fe, local, num_global
+
+
+def _check_routing(op: str, x: Any, fe: str, topk_weights: Any, topk_ids: Any, num_global: int) -> None:
+    _require(op, "topk_weights", topk_weights)
+    _require(op, "topk_ids", topk_ids)
+    if topk_ids.ndim != 2 or topk_ids.shape[0] != x.shape[0]:
+        raise ValueError(f"{op}: argument 'topk_ids' has shape {tuple(topk_ids.shape)}; expected [{x.shape[0]}, top_k]")
+    check_optional_like(op, "topk_ids", topk_ids, "hidden_states", x, fe, shape=tuple(topk_ids.shape),
+                        dtypes=_INT_DTYPES)
+    check_optional_like(op, "topk_weights", topk_weights, "hidden_states", x, fe, shape=tuple(topk_ids.shape))
+    ids = concrete_values(topk_ids)
+    if ids is not None and ids.size and (ids.min() < 0 or ids.max() >= num_global):
+        bad = int(ids[(ids < 0) | (ids >= num_global)][0])
+        raise ValueError(f"{op}: argument 'topk_ids' holds expert {bad}; expected ids in [0, {num_global})")
+
+
+@CustomOp.register(EXPERTS_OP)
+class UnquantizedFusedMoEMethod(CustomOp):
+    """``UnquantizedFusedMoEMethod(activation="silu", apply_router_weight_on_input=False)``;
+    ``op(x, topk_weights, topk_ids, w13, w2, w13_bias=None, w2_bias=None, expert_map=None)`` ->
+    ``[T, H]`` in x's dtype: the experts of unquantized weights for given routing (the engine's
+    method object; ``FusedMoE`` calls it after routing).
+
+    ``create_weights`` gives the weights' shapes (and makes them on a layer); ``apply(layer, x,
+    topk_weights, topk_ids)`` runs the op with the layer's weights and expert map.
+    """
+
+    def __init__(self, activation: str = "silu", apply_router_weight_on_input: bool = False, *,
+                 enforce_enable: bool = False) -> None:
+        super().__init__(enforce_enable=enforce_enable)
+        self.activation = _check_choice(EXPERTS_OP, "activation", activation, moe_math.MOE_ACTIVATIONS)
+        self.apply_router_weight_on_input = bool(apply_router_weight_on_input)
+
+    def extra_repr(self) -> str:
+        return f"activation={self.activation!r}, apply_router_weight_on_input={self.apply_router_weight_on_input}"
+
+    # -------------------------------------------------------------- weights
+
+    def weight_shapes(self, num_experts: int, hidden_size: int, intermediate_size_per_partition: int,
+                      has_bias: bool = False) -> dict[str, tuple[int, ...]]:
+        """``{name: shape}`` of the layer's expert weights (the engine's names)."""
+        rows = moe_math.w13_rows(self.activation, intermediate_size_per_partition)
+        shapes = {"w13_weight": (num_experts, rows, hidden_size),
+                  "w2_weight": (num_experts, hidden_size, intermediate_size_per_partition)}
+        if has_bias:
+            shapes.update(w13_bias=(num_experts, rows), w2_bias=(num_experts, hidden_size))
+        return shapes
+
+    def create_weights(self, layer: Any, num_experts: int, hidden_size: int, intermediate_size_per_partition: int,
+                       params_dtype: Any, has_bias: bool = False) -> None:
+        """Give ``layer`` zero-filled expert weights: frozen ``nn.Parameter``s on a torch module,
+        jax arrays as attributes otherwise."""
+        shapes = self.weight_shapes(num_experts, hidden_size, intermediate_size_per_partition, has_bias)
+        try:
+            import torch
+        except ImportError:
+            torch = None
+        if torch is not None and isinstance(layer, torch.nn.Module):
+            for name, shape in shapes.items():
+                layer.register_parameter(name, torch.nn.Parameter(torch.zeros(shape, dtype=params_dtype),
+                                                                  requires_grad=False))
+            return
+        import jax.numpy as jnp
+
+        for name, shape in shapes.items():
+            setattr(layer, name, jnp.zeros(shape, dtype=params_dtype))
+
+    def apply(self, layer: Any, x: Any, topk_weights: Any, topk_ids: Any) -> Any:
+        """The experts with ``layer``'s weights (``w13_weight``, ``w2_weight``, optional
+        ``w13_bias``/``w2_bias``, ``expert_map``)."""
+        return self(x, topk_weights, topk_ids, layer.w13_weight, layer.w2_weight, getattr(layer, "w13_bias", None),
+                    getattr(layer, "w2_bias", None), getattr(layer, "expert_map", None))
+
+    # -------------------------------------------------------------- the op
+
+    def check_inputs(self, x: Any, topk_weights: Any, topk_ids: Any, w13: Any, w2: Any, w13_bias: Any = None,
+                     w2_bias: Any = None, expert_map: Any = None) -> None:
+        fe, _, num_global = _check_experts(EXPERTS_OP, x, w13, w2, w13_bias, w2_bias, expert_map, self.activation)
+        _check_routing(EXPERTS_OP, x, fe, topk_weights, topk_ids, num_global)
+        if self.apply_router_weight_on_input and topk_ids.shape[1] != 1:
+            raise ValueError(f"{EXPERTS_OP}: apply_router_weight_on_input needs top_k == 1; 'topk_ids' has "
+                             f"top_k {topk_ids.shape[1]}")
+
+    def _options(self) -> dict[str, Any]:
+        return dict(activation=self.activation, apply_router_weight_on_input=self.apply_router_weight_on_input)
+
+    def forward_native(self, x: Any, topk_weights: Any, topk_ids: Any, w13: Any, w2: Any, w13_bias: Any = None,
+                       w2_bias: Any = None, expert_map: Any = None) -> Any:
+        xp = array_namespace(x)
+        return moe_math.experts_reference(xp, x, topk_weights, topk_ids, w13, w2, w13_bias=w13_bias,
+                                          w2_bias=w2_bias, expert_map=expert_map, **self._options())
+
+    def forward_tpu(self, x: Any, topk_weights: Any, topk_ids: Any, w13: Any, w2: Any, w13_bias: Any = None,
+                    w2_bias: Any = None, expert_map: Any = None) -> Any:
+        return call_pallas(frontend_of(x), _PALLAS_EXPERTS, x, topk_weights, topk_ids, w13, w2, w13_bias, w2_bias,
+                           expert_map, **self._options())
+
+    def forward_cuda(self, x: Any, topk_weights: Any, topk_ids: Any, w13: Any, w2: Any, w13_bias: Any = None,
+                     w2_bias: Any = None, expert_map: Any = None) -> Any:
+        """torch on CUDA/ROCm: the Triton kernels; jax arrays on a GPU: XLA's ``ragged_dot``."""
+        fe = frontend_of(x)
+        kernel = _RAGGED_EXPERTS if family_of(fe) == "jax" else _TRITON_EXPERTS
+        args = (x, topk_weights, topk_ids, w13, w2, w13_bias, w2_bias, expert_map)
+        if kernel is _RAGGED_EXPERTS:
+            return kernel(*args, **self._options())
+        return call_triton(fe, kernel, *args, **self._options())
+
+    def forward_cpu(self, x: Any, topk_weights: Any, topk_ids: Any, w13: Any, w2: Any, w13_bias: Any = None,
+                    w2_bias: Any = None, expert_map: Any = None) -> Any:
+        """torch on the CPU: ``kernels/cpu/fused_moe.py``; jax arrays on the CPU: XLA's ``ragged_dot``."""
+        kernel = _RAGGED_EXPERTS if frontend_of(x) == "jax" else _CPU_EXPERTS
+        return kernel(x, topk_weights, topk_ids, w13, w2, w13_bias, w2_bias, expert_map, **self._options())
+
+    def declines(self, method: str, frontend: str) -> str | None:
+        if method in ("forward_cpu", "forward_cuda") and frontend in ("torch_xla", "torchax", "torch_tpu"):
+            return f"no {method.removeprefix('forward_')} kernel for {frontend} tensors"
+        return None
+
+
+@CustomOp.register(MOE_OP)
+class FusedMoE(CustomOp):
+    """``FusedMoE(num_experts, top_k, hidden_size, intermediate_size, renormalize=True,
+    use_grouped_topk=False, num_expert_group=None, topk_group=None, scoring_func="softmax",
+    routed_scaling_factor=1.0, activation="silu", apply_router_weight_on_input=False, has_bias=False)``;
+    ``op(hidden_states [T, H], router_logits [T, E], w13, w2, w13_bias=None, w2_bias=None,
+    e_score_correction_bias=None, expert_map=None)`` -> ``[T, H]``.
+
+    Routing is ``grouped_topk`` (``self.router``, dispatched as its own op: its kernel, config and
+    report row are its own); the experts are ``unquantized_fused_moe`` (``self.quant_method``),
+    whose kernel for this platform this op's platform method runs, so a cell of ``fused_moe``
+    counts as a kernel cell only when the experts' kernel ran.
+    """
+
+    def __init__(
+        self,
+        num_experts: int,
+        top_k: int,
+        hidden_size: int,
+        intermediate_size: int,
+        renormalize: bool = True,
+        use_grouped_topk: bool = False,
+        num_expert_group: int | None = None,
+        topk_group: int | None = None,
+        scoring_func: str = "softmax",
+        routed_scaling_factor: float = 1.0,
+        activation: str = "silu",
+        apply_router_weight_on_input: bool = False,
+        has_bias: bool = False,
+        *,
+        enforce_enable: bool = False,
+    ) -> None:
+        super().__init__(enforce_enable=enforce_enable)
+        op = MOE_OP
+        self.num_experts = _check_int(op, "num_experts", num_experts, minimum=1)
+        self.top_k = _check_int(op, "top_k", top_k, minimum=1)
+        if self.top_k > self.num_experts:
+            raise ValueError(f"{op}: top_k={top_k} is more than num_experts={num_experts}")
+        self.hidden_size = _check_int(op, "hidden_size", hidden_size, minimum=1)
+        self.intermediate_size = _check_int(op, "intermediate_size", intermediate_size, minimum=1)
+        self.use_grouped_topk = bool(use_grouped_topk)
+        if self.use_grouped_topk and (num_expert_group is None or topk_group is None):
+            raise ValueError(f"{op}: use_grouped_topk=True needs num_expert_group and topk_group")
+        if not self.use_grouped_topk:
+            num_expert_group = topk_group = 0
+        if apply_router_weight_on_input and self.top_k != 1:
+            raise ValueError(f"{op}: apply_router_weight_on_input=True needs top_k == 1, got top_k={top_k}")
+        self.has_bias = bool(has_bias)
+        self.router = GroupedTopk(self.top_k, renormalize, num_expert_group, topk_group, scoring_func,
+                                  routed_scaling_factor)
+        self.quant_method = UnquantizedFusedMoEMethod(activation, apply_router_weight_on_input)
+        self.renormalize = self.router.renormalize
+        self.num_expert_group, self.topk_group = self.router.num_expert_group, self.router.topk_group
+        self.scoring_func, self.routed_scaling_factor = self.router.scoring_func, self.router.routed_scaling_factor
+        self.activation = self.quant_method.activation
+        self.apply_router_weight_on_input = self.quant_method.apply_router_weight_on_input
+
+    def extra_repr(self) -> str:
+        return (f"num_experts={self.num_experts}, top_k={self.top_k}, hidden_size={self.hidden_size}, "
+                f"intermediate_size={self.intermediate_size}, {self.router.extra_repr()}, "
+                f"{self.quant_method.extra_repr()}, has_bias={self.has_bias}")
+
+    def check_inputs(self, hidden_states: Any, router_logits: Any, w13: Any, w2: Any, w13_bias: Any = None,
+                     w2_bias: Any = None, e_score_correction_bias: Any = None, expert_map: Any = None) -> None:
+        op = MOE_OP
+        fe, _, _ = _check_experts(op, hidden_states, w13, w2, w13_bias, w2_bias, expert_map, self.activation,
+                                  hidden_size=self.hidden_size, intermediate_size=self.intermediate_size,
+                                  num_experts=self.num_experts)
+        _check_2d(op, "router_logits", router_logits, "hidden_states", hidden_states, fe,
+                  (hidden_states.shape[0], self.num_experts))
+        if self.has_bias and (w13_bias is None or w2_bias is None):
+            raise ValueError(f"{op}: has_bias=True needs 'w13_bias' and 'w2_bias'")
+        check_optional_like(op, "e_score_correction_bias", e_score_correction_bias, "hidden_states", hidden_states,
+                            fe, shape=(self.num_experts,))
+
+    def route(self, hidden_states: Any, router_logits: Any, e_score_correction_bias: Any = None) -> tuple[Any, Any]:
+        """``(topk_weights, topk_ids)`` from the router op (dispatched on its own)."""
+        return self.router(hidden_states, router_logits, e_score_correction_bias)
+
+    def forward_native(self, hidden_states: Any, router_logits: Any, w13: Any, w2: Any, w13_bias: Any = None,
+                       w2_bias: Any = None, e_score_correction_bias: Any = None, expert_map: Any = None) -> Any:
+        weights, ids = self.router.forward_native(hidden_states, router_logits, e_score_correction_bias)
+        return self.quant_method.forward_native(hidden_states, weights, ids, w13, w2, w13_bias, w2_bias, expert_map)
+
+    def _fast(self, method: str, hidden_states: Any, router_logits: Any, w13: Any, w2: Any, w13_bias: Any,
+              w2_bias: Any, e_score_correction_bias: Any, expert_map: Any) -> Any:
+        weights, ids = self.route(hidden_states, router_logits, e_score_correction_bias)
+        experts = getattr(self.quant_method, method)
+        return experts(hidden_states, weights, ids, w13, w2, w13_bias, w2_bias, expert_map)
+
+    def forward_tpu(self, hidden_states: Any, router_logits: Any, w13: Any, w2: Any, w13_bias: Any = None,
+                    w2_bias: Any = None, e_score_correction_bias: Any = None, expert_map: Any = None) -> Any:
+        return self._fast("forward_tpu", hidden_states, router_logits, w13, w2, w13_bias, w2_bias,
+                          e_score_correction_bias, expert_map)
+
+    def forward_cuda(self, hidden_states: Any, router_logits: Any, w13: Any, w2: Any, w13_bias: Any = None,
+                     w2_bias: Any = None, e_score_correction_bias: Any = None, expert_map: Any = None) -> Any:
+        return self._fast("forward_cuda", hidden_states, router_logits, w13, w2, w13_bias, w2_bias,
+                          e_score_correction_bias, expert_map)
+
+    def forward_cpu(self, hidden_states: Any, router_logits: Any, w13: Any, w2: Any, w13_bias: Any = None,
+                    w2_bias: Any = None, e_score_correction_bias: Any = None, expert_map: Any = None) -> Any:
+        return self._fast("forward_cpu", hidden_states, router_logits, w13, w2, w13_bias, w2_bias,
+                          e_score_correction_bias, expert_map)
+
+    def declines(self, method: str, frontend: str) -> str | None:
+        return self.quant_method.declines(method, frontend)
+
+
+# ---------------------------------------------------------------------------------- check cases
+
+
+def _expert_weights(rng, num_experts: int, hidden: int, inter: int, activation: str, bias: bool):
+    from dualop.testing import normal
+
+    rows = moe_math.w13_rows(activation, inter)
+    w13 = normal((num_experts, rows, hidden), rng, hidden ** -0.5)
+    w2 = normal((num_experts, hidden, inter), rng, inter ** -0.5)
+    b13 = normal((num_experts, rows), rng, 0.1) if bias else None
+    b2 = normal((num_experts, hidden), rng, 0.1) if bias else None
+    return w13, w2, b13, b2
+
+
+def check_cases():
+    """Small routing and MoE problems (CI runs every cell in interpreters).
+
+    grouped_topk shapes are ``(tokens, num_expert_group, experts_per_group)``; fused_moe and
+    unquantized_fused_moe shapes are ``(tokens, top_k, hidden)`` with the experts and intermediate
+    size in the label."""
+    import numpy as np
+
+    from dualop.testing import OpCase, Pinned, normal
+
+    def topk_inputs(bias: bool):
+        def make(shape, rng):
+            tokens, groups, per_group = shape
+            experts = groups * per_group
+            corr = Pinned(normal((experts,), rng, 0.5), "float32") if bias else None
+            return (normal((tokens, 16), rng), normal((tokens, experts), rng, 2.0), corr)
+        return make
+
+    topk_shapes = ((0, 4, 8), (1, 1, 8), (13, 4, 16), (33, 8, 8))
+    cases = [
+        OpCase(TOPK_OP, f"{TOPK_OP}[softmax,k2]", lambda s: GroupedTopk(2, True), topk_inputs(False), topk_shapes),
+        OpCase(TOPK_OP, f"{TOPK_OP}[softmax,groups,k4,no_renorm]",
+               lambda s: GroupedTopk(4, False, s[1], max(1, s[1] // 2)), topk_inputs(False), topk_shapes),
+        OpCase(TOPK_OP, f"{TOPK_OP}[sigmoid,groups,bias,k6,scale2.5]",
+               lambda s: GroupedTopk(6, True, s[1], max(1, s[1] // 2), "sigmoid", 2.5), topk_inputs(True),
+               topk_shapes),
+    ]
+
+    def moe_inputs(experts: int, inter: int, activation: str, bias: bool, correction: bool, holes: bool):
+        def make(shape, rng):
+            tokens, _, hidden = shape
+            local = experts // 2 if holes else experts
+            w13, w2, b13, b2 = _expert_weights(rng, local, hidden, inter, activation, bias)
+            corr = Pinned(normal((experts,), rng, 0.5), "float32") if correction else None
+            expert_map = None
+            if holes:  # this device holds every other expert, in shuffled local order
+                mapping = np.full(experts, -1, np.int32)
+                mapping[rng.permutation(experts)[:local]] = rng.permutation(local)
+                expert_map = Pinned(mapping, "int32")
+            return (normal((tokens, hidden), rng), normal((tokens, experts), rng, 2.0), w13, w2, b13, b2, corr,
+                    expert_map)
+        return make
+
+    moe_shapes = ((0, 2, 128), (1, 1, 200), (13, 2, 256))
+    cases += [
+        OpCase(MOE_OP, f"{MOE_OP}[silu,E8,I128]", lambda s: FusedMoE(8, s[1], s[2], 128),
+               moe_inputs(8, 128, "silu", False, False, False), moe_shapes),
+        OpCase(MOE_OP, f"{MOE_OP}[grouped,sigmoid,bias,scale,E16,I64]",
+               lambda s: FusedMoE(16, s[1], s[2], 64, use_grouped_topk=True, num_expert_group=4, topk_group=2,
+                                  scoring_func="sigmoid", routed_scaling_factor=2.5),
+               moe_inputs(16, 64, "silu", False, True, False), ((0, 4, 128), (1, 1, 200), (13, 6, 256))),
+        OpCase(MOE_OP, f"{MOE_OP}[swigluoai,has_bias,E8,I96]",
+               lambda s: FusedMoE(8, s[1], s[2], 96, activation="swigluoai", has_bias=True),
+               moe_inputs(8, 96, "swigluoai", True, False, False), moe_shapes),
+        OpCase(MOE_OP, f"{MOE_OP}[gelu_tanh,expert_map,E16,I128]",
+               lambda s: FusedMoE(16, s[1], s[2], 128, activation="gelu_tanh"),
+               moe_inputs(16, 128, "gelu_tanh", False, False, True), moe_shapes),
+        OpCase(MOE_OP, f"{MOE_OP}[relu2,weight_on_input,E8,I128]",
+               lambda s: FusedMoE(8, 1, s[2], 128, activation="relu2", apply_router_weight_on_input=True,
+                                  renormalize=False),
+               moe_inputs(8, 128, "relu2", False, False, False), ((0, 1, 128), (1, 1, 200), (13, 1, 256))),
+    ]
+
+    def experts_inputs(shape, rng):
+        tokens, top_k, hidden = shape
+        experts, inter = 8, 128
+        w13, w2, _, _ = _expert_weights(rng, experts // 2, hidden, inter, "gelu", False)
+        ids = np.array([rng.permutation(experts)[:top_k] for _ in range(tokens)], np.int32).reshape(tokens, top_k)
+        weights = rng.random((tokens, top_k)).astype(np.float32)
+        mapping = np.full(experts, -1, np.int32)
+        mapping[rng.permutation(experts)[: experts // 2]] = rng.permutation(experts // 2)
+        return (normal((tokens, hidden), rng), Pinned(weights, "float32"), Pinned(ids.astype(np.int32), "int32"),
+                w13, w2, None, None, Pinned(mapping, "int32"))
+
+    cases.append(OpCase(EXPERTS_OP, f"{EXPERTS_OP}[gelu,expert_map,E8,I128]",
+                        lambda s: UnquantizedFusedMoEMethod("gelu"), experts_inputs, moe_shapes))
+    return cases
