@@ -29,6 +29,7 @@ from dualop.kernels.gate_math import GateSpec, apply_gate, gate_and_up
 __all__ = [
     "MOE_ACTIVATIONS", "SCORING_FUNCS", "gate_spec", "is_gated", "w13_rows", "activate",
     "expert_scores", "uses_groups", "route", "local_expert_ids", "routing_matrix", "experts_reference",
+    "sort_by_expert",
 ]
 
 MOE_ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "swigluoai", "relu2")
@@ -185,3 +186,17 @@ def experts_reference(
         y = y + xp.astype(w2_bias, f32)[None]
     out = xp.einsum("teh,te->th", y, routing)
     return xp.astype(out, x.dtype)
+
+
+def sort_by_expert(xp, local_ids, num_local_experts: int):
+    """The (token, slot) pairs grouped by local expert, for grouped-matmul paths.
+
+    Returns ``(order, group_sizes)``: ``order`` int ``[T * k]`` lists flat pair indices (``t * k +
+    j``; the token is ``order // k``) sorted by local expert, stably (a token's pairs keep their
+    slot order within an expert), pairs for other devices' experts (id -1) last; ``group_sizes``
+    int32 ``[E_local]`` counts each local expert's rows, so ``sum(group_sizes)`` rows are real
+    and the rest of ``order`` belongs to no local expert (weight 0).
+    """
+    flat = xp.reshape(local_ids, (-1,))
+    key = xp.where(flat < 0, num_local_experts, flat)
+    return xp.argsort(key), xp.bincount(flat, num_local_experts)

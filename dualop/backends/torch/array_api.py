@@ -183,3 +183,14 @@ def top_k(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
 def take_along_last(x: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
     """``x[..., indices[..., j]]`` along the last axis (same leading shape)."""
     return torch.gather(x, -1, indices.to(torch.int64))
+
+
+def argsort(x: torch.Tensor) -> torch.Tensor:
+    """Indices that sort the last axis ascending, equal values in their original order (stable)."""
+    return torch.argsort(x, dim=-1, stable=True)
+
+
+def bincount(x: torch.Tensor, length: int) -> torch.Tensor:
+    """Counts of ``0 .. length - 1`` in the 1-D int ``x`` (values outside are not counted), int32."""
+    kept = x[(x >= 0) & (x < length)].to(torch.int64)
+    return torch.bincount(kept, minlength=length)[:length].to(torch.int32)

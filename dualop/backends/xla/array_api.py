@@ -159,3 +159,14 @@ def top_k(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
 def take_along_last(x: jax.Array, indices: jax.Array) -> jax.Array:
     """``x[..., indices[..., j]]`` along the last axis (same leading shape)."""
     return jnp.take_along_axis(x, indices, axis=-1)
+
+
+def argsort(x: jax.Array) -> jax.Array:
+    """Indices that sort the last axis ascending, equal values in their original order (stable)."""
+    return jnp.argsort(x, axis=-1, stable=True).astype(jnp.int32)
+
+
+def bincount(x: jax.Array, length: int) -> jax.Array:
+    """Counts of ``0 .. length - 1`` in the 1-D int ``x`` (values outside are not counted), int32."""
+    kept = jnp.where((x >= 0) & (x < length), x, length)
+    return jnp.bincount(kept, length=length + 1)[:length].astype(jnp.int32)
