@@ -376,3 +376,18 @@ SERVING_INPUTS.update({"fused_moe": _fused_moe_inputs, "unquantized_fused_moe": 
 _SERVING_MAKE_OP.update({"fused_moe[silu,E8,I128]": _fused_moe_op,
                          "unquantized_fused_moe[gelu,expert_map,E8,I128]": _experts_op,
                          "grouped_topk[softmax,k2]": _grouped_topk_op})
+
+# modular_fused_moe: the experts of unquantized_fused_moe between a single-device prepare and
+# finalize, at the same model shapes (one case).
+SERVING_SHAPES["modular_fused_moe"] = _MOE_SERVING
+SERVING_CASES["modular_fused_moe"] = ("modular_fused_moe[silu,expert_map,E8,I64]",)
+
+
+def _modular_experts_op(shape: tuple[int, ...]):
+    from dualop.ops import FusedMoEModularMethod
+
+    return FusedMoEModularMethod()
+
+
+SERVING_INPUTS["modular_fused_moe"] = _experts_inputs
+_SERVING_MAKE_OP["modular_fused_moe[silu,expert_map,E8,I64]"] = _modular_experts_op

@@ -8,6 +8,7 @@ from dualop.ops.gated_norm import *  # noqa: F403
 from dualop.ops.kv_cache import *  # noqa: F403
 from dualop.ops.layernorm import *  # noqa: F403
 from dualop.ops.moe import *  # noqa: F403
+from dualop.ops.moe_modular import *  # noqa: F403
 from dualop.ops.pointwise import *  # noqa: F403
 from dualop.ops.quantization import *  # noqa: F403
 from dualop.ops.rope_scaling import *  # noqa: F403
@@ -16,6 +17,7 @@ from dualop.ops import (
     activation, attention, encoder_attention, gated_norm, kv_cache, layernorm, moe, pointwise, quantization,
     rope_scaling, rotary,
 )
+from dualop.ops import moe_modular
 
 # Ops that hold no parameters: the layer modules wrap each as-is (dualop.torch/jax.layers).
 PARAMETERLESS_OPS = (
@@ -35,4 +37,5 @@ __all__ = [
     *quantization.__all__,
     *rope_scaling.__all__,
     *rotary.__all__,
+    *moe_modular.__all__,
 ]
