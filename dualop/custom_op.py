@@ -550,13 +550,20 @@ class CustomOp:
     def _fall_back(self, method: str, frontend: str, err: NotImplementedError, args, kwargs):
         """A platform method declined this call: run forward_native, say so in the report and in
         ``last_fallback``."""
+        self.note_decline(method, err, args[0] if args else next(iter(kwargs.values()), None))
+        return self.forward_native(*args, **kwargs)
+
+    def note_decline(self, method: str, err: NotImplementedError, first: Any) -> None:
+        """Record that ``method`` declined a call whose first array is ``first`` (in the report and
+        ``last_fallback``), for an op that finishes the call natively itself (``modular_fused_moe``
+        keeps its collectives out of the retry)."""
+        frontend = _platforms.frontend_of(first)
         detail = str(err) or "NotImplementedError"
-        platform = _platforms.platform_of(args[0] if args else next(iter(kwargs.values()), None), frontend)
+        platform = _platforms.platform_of(first, frontend)
         enabled = self.enforce_enable or self.enabled()
         reason = f"{method} declined this call ({detail}), so forward_native"
         self.last_fallback = reason
         self._record(frontend, platform, "forward_native", enabled, reason)
-        return self.forward_native(*args, **kwargs)
 
     @classmethod
     def _call_parameters(cls) -> tuple[str, ...]:

@@ -33,6 +33,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec
 
+from dualop.backends import array_namespace
 from dualop.ops.moe import FusedMoE
 from dualop.ops.moe_modular import FusedMoEModularMethod, PrepareAndFinalize, Prepared, expert_owner
 
@@ -91,7 +92,7 @@ class AllToAllPrepareAndFinalize(PrepareAndFinalize):
         capacity = self.capacity or max(tokens * top_k, 1)
         num_experts = expert_map.shape[0] if expert_map is not None else num_local_experts * n
         ids = topk_ids.reshape(-1).astype(jnp.int32)
-        owner = expert_owner(jnp, ids, num_experts, n)  # n: no shard (a bad id)
+        owner = expert_owner(array_namespace(ids), ids, num_experts, n)  # n: no shard (a bad id)
         onehot = (owner[:, None] == jnp.arange(n, dtype=jnp.int32)).astype(jnp.int32)
         before = jnp.cumsum(onehot, axis=0) - onehot  # earlier pairs bound for the same shard
         slot = jnp.take_along_axis(before, jnp.minimum(owner, n - 1)[:, None], axis=1)[:, 0]

@@ -134,9 +134,17 @@ class FusedMoEModularMethod(CustomOp):
     def _run(self, method: str, x: Any, topk_weights: Any, topk_ids: Any, w13: Any, w2: Any, w13_bias: Any,
              w2_bias: Any, expert_map: Any) -> Any:
         prepared = self.prepare_finalize.prepare(x, topk_weights, topk_ids, expert_map, w13.shape[0])
-        experts = getattr(self.experts, method)
-        out = experts(prepared.x, prepared.topk_weights, prepared.topk_ids, w13, w2, w13_bias, w2_bias,
-                      prepared.expert_map)
+        args = (prepared.x, prepared.topk_weights, prepared.topk_ids, w13, w2, w13_bias, w2_bias, prepared.expert_map)
+        try:
+            out = getattr(self.experts, method)(*args)
+        except NotImplementedError as err:
+            if method == "forward_native":
+                raise
+            # The experts' kernel declined: finish these rows natively here, so a prepare that
+            # communicated (all-to-all) is not repeated by the dispatcher's retry, which every
+            # other rank would have to join.
+            self.note_decline(method, err, x)
+            out = self.experts.forward_native(*args)
         return self.prepare_finalize.finalize(out, prepared, x)
 
     def forward_native(self, x: Any, topk_weights: Any, topk_ids: Any, w13: Any, w2: Any, w13_bias: Any = None,

@@ -1,0 +1,311 @@
+"""Expert parallelism: ``modular_fused_moe``'s prepare/finalize, JAX's sharded MoE layer on 2, 4 and
+8 host devices (a child process: the device count is fixed before jax starts) and torch's process
+groups (2 and 4 gloo processes), each against the one-device result."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+from dualop import OpsConfig, override_platform, set_config, testing
+from dualop.ops import FusedMoEModularMethod, UnquantizedFusedMoEMethod, expert_blocks, expert_owner
+from dualop.ops.moe_modular import Prepared, SingleDevicePrepareAndFinalize
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _experts_problem(rng, tokens=7, experts=10, top_k=3, hidden=32, inter=16, activation="silu"):
+    rows = 2 * inter if activation != "relu2" else inter
+    return dict(
+        x=rng.standard_normal((tokens, hidden)).astype(np.float32),
+        weights=rng.random((tokens, top_k)).astype(np.float32),
+        ids=np.stack([rng.permutation(experts)[:top_k] for _ in range(tokens)]).astype(np.int32),
+        w13=(rng.standard_normal((experts, rows, hidden)) * hidden ** -0.5).astype(np.float32),
+        w2=(rng.standard_normal((experts, hidden, inter)) * inter ** -0.5).astype(np.float32),
+        b13=(rng.standard_normal((experts, rows)) * 0.1).astype(np.float32),
+        b2=(rng.standard_normal((experts, hidden)) * 0.1).astype(np.float32),
+    )
+
+
+def ep_close(got, want, dtype: str) -> bool:
+    """Expert-parallel output against one device's. float32: the tolerance table (only the order
+    of the float32 sums differs). 16-bit: each shard's share (each pair's output under all-to-all)
+    is rounded to the dtype before the combine adds them, where one device rounds the float32 sum
+    once, so near-cancelling outputs differ by a few roundings of the largest term; the bound is
+    4 units in the last place of the largest output (2^-5 of it for bfloat16's 8 bits)."""
+    got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+    if dtype == "float32":
+        return bool(testing.compare(got, want, dtype).ok)
+    ulp = {"bfloat16": 2.0 ** -7, "float16": 2.0 ** -10}[dtype]
+    return bool(np.max(np.abs(got - want), initial=0.0) <= 4 * ulp * np.max(np.abs(want), initial=0.0))
+
+
+# --- placement ---------------------------------------------------------------------------------
+
+
+def test_expert_blocks_follow_the_engines_placement():
+    # determine_expert_map: contiguous blocks, the first E % n ranks one expert more
+    assert expert_blocks(10, 4) == ((0, 3), (3, 3), (6, 2), (8, 2))
+    assert expert_blocks(16, 4) == ((0, 4), (4, 4), (8, 4), (12, 4))
+    with pytest.raises(ValueError, match="modular_fused_moe: cannot place 3 experts on 4 shards"):
+        expert_blocks(3, 4)
+
+
+@pytest.mark.parametrize("frontend", ["torch", "jax"])
+@pytest.mark.parametrize("experts, shards", [(10, 4), (16, 4), (7, 7), (9, 2), (5, 1)])
+def test_expert_owner_agrees_with_the_blocks(frontend, experts, shards):
+    from dualop.backends import array_namespace
+
+    want = np.full(experts + 3, shards)  # ids -2, -1 and experts: no shard
+    for shard, (start, count) in enumerate(expert_blocks(experts, shards)):
+        want[start + 2:start + 2 + count] = shard
+    ids = testing.to_frontend(np.arange(-2, experts + 1, dtype=np.int32), frontend, "int32")
+    got = testing.to_numpy(expert_owner(array_namespace(ids), ids, experts, shards))
+    np.testing.assert_array_equal(got, want)
+
+
+# --- the op on one device ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("frontend", ["torch", "jax"])
+@pytest.mark.parametrize("activation", ["silu", "swigluoai", "relu2"])
+def test_single_device_equals_the_experts_op(frontend, activation):
+    p = _experts_problem(np.random.default_rng(3), activation=activation)
+    args = [testing.to_frontend(p[k], frontend, "float32") for k in ("x", "weights")]
+    args += [testing.to_frontend(p["ids"], frontend, "int32")]
+    args += [testing.to_frontend(p[k], frontend, "float32") for k in ("w13", "w2", "b13", "b2")]
+    got = FusedMoEModularMethod(activation=activation)(*args)
+    want = UnquantizedFusedMoEMethod(activation).forward_native(*args)
+    np.testing.assert_array_equal(testing.to_numpy(got), testing.to_numpy(want))
+
+
+class _CountingPrepare(SingleDevicePrepareAndFinalize):
+    calls = 0
+
+    def prepare(self, *args, **kwargs) -> Prepared:
+        type(self).calls += 1
+        return super().prepare(*args, **kwargs)
+
+
+def test_a_declining_experts_kernel_does_not_repeat_prepare(monkeypatch):
+    """A kernel that declines is replaced by the experts' native body on the prepared rows: the
+    prepare (a collective under expert parallelism) runs once, and the report says why."""
+
+    def forward_cpu(self, *args):
+        raise NotImplementedError("not this call")
+
+    monkeypatch.setattr(UnquantizedFusedMoEMethod, "forward_cpu", forward_cpu)
+    p = _experts_problem(np.random.default_rng(4))
+    args = [testing.to_frontend(p[k], "torch", "float32") for k in ("x", "weights")]
+    args += [testing.to_frontend(p["ids"], "torch", "int32"), testing.to_frontend(p["w13"], "torch", "float32"),
+             testing.to_frontend(p["w2"], "torch", "float32")]
+    _CountingPrepare.calls = 0
+    op = FusedMoEModularMethod(_CountingPrepare())
+    with override_platform("cpu"), set_config(OpsConfig(["all"])):
+        got = op(*args)
+        method, reason = op.last_run("torch")
+    assert _CountingPrepare.calls == 1
+    assert method == "forward_native" and "forward_cpu declined this call (not this call)" in reason
+    want = UnquantizedFusedMoEMethod().forward_native(*args)
+    np.testing.assert_array_equal(got.numpy(), want.numpy())
+
+
+def test_bad_input_names_this_op():
+    import torch
+
+    p = _experts_problem(np.random.default_rng(5))
+    x, w, ids = torch.from_numpy(p["x"]), torch.from_numpy(p["weights"]), torch.from_numpy(p["ids"])
+    w13, w2 = torch.from_numpy(p["w13"]), torch.from_numpy(p["w2"])
+    with pytest.raises(ValueError, match="modular_fused_moe: argument 'w2' has shape"):
+        FusedMoEModularMethod()(x, w, ids, w13, w2[:, :-1])
+    with pytest.raises(ValueError, match=r"modular_fused_moe: argument 'topk_ids' holds expert 10"):
+        FusedMoEModularMethod()(x, w, ids.clone().fill_(10), w13, w2)
+    with pytest.raises(TypeError, match="modular_fused_moe: argument 'prepare_finalize' must be a PrepareAndFinalize"):
+        FusedMoEModularMethod(object())
+
+
+# --- JAX: shard_map over 2, 4 and 8 host devices -------------------------------------------------
+
+_JAX_SCRIPT = textwrap.dedent("""
+    import json, os, sys
+    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+    import numpy as np, jax, jax.numpy as jnp
+    from jax.sharding import Mesh
+    from dualop import testing
+    from dualop.ops import FusedMoE, UnquantizedFusedMoEMethod
+    from dualop.jax.expert_parallel import expert_parallel_moe
+    from test_expert_parallel import ep_close
+
+    rng = np.random.default_rng(0)
+    E, H, I = 16, 128, 64
+    layers = {  # name: (op, has biases, correction bias, shard counts)
+        "silu,k4": (FusedMoE(E, 4, H, I), False, False, (2, 4, 8)),
+        "grouped,sigmoid,swigluoai,bias": (FusedMoE(E, 3, H, I, use_grouped_topk=True, num_expert_group=4,
+                                                    topk_group=2, scoring_func="sigmoid",
+                                                    routed_scaling_factor=2.5, activation="swigluoai",
+                                                    has_bias=True), True, True, (8,)),
+    }
+    out = []
+    for name, (op, bias, correction, shard_counts) in layers.items():
+        for dtype in ("float32", "bfloat16"):
+            dt = jnp.dtype(dtype)
+            T = 13
+            x = jnp.asarray(rng.standard_normal((T, H)), dt)
+            logits = jnp.asarray(rng.standard_normal((T, E)) * 2, dt)
+            w13 = jnp.asarray(rng.standard_normal((E, 2 * I, H)) * H ** -0.5, dt)
+            w2 = jnp.asarray(rng.standard_normal((E, H, I)) * I ** -0.5, dt)
+            b13 = jnp.asarray(rng.standard_normal((E, 2 * I)) * 0.1, dt) if bias else None
+            b2 = jnp.asarray(rng.standard_normal((E, H)) * 0.1, dt) if bias else None
+            corr = jnp.asarray(rng.standard_normal(E) * 0.5, jnp.float32) if correction else None
+            want = np.asarray(op(x, logits, w13, w2, b13, b2, corr).astype(jnp.float32))
+            for n in shard_counts:
+                mesh = Mesh(np.array(jax.devices()[:n]), ("ep",))
+                for mode in ("all_to_all", "psum"):
+                    run = jax.jit(lambda *a: expert_parallel_moe(mesh, "ep", *a, op=op, mode=mode))
+                    got = np.asarray(run(x, logits, w13, w2, b13, b2, corr).astype(jnp.float32))
+                    out.append(dict(layer=name, dtype=dtype, shards=n, mode=mode, ok=bool(ep_close(got, want, dtype)),
+                                    max_abs=float(np.max(np.abs(got - want)))))
+
+    # capacity: pairs past it are dropped (stable order per source shard and destination)
+    op, n, T = FusedMoE(E, 4, H, I), 4, 16
+    x = jnp.asarray(rng.standard_normal((T, H)), jnp.float32)
+    logits = jnp.asarray(rng.standard_normal((T, E)) * 2, jnp.float32)
+    w13 = jnp.asarray(rng.standard_normal((E, 2 * I, H)) * H ** -0.5, jnp.float32)
+    w2 = jnp.asarray(rng.standard_normal((E, H, I)) * I ** -0.5, jnp.float32)
+    weights, ids = op.route(x, logits)
+    ids_np, per_shard = np.asarray(ids), T // n
+    slots = np.zeros(ids_np.shape, np.int64)
+    for s in range(n):
+        seen = {}
+        for t in range(s * per_shard, (s + 1) * per_shard):
+            for j in range(ids_np.shape[1]):
+                owner = ids_np[t, j] // (E // n)
+                slots[t, j] = seen.get(owner, 0)
+                seen[owner] = slots[t, j] + 1
+    mesh = Mesh(np.array(jax.devices()[:n]), ("ep",))
+    experts = UnquantizedFusedMoEMethod()
+    for capacity in (int(slots.max()) + 1, int(slots.max())):
+        kept = jnp.asarray(slots < capacity, jnp.float32)
+        want = np.asarray(experts.forward_native(x, weights * kept, ids, w13, w2))
+        got = np.asarray(jax.jit(lambda *a: expert_parallel_moe(mesh, "ep", *a, op=op, capacity=capacity))(
+            x, logits, w13, w2))
+        out.append(dict(layer="capacity", capacity=capacity, dropped=int((slots >= capacity).sum()),
+                        ok=bool(testing.compare(got, want, "float32").ok), max_abs=float(np.max(np.abs(got - want)))))
+    print("RESULTS " + json.dumps(out))
+""")
+
+
+def _child_env() -> dict[str, str]:
+    path = [ROOT, os.path.join(ROOT, "tests"), os.environ.get("PYTHONPATH", "")]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(path))
+    env.setdefault("JAX_PLATFORMS", "cpu")
+    return env
+
+
+def test_jax_expert_parallel_matches_one_device():
+    pytest.importorskip("jax")
+    proc = subprocess.run([sys.executable, "-c", _JAX_SCRIPT], env=_child_env(), capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("RESULTS "))
+    results = json.loads(line.removeprefix("RESULTS "))
+    assert len(results) == 2 * 2 * (3 + 1) + 2
+    assert [r for r in results if not r["ok"] and r["layer"] != "capacity"] == []
+    exact, short = [r for r in results if r["layer"] == "capacity"]
+    assert exact["dropped"] == 0 and exact["ok"], exact
+    assert short["dropped"] > 0 and short["ok"], short  # the same as zeroing the dropped pairs' weights
+
+
+def test_jax_expert_parallel_rejects_bad_arguments():
+    jax = pytest.importorskip("jax")
+    from jax.sharding import Mesh
+
+    from dualop.jax.expert_parallel import expert_parallel_moe
+    from test_expert_parallel import ep_close
+    from dualop.ops import FusedMoE
+
+    jnp = jax.numpy
+    mesh = Mesh(np.array(jax.devices()[:1]), ("ep",))
+    op = FusedMoE(4, 2, 8, 4)
+    x, logits = jnp.zeros((3, 8)), jnp.zeros((3, 4))
+    w13, w2 = jnp.zeros((4, 8, 8)), jnp.zeros((4, 8, 4))
+    with pytest.raises(ValueError, match="expert_parallel_moe: argument 'mode' is 'ring'"):
+        expert_parallel_moe(mesh, "ep", x, logits, w13, w2, op=op, mode="ring")
+    with pytest.raises(ValueError, match="expert_parallel_moe: axis 'tp' is not an axis of the mesh"):
+        expert_parallel_moe(mesh, "tp", x, logits, w13, w2, op=op)
+    with pytest.raises(ValueError, match="expert_parallel_moe: 'w13' holds 2 experts"):
+        expert_parallel_moe(mesh, "ep", x, logits, w13[:2], w2[:2], op=op)
+    with pytest.raises(ValueError, match="expert_parallel_moe: argument 'capacity' must be a positive int"):
+        expert_parallel_moe(mesh, "ep", x, logits, w13, w2, op=op, capacity=0)
+
+
+# --- torch: 2 and 4 gloo processes ---------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _torch_rank(rank: int, world: int, port: int) -> None:
+    """One rank: the one-process result, then the all-reduce and all-to-all forms over gloo."""
+    import torch
+
+    from dualop.torch import expert_parallel as ep
+
+    group = ep.init_expert_parallel_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                          world_size=world)
+    experts = 10  # uneven blocks over 4 ranks: 3, 3, 2, 2
+    for activation in ("silu",) if world == 2 else ("swigluoai",):
+        p = _experts_problem(np.random.default_rng(11), tokens=9, experts=experts, activation=activation)
+        for dtype in ("float32", "bfloat16"):
+            t = {k: testing.to_frontend(v, "torch", "int32" if k == "ids" else dtype) for k, v in p.items()}
+            t["weights"] = torch.from_numpy(p["weights"])
+            whole = (t["w13"], t["w2"], t["b13"], t["b2"])
+            want = UnquantizedFusedMoEMethod(activation)(t["x"], t["weights"], t["ids"], *whole)
+            _, expert_map = ep.expert_map_for_rank(experts, world, rank)
+            mine = [ep.local_experts(w, experts, world, rank) for w in whole]
+
+            reduce_op = FusedMoEModularMethod(ep.AllReducePrepareAndFinalize(group), activation)
+            got = reduce_op(t["x"], t["weights"], t["ids"], *mine, expert_map)
+            assert ep_close(got.float().numpy(), want.float().numpy(), dtype), ("all_reduce", activation, dtype, rank)
+
+            # all-to-all: uneven token shards, the last rank's possibly empty
+            bounds = [min(len(t["x"]), 3 * r) for r in range(world)] + [len(t["x"])]
+            lo, hi = bounds[rank], bounds[rank + 1]
+            a2a_op = FusedMoEModularMethod(ep.AllToAllPrepareAndFinalize(group), activation)
+            got = a2a_op(t["x"][lo:hi], t["weights"][lo:hi], t["ids"][lo:hi], *mine, expert_map)
+            assert ep_close(got.float().numpy(), want[lo:hi].float().numpy(), dtype), ("all_to_all", activation, dtype,
+                                                                                      rank)
+    torch.distributed.destroy_process_group()
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_torch_expert_parallel_matches_one_process(world):
+    torch = pytest.importorskip("torch")
+    import torch.multiprocessing as mp
+
+    if not torch.distributed.is_available():
+        pytest.skip("this torch build has no torch.distributed")
+    mp.spawn(_torch_rank, args=(world, _free_port()), nprocs=world, join=True)
+
+
+def test_torch_expert_map_for_rank():
+    from dualop.torch.expert_parallel import expert_map_for_rank, local_experts
+
+    count, expert_map = expert_map_for_rank(10, 4, 2)
+    assert count == 2 and expert_map.tolist() == [-1] * 6 + [0, 1, -1, -1]
+    import torch
+
+    w = torch.arange(10.0)[:, None]
+    assert local_experts(w, 10, 4, 0).flatten().tolist() == [0.0, 1.0, 2.0]
+    with pytest.raises(ValueError, match="ep_rank 4 is outside"):
+        expert_map_for_rank(10, 4, 4)
