@@ -58,12 +58,17 @@ def gpu_target_names() -> tuple[str, ...]:
 
 
 def check_targets(targets: list[str] | None) -> list[str]:
-    """The requested targets (default ``DEFAULT_TARGETS``), or a ValueError naming the unknown ones."""
+    """The requested targets (default ``DEFAULT_TARGETS``), or a ValueError naming the unknown ones.
+    ``<generation>:<topology>`` (``v6e:2x4``) is a multi-chip target for the sharded layers
+    (``sharded.py``)."""
+    from dualop.aot.sharded import is_sharded_target
+
     targets = list(targets or DEFAULT_TARGETS)
     known = TPU_TARGETS + gpu_target_names()
-    unknown = [t for t in targets if t not in known]
+    unknown = [t for t in targets if t not in known and not is_sharded_target(t)]
     if unknown:
-        raise ValueError(f"dualop compile: unknown target(s) {unknown}; expected some of {list(known)}")
+        raise ValueError(f"dualop compile: unknown target(s) {unknown}; expected some of {list(known)}, or a TPU "
+                         f"topology such as v5e:2x2 or v6e:2x4 for the sharded layers")
     return list(dict.fromkeys(targets))
 
 
@@ -86,7 +91,10 @@ def run_compile(ops: list[str] | None = None, targets: list[str] | None = None, 
     dtypes = check_dtypes(dtypes)
     variants = variants_for(ops, dtypes)  # checks the op names
     rows: list[dict[str, Any]] = []
-    gpu = [t for t in targets if t not in TPU_TARGETS]
+    from dualop.aot.sharded import is_sharded_target
+
+    sharded = [t for t in targets if is_sharded_target(t)]
+    gpu = [t for t in targets if t not in TPU_TARGETS and t not in sharded]
     tpu = [t for t in targets if t in TPU_TARGETS]
     by_key: dict[tuple, KernelResult] = {}
     if gpu:
@@ -95,10 +103,35 @@ def run_compile(ops: list[str] | None = None, targets: list[str] | None = None, 
         by_key.update(compile_in_child(ops, dtypes, gpu, progress))
     if tpu:
         by_key.update(_compile_tpu(variants, tpu, progress))
+    layer_rows = _compile_sharded(ops, dtypes, sharded, progress) if sharded else {}
     for t in targets:
+        if t in sharded:
+            rows += layer_rows[t]
+            continue
         for v in variants:
             rows.append(_row(v, t, by_key[(*v.key, t)]))
     return rows
+
+
+def _compile_sharded(ops: list[str] | None, dtypes: list[str], targets: list[str],
+                     progress: bool) -> dict[str, list[dict[str, Any]]]:
+    """The sharded layers (``sharded.py``) on each multi-chip target: rows keyed by target."""
+    from tqdm import tqdm
+
+    from dualop.aot import sharded, tpu
+
+    work = [(layer, shape, dtype, t) for t in targets for layer in sharded.layers_for(ops)
+            for dtype in dtypes for shape in layer.shapes]
+    why = tpu.tpu_available()
+    out: dict[str, list[dict[str, Any]]] = {t: [] for t in targets}
+    with tpu.quiet_native_stderr() as visible:
+        for layer, shape, dtype, t in tqdm(work, desc="dualop compile (sharded layers)", unit="layer",
+                                           disable=not progress, file=visible, dynamic_ncols=True):
+            result = (KernelResult(status="unavailable", message=why) if why is not None
+                      else sharded.compile_layer(layer, shape, dtype, t))
+            out[t].append({"op": layer.op, "case": layer.label, "dtype": dtype, "shape": list(shape),
+                           "serving": True, "target": t, **result.as_dict()})
+    return out
 
 
 def _compile_tpu(variants: list[Variant], targets: list[str], progress: bool) -> dict[tuple, KernelResult]:
@@ -170,6 +203,7 @@ def _kib(n: int | None) -> str:
 def format_details(rows: list[dict[str, Any]]) -> str:
     """Per kernel: grid, blocks and the VMEM it asks for (TPU); warps, stages, shared memory,
     registers and spills (GPU); compile seconds (``=`` when an identical kernel was reused)."""
+    from dualop.aot.sharded import is_sharded_target
     from dualop.bench.report import table
 
     tpu_rows, gpu_rows = [], []
@@ -177,7 +211,7 @@ def format_details(rows: list[dict[str, Any]]) -> str:
         for k in r["kernels"]:
             base = {"case": r["case"], "dtype": r["dtype"], "shape": _shape(r), "target": r["target"],
                     "kernel": k.get("kernel", ""), "grid": "x".join(map(str, k.get("grid", ())))}
-            if r["target"] in TPU_TARGETS:
+            if r["target"] in TPU_TARGETS or is_sharded_target(r["target"]):
                 limit = k.get("vmem_limit_bytes")
                 tpu_rows.append({**base, "blocks": " ".join(k.get("blocks", ())),
                                  "VMEM (2 buffers)": _kib(k.get("vmem_bytes")),

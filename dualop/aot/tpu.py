@@ -23,7 +23,8 @@ from typing import Any
 from dualop.aot.result import KernelResult, first_line
 from dualop.aot.variants import InputSpec, Variant
 
-__all__ = ["TOPOLOGIES", "compile_function", "compile_variant", "pallas_calls", "tpu_available"]
+__all__ = ["TOPOLOGIES", "build", "compile_function", "compile_variant", "pallas_calls", "topology_devices",
+           "tpu_available"]
 
 # The smallest topology name libtpu resolves for each generation (v4, v5p and tpu7x have no 1x1).
 TOPOLOGIES = {
@@ -78,10 +79,15 @@ def tpu_available() -> str | None:
 
 
 @functools.lru_cache(maxsize=None)
-def _devices(generation: str):
+def topology_devices(topology: str):
+    """The compile-only devices of a libtpu topology name (``v5e:1x1``, ``v6e:2x4``, ...)."""
     from jax.experimental import topologies
 
-    return topologies.get_topology_desc(topology_name=TOPOLOGIES[generation], platform="tpu").devices
+    return topologies.get_topology_desc(topology_name=topology, platform="tpu").devices
+
+
+def _devices(generation: str):
+    return topology_devices(TOPOLOGIES[generation])
 
 
 def _abstract(spec: Any, sharding) -> Any:
@@ -192,19 +198,28 @@ def compile_function(fn: Callable, args: tuple, generation: str) -> KernelResult
     """Trace, lower and compile ``fn(*args)`` (``args``: InputSpecs, None or Python scalars) for
     ``generation``. A ``NotImplementedError`` while tracing makes the result ``n/a`` (the kernel
     declines these inputs); any other failure is a refusal, reported by the message's first line."""
-    import jax
     from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-    from dualop.kernels.pallas.common import compile_target
-
     start = time.perf_counter()
-    result = KernelResult(status="ok")
     try:
         devices = _devices(generation)
     except Exception as err:  # libtpu cannot describe this chip
         return KernelResult(status="unavailable", message=f"topology {TOPOLOGIES[generation]}: {first_line(err)}")
     sharding = NamedSharding(Mesh(devices[:1], ("x",)), PartitionSpec())
     abstract = tuple(_abstract(a, sharding) for a in args)
+    result = build(fn, abstract, generation)
+    result.seconds = time.perf_counter() - start
+    return result
+
+
+def build(fn: Callable, abstract: tuple, generation: str) -> KernelResult:
+    """Trace ``fn`` on ``abstract`` inputs (``jax.ShapeDtypeStruct``s carrying their shardings,
+    None, scalars) for ``generation``, lower and compile it; the verdict as ``compile_function``'s."""
+    import jax
+
+    from dualop.kernels.pallas.common import compile_target
+
+    result = KernelResult(status="ok")
     with compile_target(generation):
         try:
             traced = jax.jit(fn).trace(*abstract)
@@ -220,7 +235,6 @@ def compile_function(fn: Callable, args: tuple, generation: str) -> KernelResult
                 result.status, result.message = "refused", first_line(err)
             else:
                 _compile_lowered(lowered, generation, result)
-    result.seconds = time.perf_counter() - start
     return result
 
 

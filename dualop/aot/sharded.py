@@ -1,0 +1,137 @@
+"""Sharded layers for ``dualop compile``: whole layers split over a multi-chip TPU topology (kernels
+and collectives), built with the real XLA:TPU compiler on compile-only devices.
+
+A target ``<generation>:<topology>`` (``v5e:2x2``, ``v6e:2x4``: any name libtpu resolves) builds
+every ``SHARDED_LAYERS`` entry on a mesh over all the topology's chips; plain generation targets
+(``v5e``) build the per-chip op variants as before, so the default targets do not build these.
+A layer traces with the TPU paths dispatched (``override_platform("tpu")``, every op enabled), so
+its Pallas kernels lower for the chip; where a kernel declined, the layer is built with that op's
+native body and the row's message says which op declined and why.
+
+A layer: ``ShardedLayer(label, op, shapes, build)``; ``build(mesh, shape, dtype)`` returns
+``(fn, args)`` where ``args`` are ``jax.ShapeDtypeStruct``s carrying their ``NamedSharding`` on
+``mesh`` (or None). Tensor-parallel layers add entries the same way.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from collections.abc import Callable
+from typing import Any
+
+from dualop.aot.result import KernelResult, first_line
+
+__all__ = ["ShardedLayer", "SHARDED_LAYERS", "is_sharded_target", "layers_for", "compile_layer"]
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardedLayer:
+    """A layer to build on a whole topology; ``op`` is the registered op ``--ops`` selects it by."""
+
+    label: str
+    op: str
+    shapes: tuple[tuple[int, ...], ...]
+    build: Callable[[Any, tuple[int, ...], str], tuple[Callable, tuple]]
+
+
+SHARDED_LAYERS: list[ShardedLayer] = []
+
+
+def is_sharded_target(target: str) -> bool:
+    """``<generation>:<topology>`` with a known generation (``v6e:2x4``)."""
+    from dualop.aot.tpu import TOPOLOGIES
+
+    generation, _, topology = target.partition(":")
+    return generation in TOPOLOGIES and bool(topology)
+
+
+def layers_for(ops: list[str] | None) -> list[ShardedLayer]:
+    return [layer for layer in SHARDED_LAYERS if not ops or layer.op in ops or layer.label in ops]
+
+
+def _declines() -> list[str]:
+    from dualop import dispatch_report
+
+    return [f"{r['op']}: {r['reason']}" for r in dispatch_report() if "declined" in r["reason"]]
+
+
+def compile_layer(layer: ShardedLayer, shape: tuple[int, ...], dtype: str, target: str) -> KernelResult:
+    """Build ``layer`` at ``shape`` and ``dtype`` on every chip of ``target``'s topology."""
+    import numpy as np
+    from jax.sharding import Mesh
+
+    from dualop import OpsConfig, override_platform, set_config
+    from dualop.custom_op import clear_dispatch_report
+    from dualop.aot import tpu
+
+    start = time.perf_counter()
+    generation = target.partition(":")[0]
+    try:
+        devices = tpu.topology_devices(target)
+    except Exception as err:  # libtpu does not know this topology
+        return KernelResult(status="unavailable", message=f"topology {target}: {first_line(err)}")
+    mesh = Mesh(np.array(devices), ("x",))
+    fn, args = layer.build(mesh, shape, dtype)
+
+    def on_tpu_paths(*a):
+        with override_platform("tpu"), set_config(OpsConfig(["all"])):
+            return fn(*a)
+
+    clear_dispatch_report()
+    result = tpu.build(on_tpu_paths, args, generation)
+    declined = _declines()
+    if declined and result.status == "ok":
+        result.message = "built with native bodies where kernels declined: " + "; ".join(dict.fromkeys(declined))
+    result.seconds = time.perf_counter() - start
+    return result
+
+
+# --- expert parallelism -----------------------------------------------------------------------
+# (tokens, num_experts, top_k, hidden, intermediate, capacity factor; 0 = psum over all tokens).
+# DeepSeek-V3's MoE (256 experts of 7168 -> 2048, top-8, grouped sigmoid routing): an 8192-token
+# prefill dispatched all-to-all with 1.25x the balanced capacity, and a 16-token decode combined
+# with psum; plus a small layer (64 experts of 1024 -> 512) for a quick check of the collectives.
+_EP_SHAPES_A2A = ((256, 64, 8, 1024, 512, 2), (8192, 256, 8, 7168, 2048, 1.25))
+_EP_SHAPES_PSUM = ((16, 64, 8, 1024, 512, 0), (16, 256, 8, 7168, 2048, 0))
+
+
+def _ep_layer(mode: str):
+    def build(mesh, shape, dtype):
+        import jax
+        import jax.numpy as jnp
+        from jax.sharding import NamedSharding, PartitionSpec
+
+        from dualop.jax.expert_parallel import expert_parallel_moe
+        from dualop.ops import FusedMoE
+
+        tokens, experts, top_k, hidden, inter, factor = shape
+        n = mesh.shape["x"]
+        deepseek = experts == 256
+        op = (FusedMoE(experts, top_k, hidden, inter, use_grouped_topk=True, num_expert_group=8, topk_group=4,
+                       scoring_func="sigmoid", routed_scaling_factor=2.5) if deepseek
+              else FusedMoE(experts, top_k, hidden, inter))
+        capacity = math.ceil(factor * (tokens // n) * top_k / n) if mode == "all_to_all" else None
+        token_spec = PartitionSpec("x") if mode == "all_to_all" else PartitionSpec()
+
+        def spec(shp, part, dt=dtype):
+            return jax.ShapeDtypeStruct(shp, jnp.dtype(dt), sharding=NamedSharding(mesh, part))
+
+        args = (spec((tokens, hidden), token_spec), spec((tokens, experts), token_spec),
+                spec((experts, 2 * inter, hidden), PartitionSpec("x")), spec((experts, hidden, inter), PartitionSpec("x")),
+                None, None, spec((experts,), PartitionSpec(), "float32") if deepseek else None)
+
+        def fn(x, logits, w13, w2, b13, b2, correction):
+            return expert_parallel_moe(mesh, "x", x, logits, w13, w2, b13, b2, correction, op=op, mode=mode,
+                                       capacity=capacity)
+
+        return fn, args
+
+    return build
+
+
+SHARDED_LAYERS += [
+    ShardedLayer("fused_moe[ep,all_to_all]", "fused_moe", _EP_SHAPES_A2A, _ep_layer("all_to_all")),
+    ShardedLayer("fused_moe[ep,psum]", "fused_moe", _EP_SHAPES_PSUM, _ep_layer("psum")),
+]
