@@ -309,3 +309,30 @@ def test_torch_expert_map_for_rank():
     assert local_experts(w, 10, 4, 0).flatten().tolist() == [0.0, 1.0, 2.0]
     with pytest.raises(ValueError, match="ep_rank 4 is outside"):
         expert_map_for_rank(10, 4, 4)
+
+
+# --- dualop compile: the sharded layers on multi-chip topologies ---------------------------------
+
+
+def test_multichip_targets_are_accepted_and_unknown_ones_named():
+    from dualop import aot
+
+    assert aot.check_targets(["v5e", "v5e:2x2", "v6e:2x4"]) == ["v5e", "v5e:2x2", "v6e:2x4"]
+    with pytest.raises(ValueError, match=r"unknown target\(s\) \['v9:2x2'\].*v5e:2x2 or v6e:2x4"):
+        aot.check_targets(["v9:2x2"])
+
+
+@pytest.mark.parametrize("label", ["fused_moe[ep,all_to_all]", "fused_moe[ep,psum]"])
+def test_the_expert_parallel_layer_compiles_for_v5e_2x2(label):
+    """The small expert-parallel layer (64 experts) built by XLA:TPU for four v5e chips: the
+    all-to-all or psum collectives and the experts in one program; nothing runs."""
+    from dualop.aot import sharded, tpu
+
+    why = tpu.tpu_available()
+    if why is not None:
+        pytest.skip(f"TPU compiles need libtpu, installed in the latest environment only: {why}")
+    layer = next(layer for layer in sharded.SHARDED_LAYERS if layer.label == label)
+    shape = min(layer.shapes)  # the small layer
+    with tpu.quiet_native_stderr():
+        result = sharded.compile_layer(layer, shape, "bfloat16", "v5e:2x2")
+    assert result.status == "ok", result.message
