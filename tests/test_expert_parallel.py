@@ -117,6 +117,25 @@ def test_a_declining_experts_kernel_does_not_repeat_prepare(monkeypatch):
     np.testing.assert_array_equal(got.numpy(), want.numpy())
 
 
+@pytest.mark.parametrize("frontend, platform, method", [("torch", "cpu", "forward_cpu"), ("jax", "tpu", "forward_tpu")])
+def test_the_cell_counts_the_experts_kernel(monkeypatch, frontend, platform, method):
+    """With an experts kernel in place (here a stand-in computing the native body), the modular
+    op's cell runs it between prepare and finalize and passes as a kernel cell."""
+    from dualop import check
+
+    ran = []
+
+    def stand_in(self, *args):
+        ran.append(len(args))
+        return self.forward_native(*args)
+
+    monkeypatch.setattr(UnquantizedFusedMoEMethod, method, stand_in)
+    case = next(testing.cases_for(["modular_fused_moe"]))
+    result = check._run_cell(case, frontend, platform, "float32", seed=0)
+    assert (result.method, result.status) == (method, "pass"), result.detail
+    assert ran and set(ran) == {8}
+
+
 def test_bad_input_names_this_op():
     import torch
 
@@ -146,7 +165,7 @@ _JAX_SCRIPT = textwrap.dedent("""
     rng = np.random.default_rng(0)
     E, H, I = 16, 128, 64
     layers = {  # name: (op, has biases, correction bias, shard counts)
-        "silu,k4": (FusedMoE(E, 4, H, I), False, False, (2, 4, 8)),
+        "silu,k4": (FusedMoE(E, 4, H, I), False, False, (2, 8)),
         "grouped,sigmoid,swigluoai,bias": (FusedMoE(E, 3, H, I, use_grouped_topk=True, num_expert_group=4,
                                                     topk_group=2, scoring_func="sigmoid",
                                                     routed_scaling_factor=2.5, activation="swigluoai",
@@ -216,7 +235,7 @@ def test_jax_expert_parallel_matches_one_device():
     assert proc.returncode == 0, proc.stderr[-3000:]
     line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("RESULTS "))
     results = json.loads(line.removeprefix("RESULTS "))
-    assert len(results) == 2 * 2 * (3 + 1) + 2
+    assert len(results) == 2 * 2 * (2 + 1) + 2
     assert [r for r in results if not r["ok"] and r["layer"] != "capacity"] == []
     exact, short = [r for r in results if r["layer"] == "capacity"]
     assert exact["dropped"] == 0 and exact["ok"], exact
