@@ -119,6 +119,7 @@ def cmd_compile(args: argparse.Namespace) -> int:
         targets=_csv(args.targets) if args.targets else None,
         dtypes=_csv(args.dtypes) if args.dtypes else None,
         progress=not args.no_progress,
+        sharded_serving=args.sharded_serving,
     )
     if args.json:
         print(json.dumps(rows, indent=2, default=str))
@@ -248,7 +249,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     s.add_argument("--ops", help="comma-separated registered op names (default: all)")
     s.add_argument("--targets", help="comma-separated: v4, v5e, v5p, v6e, tpu7x, sm80, sm89, sm90, sm100, gfx942, "
-                                     "gfx950 (default: v4,v5e,v5p,v6e,tpu7x,sm80,sm90,gfx942)")
+                                     "gfx950 (default: v4,v5e,v5p,v6e,tpu7x,sm80,sm90,gfx942); a TPU topology "
+                                     "such as v5e:2x2 or v6e:2x4 builds the sharded layers on all its chips")
+    s.add_argument("--sharded-serving", action="store_true",
+                   help="on topology targets, also build the sharded layers at model sizes (minutes)")
     s.add_argument("--dtypes", help="comma-separated: float32, bfloat16, float16 (default: float32,bfloat16)")
     s.add_argument("--json", action="store_true", help="print one JSON record per (variant, target) instead of tables")
     s.add_argument("--no-details", action="store_true", help="only the matrix, not the per-kernel table")

@@ -85,8 +85,9 @@ def _row(variant: Variant, target: str, result: KernelResult) -> dict[str, Any]:
 
 
 def run_compile(ops: list[str] | None = None, targets: list[str] | None = None, dtypes: list[str] | None = None,
-                progress: bool = True) -> list[dict[str, Any]]:
-    """Compile every variant for every target; one row per (variant, target)."""
+                progress: bool = True, sharded_serving: bool = False) -> list[dict[str, Any]]:
+    """Compile every variant for every target; one row per (variant, target). Topology targets
+    (``v5e:2x2``) build the sharded layers instead, at model sizes too with ``sharded_serving``."""
     targets = check_targets(targets)
     dtypes = check_dtypes(dtypes)
     variants = variants_for(ops, dtypes)  # checks the op names
@@ -103,7 +104,7 @@ def run_compile(ops: list[str] | None = None, targets: list[str] | None = None, 
         by_key.update(compile_in_child(ops, dtypes, gpu, progress))
     if tpu:
         by_key.update(_compile_tpu(variants, tpu, progress))
-    layer_rows = _compile_sharded(ops, dtypes, sharded, progress) if sharded else {}
+    layer_rows = _compile_sharded(ops, dtypes, sharded, progress, sharded_serving) if sharded else {}
     for t in targets:
         if t in sharded:
             rows += layer_rows[t]
@@ -113,15 +114,15 @@ def run_compile(ops: list[str] | None = None, targets: list[str] | None = None, 
     return rows
 
 
-def _compile_sharded(ops: list[str] | None, dtypes: list[str], targets: list[str],
-                     progress: bool) -> dict[str, list[dict[str, Any]]]:
+def _compile_sharded(ops: list[str] | None, dtypes: list[str], targets: list[str], progress: bool,
+                     serving: bool) -> dict[str, list[dict[str, Any]]]:
     """The sharded layers (``sharded.py``) on each multi-chip target: rows keyed by target."""
     from tqdm import tqdm
 
     from dualop.aot import sharded, tpu
 
     work = [(layer, shape, dtype, t) for t in targets for layer in sharded.layers_for(ops)
-            for dtype in dtypes for shape in layer.shapes]
+            for dtype in dtypes for shape in layer.shapes + (layer.serving_shapes if serving else ())]
     why = tpu.tpu_available()
     out: dict[str, list[dict[str, Any]]] = {t: [] for t in targets}
     with tpu.quiet_native_stderr() as visible:
@@ -130,7 +131,7 @@ def _compile_sharded(ops: list[str] | None, dtypes: list[str], targets: list[str
             result = (KernelResult(status="unavailable", message=why) if why is not None
                       else sharded.compile_layer(layer, shape, dtype, t))
             out[t].append({"op": layer.op, "case": layer.label, "dtype": dtype, "shape": list(shape),
-                           "serving": True, "target": t, **result.as_dict()})
+                           "serving": shape in layer.serving_shapes, "target": t, **result.as_dict()})
     return out
 
 

@@ -4,11 +4,14 @@ and collectives), built with the real XLA:TPU compiler on compile-only devices.
 A target ``<generation>:<topology>`` (``v5e:2x2``, ``v6e:2x4``: any name libtpu resolves) builds
 every ``SHARDED_LAYERS`` entry on a mesh over all the topology's chips; plain generation targets
 (``v5e``) build the per-chip op variants as before, so the default targets do not build these.
+Each layer has small shapes (always; seconds each) and model-size shapes (``dualop compile
+--sharded-serving``; minutes, more so while a kernel declines and the layer's native body, dense
+over the experts, is built instead).
 A layer traces with the TPU paths dispatched (``override_platform("tpu")``, every op enabled), so
 its Pallas kernels lower for the chip; where a kernel declined, the layer is built with that op's
 native body and the row's message says which op declined and why.
 
-A layer: ``ShardedLayer(label, op, shapes, build)``; ``build(mesh, shape, dtype)`` returns
+A layer: ``ShardedLayer(label, op, shapes, serving_shapes, build)``; ``build(mesh, shape, dtype)`` returns
 ``(fn, args)`` where ``args`` are ``jax.ShapeDtypeStruct``s carrying their ``NamedSharding`` on
 ``mesh`` (or None). Tensor-parallel layers add entries the same way.
 """
@@ -32,7 +35,8 @@ class ShardedLayer:
 
     label: str
     op: str
-    shapes: tuple[tuple[int, ...], ...]
+    shapes: tuple[tuple[int, ...], ...]  # small: always built (seconds each)
+    serving_shapes: tuple[tuple[int, ...], ...]  # model sizes: with ``--sharded-serving`` (minutes)
     build: Callable[[Any, tuple[int, ...], str], tuple[Callable, tuple]]
 
 
@@ -90,11 +94,12 @@ def compile_layer(layer: ShardedLayer, shape: tuple[int, ...], dtype: str, targe
 
 # --- expert parallelism -----------------------------------------------------------------------
 # (tokens, num_experts, top_k, hidden, intermediate, capacity factor; 0 = psum over all tokens).
-# DeepSeek-V3's MoE (256 experts of 7168 -> 2048, top-8, grouped sigmoid routing): an 8192-token
-# prefill dispatched all-to-all with 1.25x the balanced capacity, and a 16-token decode combined
-# with psum; plus a small layer (64 experts of 1024 -> 512) for a quick check of the collectives.
-_EP_SHAPES_A2A = ((256, 64, 8, 1024, 512, 2), (8192, 256, 8, 7168, 2048, 1.25))
-_EP_SHAPES_PSUM = ((16, 64, 8, 1024, 512, 0), (16, 256, 8, 7168, 2048, 0))
+# A small layer (64 experts of 1024 -> 512, top-8: 256 tokens all-to-all at twice the balanced
+# capacity, 16 tokens psum) checks the collectives and kernels in seconds; DeepSeek-V3's MoE (256
+# experts of 7168 -> 2048, top-8, grouped sigmoid routing) is the model size: an 8192-token prefill
+# dispatched all-to-all with 1.25x the balanced capacity and a 16-token decode combined with psum.
+_EP_A2A, _EP_A2A_SERVING = ((256, 64, 8, 1024, 512, 2),), ((8192, 256, 8, 7168, 2048, 1.25),)
+_EP_PSUM, _EP_PSUM_SERVING = ((16, 64, 8, 1024, 512, 0),), ((16, 256, 8, 7168, 2048, 0),)
 
 
 def _ep_layer(mode: str):
@@ -132,6 +137,6 @@ def _ep_layer(mode: str):
 
 
 SHARDED_LAYERS += [
-    ShardedLayer("fused_moe[ep,all_to_all]", "fused_moe", _EP_SHAPES_A2A, _ep_layer("all_to_all")),
-    ShardedLayer("fused_moe[ep,psum]", "fused_moe", _EP_SHAPES_PSUM, _ep_layer("psum")),
+    ShardedLayer("fused_moe[ep,all_to_all]", "fused_moe", _EP_A2A, _EP_A2A_SERVING, _ep_layer("all_to_all")),
+    ShardedLayer("fused_moe[ep,psum]", "fused_moe", _EP_PSUM, _EP_PSUM_SERVING, _ep_layer("psum")),
 ]
