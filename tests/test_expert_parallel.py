@@ -87,7 +87,10 @@ def test_single_device_equals_the_experts_op(frontend, activation):
 
 
 class _CountingPrepare(SingleDevicePrepareAndFinalize):
+    """Stands for a prepare that communicates (all-to-all): counts its calls."""
+
     calls = 0
+    prepare_communicates = True
 
     def prepare(self, *args, **kwargs) -> Prepared:
         type(self).calls += 1
@@ -134,6 +137,27 @@ def test_the_cell_counts_the_experts_kernel(monkeypatch, frontend, platform, met
     result = check._run_cell(case, frontend, platform, "float32", seed=0)
     assert (result.method, result.status) == (method, "pass"), result.detail
     assert ran and set(ran) == {8}
+
+
+def test_a_declining_experts_kernel_reruns_a_single_device_op_natively(monkeypatch):
+    """Nothing was sent, so the dispatcher's usual fallback applies (and ``dualop compile`` sees the
+    decline as n/a rather than a build of the native body)."""
+
+    def forward_tpu(self, *args):
+        raise NotImplementedError("no kernel")
+
+    monkeypatch.setattr(UnquantizedFusedMoEMethod, "forward_tpu", forward_tpu)
+    p = _experts_problem(np.random.default_rng(6))
+    args = [testing.to_frontend(p[k], "jax", "float32") for k in ("x", "weights")]
+    args += [testing.to_frontend(p["ids"], "jax", "int32"), testing.to_frontend(p["w13"], "jax", "float32"),
+             testing.to_frontend(p["w2"], "jax", "float32")]
+    op = FusedMoEModularMethod()
+    with pytest.raises(NotImplementedError, match="no kernel"):
+        op.forward_tpu(*args)
+    with override_platform("tpu"), set_config(OpsConfig(["all"])):
+        op(*args)
+        method, reason = op.last_run("jax")
+    assert method == "forward_native" and "forward_tpu declined this call (no kernel)" in reason
 
 
 def test_bad_input_names_this_op():

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -85,6 +85,8 @@ class AllToAllPrepareAndFinalize(PrepareAndFinalize):
     axis_name: Any
     num_shards: int
     capacity: int | None = None
+
+    prepare_communicates: ClassVar[bool] = True
 
     def prepare(self, x, topk_weights, topk_ids, expert_map, num_local_experts: int) -> Prepared:
         n = self.num_shards

@@ -25,7 +25,7 @@ weighted output back and sums a token's pairs in float32, casting once.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, ClassVar
 
 from dualop.backends import array_namespace
 from dualop.custom_op import CustomOp
@@ -74,7 +74,14 @@ class PrepareAndFinalize:
 
     ``prepare(x, topk_weights, topk_ids, expert_map, num_local_experts)`` -> ``Prepared``;
     ``finalize(out, prepared, x)`` -> ``[T, H]`` in ``x``'s dtype (``out``: the experts' output for
-    ``prepared``'s rows). Subclasses are frontend-specific when they communicate."""
+    ``prepared``'s rows). Subclasses are frontend-specific when they communicate.
+
+    ``prepare_communicates``: prepare is a collective every rank must join (all-to-all). Then a
+    declining experts kernel is replaced by the native body on the prepared rows, inside the same
+    call, instead of the dispatcher retrying the whole op natively (which would prepare again,
+    and only on the ranks whose kernel declined)."""
+
+    prepare_communicates: ClassVar[bool] = False
 
     def prepare(self, x: Any, topk_weights: Any, topk_ids: Any, expert_map: Any, num_local_experts: int) -> Prepared:
         raise NotImplementedError
@@ -138,11 +145,8 @@ class FusedMoEModularMethod(CustomOp):
         try:
             out = getattr(self.experts, method)(*args)
         except NotImplementedError as err:
-            if method == "forward_native":
-                raise
-            # The experts' kernel declined: finish these rows natively here, so a prepare that
-            # communicated (all-to-all) is not repeated by the dispatcher's retry, which every
-            # other rank would have to join.
+            if method == "forward_native" or not self.prepare_finalize.prepare_communicates:
+                raise  # the dispatcher reruns the op natively (nothing was sent yet)
             self.note_decline(method, err, x)
             out = self.experts.forward_native(*args)
         return self.prepare_finalize.finalize(out, prepared, x)

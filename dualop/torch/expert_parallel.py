@@ -23,7 +23,7 @@ The calls are eager and collective: every rank of the group must make them, in t
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
@@ -102,6 +102,8 @@ def _all_to_all(values: torch.Tensor, send_counts: list[int], recv_counts: list[
 class AllToAllPrepareAndFinalize(PrepareAndFinalize):
     """Each rank's tokens go to their experts' owners and back with ``all_to_all_single`` over
     ``group`` (experts placed by ``expert_map_for_rank``; ``expert_map`` must be given to the op)."""
+
+    prepare_communicates: ClassVar[bool] = True
 
     group: Any = None
 
