@@ -120,11 +120,16 @@ def test_a_declining_experts_kernel_does_not_repeat_prepare(monkeypatch):
     np.testing.assert_array_equal(got.numpy(), want.numpy())
 
 
-@pytest.mark.parametrize("frontend, platform, method", [("torch", "cpu", "forward_cpu"), ("jax", "tpu", "forward_tpu")])
+@pytest.mark.parametrize("frontend, platform, method", [("torch", "cpu", "forward_cpu"), ("jax", "tpu", "forward_tpu"),
+                                                       ("torch_xla", "tpu", "forward_tpu"),
+                                                       ("torchax", "tpu", "forward_tpu")])
 def test_the_cell_counts_the_experts_kernel(monkeypatch, frontend, platform, method):
     """With an experts kernel in place (here a stand-in computing the native body), the modular
     op's cell runs it between prepare and finalize and passes as a kernel cell."""
+    from conftest import require_frontend
     from dualop import check
+
+    require_frontend(frontend)
 
     ran = []
 
@@ -216,6 +221,21 @@ _JAX_SCRIPT = textwrap.dedent("""
                     out.append(dict(layer=name, dtype=dtype, shards=n, mode=mode, ok=bool(ep_close(got, want, dtype)),
                                     max_abs=float(np.max(np.abs(got - want)))))
 
+    # no tokens, and one token on 8 shards (all_to_all pads it to 8)
+    op = layers["silu,k4"][0]
+    mesh = Mesh(np.array(jax.devices()[:8]), ("ep",))
+    w13 = jnp.asarray(rng.standard_normal((E, 2 * I, H)) * H ** -0.5, jnp.float32)
+    w2 = jnp.asarray(rng.standard_normal((E, H, I)) * I ** -0.5, jnp.float32)
+    for T in (0, 1):
+        x = jnp.asarray(rng.standard_normal((T, H)), jnp.float32)
+        logits = jnp.asarray(rng.standard_normal((T, E)), jnp.float32)
+        want = np.asarray(op(x, logits, w13, w2))
+        for mode in ("all_to_all", "psum"):
+            got = np.asarray(expert_parallel_moe(mesh, "ep", x, logits, w13, w2, op=op, mode=mode))
+            out.append(dict(layer=f"tokens{T}", dtype="float32", shards=8, mode=mode,
+                            ok=got.shape == want.shape and bool(ep_close(got, want, "float32")),
+                            max_abs=float(np.max(np.abs(got - want), initial=0.0))))
+
     # capacity: pairs past it are dropped (stable order per source shard and destination)
     op, n, T = FusedMoE(E, 4, H, I), 4, 16
     x = jnp.asarray(rng.standard_normal((T, H)), jnp.float32)
@@ -259,7 +279,7 @@ def test_jax_expert_parallel_matches_one_device():
     assert proc.returncode == 0, proc.stderr[-3000:]
     line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("RESULTS "))
     results = json.loads(line.removeprefix("RESULTS "))
-    assert len(results) == 2 * 2 * (2 + 1) + 2
+    assert len(results) == 2 * 2 * (2 + 1) + 2 * 2 + 2
     assert [r for r in results if not r["ok"] and r["layer"] != "capacity"] == []
     exact, short = [r for r in results if r["layer"] == "capacity"]
     assert exact["dropped"] == 0 and exact["ok"], exact

@@ -110,16 +110,15 @@ class AllToAllPrepareAndFinalize(PrepareAndFinalize):
         send_w = scatter(0, topk_weights.reshape(-1).astype(jnp.float32))
         recv = [jax.lax.all_to_all(a, self.axis_name, 0, 0, tiled=True) for a in (send_x, send_ids, send_w)]
         recv_x, recv_ids, recv_w = (a.reshape(n * capacity, *a.shape[2:]) for a in recv)
-        return Prepared(recv_x, recv_w[:, None], recv_ids[:, None], expert_map, state=(dest, slot, kept, capacity))
+        return Prepared(recv_x, recv_w[:, None], recv_ids[:, None], expert_map, state=(dest, slot, kept, capacity, top_k))
 
     def finalize(self, out, prepared: Prepared, x):
-        dest, slot, kept, capacity = prepared.state
-        n = self.num_shards
-        back = jax.lax.all_to_all(out.reshape(n, capacity, -1), self.axis_name, 0, 0, tiled=True)
+        dest, slot, kept, capacity, top_k = prepared.state
+        n, (tokens, hidden) = self.num_shards, x.shape
+        back = jax.lax.all_to_all(out.reshape(n, capacity, hidden), self.axis_name, 0, 0, tiled=True)
         pairs = back[jnp.minimum(dest, n - 1), slot].astype(jnp.float32)  # [T * k, H]
         pairs = jnp.where(kept[:, None], pairs, 0.0)
-        tokens = x.shape[0]
-        return pairs.reshape(tokens, -1, x.shape[1]).sum(axis=1).astype(x.dtype)
+        return pairs.reshape(tokens, top_k, hidden).sum(axis=1).astype(x.dtype)
 
 
 def _check(mesh: Mesh, axis: Any, mode: str, op: Any, w13: Any, hidden_states: Any, capacity: Any) -> int:
@@ -154,6 +153,8 @@ def expert_parallel_moe(mesh: Mesh, axis: Any, hidden_states, router_logits, w13
     computed, then cut off)."""
     n = _check(mesh, axis, mode, op, w13, hidden_states, capacity)
     tokens = hidden_states.shape[0]
+    if tokens == 0:  # nothing to route or send
+        return jnp.zeros(hidden_states.shape, hidden_states.dtype)
     pad = (-tokens) % n if mode == "all_to_all" else 0
     if pad:
         hidden_states = jnp.pad(hidden_states, ((0, pad), (0, 0)))
