@@ -394,8 +394,15 @@ def test_the_expert_parallel_layer_compiles_for_v5e_2x2(label):
     why = tpu.tpu_available()
     if why is not None:
         pytest.skip(f"TPU compiles need libtpu, installed in the latest environment only: {why}")
+    import jax
+    from jax.sharding import Mesh
+
     layer = next(layer for layer in sharded.SHARDED_LAYERS if layer.label == label)
     (shape,) = layer.shapes  # the small layer
     with tpu.quiet_native_stderr():
         result = sharded.compile_layer(layer, shape, "bfloat16", "v5e:2x2")
+        fn, args = layer.build(Mesh(np.array(tpu.topology_devices("v5e:2x2")), ("x",)), shape, "bfloat16")
+        program = jax.jit(fn).trace(*args).lower().as_text()
     assert result.status == "ok", result.message
+    collective = "all_to_all" if label.endswith("all_to_all]") else "all_reduce"
+    assert f"stablehlo.{collective}" in program or f"mhlo.{collective}" in program
