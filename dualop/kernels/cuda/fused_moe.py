@@ -141,13 +141,15 @@ def _experts_down_kernel(
                  mask=row_ok[:, None] & col_ok[None, :])
 
 
-def block_sizes(num_pairs: int, num_local: int, itemsize: int) -> tuple[int, int, int]:
-    """``(BLOCK_M, BLOCK_N, BLOCK_K)``. Rows per block follow the expected rows per expert (16 for
-    decode-sized batches, where a bigger block is mostly padding; up to 64); 64 output columns;
-    reduction steps of 64 for 16-bit weights, 32 for float32 (twice the bytes per element)."""
+def block_sizes(num_pairs: int, num_local: int, itemsize: int) -> tuple[int, int, int, int]:
+    """``(BLOCK_M, BLOCK_N, BLOCK_K, num_warps)``. Rows per block follow the expected rows per expert
+    (16 for decode-sized batches, where a bigger block is mostly padding; up to 64); 64 output
+    columns; reduction steps of 64 for 16-bit weights, 32 for float32 (twice the bytes per
+    element). Eight warps for 64-row blocks: with four, the up kernel's two float32 64 x 64
+    accumulators spilled (255 registers, sm_90, float32, per ``dualop compile``)."""
     per_expert = num_pairs / max(num_local, 1)
     block_m = 16 if per_expert <= 16 else (32 if per_expert <= 64 else 64)
-    return block_m, 64, 64 if itemsize <= 2 else 32
+    return block_m, 64, 64 if itemsize <= 2 else 32, 8 if block_m == 64 else 4
 
 
 def align_block_size(local_ids: torch.Tensor, num_local: int, block_m: int):
@@ -189,7 +191,7 @@ def fused_experts(x, topk_weights, topk_ids, w13, w2, w13_bias, w2_bias, expert_
         return torch.empty((0, hidden), dtype=x.dtype, device=x.device)
     num_pairs = num_tokens * top_k
     local_ids = moe_math.local_expert_ids(array_namespace(topk_ids), topk_ids, expert_map, num_local)
-    block_m, block_n, block_k = block_sizes(num_pairs, num_local, w13.element_size())
+    block_m, block_n, block_k, num_warps = block_sizes(num_pairs, num_local, w13.element_size())
     sorted_pairs, block_expert = align_block_size(local_ids, num_local, block_m)
     num_blocks = block_expert.shape[0]
 
@@ -211,7 +213,7 @@ def fused_experts(x, topk_weights, topk_ids, w13, w2, w13_bias, w2_bias, expert_
         INTERLEAVED=bool(spec and spec.interleaved), HAS_BIAS=b13 is not None,
         WEIGHT_ON_INPUT=bool(apply_router_weight_on_input),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, DOT_PRECISION=precision, DOT_UPCAST=upcast,
-        num_warps=4,
+        num_warps=num_warps,
     )
     out_pairs = torch.zeros((num_pairs, hidden), dtype=torch.float32, device=x.device)
     _experts_down_kernel[(num_blocks, triton.cdiv(hidden, block_n))](
@@ -222,6 +224,6 @@ def fused_experts(x, topk_weights, topk_ids, w13, w2, w13_bias, w2_bias, expert_
         WEIGHT_ON_INPUT=bool(apply_router_weight_on_input),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, DOT_PRECISION=precision, DOT_UPCAST=upcast,
         SPLIT_A=w2.dtype != torch.float32, EXACT_BF16=needs_exact_bf16(w2.dtype),
-        num_warps=4,
+        num_warps=num_warps,
     )
     return out_pairs.reshape(num_tokens, top_k, hidden).sum(dim=1).to(x.dtype)
