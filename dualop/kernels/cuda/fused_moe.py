@@ -34,9 +34,8 @@ import triton.language as tl
 from dualop.backends import array_namespace
 from dualop.kernels import moe_math
 from dualop.kernels.cuda import interpreting
-from dualop.kernels.cuda.common import needs_exact_bf16
+from dualop.kernels.cuda.common import _cast, _dot, needs_exact_bf16
 from dualop.kernels.cuda.gated_activation import ACTIVATION_IDS, _gate
-from dualop.kernels.cuda.ragged_paged_attention import _cast, _dot
 
 __all__ = ["fused_experts", "align_block_size", "block_sizes"]
 
