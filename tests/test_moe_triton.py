@@ -215,6 +215,15 @@ def test_all_tokens_on_one_expert_across_block_boundaries(tokens):
     _check_experts(problem, torch.float32)
 
 
+def test_32_row_blocks_two_per_expert():
+    """40 tokens on both of 2 experts: 40 rows per expert take 32-row blocks (``block_sizes``), one
+    full and one of 8 rows each."""
+    assert block_sizes(80, 2, 4)[0] == 32
+    rng = np.random.default_rng(13)
+    problem = _experts_problem(rng, 40, 2, 64, 48, 2, "gelu_tanh", torch.float32)
+    _check_experts(problem, torch.float32, activation="gelu_tanh")
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_sparse_experts_16_bit_and_an_expert_twice(dtype):
     """Twelve experts, tokens on only three of them (most experts empty), one token routed to the
