@@ -34,7 +34,7 @@ from dualop.kernels import moe_math
 from dualop.ops._checks import check_array, check_optional_like
 from dualop.ops.moe import FusedMoE, _check_expert_map, _require
 
-__all__ = ["TransformersFusedMoE", "hf_to_engine"]
+__all__ = ["TransformersFusedMoE", "hf_to_engine", "hf_expert_arrays", "engine_weights_from_hf"]
 
 HF_MOE_OP = "transformers_fused_moe"
 
@@ -202,3 +202,115 @@ def check_cases():
                    lambda s: TransformersFusedMoE(experts, s[1], s[2], inter, activation="swigluoai", has_bias=True,
                                                   is_transposed=True, is_concatenated=False),
                    make_inputs, ((0, 2, 128), (1, 1, 200), (7, 2, 256)))]
+
+
+# ----------------------------------------------------------------- loading a block's weights once
+
+_HF_ARRAYS = ("gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias", "e_score_correction_bias")
+
+
+def _find(state: dict, prefix: str, name: str) -> tuple[str | None, Any]:
+    """The one entry of ``state`` under ``prefix`` named ``name`` (as a whole key or its last part)."""
+    keys = [k for k in state if k.startswith(prefix) and (k == prefix + name or k.endswith("." + name))]
+    if len(keys) > 1:
+        raise ValueError(f"{HF_MOE_OP}: several entries named {name!r} under prefix {prefix!r}: {keys}; "
+                         f"pass the prefix of one MoE block")
+    return (keys[0], state[keys[0]]) if keys else (None, None)
+
+
+def hf_expert_arrays(source: Any, *, prefix: str = "") -> tuple[dict[str, Any], dict[str, bool]]:
+    """The expert tensors of a transformers MoE block (``{name: array}``, ``_HF_ARRAYS`` names
+    present; ``up_proj`` is returned as ``gate_up_proj``), and the layout flags its experts module
+    carries (``is_transposed``/``is_concatenated``, set by transformers' ``use_experts_implementation``;
+    none for a state dict). ``source``: the block (``MixtralSparseMoeBlock``, ``DeepseekV3MoE``,
+    ``GptOssMLP``, ...), its ``experts`` module, or a state dict (``prefix`` selects one block)."""
+    flags: dict[str, bool] = {}
+    if hasattr(source, "state_dict") and callable(source.state_dict):
+        experts = getattr(source, "experts", source)
+        for flag in ("is_transposed", "is_concatenated"):
+            if isinstance(getattr(experts, flag, None), bool):
+                flags[flag] = getattr(experts, flag)
+        state = source.state_dict()
+    elif hasattr(source, "keys"):
+        state = dict(source)
+    else:
+        raise TypeError(f"{HF_MOE_OP}: expected a transformers MoE block (nn.Module) or a state dict, "
+                        f"got {type(source).__module__}.{type(source).__qualname__}")
+    found = {}
+    for name in _HF_ARRAYS:
+        key, value = _find(state, prefix, name)
+        if key is None and name == "gate_up_proj":
+            key, value = _find(state, prefix, "up_proj")  # experts with no gate (relu2)
+        if key is not None:
+            found[name] = value
+    for name in ("gate_up_proj", "down_proj"):
+        if name not in found:
+            raise ValueError(f"{HF_MOE_OP}: no {name!r} under prefix {prefix!r} in the given weights "
+                             f"(entries: {sorted(state)[:8]}{' ...' if len(state) > 8 else ''})")
+    return found, flags
+
+
+def engine_weights_from_hf(op: TransformersFusedMoE | FusedMoE, source: Any, *, prefix: str = "",
+                           is_transposed: bool | None = None, is_concatenated: bool | None = None,
+                           expert_map: Any = None) -> dict[str, Any]:
+    """The engine-layout weights a ``FusedMoE`` layer holds (``w13_weight``, ``w2_weight``, and
+    ``w13_bias``/``w2_bias``/``e_score_correction_bias`` when the block has them), from a
+    transformers MoE block (see ``hf_expert_arrays``), in the block's own array type and dtype.
+
+    Layout flags not given come from the experts module; for a state dict ``is_transposed`` is read
+    off the shapes (an error when hidden == rows leaves it open) and ``is_concatenated`` is
+    transformers' default, True, except for ``swigluoai``, where models differ (gpt-oss
+    interleaves, so it must be given). With ``expert_map`` (``[num_experts]`` ints, concrete), only
+    the local experts are kept, in local order.
+    """
+    import numpy as np
+
+    name = HF_MOE_OP
+    arrays, flags = hf_expert_arrays(source, prefix=prefix)
+    hidden, inter = op.hidden_size, op.intermediate_size
+    rows = moe_math.w13_rows(op.activation, inter)
+    gate_up = arrays["gate_up_proj"]
+    if len(gate_up.shape) != 3 or gate_up.shape[0] != op.num_experts:
+        raise ValueError(f"{name}: the block's gate_up_proj has shape {tuple(gate_up.shape)}; expected "
+                         f"{op.num_experts} experts of [{rows}, {hidden}] or [{hidden}, {rows}]")
+    if is_transposed is None:
+        is_transposed = flags.get("is_transposed")
+    if is_transposed is None:
+        if rows == hidden:
+            raise ValueError(f"{name}: cannot tell from the shapes whether gate_up_proj {tuple(gate_up.shape)} is "
+                             f"transposed (hidden == {rows} rows); pass is_transposed")
+        is_transposed = tuple(gate_up.shape[1:]) == (hidden, rows)
+    if is_concatenated is None:
+        is_concatenated = flags.get("is_concatenated")
+    if is_concatenated is None:
+        if op.activation == "swigluoai":
+            raise ValueError(f"{name}: pass is_concatenated for swigluoai experts given as a state dict "
+                             f"(gpt-oss interleaves gate and up: is_concatenated=False)")
+        is_concatenated = True
+    layout = TransformersFusedMoE(op.num_experts, op.top_k, hidden, inter, activation=op.activation,
+                                  has_bias=op.has_bias, is_transposed=is_transposed,
+                                  is_concatenated=is_concatenated)
+    shapes = layout.hf_shapes(op.num_experts)
+    for arg in ("gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias"):
+        if arg in arrays and tuple(arrays[arg].shape) != shapes[arg]:
+            raise ValueError(f"{name}: the block's {arg} has shape {tuple(arrays[arg].shape)}; expected "
+                             f"{shapes[arg]} (is_transposed={is_transposed}, activation={op.activation!r})")
+    has_bias = "gate_up_proj_bias" in arrays and "down_proj_bias" in arrays
+    if has_bias != op.has_bias:
+        raise ValueError(f"{name}: the block {'has' if has_bias else 'has no'} expert biases but the layer was "
+                         f"built with has_bias={op.has_bias}")
+    w13, w2, b13, b2 = layout.engine_weights(arrays["gate_up_proj"], arrays["down_proj"],
+                                             arrays.get("gate_up_proj_bias"), arrays.get("down_proj_bias"))
+    out = {"w13_weight": w13, "w2_weight": w2}
+    if has_bias:
+        out.update(w13_bias=b13, w2_bias=b2)
+    if expert_map is not None:
+        mapping = np.asarray(expert_map).astype(np.int64)
+        local_to_global = np.argsort(np.where(mapping < 0, len(mapping), mapping), kind="stable")
+        local_to_global = local_to_global[: int((mapping >= 0).sum())]
+        xp = array_namespace(w13)
+        index = xp.asarray(local_to_global, like=w13, dtype=xp.int32)
+        out = {k: xp.take(v, index, axis=0) for k, v in out.items()}
+    if "e_score_correction_bias" in arrays:
+        out["e_score_correction_bias"] = arrays["e_score_correction_bias"]
+    return out
