@@ -34,7 +34,7 @@ from dualop.kernels import moe_math
 from dualop.ops._checks import check_array, check_optional_like
 from dualop.ops.moe import FusedMoE, _check_expert_map, _require
 
-__all__ = ["TransformersFusedMoE", "hf_to_engine", "hf_expert_arrays", "engine_weights_from_hf"]
+__all__ = ["TransformersFusedMoE", "hf_to_engine"]
 
 HF_MOE_OP = "transformers_fused_moe"
 
@@ -305,6 +305,8 @@ def engine_weights_from_hf(op: TransformersFusedMoE | FusedMoE, source: Any, *, 
     if has_bias:
         out.update(w13_bias=b13, w2_bias=b2)
     if expert_map is not None:
+        if hasattr(expert_map, "detach"):  # a torch tensor, possibly on a GPU
+            expert_map = expert_map.detach().cpu()
         mapping = np.asarray(expert_map).astype(np.int64)
         local_to_global = np.argsort(np.where(mapping < 0, len(mapping), mapping), kind="stable")
         local_to_global = local_to_global[: int((mapping >= 0).sum())]

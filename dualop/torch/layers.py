@@ -225,7 +225,7 @@ class FusedMoE(nn.Module):
         for name, value in loaded.items():
             current = getattr(self, name, None)
             if current is None:  # the correction bias, first loaded
-                self.e_score_correction_bias = value.detach().to(torch.float32).clone()
+                self.e_score_correction_bias = value.detach().to(self.w13_weight.device, torch.float32).clone()
             else:
                 current.copy_(value.detach().to(device=current.device, dtype=current.dtype))
         return self
