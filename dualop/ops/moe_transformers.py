@@ -14,14 +14,16 @@ transformers (5.x) keeps a MoE block's experts as stacked tensors, described by 
 ``hf_to_engine`` turns them into the engine layout the kernels take (``kernels/moe_math.py``:
 ``w13`` ``[E, 2I, H]`` gate first, interleaved for ``swigluoai``; ``w2`` ``[E, H, I]``):
 
-- transposed weights become ``x.mT``: a strided view of torch tensors (no copy; the kernels read
-  the strides), a transpose inside the traced program for jax arrays (XLA materialises it when it
-  cannot fold it into the matmul's operand layout);
+- transposed weights become ``x.mT``: a strided view of torch tensors (no copy: the Triton and CPU
+  kernels read the strides), a transpose in the traced program for jax arrays, torch_xla and
+  torchax tensors (XLA can fold it into a dot's operand layout on the ``ragged_dot`` path; a Pallas
+  call takes its operands in row-major layout, so there XLA writes a transposed copy per call);
 - gate/up order differing from the engine's (concatenated ``swigluoai``, interleaved for the other
   activations) is re-ordered: a copy of ``gate_up_proj`` (and its bias) on every call.
 
-Mixtral, Qwen3-MoE and DeepSeek-V3 cost nothing; gpt-oss costs the transposes. A layer that calls
-the experts many times converts once (``dualop.torch.layers.FusedMoE.load_hf_experts``).
+Mixtral, Qwen3-MoE and DeepSeek-V3 cost nothing; gpt-oss costs the transposes on XLA devices.
+Serving code that calls the experts many times converts once, at load
+(``dualop.torch.layers.FusedMoE.load_hf_experts`` and its JAX twin), and calls ``fused_moe``.
 """
 
 from __future__ import annotations
