@@ -16,8 +16,8 @@ transformers (5.x) keeps a MoE block's experts as stacked tensors, described by 
 
 - transposed weights become ``x.mT``: a strided view of torch tensors (no copy: the Triton and CPU
   kernels read the strides), a transpose in the traced program for jax arrays, torch_xla and
-  torchax tensors (XLA can fold it into a dot's operand layout on the ``ragged_dot`` path; a Pallas
-  call takes its operands in row-major layout, so there XLA writes a transposed copy per call);
+  torchax tensors (XLA chooses whether to materialise it for a dot; a Pallas call takes its
+  operands in their default row-major layout, so there XLA writes a transposed copy per call);
 - gate/up order differing from the engine's (concatenated ``swigluoai``, interleaved for the other
   activations) is re-ordered: a copy of ``gate_up_proj`` (and its bias) on every call.
 
