@@ -50,6 +50,9 @@ NATIVE_CELLS = {
 KERNEL_OPS_IN_NATIVE_CELLS = {
     **{(op, "jax", platform): method for op in ("fused_moe", "unquantized_fused_moe")
        for platform, method in (("cpu", "forward_cpu"), ("cuda", "forward_cuda"))},
+    # transformers_fused_moe runs fused_moe's experts on the engine layout: the same kernels.
+    **{("transformers_fused_moe", "jax", platform): method
+       for platform, method in (("cpu", "forward_cpu"), ("cuda", "forward_cuda"))},
 }
 # Op cases (labels) with no kernel in a cell of KERNEL_CELLS: {(label, frontend, platform): reason}.
 NATIVE_CASES = {

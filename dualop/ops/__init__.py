@@ -16,6 +16,8 @@ from dualop.ops import (
     activation, attention, encoder_attention, gated_norm, kv_cache, layernorm, moe, pointwise, quantization,
     rope_scaling, rotary,
 )
+from dualop.ops.moe_transformers import *  # noqa: F403
+from dualop.ops import moe_transformers
 
 # Ops that hold no parameters: the layer modules wrap each as-is (dualop.torch/jax.layers).
 PARAMETERLESS_OPS = (
@@ -35,4 +37,5 @@ __all__ = [
     *quantization.__all__,
     *rope_scaling.__all__,
     *rotary.__all__,
+    *moe_transformers.__all__,
 ]
