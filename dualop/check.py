@@ -91,7 +91,7 @@ def _path(method: str, frontend: str) -> str:
         bridge = {"jax": "", "torch_xla": " via torch_xla call_jax", "torchax": " via torchax call_jax"}[frontend]
         return f"pallas ({kind}){bridge}"
     if method in ("forward_cpu", "forward_cuda", "forward_hip") and frontend == "jax":
-        return "xla (jax.lax.ragged_dot)"  # the only jax-array kernel on CPUs and GPUs (the MoE experts)
+        return "xla (jax kernel path: ragged_dot experts, cuDNN attention)"  # the jax-array kernels off TPUs
     if method in ("forward_cuda", "forward_hip"):
         from dualop.kernels.cuda import interpreting
 
