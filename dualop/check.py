@@ -90,6 +90,8 @@ def _path(method: str, frontend: str) -> str:
         kind = "compiled" if mode is False else ("interpret" if mode is True else "tpu-interpret")
         bridge = {"jax": "", "torch_xla": " via torch_xla call_jax", "torchax": " via torchax call_jax"}[frontend]
         return f"pallas ({kind}){bridge}"
+    if method in ("forward_cpu", "forward_cuda", "forward_hip") and frontend == "jax":
+        return "xla (jax kernel path: ragged_dot experts, cuDNN attention)"  # the jax-array kernels off TPUs
     if method in ("forward_cuda", "forward_hip"):
         from dualop.kernels.cuda import interpreting
 

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# The whole test suite, in both environments (built here when missing). Extra arguments go to pytest.
-# Without extra arguments it then runs `dualop compile --targets v5e,v6e,sm90,gfx942` in the latest
-# environment (the real TPU and GPU compilers on every kernel variant; counted as one item).
+# The whole test suite, in both environments (built here when missing), side by side unless
+# DUALOP_TEST_SERIAL is set. Extra arguments go to pytest. Without extra arguments the latest
+# environment then runs `dualop compile --targets v5e,v6e,sm90,gfx942` (the real TPU and GPU
+# compilers on every kernel variant; counted as one item).
 # Ends with one line "total: N passed, N failed, N skipped" over all of it.
 set -euo pipefail
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -10,30 +11,47 @@ source "$repo/scripts/common.sh"
 
 results="$(mktemp -d)"
 trap 'rm -rf "$results"' EXIT
-status=0
-for name in ${DUALOP_ENVS:-latest xla}; do
-  env="$(bash "$repo/scripts/env.sh" "$name")"
+envs="${DUALOP_ENVS:-latest xla}"
+# Build (or re-point) every environment first: env.sh serialises builds with a lock.
+for name in $envs; do bash "$repo/scripts/env.sh" "$name" >"$results/$name.path"; done
+
+# One environment's share of the run: its pytest, then (latest, no extra arguments) dualop compile.
+# Writes its exit status to $results/$name.status and the compile result to $results/compile.
+run_env() {
+  local name="$1" env rc=0; shift
+  env="$(cat "$results/$name.path")"
   echo "== tests in the '$name' environment ($(env_versions "$env"))"
   (cd "$repo" && DUALOP_TEST_ENV="$name" "$env/bin/python" -m pytest -p no:cacheprovider \
-      --junitxml="$results/$name.xml" "$@") || status=$?
+      --junitxml="$results/$name.xml" "$@") || rc=$?
+  if [ "$name" = latest ] && [ $# -eq 0 ]; then
+    echo "== dualop compile in the 'latest' environment (XLA:TPU/Mosaic and Triton; nothing runs)"
+    local start=$SECONDS result=passed
+    "$env/bin/dualop" compile --targets v5e,v6e,sm90,gfx942 --no-progress || { result=failed; rc=1; }
+    echo "dualop compile: $result in $((SECONDS - start))s"
+    echo "$result" >"$results/compile"
+  fi
+  echo "$rc" >"$results/$name.status"
+}
+
+status=0
+if [ "$(wc -w <<<"$envs")" -gt 1 ] && [ -z "${DUALOP_TEST_SERIAL:-}" ]; then
+  # The environments run side by side: a 2-core machine runs both in about the time of the longer
+  # one (each is mostly one busy Python thread). Their output streams live, each line prefixed
+  # with its environment's name.
+  echo "== the environments ($envs) run side by side; DUALOP_TEST_SERIAL=1 runs them in turn"
+  pids=()
+  for name in $envs; do
+    run_env "$name" "$@" 2>&1 | sed -u "s/^/[$name] /" &
+    pids+=("$!")
+  done
+  for pid in "${pids[@]}"; do wait "$pid" || true; done
+else
+  for name in $envs; do run_env "$name" "$@"; done
+fi
+for name in $envs; do
+  [ "$(cat "$results/$name.status" 2>/dev/null || echo 1)" = 0 ] || status=1
 done
-compile_result=""
-case " ${DUALOP_ENVS:-latest xla} " in
-  *" latest "*)
-    if [ $# -eq 0 ]; then
-      env="$(bash "$repo/scripts/env.sh" latest)"
-      echo "== dualop compile in the 'latest' environment (XLA:TPU/Mosaic and Triton; nothing runs)"
-      start=$SECONDS
-      if "$env/bin/dualop" compile --targets v5e,v6e,sm90,gfx942 --no-progress; then
-        compile_result=passed
-      else
-        compile_result=failed
-        status=1
-      fi
-      echo "dualop compile: $compile_result in $((SECONDS - start))s"
-    fi
-    ;;
-esac
+compile_result="$(cat "$results/compile" 2>/dev/null || true)"
 python3 - "$results" "$compile_result" <<'PY'
 import sys, glob, xml.etree.ElementTree as ET
 passed = int(sys.argv[2] == "passed")

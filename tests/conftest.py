@@ -50,6 +50,9 @@ NATIVE_CELLS = {
 KERNEL_OPS_IN_NATIVE_CELLS = {
     **{(op, "jax", platform): method for op in ("fused_moe", "unquantized_fused_moe")
        for platform, method in (("cpu", "forward_cpu"), ("cuda", "forward_cuda"))},
+    # transformers_fused_moe runs fused_moe's experts on the engine layout: the same kernels.
+    **{("transformers_fused_moe", "jax", platform): method
+       for platform, method in (("cpu", "forward_cpu"), ("cuda", "forward_cuda"))},
     # modular_fused_moe runs the same experts (unquantized_fused_moe's paths) between prepare and finalize.
     **{("modular_fused_moe", "jax", platform): method
        for platform, method in (("cpu", "forward_cpu"), ("cuda", "forward_cuda"))},

@@ -23,8 +23,11 @@ def problems(draw):
     case = draw(st.sampled_from(CASES))
     ranks = sorted({len(s) for s in case.shapes})  # the ranks the op takes (apply_rotary_emb: 3 and 4)
     last = draw(st.sampled_from(sorted({s[-1] for s in case.shapes})))
-    if all(len(s) == 3 for s in case.shapes):  # [tokens, heads, head_dim] only (reshape_and_cache)
-        lead = [draw(st.integers(0, 5)), draw(st.sampled_from(sorted({s[1] for s in case.shapes})))]
+    if all(len(s) == 3 for s in case.shapes):  # 3-D structured shapes (reshape_and_cache, fused_moe)
+        # the first dim drawn when the case varies it (tokens), else the case's own (a packed batch of 1)
+        firsts = sorted({s[0] for s in case.shapes})
+        first = draw(st.integers(0, 5)) if len(firsts) > 1 else firsts[0]
+        lead = [first, draw(st.sampled_from(sorted({s[1] for s in case.shapes})))]
     else:  # the ranks the case takes (apply_rotary_emb: 3 and 4), at most 3
         rank = draw(st.sampled_from([r for r in ranks if r <= 3] or ranks))
         lead = draw(st.lists(st.integers(0, 5), min_size=rank - 1, max_size=rank - 1))

@@ -67,6 +67,8 @@ def _fake_tpu(a):
 # Ops whose forward_tpu launches its kernel more than once (dual chunk rope: the key's angles,
 # then five query angle sets).
 KERNEL_LAUNCHES = {"dual_chunk_rotary_embedding": 6}
+# transformers_fused_moe: the routing kernel, then the experts' (as fused_moe).
+KERNEL_LAUNCHES["transformers_fused_moe"] = 2
 
 
 def _structure(out) -> list[tuple[tuple[int, ...], str]]:

@@ -377,6 +377,33 @@ _SERVING_MAKE_OP.update({"fused_moe[silu,E8,I128]": _fused_moe_op,
                          "unquantized_fused_moe[gelu,expert_map,E8,I128]": _experts_op,
                          "grouped_topk[softmax,k2]": _grouped_topk_op})
 
+
+# --- transformers_fused_moe: gpt-oss-20b's experts as transformers stores them --------------------
+# (tokens, experts, top_k, hidden, intermediate): 32 experts of 2880 -> 2880, top-4, swigluoai with
+# biases, gate_up_proj [E, H, 2I] interleaved and down_proj [E, I, H] (the transposed layout, so the
+# program holds the transposes XLA makes of them); a 16-token decode batch and an 8192-token prefill.
+SERVING_SHAPES["transformers_fused_moe"] = ((16, 32, 4, 2880, 2880), (8192, 32, 4, 2880, 2880))
+SERVING_CASES["transformers_fused_moe"] = ("transformers_fused_moe[gpt_oss,E4,I64]",)
+
+
+def _transformers_fused_moe_inputs(shape: tuple[int, ...]) -> tuple:
+    tokens, experts, top_k, hidden, inter = shape
+    return (InputSpec((tokens, hidden), None), InputSpec((tokens, experts), None),
+            InputSpec((experts, hidden, 2 * inter), None), InputSpec((experts, inter, hidden), None),
+            InputSpec((experts, 2 * inter), None), InputSpec((experts, hidden), None), None, None)
+
+
+def _transformers_fused_moe_op(shape: tuple[int, ...]):
+    from dualop.ops import TransformersFusedMoE
+
+    tokens, experts, top_k, hidden, inter = shape
+    return TransformersFusedMoE(experts, top_k, hidden, inter, activation="swigluoai", has_bias=True,
+                                is_transposed=True, is_concatenated=False)
+
+
+SERVING_INPUTS["transformers_fused_moe"] = _transformers_fused_moe_inputs
+_SERVING_MAKE_OP["transformers_fused_moe[gpt_oss,E4,I64]"] = _transformers_fused_moe_op
+
 # modular_fused_moe: the experts of unquantized_fused_moe between a single-device prepare and
 # finalize, at the same model shapes (one case).
 SERVING_SHAPES["modular_fused_moe"] = _MOE_SERVING

@@ -131,3 +131,85 @@ __all__.append("MMEncoderAttention")
 for _op_class in (ops.RotaryEmbedding, ops.DualChunkRotaryEmbedding, ops.ApplyRotaryEmb):
     globals()[_op_class.__name__] = _op_layer(_op_class)
     __all__.append(_op_class.__name__)
+
+
+# --- mixture of experts: the layer owns the experts' weights (engine layout) and calls fused_moe ---
+def _as_jax(value: Any, dtype: Any):
+    """A jax array of ``value`` (a jax or numpy array, or a torch tensor: via float32 numpy, which
+    holds every 16-bit value exactly) in ``dtype``."""
+    import numpy as np
+
+    if type(value).__module__.startswith("torch"):
+        value = value.detach().float().cpu().numpy() if value.is_floating_point() else value.detach().cpu().numpy()
+    return jnp.asarray(np.asarray(value) if not isinstance(value, jnp.ndarray) else value, dtype)
+
+
+class FusedMoE(nnx.Module):
+    """``FusedMoE(num_experts, top_k, hidden_size, intermediate_size, renormalize=True,
+    use_grouped_topk=False, num_expert_group=None, topk_group=None, scoring_func="softmax",
+    routed_scaling_factor=1.0, activation="silu", apply_router_weight_on_input=False,
+    has_bias=False, params_dtype=None, expert_map=None, e_score_correction_bias=None)``;
+    ``__call__(hidden_states [..., H], router_logits [..., E])`` -> ``[..., H]``.
+
+    Twin of ``dualop.torch.layers.FusedMoE``: the expert weights are jax arrays held as attributes
+    (``UnquantizedFusedMoEMethod.create_weights``; zeros, float32 unless ``params_dtype``), part of
+    the module's state (``nnx.split``) but not ``nnx.Param``s, so ``nnx.grad`` leaves them alone
+    (frozen, as the torch layer's). ``load_hf_experts`` fills them from a transformers MoE block.
+    """
+
+    def __init__(
+        self,
+        num_experts: int,
+        top_k: int,
+        hidden_size: int,
+        intermediate_size: int,
+        renormalize: bool = True,
+        use_grouped_topk: bool = False,
+        num_expert_group: int | None = None,
+        topk_group: int | None = None,
+        scoring_func: str = "softmax",
+        routed_scaling_factor: float = 1.0,
+        activation: str = "silu",
+        apply_router_weight_on_input: bool = False,
+        has_bias: bool = False,
+        params_dtype: Any = None,
+        expert_map: Any = None,
+        e_score_correction_bias: Any = None,
+    ) -> None:
+        self.op = ops.FusedMoE(num_experts, top_k, hidden_size, intermediate_size, renormalize, use_grouped_topk,
+                               num_expert_group, topk_group, scoring_func, routed_scaling_factor, activation,
+                               apply_router_weight_on_input, has_bias)
+        self.expert_map = None if expert_map is None else _as_jax(expert_map, jnp.int32)
+        self.num_local_experts = num_experts if expert_map is None else int((self.expert_map >= 0).sum())
+        self.op.quant_method.create_weights(self, self.num_local_experts, hidden_size, intermediate_size,
+                                            params_dtype or jnp.float32, has_bias)
+        self.e_score_correction_bias = (None if e_score_correction_bias is None
+                                        else _as_jax(e_score_correction_bias, jnp.float32))
+
+    def __call__(self, hidden_states, router_logits):
+        shape = hidden_states.shape
+        out = self.op(hidden_states.reshape(-1, shape[-1]), router_logits.reshape(-1, router_logits.shape[-1]),
+                      self.w13_weight, self.w2_weight, getattr(self, "w13_bias", None), getattr(self, "w2_bias", None),
+                      self.e_score_correction_bias, self.expert_map)
+        return out.reshape(shape)
+
+    def load_hf_experts(self, source: Any, *, prefix: str = "", is_transposed: bool | None = None,
+                        is_concatenated: bool | None = None) -> FusedMoE:
+        """Fill the weights from a transformers MoE block, its ``experts`` module or a state dict of
+        torch tensors, numpy or jax arrays (see the torch layer's ``load_hf_experts``). Returns self."""
+        import numpy as np
+
+        from dualop.ops.moe_transformers import engine_weights_from_hf
+
+        if not hasattr(source, "state_dict") and hasattr(source, "keys"):  # numpy entries: as jax arrays
+            source = {k: jnp.asarray(v) if isinstance(v, np.ndarray) else v for k, v in source.items()}
+        loaded = engine_weights_from_hf(self.op, source, prefix=prefix, is_transposed=is_transposed,
+                                        is_concatenated=is_concatenated, expert_map=self.expert_map)
+        for name, value in loaded.items():
+            current = getattr(self, name, None)
+            # nnx.data: the correction bias may replace a None, which nnx holds as static
+            setattr(self, name, nnx.data(_as_jax(value, jnp.float32 if current is None else current.dtype)))
+        return self
+
+
+__all__.append("FusedMoE")

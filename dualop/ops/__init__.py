@@ -17,6 +17,8 @@ from dualop.ops import (
     activation, attention, encoder_attention, gated_norm, kv_cache, layernorm, moe, pointwise, quantization,
     rope_scaling, rotary,
 )
+from dualop.ops.moe_transformers import *  # noqa: F403
+from dualop.ops import moe_transformers
 from dualop.ops import moe_modular
 
 # Ops that hold no parameters: the layer modules wrap each as-is (dualop.torch/jax.layers).
@@ -37,5 +39,6 @@ __all__ = [
     *quantization.__all__,
     *rope_scaling.__all__,
     *rotary.__all__,
+    *moe_transformers.__all__,
     *moe_modular.__all__,
 ]

@@ -204,10 +204,17 @@ def _check_experts(op: str, x: Any, w13: Any, w2: Any, w13_bias: Any, w2_bias: A
                          f"([experts, hidden, intermediate], agreeing with 'w13' and 'hidden_states')")
     check_optional_like(op, "w13_bias", w13_bias, "hidden_states", x, fe, shape=(local, rows))
     check_optional_like(op, "w2_bias", w2_bias, "hidden_states", x, fe, shape=(local, hidden))
+    return fe, local, _check_expert_map(op, x, fe, expert_map, local, num_experts, weights_name="w13")
+
+
+def _check_expert_map(op: str, x: Any, fe: str, expert_map: Any, local: int, num_experts: int | None, *,
+                      weights_name: str) -> int:
+    """``expert_map`` against the ``local`` experts the weights (``weights_name``) hold; returns the
+    global expert count (``local`` without a map)."""
     if expert_map is None:
         num_global = local
         if num_experts is not None and local != num_experts:
-            raise ValueError(f"{op}: argument 'w13' holds {local} experts; expected num_experts={num_experts} "
+            raise ValueError(f"{op}: argument '{weights_name}' holds {local} experts; expected num_experts={num_experts} "
                              f"(pass expert_map when the weights hold only this device's experts)")
     else:
         if expert_map.ndim != 1:
@@ -222,8 +229,8 @@ def _check_experts(op: str, x: Any, w13: Any, w2: Any, w13_bias: Any, w2_bias: A
         if values is not None and values.size and (values.min() < -1 or values.max() >= local):
             bad = int(values[(values < -1) | (values >= local)][0])
             raise ValueError(f"{op}: argument 'expert_map' holds {bad}; expected -1 (elsewhere) or a local expert "
-                             f"index in [0, {local}) ('w13' holds {local} experts)")
-    return fe, local, num_global
+                             f"index in [0, {local}) ('{weights_name}' holds {local} experts)")
+    return num_global
 
 
 def _check_routing(op: str, x: Any, fe: str, topk_weights: Any, topk_ids: Any, num_global: int) -> None:
@@ -376,7 +383,7 @@ class FusedMoE(CustomOp):
         enforce_enable: bool = False,
     ) -> None:
         super().__init__(enforce_enable=enforce_enable)
-        op = MOE_OP
+        op = type(self).name
         self.num_experts = _check_int(op, "num_experts", num_experts, minimum=1)
         self.top_k = _check_int(op, "top_k", top_k, minimum=1)
         if self.top_k > self.num_experts:
@@ -407,14 +414,21 @@ class FusedMoE(CustomOp):
 
     def check_inputs(self, hidden_states: Any, router_logits: Any, w13: Any, w2: Any, w13_bias: Any = None,
                      w2_bias: Any = None, e_score_correction_bias: Any = None, expert_map: Any = None) -> None:
-        op = MOE_OP
-        fe, _, _ = _check_experts(op, hidden_states, w13, w2, w13_bias, w2_bias, expert_map, self.activation,
-                                  hidden_size=self.hidden_size, intermediate_size=self.intermediate_size,
-                                  num_experts=self.num_experts)
+        fe, _, _ = _check_experts(type(self).name, hidden_states, w13, w2, w13_bias, w2_bias, expert_map,
+                                  self.activation, hidden_size=self.hidden_size,
+                                  intermediate_size=self.intermediate_size, num_experts=self.num_experts)
+        self._check_router_inputs(hidden_states, fe, router_logits, e_score_correction_bias,
+                                  biases={"w13_bias": w13_bias, "w2_bias": w2_bias})
+
+    def _check_router_inputs(self, hidden_states: Any, fe: str, router_logits: Any, e_score_correction_bias: Any,
+                             biases: dict[str, Any]) -> None:
+        """``router_logits`` and the correction bias; with ``has_bias``, the expert ``biases``
+        (``{argument name: value}``) must be given."""
+        op = type(self).name
         _check_2d(op, "router_logits", router_logits, "hidden_states", hidden_states, fe,
                   (hidden_states.shape[0], self.num_experts))
-        if self.has_bias and (w13_bias is None or w2_bias is None):
-            raise ValueError(f"{op}: has_bias=True needs 'w13_bias' and 'w2_bias'")
+        if self.has_bias and any(b is None for b in biases.values()):
+            raise ValueError(f"{op}: has_bias=True needs {' and '.join(map(repr, biases))}")
         check_optional_like(op, "e_score_correction_bias", e_score_correction_bias, "hidden_states", hidden_states,
                             fe, shape=(self.num_experts,))
 

@@ -151,3 +151,87 @@ __all__.append("MMEncoderAttention")
 for _op_class in (ops.RotaryEmbedding, ops.DualChunkRotaryEmbedding, ops.ApplyRotaryEmb):
     globals()[_op_class.__name__] = _op_layer(_op_class)
     __all__.append(_op_class.__name__)
+
+
+# --- mixture of experts: the layer owns the experts' weights (engine layout) and calls fused_moe ---
+class FusedMoE(nn.Module):
+    """``FusedMoE(num_experts, top_k, hidden_size, intermediate_size, renormalize=True,
+    use_grouped_topk=False, num_expert_group=None, topk_group=None, scoring_func="softmax",
+    routed_scaling_factor=1.0, activation="silu", apply_router_weight_on_input=False,
+    has_bias=False, params_dtype=None, expert_map=None, e_score_correction_bias=None)``;
+    ``forward(hidden_states [..., H], router_logits [..., E])`` -> ``[..., H]``.
+
+    The weights are ``UnquantizedFusedMoEMethod.create_weights``' (``w13_weight``, ``w2_weight``,
+    with ``has_bias`` ``w13_bias``/``w2_bias``; zeros, frozen), holding only the local experts when
+    ``expert_map`` (``[num_experts]``: local index or -1) is given. ``e_score_correction_bias``
+    (``[num_experts]``, DeepSeek-V3's router bias) is a float32 buffer when given or loaded.
+    ``load_hf_experts`` fills them from a transformers MoE block as it stores them.
+    """
+
+    def __init__(
+        self,
+        num_experts: int,
+        top_k: int,
+        hidden_size: int,
+        intermediate_size: int,
+        renormalize: bool = True,
+        use_grouped_topk: bool = False,
+        num_expert_group: int | None = None,
+        topk_group: int | None = None,
+        scoring_func: str = "softmax",
+        routed_scaling_factor: float = 1.0,
+        activation: str = "silu",
+        apply_router_weight_on_input: bool = False,
+        has_bias: bool = False,
+        params_dtype: torch.dtype | None = None,
+        expert_map: Any = None,
+        e_score_correction_bias: Any = None,
+    ) -> None:
+        super().__init__()
+        self.op = ops.FusedMoE(num_experts, top_k, hidden_size, intermediate_size, renormalize, use_grouped_topk,
+                               num_expert_group, topk_group, scoring_func, routed_scaling_factor, activation,
+                               apply_router_weight_on_input, has_bias)
+        local = num_experts
+        if expert_map is not None:
+            expert_map = torch.as_tensor(expert_map, dtype=torch.int32)
+            local = int((expert_map >= 0).sum())
+        self.register_buffer("expert_map", expert_map)
+        self.num_local_experts = local
+        self.op.quant_method.create_weights(self, local, hidden_size, intermediate_size,
+                                            params_dtype or torch.get_default_dtype(), has_bias)
+        if e_score_correction_bias is not None:
+            e_score_correction_bias = torch.as_tensor(e_score_correction_bias, dtype=torch.float32)
+        self.register_buffer("e_score_correction_bias", e_score_correction_bias)
+
+    def forward(self, hidden_states: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
+        shape = hidden_states.shape
+        out = self.op(hidden_states.reshape(-1, shape[-1]), router_logits.reshape(-1, router_logits.shape[-1]),
+                      self.w13_weight, self.w2_weight, getattr(self, "w13_bias", None), getattr(self, "w2_bias", None),
+                      self.e_score_correction_bias, self.expert_map)
+        return out.reshape(shape)
+
+    @torch.no_grad()
+    def load_hf_experts(self, source: Any, *, prefix: str = "", is_transposed: bool | None = None,
+                        is_concatenated: bool | None = None) -> FusedMoE:
+        """Fill the weights from a transformers MoE block (``MixtralSparseMoeBlock``,
+        ``Qwen3MoeSparseMoeBlock``, ``DeepseekV3MoE``, ``GptOssMLP``, ...), its ``experts`` module or
+        a state dict, as transformers stores them (``ops.moe_transformers.engine_weights_from_hf``
+        says how the layout is told); the router's ``e_score_correction_bias`` too when it has one.
+        The router's own weight stays with the model (this layer takes the logits). Returns self."""
+        from dualop.ops.moe_transformers import engine_weights_from_hf
+
+        loaded = engine_weights_from_hf(self.op, source, prefix=prefix, is_transposed=is_transposed,
+                                        is_concatenated=is_concatenated, expert_map=self.expert_map)
+        for name, value in loaded.items():
+            current = getattr(self, name, None)
+            if current is None:  # the correction bias, first loaded
+                self.e_score_correction_bias = value.detach().to(self.w13_weight.device, torch.float32).clone()
+            else:
+                current.copy_(value.detach().to(device=current.device, dtype=current.dtype))
+        return self
+
+    def extra_repr(self) -> str:
+        return f"{self.op.extra_repr()}, num_local_experts={self.num_local_experts}"
+
+
+__all__.append("FusedMoE")

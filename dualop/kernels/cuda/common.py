@@ -32,6 +32,24 @@ def cast_out(y, ptr, EXACT_BF16: tl.constexpr):
     return y.to(ptr.dtype.element_ty)
 
 
+@triton.jit
+def _dot(a, b, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    """``a @ b`` accumulated in float32. ``UPCAST`` (interpreting only) multiplies float32 copies:
+    Triton's interpreter reads bfloat16 dot operands as raw integers (seen in 3.5 and 3.9); the
+    upcast is exact, so products and sums are the ones a GPU's float32 accumulation makes."""
+    if UPCAST:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    return tl.dot(a, b, input_precision=PRECISION)
+
+
+@triton.jit
+def _cast(x, dtype: tl.constexpr, EXACT_BF16: tl.constexpr):
+    """float32 ``x`` to ``dtype``, rounding to nearest even in the interpreter too (``cast_out``)."""
+    if EXACT_BF16:
+        x = _round_to_bf16(x)
+    return x.to(dtype)
+
+
 def needs_exact_bf16(dtype: torch.dtype) -> bool:
     return dtype == torch.bfloat16 and interpreting()
 

@@ -48,7 +48,7 @@ import triton
 import triton.language as tl
 
 from dualop.kernels.cuda import interpreting
-from dualop.kernels.cuda.common import _round_to_bf16, cast_out, needs_exact_bf16
+from dualop.kernels.cuda.common import _cast, _dot, cast_out, needs_exact_bf16
 from dualop.kernels.paged_attention_math import DEFAULT_MASK_VALUE, masked_positions_vanish
 
 __all__ = ["ragged_paged_attention", "DEFAULT_MASK_VALUE", "block_shape"]
@@ -62,24 +62,6 @@ def _soft_cap(s, cap):
     e = tl.exp(-2.0 * tl.abs(x))
     t = (1.0 - e) / (1.0 + e)
     return cap * tl.where(x < 0.0, -t, t)
-
-
-@triton.jit
-def _dot(a, b, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
-    """``a @ b`` accumulated in float32. ``UPCAST`` (interpreting only) multiplies float32 copies:
-    Triton's interpreter reads bfloat16 dot operands as raw integers (seen in 3.5 and 3.9); the
-    upcast is exact, so products and sums are the ones a GPU's float32 accumulation makes."""
-    if UPCAST:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
-    return tl.dot(a, b, input_precision=PRECISION)
-
-
-@triton.jit
-def _cast(x, dtype: tl.constexpr, EXACT_BF16: tl.constexpr):
-    """float32 ``x`` to ``dtype``, rounding to nearest even in the interpreter too (``cast_out``)."""
-    if EXACT_BF16:
-        x = _round_to_bf16(x)
-    return x.to(dtype)
 
 
 @triton.jit
