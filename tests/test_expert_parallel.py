@@ -319,13 +319,25 @@ def _free_port() -> int:
 
 
 def _torch_rank(rank: int, world: int, port: int) -> None:
-    """One rank: the one-process result, then the all-reduce and all-to-all forms over gloo."""
+    """One rank: the one-process result, then the all-reduce and all-to-all forms over gloo; on
+    the "cuda" platform the experts are the Triton kernels (interpreted here on CPU tensors)."""
     import torch
 
     from dualop.torch import expert_parallel as ep
 
     group = ep.init_expert_parallel_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                                           world_size=world)
+    for platform in ("cpu", "cuda"):
+        with override_platform(platform), set_config(OpsConfig(["all"])):
+            _torch_rank_checks(rank, world, group, platform)
+    torch.distributed.destroy_process_group()
+
+
+def _torch_rank_checks(rank: int, world: int, group, platform: str) -> None:
+    import torch
+
+    from dualop.torch import expert_parallel as ep
+
     experts = 10  # uneven blocks over 4 ranks: 3, 3, 2, 2
     for activation in ("silu",) if world == 2 else ("swigluoai",):
         p = _experts_problem(np.random.default_rng(11), tokens=9, experts=experts, activation=activation)
@@ -333,7 +345,7 @@ def _torch_rank(rank: int, world: int, port: int) -> None:
             t = {k: testing.to_frontend(v, "torch", "int32" if k == "ids" else dtype) for k, v in p.items()}
             t["weights"] = torch.from_numpy(p["weights"])
             whole = (t["w13"], t["w2"], t["b13"], t["b2"])
-            want = UnquantizedFusedMoEMethod(activation)(t["x"], t["weights"], t["ids"], *whole)
+            want = UnquantizedFusedMoEMethod(activation).forward_native(t["x"], t["weights"], t["ids"], *whole)
             _, expert_map = ep.expert_map_for_rank(experts, world, rank)
             mine = [ep.local_experts(w, experts, world, rank) for w in whole]
 
@@ -348,7 +360,9 @@ def _torch_rank(rank: int, world: int, port: int) -> None:
             got = a2a_op(t["x"][lo:hi], t["weights"][lo:hi], t["ids"][lo:hi], *mine, expert_map)
             assert ep_close(got.float().numpy(), want[lo:hi].float().numpy(), dtype), ("all_to_all", activation, dtype,
                                                                                       rank)
-    torch.distributed.destroy_process_group()
+            if platform == "cuda":  # the Triton experts ran between prepare and finalize
+                for op in (reduce_op, a2a_op):
+                    assert op.last_run("torch", "cuda")[0] == "forward_cuda", op.last_run("torch", "cuda")
 
 
 @pytest.mark.parametrize("world", [2, 4])
