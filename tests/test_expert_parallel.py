@@ -307,6 +307,10 @@ def test_jax_expert_parallel_rejects_bad_arguments():
         expert_parallel_moe(mesh, "ep", x, logits, w13[:2], w2[:2], op=op)
     with pytest.raises(ValueError, match="expert_parallel_moe: argument 'capacity' must be a positive int"):
         expert_parallel_moe(mesh, "ep", x, logits, w13, w2, op=op, capacity=0)
+    from dualop.ops import TransformersFusedMoE
+
+    with pytest.raises(TypeError, match="expert_parallel_moe: argument 'op' must be a dualop.ops.FusedMoE"):
+        expert_parallel_moe(mesh, "ep", x, logits, w13, w2, op=TransformersFusedMoE(4, 2, 8, 4))
 
 
 # --- torch: 2 and 4 gloo processes ---------------------------------------------------------------

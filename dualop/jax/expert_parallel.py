@@ -128,8 +128,9 @@ def _check(mesh: Mesh, axis: Any, mode: str, op: Any, w13: Any, hidden_states: A
         raise ValueError(f"{_NAME}: axis {axis!r} is not an axis of the mesh {tuple(mesh.axis_names)}")
     if mode not in MODES:
         raise ValueError(f"{_NAME}: argument 'mode' is {mode!r}; expected one of {', '.join(map(repr, MODES))}")
-    if not isinstance(op, FusedMoE):
-        raise TypeError(f"{_NAME}: argument 'op' must be a dualop.ops.FusedMoE, got {type(op).__qualname__}")
+    if type(op) is not FusedMoE:  # a subclass may read other weight layouts (transformers_fused_moe)
+        raise TypeError(f"{_NAME}: argument 'op' must be a dualop.ops.FusedMoE (the engine's weight layout), got "
+                        f"{type(op).__qualname__}")
     n = mesh.shape[axis]
     if w13.shape[0] != op.num_experts or op.num_experts % n:
         raise ValueError(f"{_NAME}: 'w13' holds {w13.shape[0]} experts and op.num_experts is {op.num_experts}; "
