@@ -1,14 +1,14 @@
-"""The MoE experts on the CPU for torch tensors: a grouped matmul over the (token, slot) pairs
-sorted by expert, computing only the experts that have tokens.
+"""The MoE experts on the CPU for torch tensors: the (token, slot) pairs sorted by expert
+(``moe_math.sort_by_expert``), then each projection as one grouped matmul over the experts that
+have tokens (kernel: ``csrc/moe.cc``), the activation and the weighted combine in between.
 
-Both projections run in float32 (the intermediate activation stays float32, ``moe_math``'s rule):
-torch's CPU matmuls return their operands' dtype (``torch.mm`` has no float32 output for bfloat16
-operands on the CPU, and ``torch._grouped_mm`` requires the output dtype to match), so a 16-bit
-layer's weights are widened to float32 - only the experts that have tokens, once per call.
-
-The grouped matmul is ``torch._grouped_mm`` (one ATen call for all experts) where this torch has it
-and the strides are 16-byte aligned (``H`` and ``I`` multiples of 4 in float32); else one
-``torch.mm`` per expert with tokens.
+Why a C++ grouped matmul: torch's CPU matmuls return their operands' dtype (``torch.mm`` has no
+float32 output for bfloat16 operands on the CPU; ``torch._grouped_mm`` requires the output dtype
+to match), and the intermediate activation must stay float32 (``moe_math``'s rule). Through torch
+that means widening the used experts' weights to float32 first (a pass writing twice their bytes),
+then a float32 matmul, and on a CPU ``torch._grouped_mm`` with transposed weights is slower still
+than one ``torch.mm`` per expert. The kernel reads the weights once at their own size and widens
+them in registers (see BENCHMARKS.md for the measurements).
 """
 
 from __future__ import annotations
@@ -16,35 +16,28 @@ from __future__ import annotations
 from typing import Any
 
 from dualop.kernels import moe_math
+from dualop.kernels.cpu import load
+from dualop.kernels.cpu.common import dtype_code, pointer, threads_for
 from dualop.ops._checks import decline_if_recording
 
 __all__ = ["fused_experts"]
 
 _OP = "unquantized_fused_moe"
-_FLOAT_DTYPES = ("float32", "bfloat16", "float16")
 
 
-def _has_grouped_mm() -> bool:
-    import torch
-
-    return hasattr(torch, "_grouped_mm")
-
-
-def _grouped_linear(rows: Any, weights: Any, counts: list[int]) -> Any:
-    """``rows[s:e] @ weights[i].T`` for consecutive row ranges of ``counts[i]`` rows, float32.
-
-    ``weights`` ``[G, N, K]`` float32 holds only the groups that have rows (every count > 0)."""
+def _grouped_linear(rows: Any, weights: Any, group_expert: Any, group_start: Any) -> Any:
+    """float32 ``rows[r] @ weights[e].T`` for the rows of each group (expert ``group_expert[g]``,
+    rows ``group_start[g]`` to ``group_start[g + 1]``); ``rows`` float32 ``[R, K]``, ``weights``
+    ``[E, N, K]`` in any kernel dtype."""
     import torch
 
     _, n, k = weights.shape
-    if _has_grouped_mm() and n % 4 == 0 and k % 4 == 0 and len(counts) > 1:
-        offsets = torch.tensor(counts, dtype=torch.int32).cumsum(0, dtype=torch.int32)
-        return torch._grouped_mm(rows, weights.transpose(1, 2), offs=offsets)
-    out = rows.new_empty((rows.shape[0], n))
-    start = 0
-    for group, count in enumerate(counts):
-        torch.mm(rows[start:start + count], weights[group].T, out=out[start:start + count])
-        start += count
+    out = torch.empty((rows.shape[0], n), dtype=torch.float32)
+    status = load().dualop_moe_grouped_linear(
+        dtype_code(weights), pointer(rows), pointer(weights), pointer(group_expert), pointer(group_start),
+        group_expert.shape[0], pointer(out), n, k, threads_for(rows.shape[0] * n * k))
+    if status != 0:
+        raise NotImplementedError(f"dualop_moe_grouped_linear returned {status}")
     return out
 
 
@@ -71,8 +64,8 @@ def fused_experts(
     tensors = (x, topk_weights, topk_ids, w13, w2, w13_bias, w2_bias, expert_map)
     if any(t is not None and t.device.type != "cpu" for t in tensors):
         raise NotImplementedError(f"{_OP}: the CPU path takes CPU tensors")
-    if str(x.dtype).removeprefix("torch.") not in _FLOAT_DTYPES:
-        raise NotImplementedError(f"{_OP}: the CPU path has no {x.dtype} matmul")
+    if dtype_code(w13) is None:
+        raise NotImplementedError(f"{_OP}: the C++ CPU kernel has no {w13.dtype} weights")
     tokens, hidden = x.shape
     if tokens == 0:
         return x.new_empty((0, hidden))
@@ -93,19 +86,17 @@ def fused_experts(
     rows = x.index_select(0, token_of_row).to(f32)
     if apply_router_weight_on_input:
         rows = rows * weight_of_row[:, None]
-    experts = torch.tensor(used, dtype=torch.int64)
-    expert_of_row = torch.repeat_interleave(torch.arange(len(used)), torch.tensor(counts))
+    group_expert = torch.tensor(used, dtype=torch.int64)
+    group_start = torch.tensor([0, *counts], dtype=torch.int64).cumsum(0)
+    expert_of_row = torch.repeat_interleave(group_expert, torch.tensor(counts))
+    w13, w2 = w13.contiguous(), w2.contiguous()
 
-    def used_weights(w: Any) -> Any:
-        w = w if len(used) == num_local else w.index_select(0, experts)
-        return w.to(f32).contiguous()
-
-    h = _grouped_linear(rows, used_weights(w13), counts)
+    h = _grouped_linear(rows, w13, group_expert, group_start)
     if w13_bias is not None:
-        h += used_weights(w13_bias).index_select(0, expert_of_row)
-    y = _grouped_linear(moe_math.activate(xp, h, activation), used_weights(w2), counts)
+        h += w13_bias.to(f32).index_select(0, expert_of_row)
+    y = _grouped_linear(moe_math.activate(xp, h, activation).contiguous(), w2, group_expert, group_start)
     if w2_bias is not None:
-        y += used_weights(w2_bias).index_select(0, expert_of_row)
+        y += w2_bias.to(f32).index_select(0, expert_of_row)
     if not apply_router_weight_on_input:
         y *= weight_of_row[:, None]
     out.index_add_(0, token_of_row, y)
