@@ -1,14 +1,14 @@
 """The MoE experts on the CPU for torch tensors: the (token, slot) pairs sorted by expert
-(``moe_math.sort_by_expert``), then each projection as one grouped matmul over the experts that
-have tokens (kernel: ``csrc/moe.cc``), the activation and the weighted combine in between.
+(``moe_math.sort_by_expert``), then each projection as a grouped matmul over only the experts that
+have tokens, the activation (float32) and the weighted combine in between.
 
-Why a C++ grouped matmul: torch's CPU matmuls return their operands' dtype (``torch.mm`` has no
-float32 output for bfloat16 operands on the CPU; ``torch._grouped_mm`` requires the output dtype
-to match), and the intermediate activation must stay float32 (``moe_math``'s rule). Through torch
-that means widening the used experts' weights to float32 first (a pass writing twice their bytes),
-then a float32 matmul, and on a CPU ``torch._grouped_mm`` with transposed weights is slower still
-than one ``torch.mm`` per expert. The kernel reads the weights once at their own size and widens
-them in registers (see BENCHMARKS.md for the measurements).
+The intermediate activation must stay float32 (``moe_math``'s rule), and torch's CPU matmuls
+return their operands' dtype (``torch.mm`` has no float32 output for bfloat16 operands on the CPU;
+``torch._grouped_mm`` requires the output dtype to match, and with transposed weights it measured
+slower than one ``torch.mm`` per expert). So a 16-bit layer's matmuls run in float32. For the
+small groups of decode the C++ kernel (``csrc/moe.cc``) reads each weight once at its own size and
+widens it in registers; larger groups are compute-bound and go to torch's float32 matmul with that
+expert's weights widened once.
 """
 
 from __future__ import annotations
@@ -23,21 +23,39 @@ from dualop.ops._checks import decline_if_recording
 __all__ = ["fused_experts"]
 
 _OP = "unquantized_fused_moe"
+# Row count from which torch's float32 matmul beats the C++ kernel on one expert's group.
+_KERNEL_MAX_ROWS = 16
 
 
-def _grouped_linear(rows: Any, weights: Any, group_expert: Any, group_start: Any) -> Any:
-    """float32 ``rows[r] @ weights[e].T`` for the rows of each group (expert ``group_expert[g]``,
-    rows ``group_start[g]`` to ``group_start[g + 1]``); ``rows`` float32 ``[R, K]``, ``weights``
-    ``[E, N, K]`` in any kernel dtype."""
+def _grouped_linear(rows: Any, weights: Any, used: list[int], counts: list[int]) -> Any:
+    """float32 ``rows[r] @ weights[used[g]].T`` for consecutive row groups of ``counts[g]`` rows;
+    ``rows`` float32 ``[R, K]``, ``weights`` ``[E, N, K]`` in any kernel dtype.
+
+    Groups of fewer than ``_KERNEL_MAX_ROWS`` rows (decode) go to the C++ kernel, which reads each
+    weight once at its own size; larger groups are compute-bound and go to torch's float32
+    matmul with that expert's weights widened (measured crossover, BENCHMARKS.md)."""
     import torch
 
     _, n, k = weights.shape
     out = torch.empty((rows.shape[0], n), dtype=torch.float32)
-    status = load().dualop_moe_grouped_linear(
-        dtype_code(weights), pointer(rows), pointer(weights), pointer(group_expert), pointer(group_start),
-        group_expert.shape[0], pointer(out), n, k, threads_for(rows.shape[0] * n * k))
-    if status != 0:
-        raise NotImplementedError(f"dualop_moe_grouped_linear returned {status}")
+    starts = [0]
+    for count in counts:
+        starts.append(starts[-1] + count)
+    small = [g for g, count in enumerate(counts) if count < _KERNEL_MAX_ROWS]
+    if small:
+        group_expert = torch.tensor([used[g] for g in small], dtype=torch.int64)
+        group_start = torch.tensor([starts[g] for g in small], dtype=torch.int64)
+        group_end = torch.tensor([starts[g + 1] for g in small], dtype=torch.int64)
+        status = load().dualop_moe_grouped_linear(
+            dtype_code(weights), pointer(rows), pointer(weights), pointer(group_expert), pointer(group_start),
+            pointer(group_end), len(small), pointer(out), n, k,
+            threads_for(sum(counts[g] for g in small) * n * k))
+        if status != 0:
+            raise NotImplementedError(f"dualop_moe_grouped_linear returned {status}")
+    for g, count in enumerate(counts):
+        if count >= _KERNEL_MAX_ROWS:
+            torch.mm(rows[starts[g]:starts[g + 1]], weights[used[g]].to(torch.float32).T,
+                     out=out[starts[g]:starts[g + 1]])
     return out
 
 
@@ -86,15 +104,13 @@ def fused_experts(
     rows = x.index_select(0, token_of_row).to(f32)
     if apply_router_weight_on_input:
         rows = rows * weight_of_row[:, None]
-    group_expert = torch.tensor(used, dtype=torch.int64)
-    group_start = torch.tensor([0, *counts], dtype=torch.int64).cumsum(0)
-    expert_of_row = torch.repeat_interleave(group_expert, torch.tensor(counts))
+    expert_of_row = torch.repeat_interleave(torch.tensor(used), torch.tensor(counts))
     w13, w2 = w13.contiguous(), w2.contiguous()
 
-    h = _grouped_linear(rows, w13, group_expert, group_start)
+    h = _grouped_linear(rows, w13, used, counts)
     if w13_bias is not None:
         h += w13_bias.to(f32).index_select(0, expert_of_row)
-    y = _grouped_linear(moe_math.activate(xp, h, activation).contiguous(), w2, group_expert, group_start)
+    y = _grouped_linear(moe_math.activate(xp, h, activation).contiguous(), w2, used, counts)
     if w2_bias is not None:
         y += w2_bias.to(f32).index_select(0, expert_of_row)
     if not apply_router_weight_on_input:

@@ -1,7 +1,8 @@
 // Mixture-of-experts pieces on the CPU (semantics: dualop.kernels.moe_math).
 //
 // dualop_moe_grouped_linear: out[r, n] = sum_k x[r, k] * w[e(r), n, k] in float32, for rows r
-// grouped by expert (rows group_start[g] .. group_start[g + 1] use expert group_expert[g]). x is
+// grouped by expert (rows group_start[g] .. group_end[g] - 1 use expert group_expert[g]; rows of
+// no group are left untouched). x is
 // float32 (the token rows, or the float32 activation: it is never rounded to 16 bits); the weights
 // stay in their dtype and are widened in registers, so a 16-bit layer's weights are read once, at
 // their own size (decode is weight-bandwidth bound). Each weight row is used for four token rows
@@ -49,14 +50,14 @@ constexpr int64_t kBlockN = 16;
 
 template <class T>
 static void grouped_linear(const float* x, const T* w, const int64_t* group_expert, const int64_t* group_start,
-                           int64_t groups, float* out, int64_t n, int64_t k, int threads) {
+                           const int64_t* group_end, int64_t groups, float* out, int64_t n, int64_t k, int threads) {
   const int64_t blocks = (n + kBlockN - 1) / kBlockN;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
   for (int64_t item = 0; item < groups * blocks; ++item) {
     const int64_t g = item / blocks, n0 = (item % blocks) * kBlockN;
     const int64_t n1 = n0 + kBlockN < n ? n0 + kBlockN : n;
     const T* we = w + group_expert[g] * n * k;
-    const int64_t r0 = group_start[g], r1 = group_start[g + 1];
+    const int64_t r0 = group_start[g], r1 = group_end[g];
     for (int64_t col = n0; col < n1; ++col) {
       const T* wr = we + col * k;
       int64_t r = r0;
@@ -152,13 +153,13 @@ static void grouped_topk(const T* logits, const float* bias, float* weights, int
 }  // namespace dualop
 
 extern "C" int dualop_moe_grouped_linear(int dtype, const float* x, const void* w, const int64_t* group_expert,
-                                         const int64_t* group_start, int64_t groups, float* out, int64_t n,
-                                         int64_t k, int threads) {
+                                         const int64_t* group_start, const int64_t* group_end, int64_t groups,
+                                         float* out, int64_t n, int64_t k, int threads) {
   using namespace dualop;
   switch (dtype) {
-    case 0: grouped_linear(x, static_cast<const float*>(w), group_expert, group_start, groups, out, n, k, threads); return 0;
-    case 1: grouped_linear(x, static_cast<const bf16*>(w), group_expert, group_start, groups, out, n, k, threads); return 0;
-    case 2: grouped_linear(x, static_cast<const f16*>(w), group_expert, group_start, groups, out, n, k, threads); return 0;
+    case 0: grouped_linear(x, static_cast<const float*>(w), group_expert, group_start, group_end, groups, out, n, k, threads); return 0;
+    case 1: grouped_linear(x, static_cast<const bf16*>(w), group_expert, group_start, group_end, groups, out, n, k, threads); return 0;
+    case 2: grouped_linear(x, static_cast<const f16*>(w), group_expert, group_start, group_end, groups, out, n, k, threads); return 0;
     default: return -1;
   }
 }
