@@ -5,8 +5,10 @@ The op runs it for jax arrays on the CPU and on GPUs (XLA lowers the ragged matm
 
 The weights are read in their stored layout (``w13`` ``[E, rows, H]``, ``w2`` ``[E, H, I]``
 contract their last dim), so no transposed copy of them is made. Both matmuls accumulate in
-float32. The float32 intermediate meets 16-bit ``w2`` as a high and a low 16-bit half (two ragged
-matmuls), so it is not rounded to 16 bits (``moe_math``'s rule) and the weights stay 16-bit.
+float32. The float32 intermediate is never rounded to 16 bits (``moe_math``'s rule): on GPUs it
+meets 16-bit ``w2`` as a high and a low 16-bit half (two ragged matmuls on the matrix units); on
+the CPU, whose XLA dot widens 16-bit operands to float32 anyway, ``w2`` is widened instead (one
+matmul; measured faster there).
 Pairs routed to other devices' experts sort last, outside every group: their rows come out 0.
 """
 
@@ -27,13 +29,20 @@ def _ragged_linear(rows: Any, weights: Any, group_sizes: Any) -> Any:
     numbers = jax.lax.RaggedDotDimensionNumbers(
         dot_dimension_numbers=(([1], [2]), ([], [])), lhs_ragged_dimensions=[0], rhs_group_dimensions=[0])
 
-    def dot(lhs: Any) -> Any:
-        return jax.lax.ragged_dot_general(lhs, weights, group_sizes, numbers, preferred_element_type=jnp.float32)
+    def dot(lhs: Any, rhs: Any) -> Any:
+        return jax.lax.ragged_dot_general(lhs, rhs, group_sizes, numbers, preferred_element_type=jnp.float32)
 
     if rows.dtype == weights.dtype:
-        return dot(rows)
-    high = rows.astype(weights.dtype)  # float32 rows, 16-bit weights: two exact-enough halves
-    return dot(high) + dot((rows - high.astype(jnp.float32)).astype(weights.dtype))
+        return dot(rows, weights)
+
+    def widened_weights(rows, weights):  # XLA's CPU dot widens 16-bit operands to float32 anyway
+        return dot(rows, weights.astype(jnp.float32))
+
+    def two_halves(rows, weights):  # 16-bit matrix units: the float32 rows as two exact-enough halves
+        high = rows.astype(weights.dtype)
+        return dot(high, weights) + dot((rows - high.astype(jnp.float32)).astype(weights.dtype), weights)
+
+    return jax.lax.platform_dependent(rows, weights, cpu=widened_weights, default=two_halves)
 
 
 @functools.partial(jax.jit, static_argnames=("activation", "apply_router_weight_on_input"))
