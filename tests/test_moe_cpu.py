@@ -126,6 +126,16 @@ def test_large_groups_take_the_torch_matmul_and_agree():
         _close(kernel(*a, activation="silu"), _reference(a, "silu"), dtype)
 
 
+def test_transposed_weight_views_are_read_in_place():
+    """transformers' gpt-oss layout reaches the CPU path as ``.mT`` views of [E, H, 2I] / [E, I, H]."""
+    kernel = _torch_kernel()
+    x, weights, ids, w13, w2, b13, b2, _ = _cast(_problem(20, 8, 2, 64, 32, bias=True), torch.bfloat16)
+    w13_view, w2_view = w13.mT.contiguous().mT, w2.mT.contiguous().mT
+    assert not w13_view.is_contiguous()
+    out = kernel(x, weights, ids, w13_view, w2_view, b13, b2, activation="silu")
+    _close(out, _reference((x, weights, ids, w13, w2, b13, b2, None), "silu"), torch.bfloat16)
+
+
 def test_torch_kernel_declines_under_autograd():
     kernel = _torch_kernel()
     x, weights, ids, w13, w2, *_ = _problem(3, 8, 2, 64, 32)

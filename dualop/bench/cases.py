@@ -39,7 +39,9 @@ class BenchCase:
     ``hidden``. make_inputs(shape, rng): float32 numpy positional arguments. cost(op, shape,
     itemsize): the kernel's cost model for one call. torch_builtin(op) / jax_handwritten(op): the
     peer's function, called with the same arguments as the op, or None when there is none.
-    default: run when ``--ops`` is not given. shape_of: see ``input_shape``.
+    default: run when ``--ops`` is not given. shape_of: see ``input_shape``. matrix: the flops
+    are matmuls on the matrix units (the roofline then takes the device's 16-bit matrix peak for
+    16-bit inputs, rather than its float32 vector peak).
     """
 
     label: str
@@ -51,6 +53,7 @@ class BenchCase:
     jax_handwritten: Callable[[Any], Callable[..., Any]] | None = None
     default: bool = True
     shape_of: Callable[[tuple[int, ...]], tuple[int, ...]] | None = None
+    matrix: bool = False
 
     def input_shape(self, size: tuple[int, ...]) -> tuple[int, ...]:
         """The shape this case runs for a bench size (``small``, ``RxC``, ...): the size itself,
@@ -590,7 +593,7 @@ def _jax_moe(op):
 
 
 CASES = (*CASES, *(BenchCase(f"fused_moe[{family}]", "fused_moe", _moe_op(family), _moe_inputs(family), _moe_cost,
-                             _torch_moe, _jax_moe, default=False) for family in MOE_FAMILIES))
+                             _torch_moe, _jax_moe, default=False, matrix=True) for family in MOE_FAMILIES))
 
 
 DEFAULT_CASES: tuple[str, ...] = tuple(c.label for c in CASES if c.default)

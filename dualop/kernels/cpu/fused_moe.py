@@ -33,7 +33,10 @@ def _grouped_linear(rows: Any, weights: Any, used: list[int], counts: list[int])
 
     Groups of fewer than ``_KERNEL_MAX_ROWS`` rows (decode) go to the C++ kernel, which reads each
     weight once at its own size; larger groups are compute-bound and go to torch's float32
-    matmul with that expert's weights widened (measured crossover, BENCHMARKS.md)."""
+    matmul with that expert's weights widened (measured crossover, BENCHMARKS.md). The kernel
+    needs each weight row contiguous (``K`` innermost); other layouts (the transposed views of
+    transformers' gpt-oss weights) take torch's matmul for every group rather than a copy of
+    every expert."""
     import torch
 
     _, n, k = weights.shape
@@ -41,7 +44,8 @@ def _grouped_linear(rows: Any, weights: Any, used: list[int], counts: list[int])
     starts = [0]
     for count in counts:
         starts.append(starts[-1] + count)
-    small = [g for g, count in enumerate(counts) if count < _KERNEL_MAX_ROWS]
+    rows_contiguous = weights.stride(2) == 1 and weights.stride(1) == k and weights.stride(0) == n * k
+    small = [g for g, count in enumerate(counts) if count < _KERNEL_MAX_ROWS and rows_contiguous]
     if small:
         group_expert = torch.tensor([used[g] for g in small], dtype=torch.int64)
         group_start = torch.tensor([starts[g] for g in small], dtype=torch.int64)
@@ -53,7 +57,7 @@ def _grouped_linear(rows: Any, weights: Any, used: list[int], counts: list[int])
         if status != 0:
             raise NotImplementedError(f"dualop_moe_grouped_linear returned {status}")
     for g, count in enumerate(counts):
-        if count >= _KERNEL_MAX_ROWS:
+        if count >= _KERNEL_MAX_ROWS or not rows_contiguous:
             torch.mm(rows[starts[g]:starts[g + 1]], weights[used[g]].to(torch.float32).T,
                      out=out[starts[g]:starts[g + 1]])
     return out
@@ -105,7 +109,6 @@ def fused_experts(
     if apply_router_weight_on_input:
         rows = rows * weight_of_row[:, None]
     expert_of_row = torch.repeat_interleave(torch.tensor(used), torch.tensor(counts))
-    w13, w2 = w13.contiguous(), w2.contiguous()
 
     h = _grouped_linear(rows, w13, used, counts)
     if w13_bias is not None:
