@@ -65,9 +65,6 @@ NATIVE_CASES = {
     ("swigluoai_and_mul", "torch", "cpu"): "the C++ CPU kernel has no swigluoai gate",
     ("rms_norm[var_hidden_size]", "torch", "cpu"): "var_hidden_size < hidden_size",
     ("xielu", "torch", "cpu"): "torch has no fused xIELU",
-    **{(label, fe, "cpu"): "forward_cpu not implemented"
-       for label in ("grouped_topk[softmax,k2]", "grouped_topk[softmax,groups,k4,no_renorm]",
-                     "grouped_topk[sigmoid,groups,bias,k6,scale2.5]") for fe in ("torch", "jax")},
 }
 
 

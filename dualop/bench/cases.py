@@ -39,7 +39,9 @@ class BenchCase:
     ``hidden``. make_inputs(shape, rng): float32 numpy positional arguments. cost(op, shape,
     itemsize): the kernel's cost model for one call. torch_builtin(op) / jax_handwritten(op): the
     peer's function, called with the same arguments as the op, or None when there is none.
-    default: run when ``--ops`` is not given. shape_of: see ``input_shape``.
+    default: run when ``--ops`` is not given. shape_of: see ``input_shape``. matrix: the flops
+    are matmuls on the matrix units (the roofline then takes the device's 16-bit matrix peak for
+    16-bit inputs, rather than its float32 vector peak).
     """
 
     label: str
@@ -51,6 +53,7 @@ class BenchCase:
     jax_handwritten: Callable[[Any], Callable[..., Any]] | None = None
     default: bool = True
     shape_of: Callable[[tuple[int, ...]], tuple[int, ...]] | None = None
+    matrix: bool = False
 
     def input_shape(self, size: tuple[int, ...]) -> tuple[int, ...]:
         """The shape this case runs for a bench size (``small``, ``RxC``, ...): the size itself,
@@ -503,6 +506,95 @@ def _jax_encoder_attention(op):
 
 CASES = (*CASES, BenchCase("mm_encoder_attn", "mm_encoder_attn", _encoder_attention, _encoder_inputs, _encoder_cost,
                            _torch_encoder_attention, _jax_encoder_attention, default=False))
+
+
+# --- mixture of experts ------------------------------------------------------------------------
+# ``fused_moe`` (routing + experts) on x of (tokens, hidden), with the expert count, top-k and the
+# intermediate size per hidden size of two model families: Mixtral (8 experts, top-2, I = 3.5 H)
+# and Qwen3-MoE (top-8, I = 0.375 H; 64 experts here, half of Qwen3-30B-A3B's 128). Pass sizes
+# (``--sizes 1x1024,64x1024,512x1024``): the default sizes are for row-wise ops.
+MOE_FAMILIES: dict[str, tuple[int, int, float]] = {"mixtral": (8, 2, 3.5), "qwen3": (64, 8, 0.375)}
+
+
+def _moe_op(family: str) -> Callable[[int], Any]:
+    def make(hidden: int):
+        from dualop.ops import FusedMoE
+
+        experts, top_k, ratio = MOE_FAMILIES[family]
+        return FusedMoE(experts, top_k, hidden, max(1, round(hidden * ratio)), renormalize=True)
+
+    return make
+
+
+def _moe_inputs(family: str) -> Callable[[tuple[int, ...], np.random.Generator], tuple]:
+    def make(shape, rng):
+        tokens, hidden = shape
+        experts, _, ratio = MOE_FAMILIES[family]
+        inter = max(1, round(hidden * ratio))
+        return (_normal(shape, rng), _normal((tokens, experts), rng, 2.0),
+                _normal((experts, 2 * inter, hidden), rng, hidden ** -0.5),
+                _normal((experts, hidden, inter), rng, inter ** -0.5))
+
+    return make
+
+
+def _moe_cost(op, shape, itemsize) -> KernelCost:
+    return cost_model.fused_moe_cost(shape[0], op.top_k, op.num_experts, shape[1], op.intermediate_size, itemsize)
+
+
+def _torch_moe(op):
+    """transformers' own experts (``MixtralExperts``, the module Mixtral's sparse block calls; its
+    eager implementation) after the router's softmax and top-k. Run in float32: in bfloat16 the
+    block rounds the intermediate to bfloat16 and so computes a different value from the op's
+    (float32 until the second matmul); its bfloat16 timings are in BENCHMARKS.md."""
+    import torch
+    from transformers import MixtralConfig
+    from transformers.models.mixtral.modeling_mixtral import MixtralExperts
+
+    config = MixtralConfig(hidden_size=op.hidden_size, intermediate_size=op.intermediate_size,
+                           num_local_experts=op.num_experts, num_experts_per_tok=op.top_k)
+    config._experts_implementation = "eager"
+    experts = MixtralExperts(config).requires_grad_(False)
+
+    def moe(hidden_states, router_logits, w13, w2):
+        # top-k as a stable sort: equal scores (frequent with 16-bit logits) go to the lower expert
+        # index, the op's rule (torch.topk leaves their order unspecified)
+        weights, ids = torch.sort(torch.softmax(router_logits.float(), dim=-1), dim=-1, descending=True, stable=True)
+        weights, ids = weights[:, :op.top_k], ids[:, :op.top_k]
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+        experts.gate_up_proj.data, experts.down_proj.data = w13.float(), w2.float()
+        return experts(hidden_states.float(), ids, weights).to(hidden_states.dtype)
+
+    return moe
+
+
+def _jax_moe(op):
+    """What a user writes with ``jax.lax.ragged_dot``: softmax and top-k, the routed rows sorted by
+    expert, both projections as ragged matmuls with float32 accumulation (the second in float32,
+    so the intermediate is not rounded), a scatter-add of the weighted rows."""
+    import jax
+    import jax.numpy as jnp
+
+    f32, top_k, num_experts = jnp.float32, op.top_k, op.num_experts
+
+    def moe(hidden_states, router_logits, w13, w2):
+        weights, ids = jax.lax.top_k(jax.nn.softmax(router_logits.astype(f32), axis=-1), top_k)
+        weights = weights / weights.sum(axis=-1, keepdims=True)
+        order = jnp.argsort(ids.reshape(-1), stable=True)
+        sizes = jnp.bincount(ids.reshape(-1), length=num_experts).astype(jnp.int32)
+        token = order // top_k
+        h = jax.lax.ragged_dot(hidden_states[token], jnp.swapaxes(w13, 1, 2), sizes, preferred_element_type=f32)
+        inter = w2.shape[2]
+        a = jax.nn.silu(h[:, :inter]) * h[:, inter:]
+        y = jax.lax.ragged_dot(a, jnp.swapaxes(w2, 1, 2).astype(f32), sizes, preferred_element_type=f32)
+        out = jnp.zeros(hidden_states.shape, f32).at[token].add(y * weights.reshape(-1)[order, None])
+        return out.astype(hidden_states.dtype)
+
+    return moe
+
+
+CASES = (*CASES, *(BenchCase(f"fused_moe[{family}]", "fused_moe", _moe_op(family), _moe_inputs(family), _moe_cost,
+                             _torch_moe, _jax_moe, default=False, matrix=True) for family in MOE_FAMILIES))
 
 
 DEFAULT_CASES: tuple[str, ...] = tuple(c.label for c in CASES if c.default)

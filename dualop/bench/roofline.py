@@ -7,7 +7,8 @@ The bytes and flops are the ones the Pallas kernels give ``pl.CostEstimate``
 (``dualop/kernels/cost.py``); the Triton kernels read and write the same arrays once each, so the
 H100 predictions use the same cost functions.
 
-The kernels compute in float32 on vector units whatever the input dtype. H100's float32 (non-tensor)
+The kernels compute in float32 on vector units whatever the input dtype, except the cases marked
+``matrix`` (the MoE experts' matmuls), whose 16-bit inputs go to the matrix units' bf16 peak. H100's float32 (non-tensor)
 peak is published and used; TPUs publish only the bf16 peak of their matrix units, which bounds the
 vector unit's rate from above, so on TPUs the compute bound is optimistic (and still far below the
 memory bound for these ops). Transcendentals (exp, rsqrt, erf) have no published rate; they are
@@ -67,9 +68,12 @@ def predict(case: BenchCase, shape: tuple[int, ...], dtype: str, device: str) ->
     shape = case.input_shape(shape)
     cost = case.kernel_cost(tuple(shape), dtype)
     memory_s = cost.bytes_accessed / (dev.hbm_gbps * 1e9)
-    peak_tflops, peak_kind = (
-        (dev.f32_tflops, "float32") if dev.f32_tflops is not None else (dev.bf16_tflops, "bf16 matrix (optimistic)")
-    )
+    if case.matrix and dtype != "float32":  # matmuls on 16-bit operands: the matrix units' peak
+        peak_tflops, peak_kind = dev.bf16_tflops, "bf16 matrix"
+    elif dev.f32_tflops is not None:
+        peak_tflops, peak_kind = dev.f32_tflops, "float32"
+    else:
+        peak_tflops, peak_kind = dev.bf16_tflops, "bf16 matrix (optimistic)"
     compute_s = cost.flops / (peak_tflops * 1e12)
     predicted_s = max(memory_s, compute_s)
     return {

@@ -27,6 +27,8 @@ __all__ = [
     "rotary_cost",
     "POINTWISE_COUNTS",
     "ragged_paged_attention_cost",
+    "experts_used",
+    "fused_moe_cost",
 ]
 
 
@@ -141,3 +143,26 @@ def rotary_cost(tokens: int, heads: int, head_size: int, rotary_dim: int, itemsi
     cos_bytes = 2 * tokens * (rotary_dim // 2) * (cos_itemsize or itemsize)
     return KernelCost(flops=3 * tokens * heads * rotary_dim, transcendentals=0,
                       bytes_accessed=2 * n * itemsize + cos_bytes)
+
+
+def experts_used(tokens: int, top_k: int, num_experts: int) -> float:
+    """Expected number of distinct experts ``tokens`` tokens routed uniformly to ``top_k`` of
+    ``num_experts`` each reach: the experts whose weights a call must read."""
+    if tokens <= 0:
+        return 0.0
+    return num_experts * (1.0 - (1.0 - top_k / num_experts) ** tokens)
+
+
+def fused_moe_cost(tokens: int, top_k: int, num_experts: int, hidden: int, intermediate: int, itemsize: int,
+                   gated: bool = True) -> KernelCost:
+    """The experts of an MoE layer as two grouped matmuls over the ``tokens * top_k`` routed rows:
+    read x, the router logits and the weights of the experts in use (``experts_used``: decode is
+    bound by these bytes), write the output. Per row ``2 * hidden * (w13 rows + intermediate)``
+    flops and one transcendental per intermediate element (the activation)."""
+    rows = tokens * top_k
+    w13_rows = 2 * intermediate if gated else intermediate
+    weight_bytes = round(experts_used(tokens, top_k, num_experts) * (w13_rows + intermediate) * hidden) * itemsize
+    activations = 2 * tokens * hidden * itemsize + tokens * num_experts * itemsize
+    return KernelCost(flops=2 * rows * hidden * (w13_rows + intermediate),
+                      transcendentals=rows * intermediate if gated else 0,
+                      bytes_accessed=weight_bytes + activations)

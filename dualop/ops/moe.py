@@ -35,7 +35,7 @@ from dualop.backends.xla.pallas_bridge import call_pallas
 from dualop.custom_op import CustomOp
 from dualop.kernels import moe_math
 from dualop.kernels.registry import KernelRef
-from dualop.ops._checks import check_array, check_optional_like, concrete_values, dtype_name
+from dualop.ops._checks import check_array, check_optional_like, concrete_values, cpu_declines, dtype_name
 from dualop.platforms import family_of, frontend_of
 
 __all__ = ["GroupedTopk", "fused_topk", "UnquantizedFusedMoEMethod", "FusedMoE"]
@@ -52,6 +52,7 @@ _TRITON_TOPK = KernelRef("dualop.kernels.cuda.moe_routing", "grouped_topk")
 _PALLAS_EXPERTS = KernelRef("dualop.kernels.pallas.fused_moe", "fused_experts")
 _TRITON_EXPERTS = KernelRef("dualop.kernels.cuda.fused_moe", "fused_experts")
 _CPU_EXPERTS = KernelRef("dualop.kernels.cpu.fused_moe", "fused_experts")
+_CPU_TOPK = KernelRef("dualop.kernels.cpu.moe_routing", "grouped_topk")
 _RAGGED_EXPERTS = KernelRef("dualop.kernels.ragged_moe", "fused_experts")
 
 
@@ -158,6 +159,14 @@ class GroupedTopk(CustomOp):
                      e_score_correction_bias: Any = None) -> tuple[Any, Any]:
         return call_triton(frontend_of(gating_output), _TRITON_TOPK, gating_output, e_score_correction_bias,
                            **self.routing_options())
+
+    def forward_cpu(self, hidden_states: Any, gating_output: Any,
+                    e_score_correction_bias: Any = None) -> tuple[Any, Any]:
+        """torch on the CPU: the C++ routing kernel (``kernels/cpu/moe_routing.py``)."""
+        return _CPU_TOPK(gating_output, e_score_correction_bias, **self.routing_options())
+
+    def declines(self, method: str, frontend: str) -> str | None:
+        return cpu_declines(method, frontend)
 
 
 def fused_topk(gating_output: Any, topk: int, renormalize: bool, scoring_func: str = "softmax",

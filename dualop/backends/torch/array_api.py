@@ -175,9 +175,11 @@ def softmax(x: torch.Tensor, axis: int = -1) -> torch.Tensor:
 def top_k(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The ``k`` largest values along the last axis and their int64 indices, largest first; among
     equal values the lower index first (a stable descending sort: ``torch.topk`` leaves the order
-    of equal values unspecified, ``jax.lax.top_k`` puts the lower index first)."""
+    of equal values unspecified, ``jax.lax.top_k`` puts the lower index first). Dense results, as
+    ``torch.topk``'s and ``jax.lax.top_k``'s are (not views into the whole sort: an op returning
+    them would otherwise have strides its kernels and fake tensors do not share)."""
     values, indices = torch.sort(x, dim=-1, descending=True, stable=True)
-    return values[..., :k], indices[..., :k]
+    return values[..., :k].contiguous(), indices[..., :k].contiguous()
 
 
 def take_along_last(x: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,199 @@
+"""The CPU MoE paths against the dense reference (moe_math.experts_reference, the ops' native
+body) on the edges the check cases do not reach: no tokens, experts with no tokens, every token on
+one expert, expert maps with holes, groups on both sides of the C++ kernel / torch matmul split,
+bfloat16; and the C++ routing kernel against moe_math.route (ties, groups, bias)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from dualop.backends.torch import array_api as torch_xp  # noqa: E402
+from dualop.kernels import moe_math  # noqa: E402
+from dualop.testing import TOLERANCES  # noqa: E402  (the one tolerance table)
+
+
+def _problem(tokens, experts, top_k, hidden, inter, *, activation="silu", bias=False, holes=False, one_expert=False,
+             seed=0):
+    rng = np.random.default_rng(seed)
+    local = experts // 2 if holes else experts
+    rows = moe_math.w13_rows(activation, inter)
+    w13 = torch.tensor(rng.standard_normal((local, rows, hidden), dtype=np.float32) * hidden ** -0.5)
+    w2 = torch.tensor(rng.standard_normal((local, hidden, inter), dtype=np.float32) * inter ** -0.5)
+    b13 = torch.tensor(rng.standard_normal((local, rows), dtype=np.float32) * 0.1) if bias else None
+    b2 = torch.tensor(rng.standard_normal((local, hidden), dtype=np.float32) * 0.1) if bias else None
+    x = torch.tensor(rng.standard_normal((tokens, hidden), dtype=np.float32))
+    if one_expert:
+        ids = np.zeros((tokens, top_k), np.int32) + np.arange(top_k, dtype=np.int32)
+    else:
+        ids = np.array([rng.permutation(experts)[:top_k] for _ in range(tokens)], np.int32).reshape(tokens, top_k)
+    weights = torch.tensor(rng.random((tokens, top_k), dtype=np.float32))
+    expert_map = None
+    if holes:
+        mapping = np.full(experts, -1, np.int32)
+        mapping[rng.permutation(experts)[:local]] = rng.permutation(local)
+        expert_map = torch.tensor(mapping)
+    return x, weights, torch.tensor(ids), w13, w2, b13, b2, expert_map
+
+
+def _cast(args, dtype):
+    x, weights, ids, w13, w2, b13, b2, expert_map = args
+    c = lambda t: None if t is None else t.to(dtype)  # noqa: E731
+    return c(x), weights, ids, c(w13), c(w2), c(b13), c(b2), expert_map
+
+
+def _reference(args, activation, on_input=False):
+    x, weights, ids, w13, w2, b13, b2, expert_map = args
+    return moe_math.experts_reference(torch_xp, x, weights, ids, w13, w2, activation=activation, w13_bias=b13,
+                                      w2_bias=b2, expert_map=expert_map, apply_router_weight_on_input=on_input)
+
+
+def _close(out, ref, dtype):
+    assert out.dtype == ref.dtype and out.shape == ref.shape
+    tol = TOLERANCES[str(dtype).removeprefix("torch.")]
+    torch.testing.assert_close(out.float(), ref.float(), atol=tol.atol, rtol=tol.rtol)
+
+
+def _torch_kernel():
+    from dualop.kernels.cpu import KernelUnavailable, fused_moe, load
+
+    try:
+        load()
+    except KernelUnavailable as err:
+        pytest.skip(f"no C++ compiler on this machine: {err}")
+    return fused_moe.fused_experts
+
+
+def _ragged_kernel(args):
+    jnp = pytest.importorskip("jax.numpy")
+    from dualop.kernels import ragged_moe
+
+    def run(*a, **kw):
+        conv = [None if t is None else jnp.asarray(t.float().numpy()).astype(
+            jnp.bfloat16 if t.dtype == torch.bfloat16 else (jnp.int32 if not t.is_floating_point() else jnp.float32))
+            for t in a]
+        out = ragged_moe.fused_experts(*conv, **kw)
+        return torch.tensor(np.asarray(out.astype(jnp.float32))).to(a[0].dtype)
+
+    return run
+
+
+PROBLEMS = {
+    "no_tokens": dict(tokens=0, experts=8, top_k=2, hidden=64, inter=32),
+    "idle_experts": dict(tokens=3, experts=16, top_k=2, hidden=64, inter=48),
+    "one_expert_many_rows": dict(tokens=40, experts=8, top_k=1, hidden=64, inter=32, one_expert=True),
+    "holes_and_bias": dict(tokens=21, experts=16, top_k=4, hidden=96, inter=40, holes=True, bias=True),
+    "swigluoai": dict(tokens=9, experts=8, top_k=2, hidden=72, inter=24, activation="swigluoai", bias=True),
+    "relu2_mixed_group_sizes": dict(tokens=37, experts=4, top_k=2, hidden=64, inter=36, activation="relu2"),
+}
+
+
+@pytest.mark.parametrize("path", ["torch_cpu", "ragged"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+@pytest.mark.parametrize("name", list(PROBLEMS))
+def test_experts_match_the_reference(name, dtype, path):
+    spec = dict(PROBLEMS[name])
+    activation = spec.pop("activation", "silu")
+    args = _cast(_problem(**spec, activation=activation), dtype)
+    kernel = _torch_kernel() if path == "torch_cpu" else _ragged_kernel(args)
+    out = kernel(*args, activation=activation)
+    _close(out, _reference(args, activation), dtype)
+
+
+@pytest.mark.parametrize("path", ["torch_cpu", "ragged"])
+def test_router_weight_on_input(path):
+    args = _cast(_problem(11, 8, 1, 64, 32, bias=True), torch.bfloat16)
+    kernel = _torch_kernel() if path == "torch_cpu" else _ragged_kernel(args)
+    out = kernel(*args, activation="gelu", apply_router_weight_on_input=True)
+    _close(out, _reference(args, "gelu", on_input=True), torch.bfloat16)
+
+
+def test_large_groups_take_the_torch_matmul_and_agree():
+    """Both sides of the kernel / torch matmul split in one call (one expert with many rows, the
+    others with few), so a wrong row offset on either side shows."""
+    from dualop.kernels.cpu import fused_moe
+
+    kernel = _torch_kernel()
+    args = list(_problem(fused_moe._KERNEL_MAX_ROWS * 3, 8, 2, 64, 32, seed=3))
+    ids = args[2].clone()
+    ids[:, 0] = 5  # expert 5 gets every token's first slot: a large group
+    ids[:, 1] = torch.where(ids[:, 1] == 5, 6, ids[:, 1])
+    args[2] = ids
+    for dtype in (torch.float32, torch.bfloat16):
+        a = _cast(tuple(args), dtype)
+        _close(kernel(*a, activation="silu"), _reference(a, "silu"), dtype)
+
+
+def test_transposed_weight_views_are_read_in_place():
+    """transformers' gpt-oss layout reaches the CPU path as ``.mT`` views of [E, H, 2I] / [E, I, H]."""
+    kernel = _torch_kernel()
+    x, weights, ids, w13, w2, b13, b2, _ = _cast(_problem(20, 8, 2, 64, 32, bias=True), torch.bfloat16)
+    w13_view, w2_view = w13.mT.contiguous().mT, w2.mT.contiguous().mT
+    assert not w13_view.is_contiguous()
+    out = kernel(x, weights, ids, w13_view, w2_view, b13, b2, activation="silu")
+    _close(out, _reference((x, weights, ids, w13, w2, b13, b2, None), "silu"), torch.bfloat16)
+
+
+def test_torch_kernel_declines_under_autograd():
+    kernel = _torch_kernel()
+    x, weights, ids, w13, w2, *_ = _problem(3, 8, 2, 64, 32)
+    with pytest.raises(NotImplementedError, match="autograd"):
+        kernel(x.requires_grad_(), weights, ids, w13, w2)
+
+
+# ------------------------------------------------------------------------ routing
+
+
+def _route_args(tokens, experts, seed=0, ties=False):
+    rng = np.random.default_rng(seed)
+    logits = rng.standard_normal((tokens, experts), dtype=np.float32) * 2
+    if ties:  # a few values repeated in every row, so top-k must break ties by the lower index
+        logits = np.round(logits)
+    return torch.tensor(logits), torch.tensor(rng.standard_normal(experts, dtype=np.float32) * 0.5)
+
+
+ROUTINGS = {
+    "softmax_k2": dict(top_k=2, renormalize=True),
+    "softmax_groups": dict(top_k=4, renormalize=False, num_expert_group=4, topk_group=2),
+    "sigmoid_groups_bias_scale": dict(top_k=6, renormalize=True, num_expert_group=8, topk_group=4,
+                                      scoring_func="sigmoid", routed_scaling_factor=2.5, bias=True),
+    "sigmoid_plain_bias": dict(top_k=8, renormalize=False, scoring_func="sigmoid", bias=True),
+    "groups_do_not_divide": dict(top_k=3, renormalize=True, num_expert_group=5, topk_group=2),
+}
+
+
+@pytest.mark.parametrize("ties", [False, True], ids=["distinct", "ties"])
+@pytest.mark.parametrize("name", list(ROUTINGS))
+@pytest.mark.parametrize("experts", [32, 256])
+def test_routing_kernel_matches_route(name, experts, ties):
+    from dualop.kernels.cpu import moe_routing
+
+    _torch_kernel()
+    options = dict(ROUTINGS[name])
+    use_bias = options.pop("bias", False)
+    options = dict(dict(num_expert_group=0, topk_group=0, scoring_func="softmax", routed_scaling_factor=1.0), **options)
+    logits, bias = _route_args(37, experts, ties=ties)
+    bias = bias if use_bias else None
+    weights, ids = moe_routing.grouped_topk(logits, bias, **options)
+    ref_weights, ref_ids = moe_math.route(torch_xp, logits, e_score_correction_bias=bias, **options)
+    assert ids.dtype == torch.int32 and weights.dtype == torch.float32
+    assert torch.equal(ids, ref_ids)
+    tol = TOLERANCES["float32"]
+    torch.testing.assert_close(weights, ref_weights, atol=tol.atol, rtol=tol.rtol)
+
+
+def test_routing_kernel_no_tokens_and_bf16_logits():
+    from dualop.kernels.cpu import moe_routing
+
+    _torch_kernel()
+    opts = dict(top_k=2, renormalize=True, num_expert_group=0, topk_group=0, scoring_func="softmax",
+                routed_scaling_factor=1.0)
+    w, i = moe_routing.grouped_topk(torch.zeros(0, 8), None, **opts)
+    assert w.shape == (0, 2) and i.shape == (0, 2)
+    logits = _route_args(5, 8)[0].bfloat16()
+    w, i = moe_routing.grouped_topk(logits, None, **opts)
+    rw, ri = moe_math.route(torch_xp, logits, **opts)
+    assert torch.equal(i, ri)
+    torch.testing.assert_close(w, rw, atol=TOLERANCES["float32"].atol, rtol=TOLERANCES["float32"].rtol)
