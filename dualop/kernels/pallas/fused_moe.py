@@ -34,7 +34,7 @@ XLA's own grouped matmul, ``jax.lax.ragged_dot``, is the path to compare with. C
 sort, gather, float32 activation with hi/lo halves and combine around two ``ragged_dot`` calls), XLA's
 cost analysis of the compiled program at 16 tokens counts 8.3e11 flops for the ``ragged_dot``
 version, the dense work of every expert on every row, against 6.5e9 for this one (whose Pallas
-calls XLA counts by their own cost estimates, exact for the grouped matmuls), and 3 GiB of
+calls XLA counts by their own cost estimates: the grouped matmuls over the padded sorted rows), and 3 GiB of
 temporaries against 3 MiB (the ``ragged_dot`` operands need ``w13`` and ``w2`` transposed). At 8192
 tokens both took about 30 s to compile on a loaded 2-core host, most of it XLA's (the stable sort
 of the 65536 pairs alone is about 10 s). Not timed on a TPU: none here.
