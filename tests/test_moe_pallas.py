@@ -71,7 +71,8 @@ def _experts_problem(tokens, top_k, num_experts, hidden, inter, activation, dtyp
     b13 = jnp.asarray(rng.normal(size=(local, rows)) * 0.1, dtype) if bias else None
     b2 = jnp.asarray(rng.normal(size=(local, hidden)) * 0.1, dtype) if bias else None
     if ids is None:
-        ids = np.zeros((0, top_k), np.int32) if tokens == 0 else np.stack([rng.permutation(num_experts)[:top_k] for _ in range(tokens)]).reshape(tokens, top_k)
+        picks = [rng.permutation(num_experts)[:top_k] for _ in range(tokens)]
+        ids = np.stack(picks) if picks else np.zeros((0, top_k), np.int32)
     weights = jnp.asarray(rng.random((tokens, top_k)), jnp.float32)
     expert_map = None
     if local != num_experts:
