@@ -13,9 +13,10 @@ pairs sorted by expert, the activation fused into the first.
    ``moe_math.activate`` for ``relu2``) in float32, storing only the rows of the tile's expert.
    The tiles each grid step visits come from megablox's ``make_group_metadata`` (JAX's shipped
    grouped-matmul metadata: which expert and which row tile each step works on, tiles shared by
-   two experts visited once per expert); the grid has the static worst-case length
-   ``row_tiles + E - 1`` and steps past the real count re-point at the last real blocks (no DMA)
-   and do nothing.
+   two experts visited once per expert, empty experts not at all); its step axis is as long as
+   that metadata's tile count, known only at run time (a dynamic grid, as ``gmm`` has: a static
+   worst case of ``row_tiles + E - 1`` steps would idle through every empty expert's H blocks,
+   most of a decode step's grid with 32 local experts).
 3. Second projection: JAX's shipped megablox ``gmm`` (``transpose_rhs=True`` reads ``w2``
    ``[E, H, I]`` as stored). The float32 activation is never rounded to 16 bits: with 16-bit
    weights it is split into ``hi = bf16(a)`` and ``lo = bf16(a - hi)`` and the two ``gmm``
@@ -123,7 +124,7 @@ def moe_blocks(num_rows: int, hidden: int, inter: int, itemsize: int, gated: boo
 # ---------------------------------------------------------------------------------- first projection
 
 
-def _gate_up_kernel(group_offsets, group_ids, m_tile_ids, num_tiles, x_ref, *refs, activation: str, has_bias: bool,
+def _gate_up_kernel(group_offsets, group_ids, m_tile_ids, x_ref, *refs, activation: str, has_bias: bool,
                     has_scale: bool, tiles_k: int):
     gated = moe_math.is_gated(activation)
     it = iter(refs)
@@ -136,42 +137,40 @@ def _gate_up_kernel(group_offsets, group_ids, m_tile_ids, num_tiles, x_ref, *ref
     up_acc = next(it) if gated else None
     step, k = pl.program_id(1), pl.program_id(2)
 
-    @pl.when(step < num_tiles[0])
-    def _visit():
-        @pl.when(k == 0)
-        def _zero():
-            gate_acc[...] = jnp.zeros_like(gate_acc)
-            if gated:
-                up_acc[...] = jnp.zeros_like(up_acc)
-
-        x = x_ref[...]
-        # x @ w^T on (rows, H-block) x (I-block, H-block), float32 accumulation; x and the weights
-        # are exact in their dtype, so 16-bit operands lose nothing.
-        dims = (((1,), (1,)), ((), ()))
-        precision = jax.lax.Precision.HIGHEST if x.dtype == jnp.float32 else None
-        gate_acc[...] += jax.lax.dot_general(x, gate_w[...], dims, precision=precision,
-                                             preferred_element_type=jnp.float32)
+    @pl.when(k == 0)
+    def _zero():
+        gate_acc[...] = jnp.zeros_like(gate_acc)
         if gated:
-            up_acc[...] += jax.lax.dot_general(x, up_w[...], dims, precision=precision,
-                                               preferred_element_type=jnp.float32)
+            up_acc[...] = jnp.zeros_like(up_acc)
 
-        @pl.when(k == tiles_k - 1)
-        def _epilogue():
-            parts = [gate_acc[...]] + ([up_acc[...]] if gated else [])
-            if has_scale:  # apply_router_weight_on_input: (w x) @ W^T = w (x @ W^T)
-                parts = [p * scale[...] for p in parts]
-            if has_bias:
-                parts = [p + bias[i:i + 1, :] for i, p in enumerate(parts)]
-            if gated:
-                act = apply_gate(xp, parts[0], parts[1], moe_math.gate_spec(activation))
-            else:
-                act = moe_math.activate(xp, parts[0], activation)
-            # Store only this expert's rows: a row tile shared by two experts is visited by both.
-            group = group_ids[step]
-            rows, cols = out.shape
-            row = jax.lax.broadcasted_iota(jnp.int32, (rows, cols), 0) + m_tile_ids[step] * rows
-            mine = (row >= group_offsets[group]) & (row < group_offsets[group + 1])
-            out[...] = jnp.where(mine, act, out[...])
+    x = x_ref[...]
+    # x @ w^T on (rows, H-block) x (I-block, H-block), float32 accumulation; x and the weights are
+    # exact in their dtype, so 16-bit operands lose nothing.
+    dims = (((1,), (1,)), ((), ()))
+    precision = jax.lax.Precision.HIGHEST if x.dtype == jnp.float32 else None
+    gate_acc[...] += jax.lax.dot_general(x, gate_w[...], dims, precision=precision,
+                                         preferred_element_type=jnp.float32)
+    if gated:
+        up_acc[...] += jax.lax.dot_general(x, up_w[...], dims, precision=precision,
+                                           preferred_element_type=jnp.float32)
+
+    @pl.when(k == tiles_k - 1)
+    def _epilogue():
+        parts = [gate_acc[...]] + ([up_acc[...]] if gated else [])
+        if has_scale:  # apply_router_weight_on_input: (w x) @ W^T = w (x @ W^T)
+            parts = [p * scale[...] for p in parts]
+        if has_bias:
+            parts = [p + bias[i:i + 1, :] for i, p in enumerate(parts)]
+        if gated:
+            act = apply_gate(xp, parts[0], parts[1], moe_math.gate_spec(activation))
+        else:
+            act = moe_math.activate(xp, parts[0], activation)
+        # Store only this expert's rows: a row tile shared by two experts is visited by both.
+        group = group_ids[step]
+        rows, cols = out.shape
+        row = jax.lax.broadcasted_iota(jnp.int32, (rows, cols), 0) + m_tile_ids[step] * rows
+        mine = (row >= group_offsets[group]) & (row < group_offsets[group + 1])
+        out[...] = jnp.where(mine, act, out[...])
 
 
 def _gate_up(x_sorted, w13, bias, scale, metadata, num_tiles, *, activation: str, blocks: MoeBlocks,
@@ -185,34 +184,24 @@ def _gate_up(x_sorted, w13, bias, scale, metadata, num_tiles, *, activation: str
     m, hidden = x_sorted.shape
     inter = w13.shape[1] // (2 if gated and not interleaved else 1)
     tm, th, ti = blocks.rows, blocks.hidden, blocks.inter
-    tiles_m, tiles_k, tiles_i = m // tm, hidden // th, inter // ti
+    tiles_k, tiles_i = hidden // th, inter // ti
 
-    def live(step, k, num_tiles):
-        """The step's metadata index and contraction block: steps past the real tile count
-        repeat the last real step's blocks, so they fetch nothing."""
-        real = step < num_tiles[0]
-        return jnp.minimum(step, jnp.maximum(num_tiles[0] - 1, 0)), jnp.where(real, k, tiles_k - 1)
-
-    def x_map(n, step, k, offsets, group_ids, m_tile_ids, num_tiles):
-        s, kk = live(step, k, num_tiles)
-        return m_tile_ids[s], kk
+    def x_map(n, step, k, offsets, group_ids, m_tile_ids):
+        return m_tile_ids[step], k
 
     def weight_map(row_shift, col_shift):
-        def index(n, step, k, offsets, group_ids, m_tile_ids, num_tiles):
-            s, kk = live(step, k, num_tiles)
-            return group_ids[s], n + row_shift, kk + col_shift
+        def index(n, step, k, offsets, group_ids, m_tile_ids):
+            return group_ids[step], n + row_shift, k + col_shift
         return index
 
-    def bias_map(n, step, k, offsets, group_ids, m_tile_ids, num_tiles):
-        s, _ = live(step, k, num_tiles)
-        return group_ids[s], 0, n
+    def bias_map(n, step, k, offsets, group_ids, m_tile_ids):
+        return group_ids[step], 0, n
 
-    def out_map(n, step, k, offsets, group_ids, m_tile_ids, num_tiles):
-        s, _ = live(step, k, num_tiles)
-        return m_tile_ids[s], n
+    def out_map(n, step, k, offsets, group_ids, m_tile_ids):
+        return m_tile_ids[step], n
 
-    def row_map(n, step, k, offsets, group_ids, m_tile_ids, num_tiles):  # per-row [m, 1] operands
-        return out_map(0, step, k, offsets, group_ids, m_tile_ids, num_tiles)
+    def row_map(n, step, k, offsets, group_ids, m_tile_ids):  # per-row [m, 1] operands
+        return m_tile_ids[step], 0
 
     in_specs = [pl.BlockSpec((tm, th), x_map), pl.BlockSpec((None, ti, th), weight_map(0, 0))]
     operands = [x_sorted, w13]
@@ -239,10 +228,10 @@ def _gate_up(x_sorted, w13, bias, scale, metadata, num_tiles, *, activation: str
         kernel,
         out_shape=jax.ShapeDtypeStruct((m, inter), jnp.float32),
         grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=4,
+            num_scalar_prefetch=3,
             in_specs=in_specs,
             out_specs=pl.BlockSpec((tm, ti), out_map),
-            grid=(tiles_i, tiles_m + num_experts - 1, tiles_k),
+            grid=(tiles_i, num_tiles, tiles_k),
             scratch_shapes=[pltpu.VMEM((tm, ti), jnp.float32)] * parts,
         ),
         compiler_params=compiler_params(3, vmem_bytes=blocks.gate_up_vmem(itemsize, gated),
@@ -250,7 +239,7 @@ def _gate_up(x_sorted, w13, bias, scale, metadata, num_tiles, *, activation: str
         cost_estimate=cost_estimate(cost),
         interpret=interpret,
         name="dualop_moe_gate_up",
-    )(*metadata, num_tiles, *operands)
+    )(*metadata, *operands)
 
 
 # ---------------------------------------------------------------------------------- layouts
@@ -336,7 +325,7 @@ def fused_experts(x, topk_weights, topk_ids, w13, w2, w13_bias=None, w2_bias=Non
     # 2. act(x @ w13^T + b13), float32 [m, I].
     bias13 = None if w13_bias is None else _w13_bias_parts(w13_bias, activation, inter, inter_p)
     act = _gate_up(x_sorted, _w13_view(w13, activation, inter, hidden_p, inter_p), bias13, scale, metadata,
-                   num_tiles.reshape(1).astype(jnp.int32), activation=activation, blocks=blocks,
+                   num_tiles, activation=activation, blocks=blocks,
                    num_experts=num_experts, interpret=interpret)
 
     # 3. act @ w2^T with megablox gmm; a 16-bit w2 gets the activation in hi + lo 16-bit halves.
