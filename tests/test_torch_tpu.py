@@ -67,6 +67,7 @@ def _fake_tpu(a):
 # Ops whose forward_tpu launches its kernel more than once (dual chunk rope: the key's angles,
 # then five query angle sets).
 KERNEL_LAUNCHES = {"dual_chunk_rotary_embedding": 6}
+KERNEL_LAUNCHES["fused_moe"] = 2  # the router's kernel (grouped_topk), then the experts'
 
 
 def _structure(out) -> list[tuple[tuple[int, ...], str]]:
