@@ -69,6 +69,7 @@ def _fake_tpu(a):
 KERNEL_LAUNCHES = {"dual_chunk_rotary_embedding": 6}
 # transformers_fused_moe: the routing kernel, then the experts' (as fused_moe).
 KERNEL_LAUNCHES["transformers_fused_moe"] = 2
+KERNEL_LAUNCHES["fused_moe"] = 2  # the router's kernel (grouped_topk), then the experts'
 
 
 def _structure(out) -> list[tuple[tuple[int, ...], str]]:

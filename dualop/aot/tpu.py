@@ -169,7 +169,8 @@ def describe_pallas_call(eqn) -> dict[str, Any]:
     name = eqn.params.get("name") or eqn.params.get("name_and_src_info") or "pallas_call"
     return {
         "kernel": str(getattr(name, "name", name)),
-        "grid": tuple(int(g) for g in gm.grid),
+        # A dimension known only at run time (megablox gmm's tile count) shows as "dynamic".
+        "grid": tuple(int(g) if isinstance(g, int) else "dynamic" for g in gm.grid),
         "blocks": blocks,
         "vmem_bytes": vmem,
         "vmem_limit_bytes": limit,

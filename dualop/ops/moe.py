@@ -27,6 +27,7 @@ map's entries are range-checked. Traced or lazy ids are not read: every path tre
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 from dualop.backends import array_namespace
@@ -152,8 +153,9 @@ class GroupedTopk(CustomOp):
 
     def forward_tpu(self, hidden_states: Any, gating_output: Any,
                     e_score_correction_bias: Any = None) -> tuple[Any, Any]:
+        # hidden_states only fixes the token count: the native body (JAX's gradient) does not read it.
         return call_pallas(frontend_of(gating_output), _PALLAS_TOPK, gating_output, e_score_correction_bias,
-                           **self.routing_options())
+                           native=functools.partial(self.forward_native, None), **self.routing_options())
 
     def forward_cuda(self, hidden_states: Any, gating_output: Any,
                      e_score_correction_bias: Any = None) -> tuple[Any, Any]:
@@ -335,7 +337,7 @@ class UnquantizedFusedMoEMethod(CustomOp):
     def forward_tpu(self, x: Any, topk_weights: Any, topk_ids: Any, w13: Any, w2: Any, w13_bias: Any = None,
                     w2_bias: Any = None, expert_map: Any = None) -> Any:
         return call_pallas(frontend_of(x), _PALLAS_EXPERTS, x, topk_weights, topk_ids, w13, w2, w13_bias, w2_bias,
-                           expert_map, **self._options())
+                           expert_map, native=self.forward_native, **self._options())
 
     def forward_cuda(self, x: Any, topk_weights: Any, topk_ids: Any, w13: Any, w2: Any, w13_bias: Any = None,
                      w2_bias: Any = None, expert_map: Any = None) -> Any:

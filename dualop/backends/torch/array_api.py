@@ -184,6 +184,8 @@ def top_k(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def take_along_last(x: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
     """``x[..., indices[..., j]]`` along the last axis (same leading shape)."""
+    if indices.numel() == 0:  # torch_xla's gather refuses an empty leading dim (0 tokens)
+        return x.new_empty(indices.shape)
     return torch.gather(x, -1, indices.to(torch.int64))
 
 
