@@ -224,7 +224,8 @@ def variants_for(ops: list[str] | None, dtypes: list[str]) -> list[Variant]:
         if case.label not in SERVING_CASES.get(case.op, (case.label,)):
             serving = []
         for dtype in dtypes:
-            for shape in shapes + serving:
+            served = serving if dtype in SERVING_DTYPES.get(case.op, (dtype,)) else []
+            for shape in shapes + served:
                 is_serving = shape not in templates
                 specs = _serving_specs(case, shapes, templates, shape) if is_serving else templates[shape]
                 specs = tuple(
@@ -300,10 +301,20 @@ _MOE_SERVING = (
     (16, 128, 8, 4096, 1536, 128), (8192, 128, 8, 4096, 1536, 128),
 )
 SERVING_SHAPES["fused_moe"] = _MOE_SERVING
-SERVING_SHAPES["unquantized_fused_moe"] = _MOE_SERVING
+# The experts op runs the same kernels as fused_moe (which builds them at every serving shape above):
+# one decode step of DeepSeek-V3's expert-parallel slice (the expert_map variant) is enough here.
+SERVING_SHAPES["unquantized_fused_moe"] = _MOE_SERVING[:1]
 # grouped_topk: (tokens, num_experts, num_expert_group, topk_group, top_k): DeepSeek-V3's router
 # (8 groups, best 4, correction bias) and Qwen3-235B's plain softmax top-8.
 SERVING_SHAPES["grouped_topk"] = ((16, 256, 8, 4, 8), (8192, 256, 8, 4, 8), (16, 128, 0, 0, 8), (8192, 128, 0, 0, 8))
+
+# Ops whose serving shapes are built in these dtypes only: MoE models are served in 16-bit (a float32
+# DeepSeek-V3 or Qwen3-235B layer is not a shape anyone serves), and each MoE build at 8192 tokens
+# costs the compilers tens of seconds.
+SERVING_DTYPES: dict[str, tuple[str, ...]] = {
+    op: ("bfloat16",) for op in ("fused_moe", "unquantized_fused_moe", "grouped_topk", "transformers_fused_moe",
+                                 "modular_fused_moe")
+}
 
 # Ops whose serving shapes are built for these case labels only (one model-shaped op each, not
 # every check variant again at full size).
@@ -406,7 +417,7 @@ _SERVING_MAKE_OP["transformers_fused_moe[gpt_oss,E4,I64]"] = _transformers_fused
 
 # modular_fused_moe: the experts of unquantized_fused_moe between a single-device prepare and
 # finalize, at the same model shapes (one case).
-SERVING_SHAPES["modular_fused_moe"] = _MOE_SERVING
+SERVING_SHAPES["modular_fused_moe"] = _MOE_SERVING[2:3]  # Qwen3-235B decode; fused_moe builds the rest
 SERVING_CASES["modular_fused_moe"] = ("modular_fused_moe[silu,expert_map,E8,I64]",)
 
 

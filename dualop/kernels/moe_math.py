@@ -184,7 +184,11 @@ def experts_reference(
     y = xp.einsum("tei,ehi->teh", a, xp.astype(w2, f32))
     if w2_bias is not None:
         y = y + xp.astype(w2_bias, f32)[None]
-    out = xp.einsum("teh,te->th", y, routing)
+    # Only the experts a token is routed to count: an unrouted expert's output (NaN or inf when the
+    # token holds one) must not reach the sum as 0 * NaN.
+    routed = routing_matrix(xp, xp.astype(local_ids >= 0, f32), local_ids, num_local) > 0.0  # [T, E]
+    weighted = xp.where(routed[..., None], y * routing[..., None], 0.0)
+    out = xp.sum(weighted, axis=1)
     return xp.astype(out, x.dtype)
 
 

@@ -97,7 +97,7 @@ def _experts_up_kernel(
             if ACT != -1:
                 acc_up += tl.load(b_expert + up_rows, mask=col_ok, other=0.0).to(tl.float32)[None, :]
         if ACT == -1:
-            h = tl.maximum(acc_gate, 0.0)
+            h = tl.maximum(acc_gate, 0.0, propagate_nan=tl.PropagateNan.ALL)  # NaN stays NaN, as the native body
             h = h * h
         else:
             h = _gate(acc_gate, acc_up, ACT, 0.0, alpha, limit)

@@ -36,8 +36,10 @@ def _gate(g, u, ACT: tl.constexpr, threshold, alpha, limit):
     elif ACT == 3:
         out = tl.where(g > threshold, g, 0.0) * u
     else:
-        g = tl.minimum(g, limit)
-        u = tl.minimum(tl.maximum(u, -limit), limit)
+        # NaN propagates as in the native body (torch.clamp / jnp.minimum); Triton's default keeps the other operand
+        g = tl.minimum(g, limit, propagate_nan=tl.PropagateNan.ALL)
+        u = tl.minimum(tl.maximum(u, -limit, propagate_nan=tl.PropagateNan.ALL), limit,
+                       propagate_nan=tl.PropagateNan.ALL)
         out = (u + 1.0) * (g * tl.sigmoid(g * alpha))
     return out
 
