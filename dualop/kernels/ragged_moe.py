@@ -7,8 +7,8 @@ The weights are read in their stored layout (``w13`` ``[E, rows, H]``, ``w2`` ``
 contract their last dim), so no transposed copy of them is made. Both matmuls accumulate in
 float32. The float32 intermediate is never rounded to 16 bits (``moe_math``'s rule): on GPUs it
 meets 16-bit ``w2`` as a high and a low 16-bit half (two ragged matmuls on the matrix units); on
-the CPU, whose XLA dot widens 16-bit operands to float32 anyway, ``w2`` is widened instead (one
-matmul; measured faster there).
+the CPU, whose XLA dot widens 16-bit operands to float32 anyway, the operands are widened instead
+(one float32 matmul each; measured faster there). The op says which (``on_cpu``).
 Pairs routed to other devices' experts sort last, outside every group: their rows come out 0.
 """
 
@@ -23,7 +23,7 @@ import jax.numpy as jnp
 __all__ = ["fused_experts"]
 
 
-def _ragged_linear(rows: Any, weights: Any, group_sizes: Any) -> Any:
+def _ragged_linear(rows: Any, weights: Any, group_sizes: Any, on_cpu: bool) -> Any:
     """float32 ``rows[r] @ weights[g(r)].T`` where row ``r`` lies in group ``g(r)`` of ``group_sizes``
     (rows past the groups give 0); ``weights`` ``[G, N, K]`` contracts its last dim."""
     numbers = jax.lax.RaggedDotDimensionNumbers(
@@ -32,22 +32,20 @@ def _ragged_linear(rows: Any, weights: Any, group_sizes: Any) -> Any:
     def dot(lhs: Any, rhs: Any) -> Any:
         return jax.lax.ragged_dot_general(lhs, rhs, group_sizes, numbers, preferred_element_type=jnp.float32)
 
+    if on_cpu:
+        # XLA's CPU dot widens 16-bit operands to float32 anyway; widening here keeps XLA:CPU on its
+        # float32 ragged dot (jax 0.7.1's XLA:CPU aborted compiling a 16-bit one, once, in a long run).
+        return dot(rows.astype(jnp.float32), weights.astype(jnp.float32))
     if rows.dtype == weights.dtype:
         return dot(rows, weights)
-
-    def widened_weights(rows, weights):  # XLA's CPU dot widens 16-bit operands to float32 anyway
-        return dot(rows, weights.astype(jnp.float32))
-
-    def two_halves(rows, weights):  # 16-bit matrix units: the float32 rows as two exact-enough halves
-        high = rows.astype(weights.dtype)
-        return dot(high, weights) + dot((rows - high.astype(jnp.float32)).astype(weights.dtype), weights)
-
-    return jax.lax.platform_dependent(rows, weights, cpu=widened_weights, default=two_halves)
+    # 16-bit matrix units: the float32 rows as a high and a low 16-bit half
+    high = rows.astype(weights.dtype)
+    return dot(high, weights) + dot((rows - high.astype(jnp.float32)).astype(weights.dtype), weights)
 
 
-@functools.partial(jax.jit, static_argnames=("activation", "apply_router_weight_on_input"))
+@functools.partial(jax.jit, static_argnames=("activation", "apply_router_weight_on_input", "on_cpu"))
 def _experts(x, topk_weights, topk_ids, w13, w2, w13_bias, w2_bias, expert_map, *, activation,
-             apply_router_weight_on_input):
+             apply_router_weight_on_input, on_cpu):
     from dualop.backends.xla import array_api as xp
     from dualop.kernels import moe_math
 
@@ -59,14 +57,14 @@ def _experts(x, topk_weights, topk_ids, w13, w2, w13_bias, w2_bias, expert_map, 
     token_of_row = order // top_k
     expert_of_row = jnp.take(local_ids.reshape(-1), order)  # -1 for the pairs past the groups
     weight_of_row = jnp.where(expert_of_row >= 0, jnp.take(topk_weights.reshape(-1).astype(f32), order), 0.0)
-    h = _ragged_linear(jnp.take(x, token_of_row, axis=0), w13, group_sizes)
+    h = _ragged_linear(jnp.take(x, token_of_row, axis=0), w13, group_sizes, on_cpu)
     if apply_router_weight_on_input:  # (x * w) @ w13.T, as w * (x @ w13.T) in float32
         h = h * weight_of_row[:, None]
         weight_of_row = (expert_of_row >= 0).astype(f32)
     safe_expert = jnp.maximum(expert_of_row, 0)
     if w13_bias is not None:
         h = h + jnp.take(w13_bias.astype(f32), safe_expert, axis=0)
-    y = _ragged_linear(moe_math.activate(xp, h, activation), w2, group_sizes)
+    y = _ragged_linear(moe_math.activate(xp, h, activation), w2, group_sizes, on_cpu)
     if w2_bias is not None:
         y = y + jnp.take(w2_bias.astype(f32), safe_expert, axis=0)
     out = jnp.zeros((tokens, x.shape[1]), f32).at[token_of_row].add(y * weight_of_row[:, None])
@@ -85,10 +83,12 @@ def fused_experts(
     *,
     activation: str = "silu",
     apply_router_weight_on_input: bool = False,
+    on_cpu: bool = True,
 ) -> Any:
     """``[T, H]`` in ``x``'s dtype: ``moe_math.experts_reference``'s value, computed for the
-    routed pairs only (jit-able; the options are static)."""
+    routed pairs only (jit-able; the options are static). ``on_cpu``: the op's CPU path (float32
+    operands); False for GPUs (16-bit operands, the intermediate as two halves)."""
     if x.shape[0] == 0:
         return jnp.zeros((0, x.shape[1]), x.dtype)
     return _experts(x, topk_weights, topk_ids, w13, w2, w13_bias, w2_bias, expert_map, activation=activation,
-                    apply_router_weight_on_input=apply_router_weight_on_input)
+                    apply_router_weight_on_input=apply_router_weight_on_input, on_cpu=on_cpu)

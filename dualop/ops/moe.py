@@ -346,14 +346,16 @@ class UnquantizedFusedMoEMethod(CustomOp):
         kernel = _RAGGED_EXPERTS if family_of(fe) == "jax" else _TRITON_EXPERTS
         args = (x, topk_weights, topk_ids, w13, w2, w13_bias, w2_bias, expert_map)
         if kernel is _RAGGED_EXPERTS:
-            return kernel(*args, **self._options())
+            return kernel(*args, on_cpu=False, **self._options())
         return call_triton(fe, kernel, *args, **self._options())
 
     def forward_cpu(self, x: Any, topk_weights: Any, topk_ids: Any, w13: Any, w2: Any, w13_bias: Any = None,
                     w2_bias: Any = None, expert_map: Any = None) -> Any:
         """torch on the CPU: ``kernels/cpu/fused_moe.py``; jax arrays on the CPU: XLA's ``ragged_dot``."""
-        kernel = _RAGGED_EXPERTS if frontend_of(x) == "jax" else _CPU_EXPERTS
-        return kernel(x, topk_weights, topk_ids, w13, w2, w13_bias, w2_bias, expert_map, **self._options())
+        if frontend_of(x) == "jax":
+            return _RAGGED_EXPERTS(x, topk_weights, topk_ids, w13, w2, w13_bias, w2_bias, expert_map, on_cpu=True,
+                                   **self._options())
+        return _CPU_EXPERTS(x, topk_weights, topk_ids, w13, w2, w13_bias, w2_bias, expert_map, **self._options())
 
     def declines(self, method: str, frontend: str) -> str | None:
         if method in ("forward_cpu", "forward_cuda") and frontend in ("torch_xla", "torchax", "torch_tpu"):
