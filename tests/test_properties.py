@@ -15,6 +15,11 @@ from dualop import OpsConfig, override_platform, set_config, testing
 # cache: head counts, page tables); their own test files draw their inputs.
 NOT_ROW_WISE = {"ragged_paged_attention"}
 CASES = [c for c in testing.cases_for(None) if c.op not in NOT_ROW_WISE]
+# MoE ops: shapes drawn from the case's own (values, dtypes, specials and cells still vary). Their
+# interpreted grouped-matmul kernels compile once per shape (tens of seconds each here); the cell
+# sweep has compiled these shapes already, and tests/test_moe_*.py cover other shapes.
+CASE_SHAPES_ONLY = {"grouped_topk", "fused_moe", "unquantized_fused_moe", "transformers_fused_moe",
+                    "modular_fused_moe"}
 CELLS = [("torch", "cpu"), ("torch", "cuda"), ("jax", "tpu")]
 
 
@@ -23,7 +28,9 @@ def problems(draw):
     case = draw(st.sampled_from(CASES))
     ranks = sorted({len(s) for s in case.shapes})  # the ranks the op takes (apply_rotary_emb: 3 and 4)
     last = draw(st.sampled_from(sorted({s[-1] for s in case.shapes})))
-    if all(len(s) == 3 for s in case.shapes):  # 3-D structured shapes (reshape_and_cache, fused_moe)
+    if case.op in CASE_SHAPES_ONLY:
+        return case, draw(st.sampled_from(case.shapes)), *_draw_rest(draw)
+    if all(len(s) == 3 for s in case.shapes):  # 3-D structured shapes (reshape_and_cache)
         # the first dim drawn when the case varies it (tokens), else the case's own (a packed batch of 1)
         firsts = sorted({s[0] for s in case.shapes})
         first = draw(st.integers(0, 5)) if len(firsts) > 1 else firsts[0]
@@ -31,12 +38,17 @@ def problems(draw):
     else:  # the ranks the case takes (apply_rotary_emb: 3 and 4), at most 3
         rank = draw(st.sampled_from([r for r in ranks if r <= 3] or ranks))
         lead = draw(st.lists(st.integers(0, 5), min_size=rank - 1, max_size=rank - 1))
+    return case, (*lead, last), *_draw_rest(draw)
+
+
+def _draw_rest(draw):
+    """dtype, value scale, special value, seed and cell of one problem."""
     dtype = draw(st.sampled_from(["float32", "bfloat16", "float16"]))
     scale = draw(st.sampled_from([1.0, 1e3]))
     special = draw(st.sampled_from([None, np.inf, -np.inf, np.nan]))
     seed = draw(st.integers(0, 2**16))
     cell = draw(st.sampled_from(CELLS))
-    return case, (*lead, last), dtype, scale, special, seed, cell
+    return dtype, scale, special, seed, cell
 
 
 def _inputs(case, shape, dtype, scale, special, seed, frontend):

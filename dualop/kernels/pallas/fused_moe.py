@@ -300,6 +300,12 @@ def fused_experts(x, topk_weights, topk_ids, w13, w2, w13_bias=None, w2_bias=Non
     inter = w2.shape[2]
     if tokens == 0:
         return jnp.zeros((0, hidden), x.dtype)
+    if x.dtype == jnp.float16:  # megablox gmm takes bfloat16 or float32: float16 widens exactly
+        wide = [None if a is None else a.astype(jnp.float32) for a in (x, w13, w2, w13_bias, w2_bias)]
+        out = fused_experts(wide[0], topk_weights, topk_ids, *wide[1:3], *wide[3:], expert_map,
+                            activation=activation, apply_router_weight_on_input=apply_router_weight_on_input,
+                            interpret=interpret, blocks=blocks)
+        return out.astype(jnp.float16)
     hidden_p, inter_p = _round_up(hidden, _LANE), _round_up(inter, _LANE)
     pairs = tokens * top_k
     gated = moe_math.is_gated(activation)
