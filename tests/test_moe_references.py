@@ -376,3 +376,21 @@ def test_ties_go_to_the_lower_index_in_both_frontends(options, logits):
                                       **options)
         np.testing.assert_array_equal(testing.to_numpy(ids), want_ids, err_msg=name)
         np.testing.assert_allclose(testing.to_numpy(weights), want_w, rtol=1e-6, err_msg=name)
+
+
+@pytest.mark.parametrize("pairs", [0, 1, 37, 512])
+def test_sort_by_expert_is_numpys_stable_argsort(pairs):
+    """Pairs grouped by local expert as numpy's stable argsort orders them (ties keep pair order,
+    other devices' pairs (-1) last), and the group sizes as np.bincount counts them, in both
+    frontends; jax takes the packed single-operand sort, torch its own stable argsort."""
+    from dualop.backends import array_namespace
+
+    num_local, top_k = 6, 2
+    ids = np.random.default_rng(pairs).integers(-1, num_local, size=(pairs // top_k + pairs % top_k, top_k))
+    flat = ids.reshape(-1)
+    want_order = np.argsort(np.where(flat < 0, num_local, flat), kind="stable")
+    want_sizes = np.bincount(flat[flat >= 0], minlength=num_local)
+    for local_ids in (torch.from_numpy(ids).to(torch.int32), jnp.asarray(ids, dtype=jnp.int32)):
+        order, sizes = moe_math.sort_by_expert(array_namespace(local_ids), local_ids, num_local)
+        np.testing.assert_array_equal(testing.to_numpy(order), want_order)
+        np.testing.assert_array_equal(testing.to_numpy(sizes), want_sizes)

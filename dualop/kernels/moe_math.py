@@ -203,4 +203,4 @@ def sort_by_expert(xp, local_ids, num_local_experts: int):
     """
     flat = xp.reshape(local_ids, (-1,))
     key = xp.where(flat < 0, num_local_experts, flat)
-    return xp.argsort(key), xp.bincount(flat, num_local_experts)
+    return xp.argsort(key, bound=num_local_experts + 1), xp.bincount(flat, num_local_experts)

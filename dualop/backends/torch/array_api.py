@@ -189,8 +189,10 @@ def take_along_last(x: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
     return torch.gather(x, -1, indices.to(torch.int64))
 
 
-def argsort(x: torch.Tensor) -> torch.Tensor:
-    """Indices that sort the last axis ascending, equal values in their original order (stable)."""
+def argsort(x: torch.Tensor, bound: int | None = None) -> torch.Tensor:
+    """Indices that sort the last axis ascending, equal values in their original order (stable).
+    ``bound`` (the values lie in ``[0, bound)``) lets the jax twin pack keys; torch sorts as is."""
+    del bound
     return torch.argsort(x, dim=-1, stable=True)
 
 

@@ -161,8 +161,17 @@ def take_along_last(x: jax.Array, indices: jax.Array) -> jax.Array:
     return jnp.take_along_axis(x, indices, axis=-1)
 
 
-def argsort(x: jax.Array) -> jax.Array:
-    """Indices that sort the last axis ascending, equal values in their original order (stable)."""
+def argsort(x: jax.Array, bound: int | None = None) -> jax.Array:
+    """Indices that sort the last axis ascending, equal values in their original order (stable).
+
+    ``bound``: the values are ints in ``[0, bound)``. A 1-D ``x`` then sorts as one int32 operand,
+    ``x * n + index`` (the index breaks ties, so it stays stable), instead of a (key, index) pair
+    sort: half the data through the sort network, and XLA:TPU compiles it in about half the time
+    at serving sizes (65536 MoE pairs)."""
+    n = x.shape[-1]
+    if bound is not None and x.ndim == 1 and 0 < n and bound * n < 2**31 and jnp.issubdtype(x.dtype, jnp.integer):
+        packed = x.astype(jnp.int32) * n + jnp.arange(n, dtype=jnp.int32)
+        return jax.lax.rem(jnp.sort(packed), jnp.int32(n))
     return jnp.argsort(x, axis=-1, stable=True).astype(jnp.int32)
 
 
