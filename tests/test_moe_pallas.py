@@ -150,6 +150,26 @@ def test_experts_budget_blocks_and_no_tokens():
     assert out.shape == (0, 128)
 
 
+@pytest.mark.parametrize("dtype, tokens", [(jnp.bfloat16, 7), (jnp.float16, 7), (jnp.bfloat16, 0)])
+def test_experts_float32_output_is_the_sum_before_the_cast(dtype, tokens):
+    """``float32_output`` through the op's TPU method (so the option reaches the kernel; float16
+    takes the widening branch): the float32 combine, not cast; cast to x's dtype it is the default
+    call's output bit for bit, and it is the dense float32 reference's value (the native body on
+    the inputs widened to float32, exact) within float32's tolerance. 4 of 8 experts local."""
+    from dualop.ops import UnquantizedFusedMoEMethod
+
+    args = _experts_problem(tokens, 2, 8, 128, 128, "silu", dtype, bias=True, local=4, seed=5)
+    got = UnquantizedFusedMoEMethod("silu", float32_output=True).forward_tpu(*args)
+    cast = UnquantizedFusedMoEMethod("silu").forward_tpu(*args)
+    assert got.dtype == jnp.float32 and cast.dtype == dtype and got.shape == (tokens, 128)
+    np.testing.assert_array_equal(np.asarray(got.astype(dtype), np.float32), np.asarray(cast, np.float32))
+    widened = [a if a is None or not jnp.issubdtype(a.dtype, jnp.floating) else a.astype(jnp.float32) for a in args]
+    want = moe_math.experts_reference(xp, *widened[:5], w13_bias=widened[5], w2_bias=widened[6],
+                                      expert_map=widened[7], activation="silu")
+    result = testing.compare(np.asarray(got), np.asarray(want), "float32")
+    assert result.ok, result
+
+
 def test_block_choice_fits_budget_and_divides():
     blocks = moe_blocks(8192 * 8, 7168, 2048, 2, gated=True)
     assert 7168 % blocks.hidden == 0 and 2048 % blocks.inter == 0 and blocks.rows % 16 == 0
