@@ -17,7 +17,7 @@ the one place every path takes them from.
 Expert parallelism's building block is ``expert_map``: ``[E_global]`` int32, each global expert's
 index among this device's experts or -1. With a map, ``w13``/``w2`` (and the biases) hold only the
 local experts and tokens routed elsewhere contribute 0; summing the devices' outputs gives the
-one-device result.
+one-device result (``float32_output`` hands the sum float32 partials, so it can round once, after).
 
 Validation (before any kernel): shapes, dtypes, devices and options; and where values are at hand
 (``_checks.concrete_values``: torch CPU/CUDA tensors, jax arrays outside a trace) the ids and the
