@@ -399,7 +399,8 @@ def _torch_rank_checks(rank: int, world: int, group, platform: str) -> None:
             a2a_op = FusedMoEModularMethod(ep.AllToAllPrepareAndFinalize(group), activation)
             got = a2a_op(t["x"][lo:hi], t["weights"][lo:hi], t["ids"][lo:hi], *mine, expert_map)
             assert ep_close(got.float().numpy(), want[lo:hi].numpy(), dtype), (
-                "all_to_all", activation, dtype, rank, dtype != "float32" and units_off(got.float(), want[lo:hi], dtype))
+                "all_to_all", activation, dtype, rank,
+                dtype != "float32" and units_off(got.float(), want[lo:hi], dtype))
             if platform == "cuda":  # the Triton experts ran (between prepare and finalize)
                 for op in (one_process, reduce_op, a2a_op):
                     assert op.last_run("torch", "cuda")[0] == "forward_cuda", op.last_run("torch", "cuda")

@@ -77,8 +77,9 @@ def fused_experts(
     apply_router_weight_on_input: bool = False,
     float32_output: bool = False,
 ) -> Any:
-    """``[T, H]`` in ``x``'s dtype (float32 with ``float32_output``): ``sum_j w[t, j] * (w2[e] @ act(w13[e] @ x[t] + b13[e]) + b2[e])``
-    over the local experts ``e`` of token ``t``'s slots (``moe_math.experts_reference``'s value)."""
+    """``[T, H]`` in ``x``'s dtype (float32 with ``float32_output``): ``sum_j w[t, j] * (w2[e] @
+    act(w13[e] @ x[t] + b13[e]) + b2[e])`` over the local experts ``e`` of token ``t``'s slots
+    (``moe_math.experts_reference``'s value)."""
     import torch
 
     from dualop.backends import array_namespace

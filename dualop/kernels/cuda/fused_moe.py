@@ -181,8 +181,9 @@ def align_block_size(local_ids: torch.Tensor, num_local: int, block_m: int):
 
 def fused_experts(x, topk_weights, topk_ids, w13, w2, w13_bias, w2_bias, expert_map, *, activation,
                   apply_router_weight_on_input, float32_output=False):
-    """The experts' output ``[T, H]`` in x's dtype, float32 with ``float32_output`` (module docstring). Input is assumed validated by
-    the op; ids outside ``[0, E_global)`` and map entries outside ``[0, E_local)`` add nothing."""
+    """The experts' output ``[T, H]`` in x's dtype, float32 with ``float32_output`` (module
+    docstring). Input is assumed validated by the op; ids outside ``[0, E_global)`` and map
+    entries outside ``[0, E_local)`` add nothing."""
     num_tokens, hidden = x.shape
     top_k = topk_ids.shape[1]
     num_local, _, _ = w13.shape

@@ -22,9 +22,9 @@ pairs sorted by expert, the activation fused into the first.
    weights it is split into ``hi = bf16(a)`` and ``lo = bf16(a - hi)`` and the two ``gmm``
    products (float32 accumulation) are added, as the paged-attention kernels do for ``p . v``.
 4. Combine: back to pair order, ``w2_bias`` added, weighted by the routing weights, summed per
-   token in float32 and cast once (not at all with ``float32_output``). Rows no expert wrote (past ``sum(group_sizes)``: pairs routed
-   elsewhere and row padding) hold whatever ``gmm`` left there: they are selected away with
-   ``where``, never multiplied by a zero weight (garbage may be NaN).
+   token in float32 and cast once (not at all with ``float32_output``). Rows no expert wrote (past
+   ``sum(group_sizes)``: pairs routed elsewhere and row padding) hold whatever ``gmm`` left there:
+   they are selected away with ``where``, never multiplied by a zero weight (garbage may be NaN).
 
 H and I that are not multiples of 128 are zero-padded (an exact no-op: padded columns of x and
 rows of the weights add zeros; a zero pre-activation activates to zero in every activation). That
