@@ -8,11 +8,11 @@ their expert dim, and each shard's ``expert_map`` comes from its axis index. Two
 - ``mode="all_to_all"``: tokens are split over the axis too; each shard routes its tokens, sends
   every (token, expert) pair to the expert's owner with ``jax.lax.all_to_all``, runs its experts
   on what it received, sends the weighted float32 outputs back with a second ``all_to_all`` and
-  sums each token's pairs in float32. Buffers are fixed: ``capacity`` rows per (source, destination) pair
-  of shards. The default, ``T_shard * top_k``, can never overflow (exact, at n times the traffic
-  of a balanced load); a smaller capacity (e.g. ``ceil(1.25 * T_shard * top_k / n)``) cuts the
-  buffers and the experts' rows, and pairs beyond it are DROPPED (they add 0, the token keeps its
-  other experts), the usual capacity-factor trade.
+  sums each token's pairs in float32. Buffers are fixed: ``capacity`` rows per (source,
+  destination) pair of shards. The default, ``T_shard * top_k``, can never overflow (exact, at n
+  times the traffic of a balanced load); a smaller capacity (e.g. ``ceil(1.25 * T_shard * top_k /
+  n)``) cuts the buffers and the experts' rows, and pairs beyond it are DROPPED (they add 0, the
+  token keeps its other experts), the usual capacity-factor trade.
 - ``mode="psum"``: for small token counts (decode): every shard routes all tokens, computes its
   experts' float32 share for all of them (``expert_map`` masks the rest), and ``jax.lax.psum``
   adds the shares in float32; tokens and output are replicated.
