@@ -11,9 +11,10 @@ Pieces (the reference engine's, by role):
 - prepare/finalize objects for ``modular_fused_moe`` (``FusedMoEModularMethod(prepare_finalize)``):
   ``AllReducePrepareAndFinalize``: every rank has every token (small batches, decode), computes
   its experts' float32 share and a float32 all-reduce sums the shares;
-  ``AllToAllPrepareAndFinalize``: each rank has its own tokens; each (token, expert) pair goes to the expert's owner and its
-  weighted float32 output comes back, with ``all_to_all_single`` and exact per-rank counts
-  (exchanged first), so nothing is padded or dropped, and a token's pairs are summed in float32.
+  ``AllToAllPrepareAndFinalize``: each rank has its own tokens; each (token, expert) pair goes to
+  the expert's owner and its weighted float32 output comes back, with ``all_to_all_single`` and
+  exact per-rank counts (exchanged first), so nothing is padded or dropped, and a token's pairs
+  are summed in float32.
   Both cast to x's dtype once, after the combine (``modular_fused_moe``'s experts run with
   ``float32_output``): in 16-bit dtypes the result is one process's float32 sum rounded once,
   at twice the bytes of a 16-bit combine.
