@@ -35,17 +35,40 @@ def _experts_problem(rng, tokens=7, experts=10, top_k=3, hidden=32, inter=16, ac
     )
 
 
-def ep_close(got, want, dtype: str) -> bool:
-    """Expert-parallel output against one device's. float32: the tolerance table (only the order
-    of the float32 sums differs). 16-bit: each shard's share (each pair's output under all-to-all)
-    is rounded to the dtype before the combine adds them, where one device rounds the float32 sum
-    once, so near-cancelling outputs differ by a few roundings of the largest term; the bound is
-    4 units in the last place of the largest output (2^-5 of it for bfloat16's 8 bits)."""
-    got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+_MANTISSA_BITS = {"bfloat16": 7, "float16": 10}
+
+
+def ep_close(got, want32, dtype: str) -> bool:
+    """Expert-parallel output ``got`` against one device's float32 result ``want32`` (the experts
+    with ``float32_output``: the sum before its one cast).
+
+    float32: the tolerance table (only the order of the float32 sums differs). 16-bit: the
+    expert-parallel combine adds float32 partials and casts once, so ``got`` is ``want32`` cast to
+    the dtype except where the other order of the float32 sums moves a value across a rounding
+    boundary: every element within 1 unit in the last place of its own value, and at most 1% of
+    them (or one element) not bitwise equal (measured: at most 0.05%; more than 1 unit would take
+    a float32 sum cancelling by 2^16). Rounding each shard's share or pair before the sum, as the
+    combine did before, fails both: 30-43% of the elements differ, by up to ~1900 units."""
+    got, want32 = np.asarray(got, np.float32), np.asarray(want32, np.float32)
+    if got.shape != want32.shape:
+        return False
     if dtype == "float32":
-        return bool(testing.compare(got, want, dtype).ok)
-    ulp = {"bfloat16": 2.0 ** -7, "float16": 2.0 ** -10}[dtype]
-    return bool(np.max(np.abs(got - want), initial=0.0) <= 4 * ulp * np.max(np.abs(want), initial=0.0))
+        return bool(testing.compare(got, want32, dtype).ok)
+    max_units, unequal = units_off(got, want32, dtype)
+    return max_units <= 1 and unequal <= max(1, 0.01 * got.size)
+
+
+def units_off(got, want32, dtype: str) -> tuple[float, int]:
+    """(largest ``|got - round(want32)|`` in units in the last place of each element's own value,
+    number of elements not equal to ``round(want32)``), ``round`` being the cast to ``dtype``."""
+    import ml_dtypes  # numpy's bfloat16 (JAX's own), rounding to nearest even as every frontend casts
+
+    got, want32 = np.asarray(got, np.float32), np.asarray(want32, np.float32)
+    want = want32.astype(ml_dtypes.bfloat16 if dtype == "bfloat16" else np.float16).astype(np.float32)
+    magnitude = np.maximum(np.abs(want), np.finfo(np.float32).tiny)
+    ulp = 2.0 ** (np.floor(np.log2(magnitude)) - _MANTISSA_BITS[dtype])
+    diff = np.abs(got - want)
+    return float(np.max(diff / ulp, initial=0.0)), int(np.count_nonzero(diff))
 
 
 # --- placement ---------------------------------------------------------------------------------
@@ -194,7 +217,7 @@ _JAX_SCRIPT = textwrap.dedent("""
     from dualop import testing
     from dualop.ops import FusedMoE, UnquantizedFusedMoEMethod
     from dualop.jax.expert_parallel import expert_parallel_moe
-    from test_expert_parallel import ep_close
+    from test_expert_parallel import ep_close, units_off
 
     rng = np.random.default_rng(0)
     E, H, I = 16, 128, 64
@@ -217,14 +240,18 @@ _JAX_SCRIPT = textwrap.dedent("""
             b13 = jnp.asarray(rng.standard_normal((E, 2 * I)) * 0.1, dt) if bias else None
             b2 = jnp.asarray(rng.standard_normal((E, H)) * 0.1, dt) if bias else None
             corr = jnp.asarray(rng.standard_normal(E) * 0.5, jnp.float32) if correction else None
-            want = np.asarray(op(x, logits, w13, w2, b13, b2, corr).astype(jnp.float32))
+            # one device: the same routing and experts, the experts' float32 sum before its cast
+            experts32 = UnquantizedFusedMoEMethod(op.activation, op.apply_router_weight_on_input, float32_output=True)
+            want = np.asarray(experts32(x, *op.route(x, logits, corr), w13, w2, b13, b2))
+            assert want.dtype == np.float32
             for n in shard_counts:
                 mesh = Mesh(np.array(jax.devices()[:n]), ("ep",))
                 for mode in ("all_to_all", "psum"):
                     run = jax.jit(lambda *a: expert_parallel_moe(mesh, "ep", *a, op=op, mode=mode))
                     got = np.asarray(run(x, logits, w13, w2, b13, b2, corr).astype(jnp.float32))
                     out.append(dict(layer=name, dtype=dtype, shards=n, mode=mode, ok=bool(ep_close(got, want, dtype)),
-                                    max_abs=float(np.max(np.abs(got - want)))))
+                                    max_abs=float(np.max(np.abs(got - want))),
+                                    units_off=None if dtype == "float32" else units_off(got, want, dtype)))
 
     # no tokens, and one token on 8 shards (all_to_all pads it to 8)
     op = layers["silu,k4"][0]
@@ -296,7 +323,6 @@ def test_jax_expert_parallel_rejects_bad_arguments():
     from jax.sharding import Mesh
 
     from dualop.jax.expert_parallel import expert_parallel_moe
-    from test_expert_parallel import ep_close
     from dualop.ops import FusedMoE
 
     jnp = jax.numpy
@@ -354,23 +380,29 @@ def _torch_rank_checks(rank: int, world: int, group, platform: str) -> None:
             t = {k: testing.to_frontend(v, "torch", "int32" if k == "ids" else dtype) for k, v in p.items()}
             t["weights"] = torch.from_numpy(p["weights"])
             whole = (t["w13"], t["w2"], t["b13"], t["b2"])
-            want = UnquantizedFusedMoEMethod(activation).forward_native(t["x"], t["weights"], t["ids"], *whole)
+            # one process, the same experts path: its float32 sum, before its one cast (the kernels'
+            # own rounding, e.g. Triton's hi/lo halves, is theirs to test against the native body)
+            one_process = UnquantizedFusedMoEMethod(activation, float32_output=True)
+            want = one_process(t["x"], t["weights"], t["ids"], *whole)
+            assert want.dtype == torch.float32
             _, expert_map = ep.expert_map_for_rank(experts, world, rank)
             mine = [ep.local_experts(w, experts, world, rank) for w in whole]
 
             reduce_op = FusedMoEModularMethod(ep.AllReducePrepareAndFinalize(group), activation)
             got = reduce_op(t["x"], t["weights"], t["ids"], *mine, expert_map)
-            assert ep_close(got.float().numpy(), want.float().numpy(), dtype), ("all_reduce", activation, dtype, rank)
+            assert ep_close(got.float().numpy(), want.numpy(), dtype), (
+                "all_reduce", activation, dtype, rank, dtype != "float32" and units_off(got.float(), want, dtype))
 
             # all-to-all: uneven token shards, the last rank's possibly empty
             bounds = [min(len(t["x"]), 3 * r) for r in range(world)] + [len(t["x"])]
             lo, hi = bounds[rank], bounds[rank + 1]
             a2a_op = FusedMoEModularMethod(ep.AllToAllPrepareAndFinalize(group), activation)
             got = a2a_op(t["x"][lo:hi], t["weights"][lo:hi], t["ids"][lo:hi], *mine, expert_map)
-            assert ep_close(got.float().numpy(), want[lo:hi].float().numpy(), dtype), ("all_to_all", activation, dtype,
-                                                                                      rank)
-            if platform == "cuda":  # the Triton experts ran between prepare and finalize
-                for op in (reduce_op, a2a_op):
+            assert ep_close(got.float().numpy(), want[lo:hi].numpy(), dtype), (
+                "all_to_all", activation, dtype, rank,
+                dtype != "float32" and units_off(got.float(), want[lo:hi], dtype))
+            if platform == "cuda":  # the Triton experts ran (between prepare and finalize)
+                for op in (one_process, reduce_op, a2a_op):
                     assert op.last_run("torch", "cuda")[0] == "forward_cuda", op.last_run("torch", "cuda")
 
 

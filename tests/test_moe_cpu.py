@@ -144,6 +144,69 @@ def test_torch_kernel_declines_under_autograd():
         kernel(x.requires_grad_(), weights, ids, w13, w2)
 
 
+# ------------------------------------------------------------------------ float32_output
+
+
+def _as_jax(args):
+    jnp = importlib.import_module("jax.numpy")
+    return [None if t is None else jnp.asarray(t.float().numpy()).astype(
+        jnp.bfloat16 if t.dtype == torch.bfloat16 else (jnp.int32 if not t.is_floating_point() else jnp.float32))
+        for t in args]
+
+
+@pytest.mark.parametrize("path", ["native", "torch_cpu", "ragged"])
+@pytest.mark.parametrize("tokens", [0, 21])
+def test_float32_output_is_the_sum_before_the_cast(path, tokens):
+    """``float32_output``: the experts' float32 weighted sum, not cast to x's dtype (bfloat16 here),
+    through the op's own methods (so the option reaches the kernel): cast to bfloat16 it is the
+    default call's output bit for bit, and it is the dense float32 reference's value (the native
+    body on the inputs widened to float32, exact for bfloat16) within float32's tolerance."""
+    from dualop.ops import UnquantizedFusedMoEMethod
+
+    spec = dict(PROBLEMS["holes_and_bias"], tokens=tokens)
+    args = _cast(_problem(**spec), torch.bfloat16)
+    want32 = _reference(_cast(args, torch.float32), "silu")
+    exact, default = UnquantizedFusedMoEMethod("silu", float32_output=True), UnquantizedFusedMoEMethod("silu")
+    if path == "ragged":
+        jnp = importlib.import_module("jax.numpy")
+        jax_args = _as_jax(args)
+        got, cast = exact.forward_cpu(*jax_args), default.forward_cpu(*jax_args)
+        assert got.dtype == jnp.float32 and cast.dtype == jnp.bfloat16
+        np.testing.assert_array_equal(np.asarray(got.astype(jnp.bfloat16).astype(jnp.float32)),
+                                      np.asarray(cast.astype(jnp.float32)))
+        got = torch.tensor(np.asarray(got))
+    else:
+        if path == "torch_cpu":
+            _torch_kernel()  # skips without a C++ compiler
+        method = "forward_native" if path == "native" else "forward_cpu"
+        got, cast = getattr(exact, method)(*args), getattr(default, method)(*args)
+        assert cast.dtype == torch.bfloat16
+        assert torch.equal(got.to(torch.bfloat16), cast)
+    assert got.dtype == torch.float32 and got.shape == (tokens, spec["hidden"])
+    if path == "native":  # the same float32 operations as the widened reference
+        assert torch.equal(got, want32)
+    _close(got, want32, torch.float32)
+
+
+def test_float32_output_in_the_library_ops_fake():
+    """torch.library: the op's fake (meta) kernel reports float32 with the option, x's dtype
+    without, and opcheck's fake-versus-real checks pass."""
+    from dualop.backends.torch import library
+    from dualop.ops import UnquantizedFusedMoEMethod
+
+    args = _cast(_problem(5, 8, 2, 64, 32, holes=True), torch.bfloat16)
+    meta = tuple(None if t is None else t.to("meta") for t in args)
+    custom = library.library_op("unquantized_fused_moe")
+    for float32_output, dtype in ((True, torch.float32), (False, torch.bfloat16)):
+        op = UnquantizedFusedMoEMethod("silu", float32_output=float32_output)
+        out = custom(*library.library_args(op, meta, {}))
+        assert (out.device.type, out.dtype, tuple(out.shape)) == ("meta", dtype, (5, 64))
+    exact = UnquantizedFusedMoEMethod("silu", float32_output=True)
+    result = torch.library.opcheck(torch.ops.dualop.unquantized_fused_moe.default,
+                                   tuple(library.library_args(exact, args, {})))
+    assert set(result.values()) == {"SUCCESS"}, result
+
+
 # ------------------------------------------------------------------------ routing
 
 

@@ -150,6 +150,46 @@ def test_experts_budget_blocks_and_no_tokens():
     assert out.shape == (0, 128)
 
 
+@pytest.mark.parametrize("dtype, tokens", [(jnp.bfloat16, 7), (jnp.float16, 7), (jnp.bfloat16, 0)])
+def test_experts_float32_output_is_the_sum_before_the_cast(dtype, tokens):
+    """``float32_output`` through the op's TPU method (so the option reaches the kernel; float16
+    takes the widening branch): the float32 combine, not cast; cast to x's dtype it is the default
+    call's output bit for bit, and it is the dense float32 reference's value (the native body on
+    the inputs widened to float32, exact) within float32's tolerance. 4 of 8 experts local."""
+    from dualop.ops import UnquantizedFusedMoEMethod
+
+    args = _experts_problem(tokens, 2, 8, 128, 128, "silu", dtype, bias=True, local=4, seed=5)
+    got = UnquantizedFusedMoEMethod("silu", float32_output=True).forward_tpu(*args)
+    cast = UnquantizedFusedMoEMethod("silu").forward_tpu(*args)
+    assert got.dtype == jnp.float32 and cast.dtype == dtype and got.shape == (tokens, 128)
+    np.testing.assert_array_equal(np.asarray(got.astype(dtype), np.float32), np.asarray(cast, np.float32))
+    widened = [a if a is None or not jnp.issubdtype(a.dtype, jnp.floating) else a.astype(jnp.float32) for a in args]
+    want = moe_math.experts_reference(xp, *widened[:5], w13_bias=widened[5], w2_bias=widened[6],
+                                      expert_map=widened[7], activation="silu")
+    result = testing.compare(np.asarray(got), np.asarray(want), "float32")
+    assert result.ok, result
+
+
+@pytest.mark.parametrize("frontend", ["torch_xla", "torchax"])
+def test_experts_float32_output_from_torch_frontends(frontend):
+    """The Pallas kernel's float32 output reaches torch_xla and torchax callers as float32 tensors,
+    and cast to bfloat16 it is the default call's output bit for bit."""
+    import torch
+
+    from conftest import require_frontend
+    from dualop.ops import UnquantizedFusedMoEMethod
+
+    require_frontend(frontend)
+    problem = _experts_problem(5, 2, 8, 128, 128, "silu", jnp.float32, local=4, seed=6)
+    dtypes = ["bfloat16", "float32", "int32", "bfloat16", "bfloat16", None, None, "int32"]
+    args = [None if a is None else testing.to_frontend(np.array(a), frontend, d) for a, d in zip(problem, dtypes)]
+    got = UnquantizedFusedMoEMethod("silu", float32_output=True).forward_tpu(*args)
+    cast = UnquantizedFusedMoEMethod("silu").forward_tpu(*args)
+    assert got.dtype == torch.float32 and cast.dtype == torch.bfloat16 and tuple(got.shape) == (5, 128)
+    rounded = testing.to_numpy(testing.to_frontend(testing.to_numpy(got), "jax", "bfloat16"))
+    np.testing.assert_array_equal(rounded, testing.to_numpy(cast))
+
+
 def test_block_choice_fits_budget_and_divides():
     blocks = moe_blocks(8192 * 8, 7168, 2048, 2, gated=True)
     assert 7168 % blocks.hidden == 0 and 2048 % blocks.inter == 0 and blocks.rows % 16 == 0

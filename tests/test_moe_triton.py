@@ -286,6 +286,29 @@ def test_bfloat16_outputs_near_zero_keep_the_float32_intermediate():
     _check_experts((x, weights, ids, w13, w2, None, None), torch.bfloat16)
 
 
+@pytest.mark.parametrize("tokens", [0, 9])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_float32_output_is_the_sum_before_the_cast(dtype, tokens):
+    """``float32_output`` through the op's CUDA method (so the option reaches the kernels): the
+    float32 sum of the k slots, not cast; cast to x's dtype it is the default call's output bit for
+    bit, and it is the dense float32 reference's value (the native body on the inputs widened to
+    float32, exact) within float32's tolerance. Six of twelve experts local, swigluoai with biases."""
+    rng = np.random.default_rng(2)
+    mapping = np.full(12, -1, np.int32)
+    mapping[rng.permutation(12)[:6]] = rng.permutation(6)
+    expert_map = torch.from_numpy(mapping)
+    ids = np.array([rng.permutation(12)[:3] for _ in range(tokens)]).reshape(tokens, 3)
+    problem = _experts_problem(rng, tokens, 3, 72, 40, 6, "swigluoai", dtype, bias=True, ids=ids)
+    got = UnquantizedFusedMoEMethod("swigluoai", float32_output=True).forward_cuda(*problem, expert_map)
+    cast = UnquantizedFusedMoEMethod("swigluoai").forward_cuda(*problem, expert_map)
+    assert got.dtype == torch.float32 and cast.dtype == dtype and got.shape == (tokens, 72)
+    assert torch.equal(got.to(dtype), cast)
+    x, weights, ids, *weight_args = problem
+    widened = [None if w is None else w.float() for w in weight_args]
+    want = UnquantizedFusedMoEMethod("swigluoai").forward_native(x.float(), weights, ids, *widened, expert_map)
+    _assert_close(got, want, torch.float32)
+
+
 def test_block_sizes_follow_rows_per_expert():
     assert block_sizes(16 * 8, 32, 2)[0] == 16
     assert block_sizes(8192 * 8, 32, 2) == (64, 64, 64, 8)

@@ -7,20 +7,23 @@ their expert dim, and each shard's ``expert_map`` comes from its axis index. Two
 
 - ``mode="all_to_all"``: tokens are split over the axis too; each shard routes its tokens, sends
   every (token, expert) pair to the expert's owner with ``jax.lax.all_to_all``, runs its experts
-  on what it received, sends the weighted outputs back with a second ``all_to_all`` and sums each
-  token's pairs in float32. Buffers are fixed: ``capacity`` rows per (source, destination) pair
-  of shards. The default, ``T_shard * top_k``, can never overflow (exact, at n times the traffic
-  of a balanced load); a smaller capacity (e.g. ``ceil(1.25 * T_shard * top_k / n)``) cuts the
-  buffers and the experts' rows, and pairs beyond it are DROPPED (they add 0, the token keeps its
-  other experts), the usual capacity-factor trade.
+  on what it received, sends the weighted float32 outputs back with a second ``all_to_all`` and
+  sums each token's pairs in float32. Buffers are fixed: ``capacity`` rows per (source,
+  destination) pair of shards. The default, ``T_shard * top_k``, can never overflow (exact, at n
+  times the traffic of a balanced load); a smaller capacity (e.g. ``ceil(1.25 * T_shard * top_k /
+  n)``) cuts the buffers and the experts' rows, and pairs beyond it are DROPPED (they add 0, the
+  token keeps its other experts), the usual capacity-factor trade.
 - ``mode="psum"``: for small token counts (decode): every shard routes all tokens, computes its
-  experts' share for all of them (``expert_map`` masks the rest), and ``jax.lax.psum`` adds the
-  shares; tokens and output are replicated.
+  experts' float32 share for all of them (``expert_map`` masks the rest), and ``jax.lax.psum``
+  adds the shares in float32; tokens and output are replicated.
 
-Both give one device's result: exactly the same sum in float32 (up to summation order), and within
-the tolerance of the dtype in 16-bit dtypes (each shard's share is rounded once before the sum).
-The experts run as ``modular_fused_moe`` with the prepare/finalize objects below, so the platform's
-kernel (Pallas on TPU) runs inside each shard.
+Both give one device's result, rounded once: the shares and pairs stay float32 until the combine
+is done (the experts run with ``float32_output``), so in every dtype the result is one device's
+float32 sum cast once, up to the order of the float32 additions. In 16-bit dtypes that doubles the
+bytes of the combine (the psum, the all-to-all's return trip; the dispatch still sends x in its
+dtype): rounding each share first would make the result depend on the shard count, by a few
+16-bit roundings where outputs nearly cancel. The experts run as ``modular_fused_moe`` with the
+prepare/finalize objects below, so the platform's kernel (Pallas on TPU) runs inside each shard.
 """
 
 from __future__ import annotations
@@ -64,8 +67,8 @@ def local_expert_map(num_experts: int, num_shards: int, shard_index) -> jax.Arra
 
 @dataclasses.dataclass(frozen=True)
 class PsumPrepareAndFinalize(PrepareAndFinalize):
-    """Every shard has every token; the shards' shares are added with ``psum`` over ``axis_name``
-    (call inside ``shard_map``)."""
+    """Every shard has every token; the shards' float32 shares are added with ``psum`` over
+    ``axis_name`` (call inside ``shard_map``), then cast to x's dtype."""
 
     axis_name: Any
 
@@ -73,14 +76,16 @@ class PsumPrepareAndFinalize(PrepareAndFinalize):
         return Prepared(x, topk_weights, topk_ids, expert_map)
 
     def finalize(self, out, prepared: Prepared, x):
-        return jax.lax.psum(out, self.axis_name)
+        return jax.lax.psum(out.astype(jnp.float32), self.axis_name).astype(x.dtype)
 
 
 @dataclasses.dataclass(frozen=True)
 class AllToAllPrepareAndFinalize(PrepareAndFinalize):
     """Each shard's tokens go to their experts' owners and back with ``jax.lax.all_to_all`` over
-    ``axis_name`` (``num_shards`` shards, even contiguous expert blocks; call inside ``shard_map``).
-    ``capacity``: rows per destination shard (None: tokens * top_k, which never drops a pair)."""
+    ``axis_name`` (``num_shards`` shards, even contiguous expert blocks; call inside ``shard_map``):
+    x's rows go out in x's dtype, the pairs' float32 outputs come back and are summed in float32,
+    then cast to x's dtype. ``capacity``: rows per destination shard (None: tokens * top_k, which
+    never drops a pair)."""
 
     axis_name: Any
     num_shards: int
@@ -115,8 +120,9 @@ class AllToAllPrepareAndFinalize(PrepareAndFinalize):
     def finalize(self, out, prepared: Prepared, x):
         dest, slot, kept, capacity, top_k = prepared.state
         n, (tokens, hidden) = self.num_shards, x.shape
-        back = jax.lax.all_to_all(out.reshape(n, capacity, hidden), self.axis_name, 0, 0, tiled=True)
-        pairs = back[jnp.minimum(dest, n - 1), slot].astype(jnp.float32)  # [T * k, H]
+        back = jax.lax.all_to_all(out.astype(jnp.float32).reshape(n, capacity, hidden), self.axis_name, 0, 0,
+                                  tiled=True)
+        pairs = back[jnp.minimum(dest, n - 1), slot]  # [T * k, H] float32
         pairs = jnp.where(kept[:, None], pairs, 0.0)
         return pairs.reshape(tokens, top_k, hidden).sum(axis=1).astype(x.dtype)
 

@@ -10,7 +10,8 @@ Conventions every path follows:
 - ``w13`` is ``[E, 2I, H]`` with the gate rows first (``[gate | up]``) for ``silu``/``gelu``/
   ``gelu_tanh``; interleaved (gate rows 0, 2, 4, ...; up rows 1, 3, 5, ...) for ``swigluoai``, as
   gpt-oss stores it; ``[E, I, H]`` for ``relu2`` (no gate). ``w2`` is ``[E, H, I]``.
-- The intermediate activation stays float32 (one cast, at the end): a kernel that feeds a 16-bit
+- The intermediate activation stays float32 (one cast, at the end; ``float32_output`` leaves the
+  cast to a caller that first adds several devices' outputs): a kernel that feeds a 16-bit
   matrix unit must not round it to 16 bits (split it into a high and a low 16-bit half and do two
   matmuls, as the paged attention kernels do for ``p . v``, or keep float32 operands).
 - Top-k picks the largest values; among equal values the LOWER index comes first. That is
@@ -161,9 +162,12 @@ def experts_reference(
     w2_bias=None,
     expert_map=None,
     apply_router_weight_on_input: bool = False,
+    float32_output: bool = False,
 ):
-    """The experts' output ``[T, H]`` in ``x``'s dtype, computed densely in float32: every local
-    expert on every token, weighted by the routing matrix (zero for experts a token does not use).
+    """The experts' output ``[T, H]`` in ``x``'s dtype (float32 with ``float32_output``: the sum
+    before the one cast, for a caller that adds partial outputs across devices and casts after),
+    computed densely in float32: every local expert on every token, weighted by the routing matrix
+    (zero for experts a token does not use).
 
     ``out[t] = sum_e r[t, e] * (w2[e] @ act(w13[e] @ x[t] + b13[e]) + b2[e])``; with
     ``apply_router_weight_on_input`` (top_k 1) the weight scales the input instead,
@@ -189,7 +193,7 @@ def experts_reference(
     routed = routing_matrix(xp, xp.astype(local_ids >= 0, f32), local_ids, num_local) > 0.0  # [T, E]
     weighted = xp.where(routed[..., None], y * routing[..., None], 0.0)
     out = xp.sum(weighted, axis=1)
-    return xp.astype(out, x.dtype)
+    return out if float32_output else xp.astype(out, x.dtype)
 
 
 def sort_by_expert(xp, local_ids, num_local_experts: int):

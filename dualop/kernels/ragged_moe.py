@@ -43,9 +43,9 @@ def _ragged_linear(rows: Any, weights: Any, group_sizes: Any, on_cpu: bool) -> A
     return dot(high, weights) + dot((rows - high.astype(jnp.float32)).astype(weights.dtype), weights)
 
 
-@functools.partial(jax.jit, static_argnames=("activation", "apply_router_weight_on_input", "on_cpu"))
+@functools.partial(jax.jit, static_argnames=("activation", "apply_router_weight_on_input", "float32_output", "on_cpu"))
 def _experts(x, topk_weights, topk_ids, w13, w2, w13_bias, w2_bias, expert_map, *, activation,
-             apply_router_weight_on_input, on_cpu):
+             apply_router_weight_on_input, float32_output, on_cpu):
     from dualop.backends.xla import array_api as xp
     from dualop.kernels import moe_math
 
@@ -68,7 +68,7 @@ def _experts(x, topk_weights, topk_ids, w13, w2, w13_bias, w2_bias, expert_map, 
     if w2_bias is not None:
         y = y + jnp.take(w2_bias.astype(f32), safe_expert, axis=0)
     out = jnp.zeros((tokens, x.shape[1]), f32).at[token_of_row].add(y * weight_of_row[:, None])
-    return out.astype(x.dtype)
+    return out if float32_output else out.astype(x.dtype)
 
 
 def fused_experts(
@@ -83,12 +83,14 @@ def fused_experts(
     *,
     activation: str = "silu",
     apply_router_weight_on_input: bool = False,
+    float32_output: bool = False,
     on_cpu: bool = True,
 ) -> Any:
-    """``[T, H]`` in ``x``'s dtype: ``moe_math.experts_reference``'s value, computed for the
-    routed pairs only (jit-able; the options are static). ``on_cpu``: the op's CPU path (float32
-    operands); False for GPUs (16-bit operands, the intermediate as two halves)."""
+    """``[T, H]`` in ``x``'s dtype (float32 with ``float32_output``): ``moe_math.experts_reference``'s
+    value, computed for the routed pairs only (jit-able; the options are static). ``on_cpu``: the
+    op's CPU path (float32 operands); False for GPUs (16-bit operands, the intermediate as two halves)."""
     if x.shape[0] == 0:
-        return jnp.zeros((0, x.shape[1]), x.dtype)
+        return jnp.zeros((0, x.shape[1]), jnp.float32 if float32_output else x.dtype)
     return _experts(x, topk_weights, topk_ids, w13, w2, w13_bias, w2_bias, expert_map, activation=activation,
-                    apply_router_weight_on_input=apply_router_weight_on_input, on_cpu=on_cpu)
+                    apply_router_weight_on_input=apply_router_weight_on_input, float32_output=float32_output,
+                    on_cpu=on_cpu)

@@ -17,7 +17,7 @@ the one place every path takes them from.
 Expert parallelism's building block is ``expert_map``: ``[E_global]`` int32, each global expert's
 index among this device's experts or -1. With a map, ``w13``/``w2`` (and the biases) hold only the
 local experts and tokens routed elsewhere contribute 0; summing the devices' outputs gives the
-one-device result.
+one-device result (``float32_output`` hands the sum float32 partials, so it can round once, after).
 
 Validation (before any kernel): shapes, dtypes, devices and options; and where values are at hand
 (``_checks.concrete_values``: torch CPU/CUDA tensors, jax arrays outside a trace) the ids and the
@@ -260,23 +260,29 @@ def _check_routing(op: str, x: Any, fe: str, topk_weights: Any, topk_ids: Any, n
 
 @CustomOp.register(EXPERTS_OP)
 class UnquantizedFusedMoEMethod(CustomOp):
-    """``UnquantizedFusedMoEMethod(activation="silu", apply_router_weight_on_input=False)``;
-    ``op(x, topk_weights, topk_ids, w13, w2, w13_bias=None, w2_bias=None, expert_map=None)`` ->
-    ``[T, H]`` in x's dtype: the experts of unquantized weights for given routing (the engine's
-    method object; ``FusedMoE`` calls it after routing).
+    """``UnquantizedFusedMoEMethod(activation="silu", apply_router_weight_on_input=False,
+    float32_output=False)``; ``op(x, topk_weights, topk_ids, w13, w2, w13_bias=None, w2_bias=None,
+    expert_map=None)`` -> ``[T, H]`` in x's dtype: the experts of unquantized weights for given
+    routing (the engine's method object; ``FusedMoE`` calls it after routing).
+
+    ``float32_output``: return the float32 weighted sum instead of casting it to x's dtype, so a
+    caller that adds several devices' partial outputs (expert parallelism, ``modular_fused_moe``)
+    rounds once, after the sum; every path (native body and kernels) honours it.
 
     ``create_weights`` gives the weights' shapes (and makes them on a layer); ``apply(layer, x,
     topk_weights, topk_ids)`` runs the op with the layer's weights and expert map.
     """
 
-    def __init__(self, activation: str = "silu", apply_router_weight_on_input: bool = False, *,
-                 enforce_enable: bool = False) -> None:
+    def __init__(self, activation: str = "silu", apply_router_weight_on_input: bool = False,
+                 float32_output: bool = False, *, enforce_enable: bool = False) -> None:
         super().__init__(enforce_enable=enforce_enable)
         self.activation = _check_choice(EXPERTS_OP, "activation", activation, moe_math.MOE_ACTIVATIONS)
         self.apply_router_weight_on_input = bool(apply_router_weight_on_input)
+        self.float32_output = bool(float32_output)
 
     def extra_repr(self) -> str:
-        return f"activation={self.activation!r}, apply_router_weight_on_input={self.apply_router_weight_on_input}"
+        return (f"activation={self.activation!r}, apply_router_weight_on_input={self.apply_router_weight_on_input}, "
+                f"float32_output={self.float32_output}")
 
     # -------------------------------------------------------------- weights
 
@@ -326,7 +332,9 @@ class UnquantizedFusedMoEMethod(CustomOp):
                              f"top_k {topk_ids.shape[1]}")
 
     def _options(self) -> dict[str, Any]:
-        return dict(activation=self.activation, apply_router_weight_on_input=self.apply_router_weight_on_input)
+        """The static options every experts path takes (``moe_math.experts_reference``'s keywords)."""
+        return dict(activation=self.activation, apply_router_weight_on_input=self.apply_router_weight_on_input,
+                    float32_output=self.float32_output)
 
     def forward_native(self, x: Any, topk_weights: Any, topk_ids: Any, w13: Any, w2: Any, w13_bias: Any = None,
                        w2_bias: Any = None, expert_map: Any = None) -> Any:
@@ -423,7 +431,8 @@ class FusedMoE(CustomOp):
     def extra_repr(self) -> str:
         return (f"num_experts={self.num_experts}, top_k={self.top_k}, hidden_size={self.hidden_size}, "
                 f"intermediate_size={self.intermediate_size}, {self.router.extra_repr()}, "
-                f"{self.quant_method.extra_repr()}, has_bias={self.has_bias}")
+                f"activation={self.activation!r}, apply_router_weight_on_input={self.apply_router_weight_on_input}, "
+                f"has_bias={self.has_bias}")
 
     def check_inputs(self, hidden_states: Any, router_logits: Any, w13: Any, w2: Any, w13_bias: Any = None,
                      w2_bias: Any = None, e_score_correction_bias: Any = None, expert_map: Any = None) -> None:

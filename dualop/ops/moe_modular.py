@@ -6,8 +6,8 @@ experts' outputs come back; the experts in between are ``unquantized_fused_moe``
 the platform, or its native body), always with an ``expert_map``-style local view. Prepare/finalize
 objects:
 
-- ``SingleDevicePrepareAndFinalize`` (the default): identity both ways; the experts' output is
-  already the weighted combine of each token's top-k experts.
+- ``SingleDevicePrepareAndFinalize`` (the default): nothing moves; the experts' output is
+  already the weighted combine of each token's top-k experts, and finalize casts it to x's dtype.
 - expert parallel, per frontend: ``dualop.jax.expert_parallel`` (inside ``shard_map``: ``psum`` or
   ``all_to_all`` over a mesh axis) and ``dualop.torch.expert_parallel`` (``torch.distributed``:
   all-reduce or ``all_to_all_single`` over a process group).
@@ -19,7 +19,12 @@ one more than the rest.
 Unquantized weights need no quantisation, so prepare only dispatches. A prepare that moves tokens
 (all-to-all) hands the experts one row per (token, expert) pair, top_k 1, with padding rows of id
 -1 (every experts path treats -1 as "not here": they add nothing); finalize brings each pair's
-weighted output back and sums a token's pairs in float32, casting once.
+weighted output back and sums a token's pairs in float32.
+
+Precision: the experts run with ``float32_output`` (``unquantized_fused_moe``'s option), so
+finalize gets float32 partial outputs, combines them in float32 (the psum / all-reduce and the
+all-to-all's return trip carry float32) and casts to x's dtype once, at the end: in 16-bit dtypes
+the expert-parallel result is one device's float32 sum rounded once, up to float32 summation order.
 """
 
 from __future__ import annotations
@@ -73,8 +78,9 @@ class PrepareAndFinalize:
     """How tokens reach this device's experts and how their outputs come back.
 
     ``prepare(x, topk_weights, topk_ids, expert_map, num_local_experts)`` -> ``Prepared``;
-    ``finalize(out, prepared, x)`` -> ``[T, H]`` in ``x``'s dtype (``out``: the experts' output for
-    ``prepared``'s rows). Subclasses are frontend-specific when they communicate.
+    ``finalize(out, prepared, x)`` -> ``[T, H]`` in ``x``'s dtype (``out``: the experts' float32
+    output for ``prepared``'s rows, combined in float32 and cast once, last). Subclasses are
+    frontend-specific when they communicate.
 
     ``prepare_communicates``: prepare is a collective every rank must join (all-to-all). Then a
     declining experts kernel is replaced by the native body on the prepared rows, inside the same
@@ -98,7 +104,7 @@ class SingleDevicePrepareAndFinalize(PrepareAndFinalize):
         return Prepared(x, topk_weights, topk_ids, expert_map)
 
     def finalize(self, out: Any, prepared: Prepared, x: Any) -> Any:
-        return out
+        return array_namespace(out).astype(out, x.dtype)
 
 
 @CustomOp.register(MODULAR_OP)
@@ -108,7 +114,8 @@ class FusedMoEModularMethod(CustomOp):
     w2_bias=None, expert_map=None)`` -> ``[T, H]`` in x's dtype.
 
     ``prepare_finalize`` (default ``SingleDevicePrepareAndFinalize()``) dispatches tokens and
-    combines outputs; the experts are ``unquantized_fused_moe`` (``self.experts``), and this op's
+    combines outputs; the experts are ``unquantized_fused_moe`` with ``float32_output``
+    (``self.experts``: finalize combines float32 partials and casts once), and this op's
     platform method runs the experts' method of the same platform (a cell counts as a kernel cell
     only when the experts' kernel ran). The arguments are validated as ``unquantized_fused_moe``'s,
     for the rows this device was given (``x``, its routing, this device's weights and map).
@@ -123,12 +130,13 @@ class FusedMoEModularMethod(CustomOp):
             raise TypeError(f"{MODULAR_OP}: argument 'prepare_finalize' must be a PrepareAndFinalize, got "
                             f"{type(prepare_finalize).__qualname__}")
         self.prepare_finalize = prepare_finalize
-        self.experts = UnquantizedFusedMoEMethod(activation, apply_router_weight_on_input)
+        self.experts = UnquantizedFusedMoEMethod(activation, apply_router_weight_on_input, float32_output=True)
         self.activation = self.experts.activation
         self.apply_router_weight_on_input = self.experts.apply_router_weight_on_input
 
     def extra_repr(self) -> str:
-        return f"prepare_finalize={self.prepare_finalize!r}, {self.experts.extra_repr()}"
+        return (f"prepare_finalize={self.prepare_finalize!r}, activation={self.activation!r}, "
+                f"apply_router_weight_on_input={self.apply_router_weight_on_input}")
 
     def check_inputs(self, x: Any, topk_weights: Any, topk_ids: Any, w13: Any, w2: Any, w13_bias: Any = None,
                      w2_bias: Any = None, expert_map: Any = None) -> None:

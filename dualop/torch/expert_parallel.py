@@ -10,10 +10,14 @@ Pieces (the reference engine's, by role):
   ``local_experts(weight, num_experts, ep_size, ep_rank)`` slices a global ``[E, ...]`` weight.
 - prepare/finalize objects for ``modular_fused_moe`` (``FusedMoEModularMethod(prepare_finalize)``):
   ``AllReducePrepareAndFinalize``: every rank has every token (small batches, decode), computes
-  its experts' share and an all-reduce sums the shares; ``AllToAllPrepareAndFinalize``: each rank
-  has its own tokens; each (token, expert) pair goes to the expert's owner and its weighted output
-  comes back, with ``all_to_all_single`` and exact per-rank counts (exchanged first), so nothing
-  is padded or dropped, and a token's pairs are summed in float32.
+  its experts' float32 share and a float32 all-reduce sums the shares;
+  ``AllToAllPrepareAndFinalize``: each rank has its own tokens; each (token, expert) pair goes to
+  the expert's owner and its weighted float32 output comes back, with ``all_to_all_single`` and
+  exact per-rank counts (exchanged first), so nothing is padded or dropped, and a token's pairs
+  are summed in float32.
+  Both cast to x's dtype once, after the combine (``modular_fused_moe``'s experts run with
+  ``float32_output``): in 16-bit dtypes the result is one process's float32 sum rounded once,
+  at twice the bytes of a 16-bit combine.
 
 gloo (CPU) implements ``all_to_all_single`` (with split sizes) and ``all_reduce``; in torch 2.9 it
 has no list ``all_to_all`` ("Backend gloo does not support alltoall"), so only the former is used.
@@ -78,7 +82,8 @@ def local_experts(weight: torch.Tensor | None, num_experts: int, ep_size: int, e
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class AllReducePrepareAndFinalize(PrepareAndFinalize):
-    """Every rank has every token; the ranks' shares are summed with ``all_reduce`` over ``group``."""
+    """Every rank has every token; the ranks' float32 shares are summed with ``all_reduce`` over
+    ``group``, then cast to x's dtype."""
 
     group: Any = None
 
@@ -86,9 +91,9 @@ class AllReducePrepareAndFinalize(PrepareAndFinalize):
         return Prepared(x, topk_weights, topk_ids, expert_map)
 
     def finalize(self, out, prepared: Prepared, x):
-        out = out.contiguous()
+        out = out.to(torch.float32).contiguous()
         dist.all_reduce(out, op=dist.ReduceOp.SUM, group=self.group)
-        return out
+        return out.to(x.dtype)
 
 
 def _all_to_all(values: torch.Tensor, send_counts: list[int], recv_counts: list[int], group: Any) -> torch.Tensor:
@@ -101,7 +106,9 @@ def _all_to_all(values: torch.Tensor, send_counts: list[int], recv_counts: list[
 @dataclasses.dataclass(frozen=True, eq=False)
 class AllToAllPrepareAndFinalize(PrepareAndFinalize):
     """Each rank's tokens go to their experts' owners and back with ``all_to_all_single`` over
-    ``group`` (experts placed by ``expert_map_for_rank``; ``expert_map`` must be given to the op)."""
+    ``group`` (experts placed by ``expert_map_for_rank``; ``expert_map`` must be given to the op):
+    x's rows go out in x's dtype, the pairs' float32 outputs come back, summed in float32 and cast
+    to x's dtype."""
 
     prepare_communicates: ClassVar[bool] = True
 
@@ -128,6 +135,7 @@ class AllToAllPrepareAndFinalize(PrepareAndFinalize):
 
     def finalize(self, out, prepared: Prepared, x):
         kept, send, recv, top_k = prepared.state
-        back = _all_to_all(out, recv, send, self.group)  # the kept pairs' weighted outputs, in ``kept``'s order
+        # the kept pairs' weighted float32 outputs, in ``kept``'s order
+        back = _all_to_all(out.to(torch.float32), recv, send, self.group)
         summed = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-        return summed.index_add_(0, kept // top_k, back.to(torch.float32)).to(x.dtype)
+        return summed.index_add_(0, kept // top_k, back).to(x.dtype)

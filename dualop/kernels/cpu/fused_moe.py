@@ -75,9 +75,11 @@ def fused_experts(
     *,
     activation: str = "silu",
     apply_router_weight_on_input: bool = False,
+    float32_output: bool = False,
 ) -> Any:
-    """``[T, H]`` in ``x``'s dtype: ``sum_j w[t, j] * (w2[e] @ act(w13[e] @ x[t] + b13[e]) + b2[e])``
-    over the local experts ``e`` of token ``t``'s slots (``moe_math.experts_reference``'s value)."""
+    """``[T, H]`` in ``x``'s dtype (float32 with ``float32_output``): ``sum_j w[t, j] * (w2[e] @
+    act(w13[e] @ x[t] + b13[e]) + b2[e])`` over the local experts ``e`` of token ``t``'s slots
+    (``moe_math.experts_reference``'s value)."""
     import torch
 
     from dualop.backends import array_namespace
@@ -89,8 +91,9 @@ def fused_experts(
     if dtype_code(w13) is None:
         raise NotImplementedError(f"{_OP}: the C++ CPU kernel has no {w13.dtype} weights")
     tokens, hidden = x.shape
+    out_dtype = torch.float32 if float32_output else x.dtype
     if tokens == 0:
-        return x.new_empty((0, hidden))
+        return x.new_empty((0, hidden), dtype=out_dtype)
     f32 = torch.float32
     num_local, top_k = w13.shape[0], topk_ids.shape[1]
     xp = array_namespace(x)
@@ -102,7 +105,7 @@ def fused_experts(
     pairs = order[:sum(counts)]
     out = torch.zeros((tokens, hidden), dtype=f32)
     if not used:
-        return out.to(x.dtype)
+        return out.to(out_dtype)
     token_of_row = torch.div(pairs, top_k, rounding_mode="floor")
     weight_of_row = topk_weights.reshape(-1).to(f32).index_select(0, pairs)
     rows = x.index_select(0, token_of_row).to(f32)
@@ -119,4 +122,4 @@ def fused_experts(
     if not apply_router_weight_on_input:
         y *= weight_of_row[:, None]
     out.index_add_(0, token_of_row, y)
-    return out.to(x.dtype)
+    return out.to(out_dtype)

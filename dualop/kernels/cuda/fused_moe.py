@@ -16,7 +16,8 @@ none reading a value back to the host (CUDA-graph safe; ``dualop compile`` runs 
    writes the float32 intermediate ``[rows, I]``.
 3. Down (``_experts_down_kernel``), grid (blocks, hidden column blocks): intermediate ``@ w2[e]^T``
    plus bias, times the router weight, float32, stored per pair into ``[T, k, H]`` float32 (pairs
-   for other devices stay 0); the wrapper sums the k slots in float32 and casts once to x's dtype.
+   for other devices stay 0); the wrapper sums the k slots in float32 and casts once to x's dtype
+   (or returns the float32 sum, ``float32_output``).
    With 16-bit weights the float32 intermediate enters the tensor cores as two 16-bit halves
    (``hi = round(a)``, ``lo = round(a - hi)``; two products), never rounded once to 16 bits.
 
@@ -179,15 +180,17 @@ def align_block_size(local_ids: torch.Tensor, num_local: int, block_m: int):
 
 
 def fused_experts(x, topk_weights, topk_ids, w13, w2, w13_bias, w2_bias, expert_map, *, activation,
-                  apply_router_weight_on_input):
-    """The experts' output ``[T, H]`` in x's dtype (module docstring). Input is assumed validated by
-    the op; ids outside ``[0, E_global)`` and map entries outside ``[0, E_local)`` add nothing."""
+                  apply_router_weight_on_input, float32_output=False):
+    """The experts' output ``[T, H]`` in x's dtype, float32 with ``float32_output`` (module
+    docstring). Input is assumed validated by the op; ids outside ``[0, E_global)`` and map
+    entries outside ``[0, E_local)`` add nothing."""
     num_tokens, hidden = x.shape
     top_k = topk_ids.shape[1]
     num_local, _, _ = w13.shape
     inter = w2.shape[2]
+    out_dtype = torch.float32 if float32_output else x.dtype
     if num_tokens == 0:
-        return torch.empty((0, hidden), dtype=x.dtype, device=x.device)
+        return torch.empty((0, hidden), dtype=out_dtype, device=x.device)
     num_pairs = num_tokens * top_k
     local_ids = moe_math.local_expert_ids(array_namespace(topk_ids), topk_ids, expert_map, num_local)
     block_m, block_n, block_k, num_warps = block_sizes(num_pairs, num_local, w13.element_size())
@@ -225,4 +228,4 @@ def fused_experts(x, topk_weights, topk_ids, w13, w2, w13_bias, w2_bias, expert_
         SPLIT_A=w2.dtype != torch.float32, EXACT_BF16=needs_exact_bf16(w2.dtype),
         num_warps=num_warps,
     )
-    return out_pairs.reshape(num_tokens, top_k, hidden).sum(dim=1).to(x.dtype)
+    return out_pairs.reshape(num_tokens, top_k, hidden).sum(dim=1).to(out_dtype)

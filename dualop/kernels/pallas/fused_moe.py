@@ -22,9 +22,9 @@ pairs sorted by expert, the activation fused into the first.
    weights it is split into ``hi = bf16(a)`` and ``lo = bf16(a - hi)`` and the two ``gmm``
    products (float32 accumulation) are added, as the paged-attention kernels do for ``p . v``.
 4. Combine: back to pair order, ``w2_bias`` added, weighted by the routing weights, summed per
-   token in float32 and cast once. Rows no expert wrote (past ``sum(group_sizes)``: pairs routed
-   elsewhere and row padding) hold whatever ``gmm`` left there: they are selected away with
-   ``where``, never multiplied by a zero weight (garbage may be NaN).
+   token in float32 and cast once (not at all with ``float32_output``). Rows no expert wrote (past
+   ``sum(group_sizes)``: pairs routed elsewhere and row padding) hold whatever ``gmm`` left there:
+   they are selected away with ``where``, never multiplied by a zero weight (garbage may be NaN).
 
 H and I that are not multiples of 128 are zero-padded (an exact no-op: padded columns of x and
 rows of the weights add zeros; a zero pre-activation activates to zero in every activation). That
@@ -284,12 +284,13 @@ def _w13_bias_parts(w13_bias, activation: str, inter: int, inter_p: int):
 # ---------------------------------------------------------------------------------- entry point
 
 
-@tpu_jit(static_argnames=("activation", "apply_router_weight_on_input", "interpret", "blocks"))
+@tpu_jit(static_argnames=("activation", "apply_router_weight_on_input", "float32_output", "interpret", "blocks"))
 def fused_experts(x, topk_weights, topk_ids, w13, w2, w13_bias=None, w2_bias=None, expert_map=None, *,
-                  activation: str, apply_router_weight_on_input: bool, interpret=False,
-                  blocks: MoeBlocks | None = None):
-    """``[T, H]`` in x's dtype: ``sum_j w[t, j] * (w2[e] @ act(w13[e] @ x[t] + b13[e]) + b2[e])``
-    over token t's routed local experts ``e = local(topk_ids[t, j])`` (``moe_math``'s conventions).
+                  activation: str, apply_router_weight_on_input: bool, float32_output: bool = False,
+                  interpret=False, blocks: MoeBlocks | None = None):
+    """``[T, H]`` in x's dtype (float32 with ``float32_output``): ``sum_j w[t, j] * (w2[e] @
+    act(w13[e] @ x[t] + b13[e]) + b2[e])`` over token t's routed local experts ``e =
+    local(topk_ids[t, j])`` (``moe_math``'s conventions).
 
     ``blocks`` overrides the budget's tiles (``moe_blocks``); tests use it to force several row,
     hidden and intermediate tiles.
@@ -298,14 +299,15 @@ def fused_experts(x, topk_weights, topk_ids, w13, w2, w13_bias=None, w2_bias=Non
     top_k = topk_ids.shape[1]
     num_experts = w13.shape[0]
     inter = w2.shape[2]
+    out_dtype = jnp.float32 if float32_output else x.dtype
     if tokens == 0:
-        return jnp.zeros((0, hidden), x.dtype)
+        return jnp.zeros((0, hidden), out_dtype)
     if x.dtype == jnp.float16:  # megablox gmm takes bfloat16 or float32: float16 widens exactly
         wide = [None if a is None else a.astype(jnp.float32) for a in (x, w13, w2, w13_bias, w2_bias)]
         out = fused_experts(wide[0], topk_weights, topk_ids, *wide[1:3], *wide[3:], expert_map,
                             activation=activation, apply_router_weight_on_input=apply_router_weight_on_input,
-                            interpret=interpret, blocks=blocks)
-        return out.astype(jnp.float16)
+                            float32_output=True, interpret=interpret, blocks=blocks)
+        return out.astype(out_dtype)
     hidden_p, inter_p = _round_up(hidden, _LANE), _round_up(inter, _LANE)
     pairs = tokens * top_k
     gated = moe_math.is_gated(activation)
@@ -352,4 +354,4 @@ def fused_experts(x, topk_weights, topk_ids, w13, w2, w13_bias=None, w2_bias=Non
     if w2_bias is not None:
         y_pairs = y_pairs + jnp.take(w2_bias.astype(jnp.float32), jnp.maximum(local.reshape(-1), 0), axis=0)
     contrib = jnp.where(written, y_pairs * weights[:, None], 0.0)
-    return jnp.sum(contrib.reshape(tokens, top_k, hidden), axis=1).astype(x.dtype)
+    return jnp.sum(contrib.reshape(tokens, top_k, hidden), axis=1).astype(out_dtype)
