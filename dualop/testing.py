@@ -27,6 +27,8 @@ __all__ = [
     "to_numpy",
     "frontend_available",
     "frontend_context",
+    "memory_mappings",
+    "release_compiled_code_near_map_limit",
 ]
 
 
@@ -240,6 +242,42 @@ def x_only(scale: float = 3.0):
         return (normal(shape, rng, scale),)
 
     return make
+
+
+def memory_mappings() -> int | None:
+    """How many memory mappings this process has (``/proc/self/maps`` lines; None off Linux)."""
+    try:
+        with open("/proc/self/maps", "rb") as maps:
+            return sum(1 for _ in maps)
+    except OSError:
+        return None
+
+
+def release_compiled_code_near_map_limit(fraction: float = 0.5) -> bool:
+    """Clear jax's caches when this process holds more than ``fraction`` of the kernel's mapping
+    limit (``vm.max_map_count``, 65530 by default); True if it did.
+
+    XLA:CPU maps each executable's machine code into the process (about three mappings each) and
+    keeps it while jax's caches hold the executable. A long run that compiles tens of thousands of
+    programs (the test suite, with Pallas kernels interpreted) reaches the limit; then LLVM's JIT
+    fails with "Cannot allocate memory" and the process aborts. Clearing the caches unmaps them;
+    later calls compile again what they need."""
+    jax = sys.modules.get("jax")
+    count = memory_mappings()
+    if jax is None or count is None:
+        return False
+    try:
+        with open("/proc/sys/vm/max_map_count") as f:
+            limit = int(f.read())
+    except (OSError, ValueError):
+        limit = 65530
+    if count < fraction * limit:
+        return False
+    import gc
+
+    jax.clear_caches()
+    gc.collect()
+    return True
 
 
 def _op_modules() -> list[str]:

@@ -113,3 +113,17 @@ def _fresh_dispatch_state():
     invalidate()
     yield
     invalidate()
+
+
+_tests_since_map_check = 0
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_runtest_teardown(item, nextitem):
+    """Every 20 tests: free jax's compiled code if the process nears the kernel's memory-mapping
+    limit (``testing.release_compiled_code_near_map_limit`` says why a whole run reaches it)."""
+    global _tests_since_map_check
+    _tests_since_map_check += 1
+    if _tests_since_map_check >= 20:
+        _tests_since_map_check = 0
+        testing.release_compiled_code_near_map_limit()

@@ -62,3 +62,19 @@ def test_torch_paths_work_without_jax():
         TRITON_INTERPRET="1",
     )
     assert out.strip().endswith("ok")
+
+
+def test_compiled_code_is_released_near_the_map_limit():
+    """The suite's guard against the kernel's memory-mapping limit: under the threshold nothing
+    happens; over it, jax's compiled executables are dropped and their mappings go with them."""
+    import jax
+    import jax.numpy as jnp
+
+    from dualop import testing
+
+    for i in range(60):
+        jax.jit(lambda x, i=i: x * i + 1.0)(jnp.ones(i + 1)).block_until_ready()
+    before = testing.memory_mappings()
+    assert not testing.release_compiled_code_near_map_limit(fraction=1.0)
+    assert testing.release_compiled_code_near_map_limit(fraction=0.0)
+    assert testing.memory_mappings() < before - 60
