@@ -8,6 +8,16 @@
 // their own size (decode is weight-bandwidth bound). Each weight row is used for four token rows
 // at a time while it is in L1.
 //
+// dualop_moe_grouped_linear_bf16: the same grouped matmul with bfloat16 rows and weights and a
+// float32 output, on AVX512-BF16's dot product (vdpbf16ps: products of bfloat16 pairs, exact in
+// float32, summed in float32). Rows may come as two bfloat16 halves, hi + lo (the float32
+// intermediate split exactly enough by hi = bf16(v), lo = bf16(v - hi)): both are multiplied by
+// the same weight tile into the same float32 accumulators, so the intermediate is never rounded
+// to 16 bits. Inner-product form over the weights as stored (K contiguous, no packing): a tile of
+// kTileRows rows x kTileCols weight rows of 16-lane accumulators, 32 K-elements a step (the tail
+// masked), horizontal sums at the end. Built only where the compiler targets AVX512-BF16
+// (dualop_moe_has_bf16_dot says which); elsewhere it returns -1 and Python keeps the float32 route.
+//
 // dualop_grouped_topk: moe_math.route per row: softmax or sigmoid scores, optional correction bias,
 // optional expert groups, top-k with ties to the lower index, renormalisation and scaling.
 #include <cmath>
@@ -16,6 +26,10 @@
 #include <vector>
 
 #include "common.h"
+
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#endif
 
 namespace dualop {
 
@@ -67,6 +81,137 @@ static void grouped_linear(const float* x, const T* w, const int64_t* group_expe
     }
   }
 }
+
+#if defined(__AVX512BF16__)
+// Tile of the bfloat16 kernel: kTileRows rows x kTileCols weight rows of 16-lane accumulators
+// (16 registers, plus the row and weight loads: hi/lo rows need two loads a row).
+constexpr int kTileRows = 4;
+constexpr int kTileCols = 4;
+// K is walked in slices of kSliceK: a row tile's slice (hi and lo) stays in L1 while the tile
+// moves along the item's weight rows; the partial sums of later slices are added to out.
+constexpr int64_t kSliceK = 1024;
+// Weight bytes (one K slice of an item's weight rows) that stay in L2 while every row tile of the
+// group passes over them.
+constexpr int64_t kWeightBlockBytes = 256 * 1024;
+
+DUALOP_INLINE __m512bh load_bf16(const bf16* p, __mmask32 mask) {
+  return reinterpret_cast<__m512bh>(_mm512_maskz_loadu_epi16(mask, p));
+}
+
+// The 16 lanes of v summed (what _mm512_reduce_add_ps does, without GCC 12's spurious warning).
+DUALOP_INLINE float sum16(__m512 v) {
+  const __m256 half = _mm256_add_ps(_mm512_castps512_ps256(v),
+                                    _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+  __m128 q = _mm_add_ps(_mm256_castps256_ps128(half), _mm256_extractf128_ps(half, 1));
+  q = _mm_add_ps(q, _mm_movehl_ps(q, q));
+  return _mm_cvtss_f32(_mm_add_ss(q, _mm_movehdup_ps(q)));
+}
+
+// {sum of a's lanes, b's, c's, d's}: the four reductions share their shuffles.
+DUALOP_INLINE __m128 sum4(__m512 a, __m512 b, __m512 c, __m512 d) {
+  const __m512 ab = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));  // a0+a2 b0+b2 a1+a3 b1+b3
+  const __m512 cd = _mm512_add_ps(_mm512_unpacklo_ps(c, d), _mm512_unpackhi_ps(c, d));
+  const __m512 abcd = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(ab), _mm512_castps_pd(cd))),
+                                    _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(ab), _mm512_castps_pd(cd))));
+  const __m256 half = _mm256_add_ps(_mm512_castps512_ps256(abcd),
+                                    _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(abcd), 1)));
+  return _mm_add_ps(_mm256_castps256_ps128(half), _mm256_extractf128_ps(half, 1));
+}
+
+// out[r * ldo + c] (+)= sum_{i < len} (hi[r * k + i] (+ lo[r * k + i])) * w[c * k + i] for r < ROWS,
+// c < COLS; k is the row stride of hi, lo and w. The last partial step of 32 is masked.
+template <int ROWS, int COLS, bool SPLIT>
+DUALOP_INLINE void bf16_tile(const bf16* __restrict hi, const bf16* __restrict lo, const bf16* __restrict w,
+                             int64_t k, int64_t len, bool accumulate, float* __restrict out, int64_t ldo) {
+  __m512 acc[ROWS][COLS];
+  for (int r = 0; r < ROWS; ++r)
+    for (int c = 0; c < COLS; ++c) acc[r][c] = _mm512_setzero_ps();
+  auto step = [&](int64_t i, __mmask32 mask) __attribute__((always_inline)) {
+    __m512bh wv[COLS];
+    for (int c = 0; c < COLS; ++c) wv[c] = load_bf16(w + c * k + i, mask);
+    for (int r = 0; r < ROWS; ++r) {
+      const __m512bh a = load_bf16(hi + r * k + i, mask);
+      for (int c = 0; c < COLS; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], a, wv[c]);
+      if constexpr (SPLIT) {
+        const __m512bh b = load_bf16(lo + r * k + i, mask);
+        for (int c = 0; c < COLS; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], b, wv[c]);
+      }
+    }
+  };
+  int64_t i = 0;
+  for (; i + 32 <= len; i += 32) step(i, ~__mmask32{0});
+  if (i < len) step(i, static_cast<__mmask32>((uint64_t{1} << (len - i)) - 1));
+  for (int r = 0; r < ROWS; ++r) {
+    float* o = out + r * ldo;
+    if constexpr (COLS == 4) {
+      const __m128 sums = sum4(acc[r][0], acc[r][1], acc[r][2], acc[r][3]);
+      _mm_storeu_ps(o, accumulate ? _mm_add_ps(_mm_loadu_ps(o), sums) : sums);
+    } else {
+      for (int c = 0; c < COLS; ++c) o[c] = accumulate ? o[c] + sum16(acc[r][c]) : sum16(acc[r][c]);
+    }
+  }
+}
+
+// bf16_tile for the edges of a group or block: the compile-time shape picked from rows x cols.
+template <bool SPLIT, int ROWS>
+DUALOP_INLINE void bf16_tile_cols(int cols, const bf16* hi, const bf16* lo, const bf16* w, int64_t k, int64_t len,
+                                  bool accumulate, float* out, int64_t ldo) {
+  static_assert(kTileCols == 4);
+  switch (cols) {
+    case 4: bf16_tile<ROWS, 4, SPLIT>(hi, lo, w, k, len, accumulate, out, ldo); break;
+    case 3: bf16_tile<ROWS, 3, SPLIT>(hi, lo, w, k, len, accumulate, out, ldo); break;
+    case 2: bf16_tile<ROWS, 2, SPLIT>(hi, lo, w, k, len, accumulate, out, ldo); break;
+    default: bf16_tile<ROWS, 1, SPLIT>(hi, lo, w, k, len, accumulate, out, ldo); break;
+  }
+}
+
+template <bool SPLIT>
+static void bf16_tile_edge(int rows, int cols, const bf16* hi, const bf16* lo, const bf16* w, int64_t k, int64_t len,
+                           bool accumulate, float* out, int64_t ldo) {
+  static_assert(kTileRows == 4);
+  switch (rows) {
+    case 4: bf16_tile_cols<SPLIT, 4>(cols, hi, lo, w, k, len, accumulate, out, ldo); break;
+    case 3: bf16_tile_cols<SPLIT, 3>(cols, hi, lo, w, k, len, accumulate, out, ldo); break;
+    case 2: bf16_tile_cols<SPLIT, 2>(cols, hi, lo, w, k, len, accumulate, out, ldo); break;
+    default: bf16_tile_cols<SPLIT, 1>(cols, hi, lo, w, k, len, accumulate, out, ldo); break;
+  }
+}
+
+// Work items: (group, block of weight rows sized so one K slice of them stays in L2); in an item,
+// for each K slice, every row tile of the group passes over the block's weight rows.
+template <bool SPLIT>
+static void grouped_linear_bf16(const bf16* hi, const bf16* lo, const bf16* w, const int64_t* group_expert,
+                                const int64_t* group_start, const int64_t* group_end, int64_t groups, float* out,
+                                int64_t n, int64_t k, int threads) {
+  const int64_t slice = k < kSliceK ? k : kSliceK;
+  int64_t block = kWeightBlockBytes / (slice * static_cast<int64_t>(sizeof(bf16))) / kTileCols * kTileCols;
+  block = block < kTileCols ? kTileCols : block;
+  const int64_t blocks = (n + block - 1) / block;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
+  for (int64_t item = 0; item < groups * blocks; ++item) {
+    const int64_t g = item / blocks, n0 = (item % blocks) * block;
+    const int64_t n1 = n0 + block < n ? n0 + block : n;
+    const bf16* we = w + group_expert[g] * n * k;
+    for (int64_t k0 = 0; k0 < k; k0 += slice) {
+      const int64_t len = k0 + slice < k ? slice : k - k0;
+      const bool accumulate = k0 > 0;
+      for (int64_t r = group_start[g]; r < group_end[g]; r += kTileRows) {
+        const int rows = static_cast<int>(group_end[g] - r < kTileRows ? group_end[g] - r : kTileRows);
+        const bf16* hr = hi + r * k + k0;
+        const bf16* lr = SPLIT ? lo + r * k + k0 : nullptr;
+        int64_t col = n0;
+        if (rows == kTileRows)
+          for (; col + kTileCols <= n1; col += kTileCols)
+            bf16_tile<kTileRows, kTileCols, SPLIT>(hr, lr, we + col * k + k0, k, len, accumulate, out + r * n + col, n);
+        for (; col < n1; col += kTileCols) {
+          const int cols = static_cast<int>(n1 - col < kTileCols ? n1 - col : kTileCols);
+          bf16_tile_edge<SPLIT>(rows, cols, hr, lr, we + col * k + k0, k, len, accumulate, out + r * n + col, n);
+        }
+      }
+    }
+  }
+}
+#endif
 
 template <class T>
 DUALOP_INLINE float score_of(T logit, int scoring) {
@@ -162,6 +307,37 @@ extern "C" int dualop_moe_grouped_linear(int dtype, const float* x, const void* 
     case 2: grouped_linear(x, static_cast<const f16*>(w), group_expert, group_start, group_end, groups, out, n, k, threads); return 0;
     default: return -1;
   }
+}
+
+extern "C" int dualop_moe_has_bf16_dot() {
+#if defined(__AVX512BF16__)
+  return 1;
+#else
+  return 0;
+#endif
+}
+
+// hi, w bfloat16; lo bfloat16 or null (no low half); out float32. -1 where the library has no
+// AVX512-BF16 (dualop_moe_has_bf16_dot() == 0).
+extern "C" int dualop_moe_grouped_linear_bf16(const void* hi, const void* lo, const void* w,
+                                              const int64_t* group_expert, const int64_t* group_start,
+                                              const int64_t* group_end, int64_t groups, float* out, int64_t n,
+                                              int64_t k, int threads) {
+#if defined(__AVX512BF16__)
+  using namespace dualop;
+  const auto* h = static_cast<const bf16*>(hi);
+  const auto* l = static_cast<const bf16*>(lo);
+  const auto* wb = static_cast<const bf16*>(w);
+  if (l)
+    grouped_linear_bf16<true>(h, l, wb, group_expert, group_start, group_end, groups, out, n, k, threads);
+  else
+    grouped_linear_bf16<false>(h, l, wb, group_expert, group_start, group_end, groups, out, n, k, threads);
+  return 0;
+#else
+  (void)hi, (void)lo, (void)w, (void)group_expert, (void)group_start, (void)group_end, (void)groups, (void)out;
+  (void)n, (void)k, (void)threads;
+  return -1;
+#endif
 }
 
 extern "C" int dualop_grouped_topk(int dtype, const void* logits, const float* bias, float* weights, int32_t* ids,
