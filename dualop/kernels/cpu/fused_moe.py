@@ -29,7 +29,7 @@ from __future__ import annotations
 from typing import Any
 
 from dualop.kernels import moe_math
-from dualop.kernels.cpu import load
+from dualop.kernels.cpu import gated_activation, load
 from dualop.kernels.cpu.common import dtype_code, pointer, threads_for
 from dualop.ops._checks import decline_if_recording
 
@@ -70,12 +70,14 @@ def _row_starts(counts: list[int]) -> list[int]:
 
 def split_bf16(values: Any) -> tuple[Any, Any]:
     """float32 ``values`` as bfloat16 ``hi = bf16(v)`` and ``lo = bf16(v - hi)`` (``v - hi`` is
-    exact in float32, so ``hi + lo`` is ``v`` to 16 significant bits)."""
+    exact in float32, so ``hi + lo`` is ``v`` to 16 significant bits; ``lo`` is 0 where ``hi`` is
+    infinite), in one pass of the C++ kernel."""
     import torch
 
     values = values.contiguous()
-    hi = values.to(torch.bfloat16)
-    return hi, (values - hi.to(torch.float32)).to(torch.bfloat16)
+    hi, lo = torch.empty_like(values, dtype=torch.bfloat16), torch.empty_like(values, dtype=torch.bfloat16)
+    load().dualop_split_bf16(pointer(values), pointer(hi), pointer(lo), values.numel(), threads_for(values.numel()))
+    return hi, lo
 
 
 def _grouped_linear_bf16(hi: Any, lo: Any | None, weights: Any, used: list[int], counts: list[int]) -> Any:
@@ -139,6 +141,15 @@ def _project(rows: Any, weights: Any, used: list[int], counts: list[int]) -> Any
     return _grouped_linear(rows.to(torch.float32).contiguous(), weights, used, counts)
 
 
+def _activate(xp: Any, h: Any, activation: str) -> Any:
+    """``moe_math.activate`` of the float32 ``h``; the gates the C++ gated-activation kernel covers
+    (silu, gelu, gelu_tanh on ``[gate | up]``) in its one pass instead of torch's several."""
+    spec = moe_math.gate_spec(activation)
+    if spec is not None and gated_activation.covers(spec) is None:
+        return gated_activation.gated_activation(h, spec=spec)
+    return moe_math.activate(xp, h, activation)
+
+
 def fused_experts(
     x: Any,
     topk_weights: Any,
@@ -188,7 +199,7 @@ def fused_experts(
         h *= weight_of_row[:, None]
     if w13_bias is not None:
         h += w13_bias.to(f32).index_select(0, expert_of_row)
-    y = _project(moe_math.activate(xp, h, activation), w2, used, counts)
+    y = _project(_activate(xp, h, activation), w2, used, counts)
     if w2_bias is not None:
         y += w2_bias.to(f32).index_select(0, expert_of_row)
     if not apply_router_weight_on_input:

@@ -18,6 +18,9 @@
 // masked), horizontal sums at the end. Built only where the compiler targets AVX512-BF16
 // (dualop_moe_has_bf16_dot says which); elsewhere it returns -1 and Python keeps the float32 route.
 //
+// dualop_split_bf16: a float32 array as bfloat16 halves, hi = bf16(v) and lo = bf16(v - hi) (the
+// difference is exact in float32), the rows the kernel above takes; lo = 0 where hi is infinite.
+//
 // dualop_grouped_topk: moe_math.route per row: softmax or sigmoid scores, optional correction bias,
 // optional expert groups, top-k with ties to the lower index, renormalisation and scaling.
 #include <cmath>
@@ -213,6 +216,17 @@ static void grouped_linear_bf16(const bf16* hi, const bf16* lo, const bf16* w, c
 }
 #endif
 
+static void split_bf16(const float* __restrict v, bf16* __restrict hi, bf16* __restrict lo, int64_t count,
+                       int threads) {
+#pragma omp parallel for simd schedule(static) num_threads(threads)
+  for (int64_t i = 0; i < count; ++i) {
+    const bf16 h = from_f32<bf16>(v[i]);
+    const float high = to_f32(h);
+    hi[i] = h;
+    lo[i] = from_f32<bf16>(std::abs(high) == INFINITY ? 0.0f : v[i] - high);
+  }
+}
+
 template <class T>
 DUALOP_INLINE float score_of(T logit, int scoring) {
   const float v = to_f32(logit);
@@ -338,6 +352,12 @@ extern "C" int dualop_moe_grouped_linear_bf16(const void* hi, const void* lo, co
   (void)n, (void)k, (void)threads;
   return -1;
 #endif
+}
+
+extern "C" int dualop_split_bf16(const float* v, void* hi, void* lo, int64_t count, int threads) {
+  using namespace dualop;
+  split_bf16(v, static_cast<bf16*>(hi), static_cast<bf16*>(lo), count, threads);
+  return 0;
 }
 
 extern "C" int dualop_grouped_topk(int dtype, const void* logits, const float* bias, float* weights, int32_t* ids,
