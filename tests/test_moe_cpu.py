@@ -180,11 +180,19 @@ def test_bf16_dot_kernel_runs_every_group(shape, on_input, monkeypatch):
     x, weights, ids, w13, w2, b13, b2, expert_map = _problem(40, 16, top_k, hidden, inter, holes=True, bias=True,
                                                              seed=5)
     mapped = [e for e, local in enumerate(expert_map.tolist()) if local >= 0]
-    big, idle = mapped[0], mapped[1]  # the first 20 tokens' first slot on `big`; no slot on `idle`
-    rng = np.random.default_rng(6)
-    others = [e for e in range(16) if e not in (big, idle)]
-    ids = torch.tensor([([big] if t < 20 else []) + list(rng.permutation(others)[:top_k - (t < 20)])
-                        for t in range(40)], dtype=torch.int32)
+    # first slots: 20 rows on `big`, 1 on `single`, 8 on `mid`, none on `idle`; the rest (and the
+    # second slots) spread over the other experts, mapped or not
+    big, idle, single, mid = mapped[:4]
+    rest = mapped[4:] + [e for e in range(16) if e not in mapped]
+    first = [big] * 20 + [single] + [mid] * 8 + [rest[i % len(rest)] for i in range(11)]
+    rows = []
+    for t in range(40):
+        row, j = [first[t]], t
+        while len(row) < top_k:
+            row += [] if rest[j % len(rest)] in row else [rest[j % len(rest)]]
+            j += 1
+        rows.append(row)
+    ids = torch.tensor(rows, dtype=torch.int32)
     args = _cast((x, weights, ids, w13, w2, b13, b2, expert_map), torch.bfloat16)
     calls = _record_bf16_calls(monkeypatch)
     out = kernel(*args, activation="silu", apply_router_weight_on_input=on_input)
@@ -195,6 +203,7 @@ def test_bf16_dot_kernel_runs_every_group(shape, on_input, monkeypatch):
     assert [c["k"] for c in calls["bf16"]] == [hidden, inter]
     counts = calls["bf16"][0]["counts"]
     assert max(counts) >= fused_moe._KERNEL_MAX_ROWS and min(counts) < fused_moe._KERNEL_MAX_ROWS
+    assert 1 in counts and any(4 < c < fused_moe._KERNEL_MAX_ROWS for c in counts)  # single rows, small tiles
     assert 0 not in counts and len(counts) < w13.shape[0]  # the idle expert has no group
 
 
@@ -207,9 +216,11 @@ def test_bf16_dot_kernel_sums_in_float32(split):
 
     _bf16_kernel()
     rng = np.random.default_rng(7)
-    counts, used, n, k = [1, 17, 3, 16], [2, 0, 3, 1], 45, 1061
+    # groups of 1-3 rows (read weight row by weight row), 4-row tiles with and without a remainder;
+    # K past one slice with a masked tail; N off the 4-row tile
+    counts, used, n, k = [1, 17, 3, 16, 2], [2, 0, 3, 1, 4], 45, 1061
     values = torch.tensor(rng.standard_normal((sum(counts), k), dtype=np.float32))
-    weights = torch.tensor(rng.standard_normal((4, n, k), dtype=np.float32) * k ** -0.5).bfloat16()
+    weights = torch.tensor(rng.standard_normal((5, n, k), dtype=np.float32) * k ** -0.5).bfloat16()
     hi, lo = fused_moe.split_bf16(values) if split else (values.bfloat16(), None)
     out = fused_moe._grouped_linear_bf16(hi, lo, weights, used, counts)
     rows = hi.double() + (lo.double() if split else 0)

@@ -90,6 +90,11 @@ static void grouped_linear(const float* x, const T* w, const int64_t* group_expe
 // (16 registers, plus the row and weight loads: hi/lo rows need two loads a row).
 constexpr int kTileRows = 4;
 constexpr int kTileCols = 4;
+// Groups of fewer rows than this (decode) read whole weight rows one at a time: one sequential
+// stream from memory, measured up to 2x faster there than the 4-row tiles' strided slices.
+// With hi/lo halves only single rows gain (2-3 rows measured slower).
+template <bool SPLIT>
+constexpr int64_t kNarrowRows = SPLIT ? 2 : 4;
 // K is walked in slices of kSliceK: a row tile's slice (hi and lo) stays in L1 while the tile
 // moves along the item's weight rows; the partial sums of later slices are added to out.
 constexpr int64_t kSliceK = 1024;
@@ -126,34 +131,43 @@ DUALOP_INLINE __m128 sum4(__m512 a, __m512 b, __m512 c, __m512 d) {
 template <int ROWS, int COLS, bool SPLIT>
 DUALOP_INLINE void bf16_tile(const bf16* __restrict hi, const bf16* __restrict lo, const bf16* __restrict w,
                              int64_t k, int64_t len, bool accumulate, float* __restrict out, int64_t ldo) {
-  __m512 acc[ROWS][COLS];
-  for (int r = 0; r < ROWS; ++r)
-    for (int c = 0; c < COLS; ++c) acc[r][c] = _mm512_setzero_ps();
-  auto step = [&](int64_t i, __mmask32 mask) __attribute__((always_inline)) {
+  // A lone weight row keeps kChains independent sums over K, so the dot products' latency overlaps.
+  constexpr int kChains = COLS == 1 ? 4 : 1;
+  __m512 acc[kChains][ROWS][COLS];
+  for (int ch = 0; ch < kChains; ++ch)
+    for (int r = 0; r < ROWS; ++r)
+      for (int c = 0; c < COLS; ++c) acc[ch][r][c] = _mm512_setzero_ps();
+  auto step = [&](int64_t i, __mmask32 mask, __m512 (&sums)[ROWS][COLS]) __attribute__((always_inline)) {
     __m512bh wv[COLS];
     for (int c = 0; c < COLS; ++c) wv[c] = load_bf16(w + c * k + i, mask);
     // the next tile's weight rows: on a group's first row tile they come from memory (measured
     // 5-20% on groups of 8-16 rows, level on large ones)
-    for (int c = 0; c < COLS; ++c) _mm_prefetch(reinterpret_cast<const char*>(w + (c + COLS) * k + i), _MM_HINT_T0);
+    if constexpr (COLS > 1)
+      for (int c = 0; c < COLS; ++c) _mm_prefetch(reinterpret_cast<const char*>(w + (c + COLS) * k + i), _MM_HINT_T0);
     for (int r = 0; r < ROWS; ++r) {
       const __m512bh a = load_bf16(hi + r * k + i, mask);
-      for (int c = 0; c < COLS; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], a, wv[c]);
+      for (int c = 0; c < COLS; ++c) sums[r][c] = _mm512_dpbf16_ps(sums[r][c], a, wv[c]);
       if constexpr (SPLIT) {
         const __m512bh b = load_bf16(lo + r * k + i, mask);
-        for (int c = 0; c < COLS; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], b, wv[c]);
+        for (int c = 0; c < COLS; ++c) sums[r][c] = _mm512_dpbf16_ps(sums[r][c], b, wv[c]);
       }
     }
   };
   int64_t i = 0;
-  for (; i + 32 <= len; i += 32) step(i, ~__mmask32{0});
-  if (i < len) step(i, static_cast<__mmask32>((uint64_t{1} << (len - i)) - 1));
+  for (; i + 32 * kChains <= len; i += 32 * kChains)
+    for (int ch = 0; ch < kChains; ++ch) step(i + 32 * ch, ~__mmask32{0}, acc[ch]);
+  for (; i + 32 <= len; i += 32) step(i, ~__mmask32{0}, acc[0]);
+  if (i < len) step(i, static_cast<__mmask32>((uint64_t{1} << (len - i)) - 1), acc[0]);
+  for (int ch = 1; ch < kChains; ++ch)
+    for (int r = 0; r < ROWS; ++r)
+      for (int c = 0; c < COLS; ++c) acc[0][r][c] = _mm512_add_ps(acc[0][r][c], acc[ch][r][c]);
   for (int r = 0; r < ROWS; ++r) {
     float* o = out + r * ldo;
     if constexpr (COLS == 4) {
-      const __m128 sums = sum4(acc[r][0], acc[r][1], acc[r][2], acc[r][3]);
+      const __m128 sums = sum4(acc[0][r][0], acc[0][r][1], acc[0][r][2], acc[0][r][3]);
       _mm_storeu_ps(o, accumulate ? _mm_add_ps(_mm_loadu_ps(o), sums) : sums);
     } else {
-      for (int c = 0; c < COLS; ++c) o[c] = accumulate ? o[c] + sum16(acc[r][c]) : sum16(acc[r][c]);
+      for (int c = 0; c < COLS; ++c) o[c] = accumulate ? o[c] + sum16(acc[0][r][c]) : sum16(acc[0][r][c]);
     }
   }
 }
@@ -184,7 +198,8 @@ static void bf16_tile_edge(int rows, int cols, const bf16* hi, const bf16* lo, c
 }
 
 // Work items: (group, block of weight rows sized so one K slice of them stays in L2); in an item,
-// for each K slice, every row tile of the group passes over the block's weight rows.
+// for each K slice, every row tile of the group passes over the block's weight rows (groups of
+// fewer than kNarrowRows rows: each whole weight row once, in order).
 template <bool SPLIT>
 static void grouped_linear_bf16(const bf16* hi, const bf16* lo, const bf16* w, const int64_t* group_expert,
                                 const int64_t* group_start, const int64_t* group_end, int64_t groups, float* out,
@@ -198,6 +213,14 @@ static void grouped_linear_bf16(const bf16* hi, const bf16* lo, const bf16* w, c
     const int64_t g = item / blocks, n0 = (item % blocks) * block;
     const int64_t n1 = n0 + block < n ? n0 + block : n;
     const bf16* we = w + group_expert[g] * n * k;
+    const int64_t first = group_start[g], group_rows = group_end[g] - group_start[g];
+    if (group_rows <= 0) continue;
+    if (group_rows < kNarrowRows<SPLIT>) {  // whole weight rows one at a time: one sequential stream
+      for (int64_t col = n0; col < n1; ++col)
+        bf16_tile_edge<SPLIT>(static_cast<int>(group_rows), 1, hi + first * k, SPLIT ? lo + first * k : nullptr,
+                              we + col * k, k, k, false, out + first * n + col, n);
+      continue;
+    }
     for (int64_t k0 = 0; k0 < k; k0 += slice) {
       const int64_t len = k0 + slice < k ? slice : k - k0;
       const bool accumulate = k0 > 0;
