@@ -101,6 +101,9 @@ constexpr int64_t kSliceK = 1024;
 // Weight bytes (one K slice of an item's weight rows) that stay in L2 while every row tile of the
 // group passes over them.
 constexpr int64_t kWeightBlockBytes = 256 * 1024;
+// Groups whose rows (one K slice, both halves) take at most this many bytes fetch the item's next
+// weights into L2 ahead (see grouped_linear_bf16).
+constexpr int64_t kFetchAheadRowBytes = 128 * 1024;
 
 DUALOP_INLINE __m512bh load_bf16(const bf16* p, __mmask32 mask) {
   return reinterpret_cast<__m512bh>(_mm512_maskz_loadu_epi16(mask, p));
@@ -172,6 +175,13 @@ DUALOP_INLINE void bf16_tile(const bf16* __restrict hi, const bf16* __restrict l
   }
 }
 
+// Weight rows [row, end), elements [k0, k0 + len) of each, into L2 a cache line at a time.
+DUALOP_INLINE void prefetch_rows_l2(const bf16* w, int64_t k, int64_t row, int64_t end, int64_t k0, int64_t len) {
+  for (; row < end; ++row)
+    for (int64_t i = 0; i < len; i += 64 / static_cast<int64_t>(sizeof(bf16)))
+      _mm_prefetch(reinterpret_cast<const char*>(w + row * k + k0 + i), _MM_HINT_T1);
+}
+
 // bf16_tile for the edges of a group or block: the compile-time shape picked from rows x cols.
 template <bool SPLIT, int ROWS>
 DUALOP_INLINE void bf16_tile_cols(int cols, const bf16* hi, const bf16* lo, const bf16* w, int64_t k, int64_t len,
@@ -224,14 +234,33 @@ static void grouped_linear_bf16(const bf16* hi, const bf16* lo, const bf16* w, c
     for (int64_t k0 = 0; k0 < k; k0 += slice) {
       const int64_t len = k0 + slice < k ? slice : k - k0;
       const bool accumulate = k0 > 0;
+      // What the item reads next from memory: its block's next K slice, else the expert's next block.
+      const bool next_slice = k0 + slice < k;
+      const int64_t ahead_k0 = next_slice ? k0 + slice : 0;
+      const int64_t ahead_len = next_slice ? (ahead_k0 + slice < k ? slice : k - ahead_k0) : slice;
+      const int64_t ahead_first = next_slice ? n0 : n1;
+      const int64_t ahead_end = next_slice ? n1 : (n1 + block < n ? n1 + block : n);
+      // only where the group's rows are few (so the slice's rows, this block and the next fit L2
+      // together); large groups are compute-bound and measured slower with it
+      const bool fetch_ahead_group =
+          group_rows * len * static_cast<int64_t>(sizeof(bf16)) * (SPLIT ? 2 : 1) <= kFetchAheadRowBytes;
       for (int64_t r = group_start[g]; r < group_end[g]; r += kTileRows) {
         const int rows = static_cast<int>(group_end[g] - r < kTileRows ? group_end[g] - r : kTileRows);
         const bf16* hr = hi + r * k + k0;
         const bf16* lr = SPLIT ? lo + r * k + k0 : nullptr;
+        // on the second row tile (the first brought this slice into L2), fetch that into L2 a tile
+        // at a time, so the memory stream overlaps the passes that run from cache
+        const bool fetch_ahead = r == first + kTileRows && fetch_ahead_group;
         int64_t col = n0;
         if (rows == kTileRows)
-          for (; col + kTileCols <= n1; col += kTileCols)
+          for (; col + kTileCols <= n1; col += kTileCols) {
+            if (fetch_ahead) {
+              const int64_t row = ahead_first + (col - n0);
+              prefetch_rows_l2(we, k, row, row + kTileCols < ahead_end ? row + kTileCols : ahead_end, ahead_k0,
+                               ahead_len);
+            }
             bf16_tile<kTileRows, kTileCols, SPLIT>(hr, lr, we + col * k + k0, k, len, accumulate, out + r * n + col, n);
+          }
         for (; col < n1; col += kTileCols) {
           const int cols = static_cast<int>(n1 - col < kTileCols ? n1 - col : kTileCols);
           bf16_tile_edge<SPLIT>(rows, cols, hr, lr, we + col * k + k0, k, len, accumulate, out + r * n + col, n);
