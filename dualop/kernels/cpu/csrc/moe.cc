@@ -214,6 +214,12 @@ template <bool SPLIT>
 static void grouped_linear_bf16(const bf16* hi, const bf16* lo, const bf16* w, const int64_t* group_expert,
                                 const int64_t* group_start, const int64_t* group_end, int64_t groups, float* out,
                                 int64_t n, int64_t k, int threads) {
+  if (n <= 0) return;
+  if (k <= 0) {  // empty sums
+    for (int64_t g = 0; g < groups; ++g)
+      for (int64_t i = group_start[g] * n; i < group_end[g] * n; ++i) out[i] = 0.0f;
+    return;
+  }
   const int64_t slice = k < kSliceK ? k : kSliceK;
   int64_t block = kWeightBlockBytes / (slice * static_cast<int64_t>(sizeof(bf16))) / kTileCols * kTileCols;
   block = block < kTileCols ? kTileCols : block;
