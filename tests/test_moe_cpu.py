@@ -233,6 +233,23 @@ def test_bf16_dot_kernel_sums_in_float32(split):
         assert (rows - values.double()).abs().max() <= values.abs().max().double() * 2.0 ** -16
 
 
+def test_split_bf16_halves_and_special_values():
+    """hi is torch's bfloat16 rounding, lo torch's rounding of the exact rest; infinities keep lo 0
+    (so hi + lo stays infinite), NaN stays NaN."""
+    from dualop.kernels.cpu import fused_moe
+
+    _torch_kernel()
+    values = torch.tensor([1.0 + 2.0 ** -10, -3.0 - 2.0 ** -12, 0.1, 1e-30, float("inf"), -float("inf"), 0.0,
+                           float("nan")])
+    hi, lo = fused_moe.split_bf16(values)
+    not_nan = values[:7]
+    assert torch.equal(hi[:7], not_nan.bfloat16())
+    assert torch.equal(lo[:4], (not_nan[:4] - not_nan[:4].bfloat16().float()).bfloat16())
+    assert lo[:2].tolist() == [2.0 ** -10, -(2.0 ** -12)]  # exact rests
+    assert lo[4:7].tolist() == [0.0, 0.0, 0.0]
+    assert torch.isnan(hi[7]) and torch.isnan(lo[7])
+
+
 def test_transposed_weight_views_are_read_in_place():
     """transformers' gpt-oss layout reaches the CPU path as ``.mT`` views of [E, H, 2I] / [E, I, H]."""
     kernel = _torch_kernel()
