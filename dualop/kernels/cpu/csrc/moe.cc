@@ -11,11 +11,14 @@
 // dualop_moe_grouped_linear_bf16: the same grouped matmul with bfloat16 rows and weights and a
 // float32 output, on AVX512-BF16's dot product (vdpbf16ps: products of bfloat16 pairs, exact in
 // float32, summed in float32). Rows may come as two bfloat16 halves, hi + lo (the float32
-// intermediate split exactly enough by hi = bf16(v), lo = bf16(v - hi)): both are multiplied by
+// intermediate as hi = bf16(v), lo = bf16(v - hi), v to 16 significant bits): both are multiplied by
 // the same weight tile into the same float32 accumulators, so the intermediate is never rounded
 // to 16 bits. Inner-product form over the weights as stored (K contiguous, no packing): a tile of
 // kTileRows rows x kTileCols weight rows of 16-lane accumulators, 32 K-elements a step (the tail
-// masked), horizontal sums at the end. Built only where the compiler targets AVX512-BF16
+// masked), horizontal sums at the end; groups of very few rows (decode) read whole weight rows in
+// order instead, and groups of few rows prefetch the next weights into L2 (kNarrowRows,
+// kFetchAheadRowBytes: decode and small groups are weight-bandwidth bound). Built only where the
+// compiler targets AVX512-BF16
 // (dualop_moe_has_bf16_dot says which); elsewhere it returns -1 and Python keeps the float32 route.
 //
 // dualop_split_bf16: a float32 array as bfloat16 halves, hi = bf16(v) and lo = bf16(v - hi) (the
