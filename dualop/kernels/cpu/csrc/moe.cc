@@ -18,8 +18,8 @@
 // masked), horizontal sums at the end; groups of very few rows (decode) read whole weight rows in
 // order instead, and groups of few rows prefetch the next weights into L2 (kNarrowRows,
 // kFetchAheadRowBytes: decode and small groups are weight-bandwidth bound). Built only where the
-// compiler targets AVX512-BF16
-// (dualop_moe_has_bf16_dot says which); elsewhere it returns -1 and Python keeps the float32 route.
+// compiler targets AVX512-BF16 (dualop_moe_has_bf16_dot says which); elsewhere it returns -1 and
+// Python keeps the float32 route.
 //
 // dualop_split_bf16: a float32 array as bfloat16 halves, hi = bf16(v) and lo = bf16(v - hi) (the
 // difference is exact in float32), the rows the kernel above takes; lo = 0 where hi is infinite.
