@@ -111,12 +111,14 @@ def test_router_weight_on_input(path):
     _close(out, _reference(args, "gelu", on_input=True), torch.bfloat16)
 
 
-def test_large_groups_take_the_torch_matmul_and_agree():
+def test_large_groups_take_the_torch_matmul_and_agree(monkeypatch):
     """Both sides of the kernel / torch matmul split in one call (one expert with many rows, the
-    others with few), so a wrong row offset on either side shows."""
+    others with few), so a wrong row offset on either side shows. bfloat16 too, on the float32
+    route a CPU without AVX512-BF16 takes."""
     from dualop.kernels.cpu import fused_moe
 
     kernel = _torch_kernel()
+    monkeypatch.setattr(fused_moe, "has_bf16_dot", lambda: False)
     args = list(_problem(fused_moe._KERNEL_MAX_ROWS * 3, 8, 2, 64, 32, seed=3))
     ids = args[2].clone()
     ids[:, 0] = 5  # expert 5 gets every token's first slot: a large group
@@ -125,6 +127,127 @@ def test_large_groups_take_the_torch_matmul_and_agree():
     for dtype in (torch.float32, torch.bfloat16):
         a = _cast(tuple(args), dtype)
         _close(kernel(*a, activation="silu"), _reference(a, "silu"), dtype)
+
+
+def _bf16_kernel():
+    """fused_experts, skipping where the library has no AVX512-BF16 (it then takes the float32 route,
+    which the other tests cover)."""
+    from dualop.kernels.cpu import fused_moe
+
+    kernel = _torch_kernel()
+    if not fused_moe.has_bf16_dot():
+        pytest.skip("this CPU (or compiler) has no AVX512-BF16: the bfloat16 kernel is not built here")
+    return kernel
+
+
+def _record_bf16_calls(monkeypatch):
+    """Calls of the AVX512-BF16 grouped matmul (group sizes, K, whether a low half came) and of the
+    float32 route, recorded while they run."""
+    from dualop.kernels.cpu import fused_moe
+
+    calls = {"bf16": [], "float32": 0}
+    bf16_linear, f32_linear = fused_moe._grouped_linear_bf16, fused_moe._grouped_linear
+
+    def bf16_spy(hi, lo, weights, used, counts):
+        calls["bf16"].append(dict(counts=list(counts), k=weights.shape[2], n=weights.shape[1], split=lo is not None))
+        return bf16_linear(hi, lo, weights, used, counts)
+
+    def f32_spy(*args):
+        calls["float32"] += 1
+        return f32_linear(*args)
+
+    monkeypatch.setattr(fused_moe, "_grouped_linear_bf16", bf16_spy)
+    monkeypatch.setattr(fused_moe, "_grouped_linear", f32_spy)
+    return calls
+
+
+# (hidden, inter): K and N off the kernel's 32-element step and 4-row tile; K past its 1024 slice,
+# N over several column blocks with a partial last one (1200 = 9 x 128 + 48, 1100 = 5 x 216 + 20).
+BF16_SHAPES = {"tails": (70, 37), "slices_and_blocks": (1100, 600)}
+
+
+@pytest.mark.parametrize("on_input", [False, True], ids=["weights_after", "weights_on_input"])
+@pytest.mark.parametrize("shape", list(BF16_SHAPES))
+def test_bf16_dot_kernel_runs_every_group(shape, on_input, monkeypatch):
+    """bfloat16 experts on the AVX512-BF16 kernel for groups of >= 16 rows and of fewer, experts
+    with no rows and an expert map with holes: every group of both projections on the kernel (the
+    second with hi/lo halves), none on the float32 route, and the reference's value."""
+    from dualop.kernels.cpu import fused_moe
+
+    kernel = _bf16_kernel()
+    hidden, inter = BF16_SHAPES[shape]
+    top_k = 1 if on_input else 2
+    x, weights, ids, w13, w2, b13, b2, expert_map = _problem(40, 16, top_k, hidden, inter, holes=True, bias=True,
+                                                             seed=5)
+    mapped = [e for e, local in enumerate(expert_map.tolist()) if local >= 0]
+    # first slots: 20 rows on `big`, 1 on `single`, 8 on `mid`, none on `idle`; the rest (and the
+    # second slots) spread over the other experts, mapped or not
+    big, idle, single, mid = mapped[:4]
+    rest = mapped[4:] + [e for e in range(16) if e not in mapped]
+    first = [big] * 20 + [single] + [mid] * 8 + [rest[i % len(rest)] for i in range(11)]
+    rows = []
+    for t in range(40):
+        row, j = [first[t]], t
+        while len(row) < top_k:
+            row += [] if rest[j % len(rest)] in row else [rest[j % len(rest)]]
+            j += 1
+        rows.append(row)
+    ids = torch.tensor(rows, dtype=torch.int32)
+    args = _cast((x, weights, ids, w13, w2, b13, b2, expert_map), torch.bfloat16)
+    calls = _record_bf16_calls(monkeypatch)
+    out = kernel(*args, activation="silu", apply_router_weight_on_input=on_input)
+    _close(out, _reference(args, "silu", on_input=on_input), torch.bfloat16)
+
+    assert calls["float32"] == 0
+    assert [c["split"] for c in calls["bf16"]] == [False, True]
+    assert [c["k"] for c in calls["bf16"]] == [hidden, inter]
+    counts = calls["bf16"][0]["counts"]
+    assert max(counts) >= fused_moe._KERNEL_MAX_ROWS and min(counts) < fused_moe._KERNEL_MAX_ROWS
+    assert 1 in counts and any(4 < c < fused_moe._KERNEL_MAX_ROWS for c in counts)  # single rows, small tiles
+    assert 0 not in counts and len(counts) < w13.shape[0]  # the idle expert has no group
+
+
+@pytest.mark.parametrize("split", [False, True], ids=["bf16_rows", "hi_lo_rows"])
+def test_bf16_dot_kernel_sums_in_float32(split):
+    """The grouped matmul alone against float64 of exactly the halves it was given, under the
+    float32 tolerance: float32 accumulation, and the low half really added (dropping it would be
+    off by ~2^-9 relative)."""
+    from dualop.kernels.cpu import fused_moe
+
+    _bf16_kernel()
+    rng = np.random.default_rng(7)
+    # groups of 1-3 rows (read weight row by weight row), 4-row tiles with and without a remainder;
+    # K past one slice with a masked tail; N off the 4-row tile
+    counts, used, n, k = [1, 17, 3, 16, 2], [2, 0, 3, 1, 4], 45, 1061
+    values = torch.tensor(rng.standard_normal((sum(counts), k), dtype=np.float32))
+    weights = torch.tensor(rng.standard_normal((5, n, k), dtype=np.float32) * k ** -0.5).bfloat16()
+    hi, lo = fused_moe.split_bf16(values) if split else (values.bfloat16(), None)
+    out = fused_moe._grouped_linear_bf16(hi, lo, weights, used, counts)
+    rows = hi.double() + (lo.double() if split else 0)
+    expert_of_row = torch.repeat_interleave(torch.tensor(used), torch.tensor(counts))
+    ref = torch.einsum("rk,rnk->rn", rows, weights.double()[expert_of_row])
+    tol = TOLERANCES["float32"]
+    torch.testing.assert_close(out.double(), ref, atol=tol.atol, rtol=tol.rtol)
+    if split:  # the halves: hi exact, lo the rest to bfloat16, so hi + lo is v to 16 bits
+        assert torch.equal(hi.float(), values.bfloat16().float())
+        assert (rows - values.double()).abs().max() <= values.abs().max().double() * 2.0 ** -16
+
+
+def test_split_bf16_halves_and_special_values():
+    """hi is torch's bfloat16 rounding, lo torch's rounding of the exact rest; infinities keep lo 0
+    (so hi + lo stays infinite), NaN stays NaN."""
+    from dualop.kernels.cpu import fused_moe
+
+    _torch_kernel()
+    values = torch.tensor([1.0 + 2.0 ** -10, -3.0 - 2.0 ** -12, 0.1, 1e-30, float("inf"), -float("inf"), 0.0,
+                           float("nan")])
+    hi, lo = fused_moe.split_bf16(values)
+    not_nan = values[:7]
+    assert torch.equal(hi[:7], not_nan.bfloat16())
+    assert torch.equal(lo[:4], (not_nan[:4] - not_nan[:4].bfloat16().float()).bfloat16())
+    assert lo[:2].tolist() == [2.0 ** -10, -(2.0 ** -12)]  # exact rests
+    assert lo[4:7].tolist() == [0.0, 0.0, 0.0]
+    assert torch.isnan(hi[7]) and torch.isnan(lo[7])
 
 
 def test_transposed_weight_views_are_read_in_place():

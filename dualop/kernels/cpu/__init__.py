@@ -109,6 +109,12 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.dualop_rotary.restype = i32
     lib.dualop_moe_grouped_linear.argtypes = [i32, p, p, p, p, p, i64, p, i64, i64, i32]
     lib.dualop_moe_grouped_linear.restype = i32
+    lib.dualop_moe_has_bf16_dot.argtypes = []
+    lib.dualop_moe_has_bf16_dot.restype = i32
+    lib.dualop_moe_grouped_linear_bf16.argtypes = [p, p, p, p, p, p, i64, p, i64, i64, i32]
+    lib.dualop_moe_grouped_linear_bf16.restype = i32
+    lib.dualop_split_bf16.argtypes = [p, p, p, i64, i32]
+    lib.dualop_split_bf16.restype = i32
     lib.dualop_grouped_topk.argtypes = [i32, p, p, p, p, i64, i64, i32, i32, i64, i32, i32, f32, i32]
     lib.dualop_grouped_topk.restype = i32
 
