@@ -16,6 +16,16 @@ from dualop.platforms import keep_tpu_runtimes_off_without_tpu  # noqa: E402  (i
 
 keep_tpu_runtimes_off_without_tpu()
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+# JAX's TPU interpreter runs jax operations inside its host callbacks; with the CPU client's
+# asynchronous dispatch a test's next eager operation can deadlock against them (the suite hung
+# so once, in latest). Synchronous CPU dispatch (read when jax creates its CPU client, so set
+# before any computation) rules that out; dualop itself waits on each eager interpreted kernel.
+try:
+    import jax
+
+    jax.config.update("jax_cpu_enable_async_dispatch", False)
+except ImportError:
+    pass
 
 import pytest  # noqa: E402
 

@@ -226,11 +226,29 @@ def tpu_jit(*, static_argnames: tuple[str, ...]):
 
         @functools.wraps(fn)
         def entry(*args, **kwargs):
-            return jitted(*args, _generation=current_generation(), **kwargs)
+            out = jitted(*args, _generation=current_generation(), **kwargs)
+            if not isinstance(interpret_mode(), bool):
+                _wait_for_interpreted(out)
+            return out
 
         return entry
 
     return decorate
+
+
+def _wait_for_interpreted(out) -> None:
+    """Block until an eager call's outputs are ready under JAX's TPU interpreter.
+
+    That interpreter simulates memory and DMAs in host callbacks, which themselves run jax
+    operations. With the CPU client's asynchronous dispatch, the caller's next eager operation
+    can be queued while such a callback waits for its own, and the process deadlocks (seen on
+    this 2-core host: the test suite hung in a rotary native body after an interpreted kernel).
+    Waiting here keeps one interpreted kernel in flight at a time. Inside a trace there is nothing
+    to wait for; a caller that jits several ops around a kernel should turn asynchronous dispatch
+    off (``JAX_CPU_ENABLE_ASYNC_DISPATCH=false``, as the test suite does)."""
+    leaves = jax.tree_util.tree_leaves(out)
+    if leaves and not any(isinstance(leaf, jax.core.Tracer) for leaf in leaves):
+        jax.block_until_ready(leaves)
 
 
 @functools.lru_cache(maxsize=None)
