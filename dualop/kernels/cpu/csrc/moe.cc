@@ -65,17 +65,24 @@ DUALOP_INLINE float dot1(const float* __restrict x, const T* __restrict w, int64
   return a;
 }
 
-// Work items: (group, block of kBlockN output columns); each thread takes whole items.
+// The grouped kernels' work items: (group g, output columns n0 .. n1 - 1, `block` at a time);
+// each thread takes whole items under OpenMP's dynamic schedule. body(g, n0, n1).
+template <class Body>
+static void for_each_group_block(int64_t groups, int64_t n, int64_t block, int threads, const Body& body) {
+  const int64_t blocks = (n + block - 1) / block;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
+  for (int64_t item = 0; item < groups * blocks; ++item) {
+    const int64_t g = item / blocks, n0 = (item % blocks) * block;
+    body(g, n0, n0 + block < n ? n0 + block : n);
+  }
+}
+
 constexpr int64_t kBlockN = 16;
 
 template <class T>
 static void grouped_linear(const float* x, const T* w, const int64_t* group_expert, const int64_t* group_start,
                            const int64_t* group_end, int64_t groups, float* out, int64_t n, int64_t k, int threads) {
-  const int64_t blocks = (n + kBlockN - 1) / kBlockN;
-#pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
-  for (int64_t item = 0; item < groups * blocks; ++item) {
-    const int64_t g = item / blocks, n0 = (item % blocks) * kBlockN;
-    const int64_t n1 = n0 + kBlockN < n ? n0 + kBlockN : n;
+  for_each_group_block(groups, n, kBlockN, threads, [&](int64_t g, int64_t n0, int64_t n1) {
     const T* we = w + group_expert[g] * n * k;
     const int64_t r0 = group_start[g], r1 = group_end[g];
     for (int64_t col = n0; col < n1; ++col) {
@@ -85,7 +92,7 @@ static void grouped_linear(const float* x, const T* w, const int64_t* group_expe
         dot4(x + r * k, x + (r + 1) * k, x + (r + 2) * k, x + (r + 3) * k, wr, k, out + r * n + col, n);
       for (; r < r1; ++r) out[r * n + col] = dot1(x + r * k, wr, k);
     }
-  }
+  });
 }
 
 #if defined(__AVX512BF16__)
@@ -226,19 +233,15 @@ static void grouped_linear_bf16(const bf16* hi, const bf16* lo, const bf16* w, c
   const int64_t slice = k < kSliceK ? k : kSliceK;
   int64_t block = kWeightBlockBytes / (slice * static_cast<int64_t>(sizeof(bf16))) / kTileCols * kTileCols;
   block = block < kTileCols ? kTileCols : block;
-  const int64_t blocks = (n + block - 1) / block;
-#pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
-  for (int64_t item = 0; item < groups * blocks; ++item) {
-    const int64_t g = item / blocks, n0 = (item % blocks) * block;
-    const int64_t n1 = n0 + block < n ? n0 + block : n;
+  for_each_group_block(groups, n, block, threads, [&](int64_t g, int64_t n0, int64_t n1) {
     const bf16* we = w + group_expert[g] * n * k;
     const int64_t first = group_start[g], group_rows = group_end[g] - group_start[g];
-    if (group_rows <= 0) continue;
+    if (group_rows <= 0) return;
     if (group_rows < kNarrowRows<SPLIT>) {  // whole weight rows one at a time: one sequential stream
       for (int64_t col = n0; col < n1; ++col)
         bf16_tile_edge<SPLIT>(static_cast<int>(group_rows), 1, hi + first * k, SPLIT ? lo + first * k : nullptr,
                               we + col * k, k, k, false, out + first * n + col, n);
-      continue;
+      return;
     }
     for (int64_t k0 = 0; k0 < k; k0 += slice) {
       const int64_t len = k0 + slice < k ? slice : k - k0;
@@ -276,7 +279,7 @@ static void grouped_linear_bf16(const bf16* hi, const bf16* lo, const bf16* w, c
         }
       }
     }
-  }
+  });
 }
 #endif
 
