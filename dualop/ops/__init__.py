@@ -20,6 +20,11 @@ from dualop.ops import (
 from dualop.ops.moe_transformers import *  # noqa: F403
 from dualop.ops import moe_transformers
 from dualop.ops import moe_modular
+from dualop.ops.linear import *  # noqa: F403
+from dualop.ops.embedding import *  # noqa: F403
+from dualop.ops.logits_processor import *  # noqa: F403
+from dualop.ops.conv import *  # noqa: F403
+from dualop.ops import conv, embedding, linear, logits_processor
 
 # Ops that hold no parameters: the layer modules wrap each as-is (dualop.torch/jax.layers).
 PARAMETERLESS_OPS = (
@@ -41,4 +46,8 @@ __all__ = [
     *rotary.__all__,
     *moe_transformers.__all__,
     *moe_modular.__all__,
+    *linear.__all__,
+    *embedding.__all__,
+    *logits_processor.__all__,
+    *conv.__all__,
 ]
