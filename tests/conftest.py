@@ -66,6 +66,9 @@ KERNEL_OPS_IN_NATIVE_CELLS = {
     # modular_fused_moe runs the same experts (unquantized_fused_moe's paths) between prepare and finalize.
     **{("modular_fused_moe", "jax", platform): method
        for platform, method in (("cpu", "forward_cpu"), ("cuda", "forward_cuda"))},
+    # conv2d/conv3d: the patch-embedding matmul is the platform path for every frontend (XLA's dot for jax).
+    **{(op, "jax", platform): method for op in ("conv2d", "conv3d")
+       for platform, method in (("cpu", "forward_cpu"), ("cuda", "forward_cuda"))},
 }
 # Op cases (labels) with no kernel in a cell of KERNEL_CELLS: {(label, frontend, platform): reason}.
 NATIVE_CASES = {
@@ -75,6 +78,11 @@ NATIVE_CASES = {
     ("swigluoai_and_mul", "torch", "cpu"): "the C++ CPU kernel has no swigluoai gate",
     ("rms_norm[var_hidden_size]", "torch", "cpu"): "var_hidden_size < hidden_size",
     ("xielu", "torch", "cpu"): "torch has no fused xIELU",
+    # A convolution that is not a patch embedding runs the frontend's own convolution in every cell.
+    **{(label, frontend, platform): "the patch-embedding matmul needs kernel_size == stride"
+       for label in ("conv2d[general]", "conv3d[general]")
+       for frontend, platform in (("torch", "cpu"), ("torch", "cuda"), ("jax", "tpu"), ("torch_xla", "tpu"),
+                                  ("torchax", "tpu"), ("jax", "cpu"), ("jax", "cuda"))},
 }
 
 

@@ -65,8 +65,13 @@ def test_rocm_runs_the_triton_kernel(case):
     assert result.status == "pass", result.detail
 
 
+# Ops whose case shapes are not rows: a convolution's are x's [N, C, *spatial] (tests/test_conv.py
+# checks that they hold no items, one item, and spatial sizes off the kernel's multiple).
+SPATIAL_OPS = ("conv2d", "conv3d")
+
+
 def test_cells_cover_zero_one_ragged_and_3d_shapes():
-    for case in CASES:
+    for case in (c for c in CASES if c.op not in SPATIAL_OPS):
         shapes = case.shapes
         assert any(math.prod(s) == 0 for s in shapes), case.label  # nothing to do: no launch
         assert any(math.prod(s[:-1]) == 1 for s in shapes), case.label  # a single token

@@ -1,5 +1,326 @@
-"""conv ops (issue 11; filled in by its work)."""
+"""Convolution ops of the vision encoders: ``conv2d`` and ``conv3d`` (the engine's Conv2dLayer and
+Conv3dLayer, as ops taking their weights).
+
+``op(x, weight, bias=None)`` on x ``[N, C, *spatial]`` and weight ``[out, C / groups, *kernel]``
+(torch's layout, for both frontends). ``forward_native`` is the frontend's convolution
+(``F.conv2d``/``F.conv3d`` for torch tensors of any device; ``jax.lax.conv_general_dilated`` with
+float32 accumulation for jax arrays).
+
+The platform path (``forward_cpu``, ``forward_cuda``, ``forward_tpu``, for every frontend) is the
+engine's patch-embedding fast path: when the kernel equals the stride, with no padding, dilation 1
+and groups 1 (every ViT patch embed), the non-overlapping patches are unfolded by a reshape and
+permute (free when each item is exactly one patch, as Qwen2.5-VL's ``[L, 3, 2, 14, 14]``) and one
+matmul with the weight as ``[out, C * prod(kernel)]`` does the rest, float32 accumulation, bias
+fused. The matmul is the vendor's (oneDNN/MKL, cuBLAS, XLA's dot): no kernel of dualop's own beats
+it. Other convolutions decline the platform path (the report says why) and run the native body.
+"""
 
 from __future__ import annotations
 
-__all__: list[str] = []
+import math
+from typing import Any
+
+from dualop.custom_op import CustomOp
+from dualop.ops._checks import check_array, check_optional_like
+from dualop.platforms import family_of, frontend_of
+
+__all__ = ["Conv2dLayer", "Conv3dLayer"]
+
+PADDING_STRINGS = ("same", "valid")
+PADDING_MODES = ("zeros", "reflect", "replicate", "circular")
+# padding_mode -> (torch F.pad mode, jnp.pad mode): the same rule under both names.
+_PAD_MODE_NAMES = {"reflect": ("reflect", "reflect"), "replicate": ("replicate", "edge"),
+                   "circular": ("circular", "wrap")}
+
+
+def _int_tuple(op: str, name: str, value: Any, num_dim: int, minimum: int) -> tuple[int, ...]:
+    """An int or a tuple of ``num_dim`` ints, each >= ``minimum``, as a tuple."""
+    items = (value,) * num_dim if isinstance(value, int) and not isinstance(value, bool) else value
+    if (
+        not isinstance(items, (tuple, list)) or len(items) != num_dim
+        or any(isinstance(v, bool) or not isinstance(v, int) or v < minimum for v in items)
+    ):
+        raise ValueError(f"{op}: {name} must be an int >= {minimum} or a tuple of {num_dim} of them, got {value!r}")
+    return tuple(items)
+
+
+def _positive(op: str, name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{op}: {name} must be a positive int, got {value!r}")
+    return value
+
+
+def _padding_pairs(op: str, padding: Any, kernel: tuple, stride: tuple, dilation: tuple) -> tuple:
+    """``(low, high)`` zero padding per spatial dim. ``"same"`` is torch's rule: total
+    ``dilation * (kernel - 1)``, the odd one on the high side, refused for strided convolutions."""
+    num_dim = len(kernel)
+    if isinstance(padding, str):
+        if padding not in PADDING_STRINGS:
+            raise ValueError(f"{op}: padding string {padding!r} is not one of {PADDING_STRINGS}")
+        if padding == "valid":
+            return ((0, 0),) * num_dim
+        if any(s != 1 for s in stride):
+            raise ValueError(f"{op}: padding='same' is not supported for strided convolutions (stride={stride})")
+        totals = [d * (k - 1) for k, d in zip(kernel, dilation)]
+        return tuple((t // 2, t - t // 2) for t in totals)
+    return tuple((p, p) for p in _int_tuple(op, "padding", padding, num_dim, 0))
+
+
+class _ConvNd(CustomOp):
+    """Shared body of ``conv2d`` and ``conv3d``; ``num_dim`` is the count of spatial dims."""
+
+    num_dim: int
+
+    def __init__(
+        self,
+        in_channels: int,
+        out_channels: int,
+        kernel_size: int | tuple[int, ...],
+        stride: int | tuple[int, ...] = 1,
+        padding: int | tuple[int, ...] | str = 0,
+        dilation: int | tuple[int, ...] = 1,
+        groups: int = 1,
+        bias: bool = True,
+        padding_mode: str = "zeros",
+        *,
+        enforce_enable: bool = False,
+    ) -> None:
+        super().__init__(enforce_enable=enforce_enable)
+        op, n = type(self).name, self.num_dim
+        self.in_channels = _positive(op, "in_channels", in_channels)
+        self.out_channels = _positive(op, "out_channels", out_channels)
+        self.groups = _positive(op, "groups", groups)
+        if in_channels % groups or out_channels % groups:
+            raise ValueError(
+                f"{op}: groups={groups} must divide in_channels={in_channels} and out_channels={out_channels}"
+            )
+        self.kernel_size = _int_tuple(op, "kernel_size", kernel_size, n, 1)
+        self.stride = _int_tuple(op, "stride", stride, n, 1)
+        self.dilation = _int_tuple(op, "dilation", dilation, n, 1)
+        self.padding = _padding_pairs(op, padding, self.kernel_size, self.stride, self.dilation)
+        self.padding_string = padding if isinstance(padding, str) else None
+        if padding_mode not in PADDING_MODES:
+            raise ValueError(f"{op}: padding_mode {padding_mode!r} is not one of {PADDING_MODES}")
+        self.padding_mode = padding_mode
+        self.bias = bool(bias)
+        self.weight_shape = (out_channels, in_channels // groups, *self.kernel_size)
+        self.patch_size = in_channels * math.prod(self.kernel_size)
+        self.why_not_patch_embed = self._why_not_patch_embed()
+
+    def _why_not_patch_embed(self) -> str | None:
+        """Why the fast path (non-overlapping patches, one matmul) does not apply, or None."""
+        reasons = []
+        if self.kernel_size != self.stride:
+            reasons.append(f"kernel_size {self.kernel_size} != stride {self.stride}")
+        if any(p for pair in self.padding for p in pair):
+            reasons.append(f"padding {self.padding}")
+        if any(d != 1 for d in self.dilation):
+            reasons.append(f"dilation {self.dilation}")
+        if self.groups != 1:
+            reasons.append(f"groups {self.groups}")
+        if not reasons:
+            return None
+        return ("the patch-embedding matmul needs kernel_size == stride, no padding, dilation 1 and groups 1; "
+                f"this conv has {', '.join(reasons)}: the frontend's convolution runs")
+
+    # ---------------------------------------------------------------- validation
+
+    def check_inputs(self, x: Any, weight: Any, bias: Any = None) -> None:
+        op, n = type(self).name, self.num_dim
+        fe = check_array(op, "x", x)
+        layout = "[N, C, H, W]" if n == 2 else "[N, C, D, H, W]"
+        if x.ndim != n + 2:
+            raise ValueError(f"{op}: argument 'x' must be {layout} ({n + 2} dims), got shape {tuple(x.shape)}")
+        if x.shape[1] != self.in_channels:
+            raise ValueError(
+                f"{op}: argument 'x' has {x.shape[1]} channels (dim 1, shape {tuple(x.shape)}); "
+                f"expected in_channels={self.in_channels}"
+            )
+        if weight is None:
+            raise ValueError(f"{op}: argument 'weight' is required (shape {self.weight_shape})")
+        check_optional_like(op, "weight", weight, "x", x, fe, shape=self.weight_shape, same_dtype=True)
+        if bias is not None and not self.bias:
+            raise ValueError(f"{op}: argument 'bias' must be None for an op built with bias=False")
+        check_optional_like(op, "bias", bias, "x", x, fe, shape=(self.out_channels,), same_dtype=True)
+        padded = [s + lo + hi for s, (lo, hi) in zip(x.shape[2:], self.padding)]
+        spans = [d * (k - 1) + 1 for k, d in zip(self.kernel_size, self.dilation)]
+        if any(p < span for p, span in zip(padded, spans)):
+            raise ValueError(
+                f"{op}: argument 'x' has spatial size {tuple(x.shape[2:])}, padded {tuple(padded)}, smaller than "
+                f"the dilated kernel {tuple(spans)}"
+            )
+
+    # ---------------------------------------------------------------- the reference
+
+    def forward_native(self, x: Any, weight: Any, bias: Any = None) -> Any:
+        """The frontend's convolution: torch's ``F.conv{n}d`` (any torch device; 16-bit inputs
+        accumulate in float32 in the vendor convolutions) or ``lax.conv_general_dilated`` with
+        float32 accumulation and one cast."""
+        if family_of(frontend_of(x)) == "jax":
+            return self._jax_conv(x, weight, bias)
+        return self._torch_conv(x, weight, bias)
+
+    def _torch_conv(self, x: Any, weight: Any, bias: Any) -> Any:
+        import torch.nn.functional as F
+
+        conv = F.conv2d if self.num_dim == 2 else F.conv3d
+        padding: Any = tuple(lo for lo, _ in self.padding)
+        if self.padding_mode != "zeros":
+            # F.pad's pairs run from the last dim back
+            pads = [p for lo, hi in reversed(self.padding) for p in (lo, hi)]
+            x, padding = F.pad(x, pads, mode=_PAD_MODE_NAMES[self.padding_mode][0]), 0
+        elif any(lo != hi for lo, hi in self.padding):  # "same" with an even dilated kernel
+            padding = "same"
+        return conv(x, weight, bias, self.stride, padding, self.dilation, self.groups)
+
+    def _jax_conv(self, x: Any, weight: Any, bias: Any) -> Any:
+        import jax
+        import jax.numpy as jnp
+
+        padding = list(self.padding)
+        if self.padding_mode != "zeros":
+            x = jnp.pad(x, [(0, 0), (0, 0), *padding], mode=_PAD_MODE_NAMES[self.padding_mode][1])
+            padding = [(0, 0)] * self.num_dim
+        spec = ("NCHW", "OIHW", "NCHW") if self.num_dim == 2 else ("NCDHW", "OIDHW", "NCDHW")
+        y = jax.lax.conv_general_dilated(
+            x, weight, self.stride, padding, rhs_dilation=self.dilation, dimension_numbers=spec,
+            feature_group_count=self.groups, preferred_element_type=jnp.float32,
+        )
+        if bias is not None:
+            y = y + bias.astype(jnp.float32).reshape(-1, *(1,) * self.num_dim)
+        return y.astype(x.dtype)
+
+    # ---------------------------------------------------------------- the fast path
+
+    def declines(self, method: str, frontend: str) -> str | None:
+        """Only patch embeddings have a path of their own (on every platform and frontend)."""
+        return self.why_not_patch_embed
+
+    def _patch_embed(self, x: Any, weight: Any, bias: Any) -> Any:
+        if self.why_not_patch_embed is not None:
+            raise NotImplementedError(self.why_not_patch_embed)
+        if family_of(frontend_of(x)) == "jax":
+            return self._jax_patch_embed(x, weight, bias)
+        return self._torch_patch_embed(x, weight, bias)
+
+    def _unfold_order(self) -> tuple[int, ...]:
+        """The permutation of ``[N, C, o1, k1, o2, k2, ...]`` to ``[N, o1, o2, ..., C, k1, k2, ...]``:
+        one row per patch, its features in the weight's ``(C, k1, k2, ...)`` order."""
+        n = self.num_dim
+        return (0, *range(2, 2 + 2 * n, 2), 1, *range(3, 3 + 2 * n, 2))
+
+    def _split_shape(self, x: Any) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """The output's spatial size, and x's shape with each spatial dim split into (patches,
+        kernel); trailing rows that fill no whole patch are dropped, as the strided conv drops them."""
+        outs = tuple(s // k for s, k in zip(x.shape[2:], self.kernel_size))
+        split = (x.shape[0], x.shape[1], *(v for o, k in zip(outs, self.kernel_size) for v in (o, k)))
+        return outs, split
+
+    def _torch_patch_embed(self, x: Any, weight: Any, bias: Any) -> Any:
+        """torch (any device): patches as rows, ``addmm`` (the vendor GEMM accumulates 16-bit
+        inputs in float32 and adds the bias before its one rounding), the output as an NC...
+        view of the ``[N, *patches, out]`` product, as the strided convolution's values."""
+        import torch
+
+        outs, split = self._split_shape(x)
+        for dim, (o, k) in enumerate(zip(outs, self.kernel_size), start=2):
+            if x.shape[dim] != o * k:
+                x = x.narrow(dim, 0, o * k)
+        rows = x.reshape(split).permute(self._unfold_order()).reshape(-1, self.patch_size)
+        w = weight.reshape(self.out_channels, self.patch_size).t()
+        y = rows @ w if bias is None else torch.addmm(bias, rows, w)
+        n = self.num_dim
+        return y.view(x.shape[0], *outs, self.out_channels).permute(0, n + 1, *range(1, n + 1))
+
+    def _jax_patch_embed(self, x: Any, weight: Any, bias: Any) -> Any:
+        """jax: the same unfold, one ``dot_general`` with float32 accumulation, bias added in
+        float32, one cast."""
+        import jax
+        import jax.numpy as jnp
+
+        outs, split = self._split_shape(x)
+        x = x[(slice(None), slice(None), *(slice(0, o * k) for o, k in zip(outs, self.kernel_size)))]
+        rows = jnp.transpose(x.reshape(split), self._unfold_order()).reshape(-1, self.patch_size)
+        w = weight.reshape(self.out_channels, self.patch_size)
+        y = jax.lax.dot_general(rows, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+        if bias is not None:
+            y = y + bias.astype(jnp.float32)
+        n = self.num_dim
+        y = y.astype(x.dtype).reshape(x.shape[0], *outs, self.out_channels)
+        return jnp.transpose(y, (0, n + 1, *range(1, n + 1)))
+
+    def forward_cpu(self, x: Any, weight: Any, bias: Any = None) -> Any:
+        return self._patch_embed(x, weight, bias)
+
+    def forward_cuda(self, x: Any, weight: Any, bias: Any = None) -> Any:
+        return self._patch_embed(x, weight, bias)
+
+    def forward_tpu(self, x: Any, weight: Any, bias: Any = None) -> Any:
+        return self._patch_embed(x, weight, bias)
+
+    def extra_repr(self) -> str:
+        padding = self.padding_string or tuple(lo for lo, _ in self.padding)
+        return (f"in_channels={self.in_channels}, out_channels={self.out_channels}, kernel_size={self.kernel_size}, "
+                f"stride={self.stride}, padding={padding}, dilation={self.dilation}, groups={self.groups}, "
+                f"bias={self.bias}, padding_mode={self.padding_mode!r}")
+
+
+@CustomOp.register("conv2d")
+class Conv2dLayer(_ConvNd):
+    """2-D convolution ``op(x [N, C, H, W], weight [out, C/groups, kh, kw], bias [out] | None)``,
+    torch.nn.Conv2d's value; ``padding`` an int, a pair, ``"valid"`` or ``"same"`` (stride 1 only)."""
+
+    num_dim = 2
+
+
+@CustomOp.register("conv3d")
+class Conv3dLayer(_ConvNd):
+    """3-D convolution ``op(x [N, C, D, H, W], weight [out, C/groups, kd, kh, kw], bias [out] | None)``,
+    torch.nn.Conv3d's value (Qwen2.5-VL's patch embed: kernel = stride = (2, 14, 14))."""
+
+    num_dim = 3
+
+
+# --- check cases --------------------------------------------------------------------------------
+# Shapes are x's shape [N, C, *spatial]: no items, one item, several, spatial sizes that are not a
+# multiple of the kernel (the strided conv drops the rest).
+PATCH_2D_SHAPES = ((0, 3, 8, 8), (1, 3, 8, 8), (3, 3, 10, 13))
+PATCH_3D_SHAPES = ((0, 3, 2, 4, 4), (1, 3, 2, 4, 4), (7, 3, 2, 4, 4), (2, 3, 4, 9, 8))
+GENERAL_2D_SHAPES = ((0, 4, 5, 6), (1, 4, 5, 6), (2, 4, 7, 9))
+GENERAL_3D_SHAPES = ((0, 4, 3, 5, 6), (1, 4, 3, 5, 6), (2, 4, 5, 6, 7))
+
+
+def check_cases():
+    """One general convolution per op (padding, stride, dilation, groups: the native convolution,
+    with the reason), then tiny patch embeddings (the fast path) in 2-D and 3-D. The patch cases
+    come last: the per-op checks (tests/test_cells.py's ROCm cell) take an op's last case."""
+    from dualop.testing import OpCase, normal
+
+    def inputs(op_kwargs: dict, out_channels: int, with_bias: bool):
+        def make(shape, rng):
+            op = make_op(op_kwargs, out_channels, with_bias)(shape)
+            fan_in = math.prod(op.weight_shape[1:])
+            w = normal(op.weight_shape, rng, fan_in ** -0.5)
+            b = normal((out_channels,), rng, 0.5) if with_bias else None
+            return (normal(shape, rng), w, b)
+
+        return make
+
+    def make_op(op_kwargs: dict, out_channels: int, with_bias: bool):
+        def make(shape):
+            cls = Conv2dLayer if len(shape) == 4 else Conv3dLayer
+            return cls(shape[1], out_channels, bias=with_bias, **op_kwargs)
+
+        return make
+
+    cases = []
+    for op, label, kwargs, out, with_bias, shapes in (
+        ("conv2d", "conv2d[general]", {"kernel_size": (3, 2), "stride": (2, 1), "padding": (1, 2),
+                                       "dilation": (1, 2), "groups": 2}, 6, True, GENERAL_2D_SHAPES),
+        ("conv3d", "conv3d[general]", {"kernel_size": 3, "stride": (1, 2, 2), "padding": 1, "dilation": (2, 1, 1),
+                                       "groups": 2}, 6, True, GENERAL_3D_SHAPES),
+        ("conv2d", "conv2d[patch]", {"kernel_size": 4, "stride": 4}, 40, True, PATCH_2D_SHAPES),
+        ("conv3d", "conv3d[patch]", {"kernel_size": (2, 4, 4), "stride": (2, 4, 4)}, 40, False, PATCH_3D_SHAPES),
+    ):
+        cases.append(OpCase(op, label, make_op(kwargs, out, with_bias), inputs(kwargs, out, with_bias), shapes))
+    return cases
