@@ -213,3 +213,89 @@ class FusedMoE(nnx.Module):
 
 
 __all__.append("FusedMoE")
+
+
+class _ConvLayer(nnx.Module):
+    """Twin of ``dualop.torch.layers.Conv2dLayer``/``Conv3dLayer``: ``weight`` ``[out, in / groups,
+    *kernel]`` and ``bias`` ``[out]`` (or None) as ``nnx.Param``s in torch's layout, initialised
+    as torch.nn.ConvNd's (uniform in ±1/sqrt(fan_in), from ``rngs``; default ``nnx.Rngs(0)``);
+    ``__call__(x)`` calls the op; ``load_state_dict`` takes a torch Conv state dict."""
+
+    op_class: type
+
+    def __init__(
+        self,
+        in_channels: int,
+        out_channels: int,
+        kernel_size: int | tuple[int, ...],
+        stride: int | tuple[int, ...] = 1,
+        padding: int | tuple[int, ...] | str = 0,
+        dilation: int | tuple[int, ...] = 1,
+        groups: int = 1,
+        bias: bool = True,
+        padding_mode: str = "zeros",
+        *,
+        params_dtype: Any = None,
+        rngs: nnx.Rngs | None = None,
+    ) -> None:
+        import math
+
+        import jax
+
+        self.op = self.op_class(in_channels, out_channels, kernel_size, stride, padding, dilation, groups, bias,
+                                padding_mode)
+        dtype = params_dtype or jnp.float32
+        rngs = rngs if rngs is not None else nnx.Rngs(0)
+        bound = 1 / math.sqrt(math.prod(self.op.weight_shape[1:]))
+
+        def uniform(shape):
+            return jax.random.uniform(rngs.params(), shape, jnp.float32, -bound, bound).astype(dtype)
+
+        self.weight = nnx.Param(uniform(self.op.weight_shape))
+        self.bias = nnx.Param(uniform((out_channels,))) if bias else None
+
+    def __call__(self, x):
+        return self.op(x, self.weight[...], None if self.bias is None else self.bias[...])
+
+    def weight_loader(self, param_name: str, loaded_weight: Any, loaded_shard_id: Any = None) -> None:
+        """Set parameter ``param_name`` (``weight`` or ``bias``) from a whole checkpoint tensor
+        (torch, numpy or jax), kept in the parameter's dtype."""
+        layer = type(self).__name__
+        param = getattr(self, param_name, None) if param_name in ("weight", "bias") else None
+        if param is None:
+            raise ValueError(f"{layer}.weight_loader: no parameter {param_name!r}; expected "
+                             f"{['weight', 'bias'] if self.bias is not None else ['weight']}")
+        if loaded_shard_id is not None:
+            raise ValueError(f"{layer}.weight_loader: '{param_name}' is not sharded; got shard id {loaded_shard_id!r}")
+        if tuple(loaded_weight.shape) != tuple(param.shape):
+            raise ValueError(f"{layer}.weight_loader: '{param_name}' has shape {tuple(param.shape)}; the checkpoint "
+                             f"tensor has shape {tuple(loaded_weight.shape)}")
+        param[...] = _as_jax(loaded_weight, param.dtype)
+
+    def load_state_dict(self, state_dict: Any, prefix: str = "") -> None:
+        """Load a torch Conv module's state dict (``prefix + "weight"``, ``prefix + "bias"``)."""
+        for name in ("weight", "bias"):
+            key = prefix + name
+            if getattr(self, name) is None:
+                if key in state_dict:
+                    raise ValueError(f"{type(self).__name__}.load_state_dict: '{key}' given but the layer has no bias")
+                continue
+            if key not in state_dict:
+                raise ValueError(f"{type(self).__name__}.load_state_dict: '{key}' is missing")
+            self.weight_loader(name, state_dict[key])
+
+
+class Conv2dLayer(_ConvLayer):
+    """``Conv2dLayer(in_channels, out_channels, kernel_size, stride=1, padding=0, dilation=1, groups=1,
+    bias=True, padding_mode="zeros", params_dtype=None, rngs=None)``; ``__call__(x [N, C, H, W])``."""
+
+    op_class = ops.Conv2dLayer
+
+
+class Conv3dLayer(_ConvLayer):
+    """``Conv3dLayer(...)`` as Conv2dLayer, on x ``[N, C, D, H, W]`` (Qwen2.5-VL's patch embed)."""
+
+    op_class = ops.Conv3dLayer
+
+
+__all__ += ["Conv2dLayer", "Conv3dLayer"]

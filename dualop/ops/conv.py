@@ -218,8 +218,9 @@ class _ConvNd(CustomOp):
 
     def _torch_patch_embed(self, x: Any, weight: Any, bias: Any) -> Any:
         """torch (any device): patches as rows, ``addmm`` (the vendor GEMM accumulates 16-bit
-        inputs in float32 and adds the bias before its one rounding), the output as an NC...
-        view of the ``[N, *patches, out]`` product, as the strided convolution's values."""
+        inputs in float32 and adds the bias before its one rounding), then the ``[N, *patches,
+        out]`` product in the convolution's contiguous ``[N, out, *patches]`` layout (a no-op copy
+        when every item is one patch, as Qwen2.5-VL's)."""
         import torch
 
         outs, split = self._split_shape(x)
@@ -230,7 +231,7 @@ class _ConvNd(CustomOp):
         w = weight.reshape(self.out_channels, self.patch_size).t()
         y = rows @ w if bias is None else torch.addmm(bias, rows, w)
         n = self.num_dim
-        return y.view(x.shape[0], *outs, self.out_channels).permute(0, n + 1, *range(1, n + 1))
+        return y.view(x.shape[0], *outs, self.out_channels).permute(0, n + 1, *range(1, n + 1)).contiguous()
 
     def _jax_patch_embed(self, x: Any, weight: Any, bias: Any) -> Any:
         """jax: the same unfold, one ``dot_general`` with float32 accumulation, bias added in

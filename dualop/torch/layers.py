@@ -235,3 +235,81 @@ class FusedMoE(nn.Module):
 
 
 __all__.append("FusedMoE")
+
+
+class _ConvLayer(nn.Module):
+    """The engine's ConvLayerBase as an nn.Module: ``weight`` ``[out, in / groups, *kernel]`` and
+    ``bias`` ``[out]`` (or None) as parameters, initialised as torch.nn.ConvNd's, so a torch Conv
+    state dict (``weight``, ``bias``) loads as it is; ``forward(x)`` calls the op."""
+
+    op_class: type
+
+    def __init__(
+        self,
+        in_channels: int,
+        out_channels: int,
+        kernel_size: int | tuple[int, ...],
+        stride: int | tuple[int, ...] = 1,
+        padding: int | tuple[int, ...] | str = 0,
+        dilation: int | tuple[int, ...] = 1,
+        groups: int = 1,
+        bias: bool = True,
+        padding_mode: str = "zeros",
+        *,
+        params_dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        self.op = self.op_class(in_channels, out_channels, kernel_size, stride, padding, dilation, groups, bias,
+                                padding_mode)
+        dtype = params_dtype or torch.get_default_dtype()
+        self.weight = nn.Parameter(torch.empty(self.op.weight_shape, dtype=dtype))
+        self.bias = nn.Parameter(torch.empty(out_channels, dtype=dtype)) if bias else None
+        for param in (self.weight, self.bias):
+            if param is not None:
+                param.weight_loader = self.weight_loader
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """torch.nn.ConvNd's initialisation: both uniform in ±1/sqrt(fan_in) (its kaiming_uniform
+        with a = sqrt(5))."""
+        import math
+
+        bound = 1 / math.sqrt(math.prod(self.op.weight_shape[1:]))
+        for param in (self.weight, self.bias):
+            if param is not None:
+                param.uniform_(-bound, bound)
+
+    @torch.no_grad()
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, loaded_shard_id: Any = None) -> None:
+        """Copy a checkpoint tensor (the whole parameter: convolutions are not sharded) into ``param``."""
+        name = next((n for n, p in self.named_parameters(recurse=False) if p is param), "?")
+        if loaded_shard_id is not None:
+            raise ValueError(f"{type(self).__name__}.weight_loader: '{name}' is not sharded; got shard id "
+                             f"{loaded_shard_id!r}")
+        if tuple(loaded_weight.shape) != tuple(param.shape):
+            raise ValueError(f"{type(self).__name__}.weight_loader: '{name}' has shape {tuple(param.shape)}; the "
+                             f"checkpoint tensor has shape {tuple(loaded_weight.shape)}")
+        param.copy_(loaded_weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.op(x, self.weight, self.bias)
+
+    def extra_repr(self) -> str:
+        return self.op.extra_repr()
+
+
+class Conv2dLayer(_ConvLayer):
+    """``Conv2dLayer(in_channels, out_channels, kernel_size, stride=1, padding=0, dilation=1, groups=1,
+    bias=True, padding_mode="zeros", params_dtype=None)``; ``forward(x [N, C, H, W])``."""
+
+    op_class = ops.Conv2dLayer
+
+
+class Conv3dLayer(_ConvLayer):
+    """``Conv3dLayer(...)`` as Conv2dLayer, on x ``[N, C, D, H, W]`` (Qwen2.5-VL's patch embed)."""
+
+    op_class = ops.Conv3dLayer
+
+
+__all__ += ["Conv2dLayer", "Conv3dLayer"]
