@@ -429,3 +429,39 @@ def _modular_experts_op(shape: tuple[int, ...]):
 
 SERVING_INPUTS["modular_fused_moe"] = _experts_inputs
 _SERVING_MAKE_OP["modular_fused_moe[silu,expert_map,E8,I64]"] = _modular_experts_op
+
+
+# --- conv2d / conv3d: the vision encoders' patch embeddings ----------------------------------------
+# (N, C, *spatial, out_channels, *kernel) for x [N, C, *spatial] and a kernel equal to the stride:
+# Qwen2.5-VL's Conv3d(3, 1280, (2, 14, 14), bias=False) on 16384 patches, one per item as its vision
+# tower calls it ([L, 3, 2, 14, 14]); SigLIP-so400m's Conv2d(3, 1152, 14, stride 14) on a batch of 8
+# 384 x 384 images (27 x 27 patches; the last 6 pixel rows and columns fill no patch). The fast path
+# is a reshape and XLA's dot; vision encoders are served in 16-bit.
+SERVING_SHAPES["conv3d"] = ((16384, 3, 2, 14, 14, 1280, 2, 14, 14),)
+SERVING_SHAPES["conv2d"] = ((8, 3, 384, 384, 1152, 14, 14),)
+SERVING_CASES.update({"conv2d": ("conv2d[patch]",), "conv3d": ("conv3d[patch]",)})
+SERVING_DTYPES.update({"conv2d": ("bfloat16",), "conv3d": ("bfloat16",)})
+
+
+def _patch_embed_parts(shape: tuple[int, ...]) -> tuple[tuple[int, ...], int, tuple[int, ...]]:
+    """x's shape, out_channels and the kernel of one conv SERVING_SHAPES entry."""
+    num_dim = (len(shape) - 3) // 2
+    return shape[:num_dim + 2], shape[num_dim + 2], shape[num_dim + 3:]
+
+
+def _patch_embed_inputs(shape: tuple[int, ...]) -> tuple:
+    x_shape, out_channels, kernel = _patch_embed_parts(shape)
+    bias = InputSpec((out_channels,), None) if len(kernel) == 2 else None
+    return (InputSpec(x_shape, None), InputSpec((out_channels, x_shape[1], *kernel), None), bias)
+
+
+def _patch_embed_op(shape: tuple[int, ...]):
+    from dualop.ops import Conv2dLayer, Conv3dLayer
+
+    x_shape, out_channels, kernel = _patch_embed_parts(shape)
+    cls = Conv2dLayer if len(kernel) == 2 else Conv3dLayer
+    return cls(x_shape[1], out_channels, kernel, stride=kernel, bias=len(kernel) == 2)  # Qwen2.5-VL's has none
+
+
+SERVING_INPUTS.update({"conv2d": _patch_embed_inputs, "conv3d": _patch_embed_inputs})
+_SERVING_MAKE_OP.update({"conv2d[patch]": _patch_embed_op, "conv3d[patch]": _patch_embed_op})
