@@ -615,3 +615,75 @@ def select_cases(names: Iterable[str] | None = None) -> list[BenchCase]:
         valid = sorted({c.label for c in CASES} | {c.op_name for c in CASES})
         raise ValueError(f"--ops: unknown {', '.join(map(repr, unknown))}; valid: {', '.join(valid)}")
     return [c for c in CASES if c.label in wanted or c.op_name in wanted]
+
+
+# --- patch embeddings (conv2d / conv3d) ------------------------------------------------------------
+# x is a batch of images (or Qwen2.5-VL's patches) for a size ROWSxCOLS: ROWS items, COLS ignored.
+# Qwen2.5-VL's vision tower: Conv3d(3, 1280, (2, 14, 14), stride = kernel, no bias) on x [L, 3, 2, 14,
+# 14], one patch per item (``--sizes 1024x1280``); a CLIP-like ViT-B/16: Conv2d(3, 768, 16, stride
+# 16) on [N, 3, 224, 224] (``--sizes 1x768``). Peers: F.conv3d / F.conv2d, and the jax user's
+# ``lax.conv_general_dilated`` (float32 accumulation, one cast).
+PATCH_EMBEDS: dict[str, tuple[int, int, tuple[int, ...], tuple[int, ...], bool]] = {
+    # label: (in_channels, out_channels, kernel, item spatial size, bias)
+    "conv3d[qwen2.5-vl]": (3, 1280, (2, 14, 14), (2, 14, 14), False),
+    "conv2d[clip-b16]": (3, 768, (16, 16), (224, 224), True),
+}
+
+
+def _patch_embed(label: str) -> Callable[[int], Any]:
+    def make(_hidden: int):
+        from dualop.ops import Conv2dLayer, Conv3dLayer
+
+        c, out, kernel, _, bias = PATCH_EMBEDS[label]
+        return (Conv2dLayer if len(kernel) == 2 else Conv3dLayer)(c, out, kernel, stride=kernel, bias=bias)
+
+    return make
+
+
+def _patch_embed_shape(label: str) -> Callable[[tuple[int, ...]], tuple[int, ...]]:
+    c, _, _, spatial, _ = PATCH_EMBEDS[label]
+    return lambda size: (size[0], c, *spatial)
+
+
+def _patch_embed_inputs(shape, rng):
+    label = next(k for k, v in PATCH_EMBEDS.items() if len(v[2]) == len(shape) - 2)
+    c, out, kernel, _, bias = PATCH_EMBEDS[label]
+    fan_in = c * math.prod(kernel)
+    w = _normal((out, c, *kernel), rng, fan_in ** -0.5)
+    return (_normal(shape, rng), w, _normal((out,), rng) if bias else None)
+
+
+def _patch_embed_cost(op, shape, itemsize) -> KernelCost:
+    patches = shape[0] * math.prod(s // k for s, k in zip(shape[2:], op.kernel_size))
+    return cost_model.patch_embed_cost(patches, op.patch_size, op.out_channels, itemsize, op.bias, math.prod(shape))
+
+
+def _torch_conv(op):
+    """torch's own strided convolution (oneDNN / cuDNN)."""
+    import torch.nn.functional as F
+
+    conv = F.conv2d if op.num_dim == 2 else F.conv3d
+    return lambda x, weight, bias=None: conv(x, weight, bias, op.stride)
+
+
+def _jax_conv(op):
+    """What a jax user writes (flax's Conv does the same): ``lax.conv_general_dilated`` in NCHW with
+    float32 accumulation, the bias, one cast."""
+    import jax
+    import jax.numpy as jnp
+
+    spec = ("NCHW", "OIHW", "NCHW") if op.num_dim == 2 else ("NCDHW", "OIDHW", "NCDHW")
+
+    def conv(x, weight, bias=None):
+        y = jax.lax.conv_general_dilated(x, weight, op.stride, "VALID", dimension_numbers=spec,
+                                         preferred_element_type=jnp.float32)
+        if bias is not None:
+            y = y + bias.astype(jnp.float32).reshape(-1, *(1,) * op.num_dim)
+        return y.astype(x.dtype)
+
+    return conv
+
+
+CASES = (*CASES, *(BenchCase(label, label.split("[")[0], _patch_embed(label), _patch_embed_inputs, _patch_embed_cost,
+                             _torch_conv, _jax_conv, default=False, shape_of=_patch_embed_shape(label), matrix=True)
+                   for label in PATCH_EMBEDS))

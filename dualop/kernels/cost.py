@@ -166,3 +166,17 @@ def fused_moe_cost(tokens: int, top_k: int, num_experts: int, hidden: int, inter
     return KernelCost(flops=2 * rows * hidden * (w13_rows + intermediate),
                       transcendentals=rows * intermediate if gated else 0,
                       bytes_accessed=weight_bytes + activations)
+
+
+def patch_embed_cost(patches: int, patch_size: int, out_channels: int, itemsize: int, bias: bool,
+                     input_elements: int | None = None) -> KernelCost:
+    """A patch embedding as one matmul: read x (``input_elements``, default every patch's
+    ``patch_size`` values), the ``[out, patch_size]`` weight and the bias, write ``[patches, out]``;
+    ``2 * patch_size * out`` flops per patch."""
+    x = patches * patch_size if input_elements is None else input_elements
+    return KernelCost(flops=2 * patches * patch_size * out_channels, transcendentals=0,
+                      bytes_accessed=(x + out_channels * patch_size + (out_channels if bias else 0)
+                                      + patches * out_channels) * itemsize)
+
+
+__all__ += ["patch_embed_cost"]
