@@ -315,7 +315,8 @@ def test_wrong_rank_of_x(frontend):
 def test_weight_shape_mismatch(frontend):
     x = testing.to_frontend(np.zeros((1, 3, 8, 8), np.float32), frontend, "float32")
     w = testing.to_frontend(np.zeros((8, 3, 4, 2), np.float32), frontend, "float32")
-    with pytest.raises(ValueError, match=r"conv2d: argument 'weight' has shape \(8, 3, 4, 2\); expected \(8, 3, 4, 4\)"):
+    expected = r"conv2d: argument 'weight' has shape \(8, 3, 4, 2\); expected \(8, 3, 4, 4\)"
+    with pytest.raises(ValueError, match=expected):
         Conv2dLayer(3, 8, 4, stride=4)(x, w)
 
 

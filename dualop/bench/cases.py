@@ -655,7 +655,8 @@ def _patch_embed_inputs(shape, rng):
 
 def _patch_embed_cost(op, shape, itemsize) -> KernelCost:
     patches = shape[0] * math.prod(s // k for s, k in zip(shape[2:], op.kernel_size))
-    return cost_model.patch_embed_cost(patches, op.patch_size, op.out_channels, itemsize, op.bias, math.prod(shape))
+    return cost_model.patch_embed_cost(patches, op.patch_size, op.out_channels, itemsize, op.has_bias,
+                                       math.prod(shape))
 
 
 def _torch_conv(op):

@@ -102,7 +102,7 @@ class _ConvNd(CustomOp):
         if padding_mode not in PADDING_MODES:
             raise ValueError(f"{op}: padding_mode {padding_mode!r} is not one of {PADDING_MODES}")
         self.padding_mode = padding_mode
-        self.bias = bool(bias)
+        self.has_bias = bool(bias)
         self.weight_shape = (out_channels, in_channels // groups, *self.kernel_size)
         self.patch_size = in_channels * math.prod(self.kernel_size)
         self.why_not_patch_embed = self._why_not_patch_embed()
@@ -139,7 +139,7 @@ class _ConvNd(CustomOp):
         if weight is None:
             raise ValueError(f"{op}: argument 'weight' is required (shape {self.weight_shape})")
         check_optional_like(op, "weight", weight, "x", x, fe, shape=self.weight_shape, same_dtype=True)
-        if bias is not None and not self.bias:
+        if bias is not None and not self.has_bias:
             raise ValueError(f"{op}: argument 'bias' must be None for an op built with bias=False")
         check_optional_like(op, "bias", bias, "x", x, fe, shape=(self.out_channels,), same_dtype=True)
         padded = [s + lo + hi for s, (lo, hi) in zip(x.shape[2:], self.padding)]
@@ -263,7 +263,7 @@ class _ConvNd(CustomOp):
         padding = self.padding_string or tuple(lo for lo, _ in self.padding)
         return (f"in_channels={self.in_channels}, out_channels={self.out_channels}, kernel_size={self.kernel_size}, "
                 f"stride={self.stride}, padding={padding}, dilation={self.dilation}, groups={self.groups}, "
-                f"bias={self.bias}, padding_mode={self.padding_mode!r}")
+                f"bias={self.has_bias}, padding_mode={self.padding_mode!r}")
 
 
 @CustomOp.register("conv2d")
