@@ -81,8 +81,13 @@ def frontend_missing(frontend: str) -> bool:
     return any(importlib.util.find_spec(p) is None for p in _FRONTEND_PACKAGES.get(frontend, (frontend,)))
 
 
-def _path(method: str, frontend: str) -> str:
-    """Human description of what a method ran on this machine."""
+def _path(method: str, frontend: str, op: Any = None) -> str:
+    """Human description of what a method ran on this machine. An op whose platform methods run
+    no dualop kernel (the vendor matmul does the work) says what they run instead in its class's
+    ``kernel_description``."""
+    own = getattr(type(op), "kernel_description", None)
+    if own:
+        return own
     if method in ("forward_tpu",):
         from dualop.kernels.pallas.common import interpret_mode
 
@@ -120,7 +125,7 @@ def _run_cell(case: testing.OpCase, frontend: str, platform: str, dtype: str, se
             if res.method == "forward_native":
                 res.status, res.detail, res.path = "native", reason, "native"
                 return res
-            res.path = _path(res.method, frontend)
+            res.path = _path(res.method, frontend, op)
             # Fresh inputs: an op that updates an argument in place (reshape_and_cache) must be
             # compared with the native body run on the untouched originals, not its own result.
             want = _outputs(op.forward_native(*(testing.to_frontend(a, frontend, dtype) for a in inputs), **case.options))

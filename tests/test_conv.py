@@ -332,3 +332,11 @@ def test_input_smaller_than_the_kernel():
 
     with pytest.raises(ValueError, match=r"conv2d: argument 'x' has spatial size \(3, 8\).*dilated kernel \(4, 4\)"):
         Conv2dLayer(3, 8, 4, stride=4)(torch.zeros(1, 3, 3, 8), torch.zeros(8, 3, 4, 4))
+
+
+def test_dualop_check_names_the_vendor_matmul_not_a_dualop_kernel():
+    from dualop import check
+
+    case = next(c for c in check_cases() if c.label == "conv2d[patch]")
+    result = check._run_cell(case, "torch", "cpu", "float32", seed=0)
+    assert (result.status, result.path) == ("pass", Conv2dLayer.kernel_description)

@@ -70,6 +70,8 @@ class _ConvNd(CustomOp):
     """Shared body of ``conv2d`` and ``conv3d``; ``num_dim`` is the count of spatial dims."""
 
     num_dim: int
+    # What the platform methods run (``dualop check``'s path column): no kernel of dualop's own.
+    kernel_description = "patch unfold + vendor matmul (torch addmm: oneDNN/cuBLAS; jax: XLA dot)"
 
     def __init__(
         self,
