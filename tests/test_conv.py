@@ -340,3 +340,25 @@ def test_dualop_check_names_the_vendor_matmul_not_a_dualop_kernel():
     case = next(c for c in check_cases() if c.label == "conv2d[patch]")
     result = check._run_cell(case, "torch", "cpu", "float32", seed=0)
     assert (result.status, result.path) == ("pass", Conv2dLayer.kernel_description)
+
+
+@pytest.mark.parametrize("frontend", ["torch_xla", "torchax"])
+def test_xla_device_tensors_round_once_after_the_bias(frontend):
+    """bfloat16 on torch_xla / torchax: torch's conv and addmm lower there to a bfloat16 product
+    plus a bfloat16 bias add (two roundings); the native body (float32, one cast) and the fast path
+    (XLA's dot with float32 accumulation) round once, as oneDNN's conv on the CPU does."""
+    from conftest import require_frontend
+
+    require_frontend(frontend)
+    import torch
+
+    rng = np.random.default_rng(3)
+    op = Conv2dLayer(3, 40, 4, stride=4)
+    x, w, b = (testing.normal(s, rng, scale) for s, scale in (((3, 3, 10, 13), 1.0), (op.weight_shape, 0.15),
+                                                                ((40,), 0.5)))
+    want = op.forward_native(*(torch.from_numpy(a).to(torch.bfloat16) for a in (x, w, b)))  # torch CPU: oneDNN
+    with testing.frontend_context(frontend):
+        args = tuple(testing.to_frontend(a, frontend, "bfloat16") for a in (x, w, b))
+        native, fast = op.forward_native(*args), op.forward_tpu(*args)
+    _close(native, want, "bfloat16")
+    _close(fast, want, "bfloat16")

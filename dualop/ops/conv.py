@@ -20,7 +20,9 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from dualop.backends.xla.pallas_bridge import call_pallas
 from dualop.custom_op import CustomOp
+from dualop.kernels.registry import KernelRef
 from dualop.ops._checks import check_array, check_optional_like
 from dualop.platforms import family_of, frontend_of
 
@@ -66,12 +68,49 @@ def _padding_pairs(op: str, padding: Any, kernel: tuple, stride: tuple, dilation
     return tuple((p, p) for p in _int_tuple(op, "padding", padding, num_dim, 0))
 
 
+def _split_shape(shape: tuple, kernel: tuple) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The output's spatial size for x of ``shape`` and a kernel equal to the stride, and x's shape
+    with each spatial dim split into (patches, kernel); trailing rows that fill no whole patch are
+    dropped, as the strided convolution drops them."""
+    outs = tuple(s // k for s, k in zip(shape[2:], kernel))
+    return outs, (shape[0], shape[1], *(v for o, k in zip(outs, kernel) for v in (o, k)))
+
+
+def _features_first(num_dim: int) -> tuple[int, ...]:
+    """``[N, C, o1, k1, o2, k2, ...]`` -> ``[N, C, k1, k2, ..., o1, o2, ...]``: each patch's
+    features in the weight's ``(C, k1, k2, ...)`` order, then the patches."""
+    return (0, 1, *range(3, 3 + 2 * num_dim, 2), *range(2, 2 + 2 * num_dim, 2))
+
+
+def xla_patch_embed(x: Any, weight: Any, bias: Any, *, kernel_size: tuple[int, ...], interpret: Any = None) -> Any:
+    """The patch embedding for jax arrays (and, through the bridge, torch_xla / torchax / torch_tpu
+    tensors): the ``[N, C·k, patches]`` unfold, one ``dot_general`` per item with float32
+    accumulation giving ``[N, out, patches]`` (XLA's dot: the MXU on a TPU), the bias added in
+    float32, one cast. ``interpret`` is the bridge's argument for Pallas kernels; no Pallas here."""
+    import jax
+    import jax.numpy as jnp
+
+    num_dim = len(kernel_size)
+    outs, split = _split_shape(x.shape, kernel_size)
+    x = x[(slice(None), slice(None), *(slice(0, o * k) for o, k in zip(outs, kernel_size)))]
+    items, out_channels, patch_size = x.shape[0], weight.shape[0], x.shape[1] * math.prod(kernel_size)
+    cols = jnp.transpose(x.reshape(split), _features_first(num_dim)).reshape(items, patch_size, math.prod(outs))
+    w = weight.reshape(out_channels, patch_size)
+    y = jax.lax.dot_general(w, cols, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)  # [out, N, P]
+    if bias is not None:
+        y = y + bias.astype(jnp.float32)[:, None, None]
+    return jnp.transpose(y.astype(x.dtype), (1, 0, 2)).reshape(items, out_channels, *outs)
+
+
+_XLA_PATCH_EMBED = KernelRef("dualop.ops.conv", "xla_patch_embed")
+
+
 class _ConvNd(CustomOp):
     """Shared body of ``conv2d`` and ``conv3d``; ``num_dim`` is the count of spatial dims."""
 
     num_dim: int
     # What the platform methods run (``dualop check``'s path column): no kernel of dualop's own.
-    kernel_description = "patch unfold + vendor matmul (torch addmm: oneDNN/cuBLAS; jax: XLA dot)"
+    kernel_description = "patch unfold + vendor matmul (torch CPU/GPU: oneDNN/cuBLAS GEMM; XLA: dot)"
 
     def __init__(
         self,
@@ -155,14 +194,15 @@ class _ConvNd(CustomOp):
     # ---------------------------------------------------------------- the reference
 
     def forward_native(self, x: Any, weight: Any, bias: Any = None) -> Any:
-        """The frontend's convolution: torch's ``F.conv{n}d`` (any torch device; 16-bit inputs
-        accumulate in float32 in the vendor convolutions) or ``lax.conv_general_dilated`` with
-        float32 accumulation and one cast."""
+        """The frontend's convolution, float32 accumulation and one rounding after the bias:
+        torch's ``F.conv{n}d`` (any torch device; in float32 for 16-bit inputs off the CPU) or
+        ``lax.conv_general_dilated``."""
         if family_of(frontend_of(x)) == "jax":
             return self._jax_conv(x, weight, bias)
         return self._torch_conv(x, weight, bias)
 
     def _torch_conv(self, x: Any, weight: Any, bias: Any) -> Any:
+        import torch
         import torch.nn.functional as F
 
         conv = F.conv2d if self.num_dim == 2 else F.conv3d
@@ -173,7 +213,14 @@ class _ConvNd(CustomOp):
             x, padding = F.pad(x, pads, mode=_PAD_MODE_NAMES[self.padding_mode][0]), 0
         elif any(lo != hi for lo, hi in self.padding):  # "same" with an even dilated kernel
             padding = "same"
-        return conv(x, weight, bias, self.stride, padding, self.dilation, self.groups)
+        if x.device.type == "cpu" or x.dtype not in (torch.bfloat16, torch.float16):
+            return conv(x, weight, bias, self.stride, padding, self.dilation, self.groups)
+        # 16-bit off the CPU: XLA's lowering of torch's conv (torch_xla, torchax) and cuDNN's bias
+        # add round the product before adding the bias; float32 and one cast, as the CPU's oneDNN
+        # and the jax body compute.
+        y = conv(x.float(), weight.float(), None if bias is None else bias.float(), self.stride, padding,
+                 self.dilation, self.groups)
+        return y.to(x.dtype)
 
     def _jax_conv(self, x: Any, weight: Any, bias: Any) -> Any:
         import jax
@@ -199,58 +246,43 @@ class _ConvNd(CustomOp):
         return self.why_not_patch_embed
 
     def _patch_embed(self, x: Any, weight: Any, bias: Any) -> Any:
+        """The fast path: torch's GEMM for torch tensors on the CPU or a GPU; for jax arrays and
+        XLA-device tensors (torch_xla, torchax, torch_tpu), ``xla_patch_embed`` (XLA's dot), reached
+        through the same bridge as the Pallas kernels."""
         if self.why_not_patch_embed is not None:
             raise NotImplementedError(self.why_not_patch_embed)
-        if family_of(frontend_of(x)) == "jax":
-            return self._jax_patch_embed(x, weight, bias)
-        return self._torch_patch_embed(x, weight, bias)
-
-    def _unfold_order(self) -> tuple[int, ...]:
-        """The permutation of ``[N, C, o1, k1, o2, k2, ...]`` to ``[N, o1, o2, ..., C, k1, k2, ...]``:
-        one row per patch, its features in the weight's ``(C, k1, k2, ...)`` order."""
-        n = self.num_dim
-        return (0, *range(2, 2 + 2 * n, 2), 1, *range(3, 3 + 2 * n, 2))
-
-    def _split_shape(self, x: Any) -> tuple[tuple[int, ...], tuple[int, ...]]:
-        """The output's spatial size, and x's shape with each spatial dim split into (patches,
-        kernel); trailing rows that fill no whole patch are dropped, as the strided conv drops them."""
-        outs = tuple(s // k for s, k in zip(x.shape[2:], self.kernel_size))
-        split = (x.shape[0], x.shape[1], *(v for o, k in zip(outs, self.kernel_size) for v in (o, k)))
-        return outs, split
+        frontend = frontend_of(x)
+        if frontend == "torch":
+            return self._torch_patch_embed(x, weight, bias)
+        return call_pallas(frontend, _XLA_PATCH_EMBED, x, weight, bias, native=self.forward_native,
+                           kernel_size=self.kernel_size)
 
     def _torch_patch_embed(self, x: Any, weight: Any, bias: Any) -> Any:
-        """torch (any device): patches as rows, ``addmm`` (the vendor GEMM accumulates 16-bit
-        inputs in float32 and adds the bias before its one rounding), then the ``[N, *patches,
-        out]`` product in the convolution's contiguous ``[N, out, *patches]`` layout (a no-op copy
-        when every item is one patch, as Qwen2.5-VL's)."""
+        """torch on the CPU or a GPU: the vendor GEMM (oneDNN / cuBLAS accumulate 16-bit inputs in
+        float32 and add the bias before the one rounding), written in the convolution's contiguous
+        ``[N, out, *patches]`` layout. One patch per item (Qwen2.5-VL's): ``rows @ Wᵀ`` on x viewed
+        as ``[N, C·k]``, no copy. Several per item: ``W @ cols`` per item on the ``[N, C·k,
+        patches]`` unfold (one copy of x, none of the output)."""
         import torch
 
-        outs, split = self._split_shape(x)
+        outs, split = _split_shape(x.shape, self.kernel_size)
         for dim, (o, k) in enumerate(zip(outs, self.kernel_size), start=2):
             if x.shape[dim] != o * k:
                 x = x.narrow(dim, 0, o * k)
-        rows = x.reshape(split).permute(self._unfold_order()).reshape(-1, self.patch_size)
-        w = weight.reshape(self.out_channels, self.patch_size).t()
-        y = rows @ w if bias is None else torch.addmm(bias, rows, w)
-        n = self.num_dim
-        return y.view(x.shape[0], *outs, self.out_channels).permute(0, n + 1, *range(1, n + 1)).contiguous()
-
-    def _jax_patch_embed(self, x: Any, weight: Any, bias: Any) -> Any:
-        """jax: the same unfold, one ``dot_general`` with float32 accumulation, bias added in
-        float32, one cast."""
-        import jax
-        import jax.numpy as jnp
-
-        outs, split = self._split_shape(x)
-        x = x[(slice(None), slice(None), *(slice(0, o * k) for o, k in zip(outs, self.kernel_size)))]
-        rows = jnp.transpose(x.reshape(split), self._unfold_order()).reshape(-1, self.patch_size)
+        items, patches = x.shape[0], math.prod(outs)
         w = weight.reshape(self.out_channels, self.patch_size)
-        y = jax.lax.dot_general(rows, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-        if bias is not None:
-            y = y + bias.astype(jnp.float32)
-        n = self.num_dim
-        y = y.astype(x.dtype).reshape(x.shape[0], *outs, self.out_channels)
-        return jnp.transpose(y, (0, n + 1, *range(1, n + 1)))
+        if patches == 1:
+            rows = x.reshape(items, self.patch_size)
+            y = rows @ w.t() if bias is None else torch.addmm(bias, rows, w.t())
+        else:
+            cols = x.reshape(split).permute(_features_first(self.num_dim)).reshape(items, self.patch_size, patches)
+            if bias is None:
+                y = torch.matmul(w, cols)
+            elif items == 1:
+                y = torch.addmm(bias[:, None], w, cols[0])
+            else:
+                y = torch.baddbmm(bias[None, :, None], w.expand(items, *w.shape), cols)
+        return y.view(items, self.out_channels, *outs)
 
     def forward_cpu(self, x: Any, weight: Any, bias: Any = None) -> Any:
         return self._patch_embed(x, weight, bias)
