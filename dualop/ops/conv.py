@@ -3,17 +3,20 @@ Conv3dLayer, as ops taking their weights).
 
 ``op(x, weight, bias=None)`` on x ``[N, C, *spatial]`` and weight ``[out, C / groups, *kernel]``
 (torch's layout, for both frontends). ``forward_native`` is the frontend's convolution
-(``F.conv2d``/``F.conv3d`` for torch tensors of any device; ``jax.lax.conv_general_dilated`` with
-float32 accumulation for jax arrays).
+(``F.conv2d``/``F.conv3d`` for torch tensors of any device; ``jax.lax.conv_general_dilated`` for jax
+arrays), float32 accumulation and one rounding after the bias.
 
 The platform path (``forward_cpu``, ``forward_cuda``, ``forward_tpu``, for every frontend) is the
 engine's patch-embedding fast path: when the kernel equals the stride, with no padding, dilation 1
 and groups 1 (every ViT patch embed), the non-overlapping patches are unfolded by a reshape and
-permute (free when each item is exactly one patch, as Qwen2.5-VL's ``[L, 3, 2, 14, 14]``) and one
+permute (free when each item is exactly one patch, as Qwen2.5-VL's ``[L, 3, 2, 14, 14]``) and a
 matmul with the weight as ``[out, C * prod(kernel)]`` does the rest, float32 accumulation, bias
-fused. The matmul is the vendor's (oneDNN/MKL, cuBLAS, XLA's dot): no kernel of dualop's own beats
-it. Other convolutions decline the platform path (the report says why) and run the native body.
+fused. The matmul is the vendor's: oneDNN / cuBLAS through torch for torch tensors on the CPU or a
+GPU, XLA's dot (``xla_patch_embed``) for jax arrays and, through the Pallas kernels' bridge, for
+torch_xla / torchax / torch_tpu tensors. No kernel of dualop's own beats it. Other convolutions
+decline the platform path (the report says why) and run the native body.
 """
+
 
 from __future__ import annotations
 
