@@ -126,6 +126,9 @@ def cmd_compile(args: argparse.Namespace) -> int:
     else:
         if not args.no_details:
             print(aot.format_details(rows) + "\n")
+        collectives = aot.format_collectives(rows)
+        if collectives:
+            print(collectives + "\n")
         print(aot.format_matrix(rows))
         print("\n" + aot.format_summary(rows, time.perf_counter() - start))
     return aot.exit_status(rows)

@@ -9,7 +9,9 @@ Each layer has small shapes (always; seconds each) and model-size shapes (``dual
 over the experts, is built instead).
 A layer traces with the TPU paths dispatched (``override_platform("tpu")``, every op enabled), so
 its Pallas kernels lower for the chip; where a kernel declined, the layer is built with that op's
-native body and the row's message says which op declined and why.
+native body and the row's message says which op declined and why. Each row also lists the
+collectives XLA:TPU left in the compiled program (``collectives.py``: kind, count and result bytes
+per device; ``format_collectives`` in ``dualop.aot`` prints them), whatever the layer.
 
 A layer: ``ShardedLayer(label, op, shapes, serving_shapes, build)``; ``build(mesh, shape, dtype)`` returns
 ``(fn, args)`` where ``args`` are ``jax.ShapeDtypeStruct``s carrying their ``NamedSharding`` on

@@ -177,22 +177,28 @@ def describe_pallas_call(eqn) -> dict[str, Any]:
     }
 
 
-# Compiles already done in this process: (generation, hash of the lowered module) -> (status, message).
-_DONE: dict[tuple[str, str], tuple[str, str]] = {}
+# Compiles already done in this process: (generation, hash of the lowered module) -> (status,
+# message, collectives).
+_DONE: dict[tuple[str, str], tuple[str, str, list]] = {}
 
 
 def _compile_lowered(lowered, generation: str, result: KernelResult) -> None:
-    """Compile once per distinct lowered module and generation; record the verdict in ``result``."""
+    """Compile once per distinct lowered module and generation; record the verdict in ``result``,
+    and the collectives of the compiled program (``collectives.py``)."""
+    from dualop.aot.collectives import collectives, summarize
+
     key = (generation, hashlib.sha256(lowered.as_text().encode()).hexdigest())
     if key in _DONE:
-        result.status, result.message = _DONE[key]
+        result.status, result.message, result.collectives = _DONE[key]
         result.cached = True
         return
     try:
-        lowered.compile()
+        compiled = lowered.compile()
     except Exception as err:  # the compiler's refusal
         result.status, result.message = "refused", first_line(err)
-    _DONE[key] = (result.status, result.message)
+    else:
+        result.collectives = summarize(collectives(compiled.as_text()))
+    _DONE[key] = (result.status, result.message, result.collectives)
 
 
 def compile_function(fn: Callable, args: tuple, generation: str) -> KernelResult:
