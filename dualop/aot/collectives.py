@@ -17,8 +17,9 @@ its entry computation through every computation it calls (fusions, calls, loop b
 - XLA:TPU's async collective fusion copies one collective into its start, each continuation fusion
   that overlaps it with compute, and its done; the copies share a ``chain_id`` frontend attribute,
   and a chain counts once;
-- a collective in a ``while`` body counts the loop's ``known_trip_count`` times when XLA knows it,
-  else once.
+- a collective in a ``while`` body counts the loop's ``known_trip_count`` times where the program
+  states it (XLA:GPU's backend config), else once, marked ``per_iteration`` (XLA:TPU states no trip
+  counts; a ``fori_loop`` of 5 psums reads as one all-reduce per iteration).
 """
 
 from __future__ import annotations
@@ -50,13 +51,16 @@ _COMMENT = re.compile(r"/\*.*?\*/")
 
 @dataclasses.dataclass(frozen=True)
 class Collective:
-    """One collective of a program: ``count`` times per run (a loop's trip count, else 1)."""
+    """One collective of a program: ``count`` times per run (its loops' stated trip counts
+    multiplied, else 1); ``per_iteration``: inside a loop whose trip count the program does not
+    state, so it runs ``count`` times per iteration of that loop."""
 
     kind: str
     result: str
     bytes: int
     operand_bytes: int
     count: int = 1
+    per_iteration: bool = False
 
 
 @dataclasses.dataclass
@@ -154,13 +158,18 @@ def _kind(opcode: str) -> tuple[str | None, bool]:
     return None, False
 
 
-def _callees(instruction: _Instruction) -> Iterator[tuple[str, int]]:
-    """The computations ``instruction`` runs, each with how many times per run of it."""
+def _callees(instruction: _Instruction) -> Iterator[tuple[str, int | None]]:
+    """The computations ``instruction`` runs, each with how many times per run of it (None: a
+    loop's body or condition, its trip count not stated)."""
     if instruction.opcode in ("async-done", "async-update"):
         return  # the same wrapped computation as its async-start
-    trips = _TRIP_COUNT.search(instruction.rest) if instruction.opcode == "while" else None
+    loop = instruction.opcode == "while"
+    trips = _TRIP_COUNT.search(instruction.rest) if loop else None
     for attribute, name in _CALLEE.findall(instruction.rest):
-        yield name, int(trips.group(1)) if trips and attribute == "body" else 1
+        if loop and attribute in ("body", "condition"):
+            yield name, int(trips.group(1)) if trips else None
+        else:
+            yield name, 1
     for _, names in _CALLEE_LIST.findall(instruction.rest):
         for name in names.split(","):
             if name.strip():
@@ -173,7 +182,7 @@ def collectives(hlo_text: str) -> list[Collective]:
     found: list[Collective] = []
     chains: set[str] = set()
 
-    def walk(name: str, times: int, stack: tuple[str, ...]) -> None:
+    def walk(name: str, times: int, per_iteration: bool, stack: tuple[str, ...]) -> None:
         if name not in computations or name in stack:  # not a computation (a stray match), or recursion
             return
         named = {ins.name: ins for ins in computations[name]}
@@ -190,22 +199,23 @@ def collectives(hlo_text: str) -> list[Collective]:
                 chain = _CHAIN.search(ins.rest)
                 if chain is None or chain.group(1) not in chains:
                     found.append(Collective(kind, result_type(ins.result), result_bytes(ins.result),
-                                            operand_bytes(ins), times))
+                                            operand_bytes(ins), times, per_iteration))
                     if chain is not None:
                         chains.add(chain.group(1))
             for callee, trips in _callees(ins):
-                walk(callee, times * trips, (*stack, name))
+                walk(callee, times * (trips or 1), per_iteration or trips is None, (*stack, name))
 
     if entry is not None:
-        walk(entry, 1, ())
+        walk(entry, 1, False, ())
     return found
 
 
 def summarize(found: Iterable[Collective]) -> list[dict[str, Any]]:
-    """Per kind, in ``KINDS`` order: ``{"kind", "count", "bytes", "operand_bytes", "results"}``;
-    ``count`` collectives per run of the program, ``bytes`` and ``operand_bytes`` their result and
-    operand bytes per device added up, ``results`` each one's result type (repeated for a loop's
-    trips)."""
+    """Per kind, in ``KINDS`` order: ``{"kind", "count", "bytes", "operand_bytes", "per_iteration",
+    "results"}``; ``count`` collectives per run of the program, ``bytes`` and ``operand_bytes`` their
+    result and operand bytes per device added up, ``per_iteration`` how many of the ``count`` run
+    once per iteration of a loop of unstated trip count (so the run has more), ``results`` each
+    one's result type (repeated for a loop's stated trips)."""
     by_kind: dict[str, list[Collective]] = collections.defaultdict(list)
     for c in found:
         by_kind[c.kind].append(c)
@@ -213,6 +223,7 @@ def summarize(found: Iterable[Collective]) -> list[dict[str, Any]]:
              "count": sum(c.count for c in by_kind[kind]),
              "bytes": sum(c.bytes * c.count for c in by_kind[kind]),
              "operand_bytes": sum(c.operand_bytes * c.count for c in by_kind[kind]),
+             "per_iteration": sum(c.count for c in by_kind[kind] if c.per_iteration),
              "results": [c.result for c in by_kind[kind] for _ in range(c.count)]}
             for kind in KINDS if by_kind[kind]]
 
@@ -227,12 +238,14 @@ def format_bytes(n: int) -> str:
 
 def describe(summary: list[dict[str, Any]]) -> str:
     """One line: ``all-reduce 2x 64 KiB, all-gather 1x 2 MiB -> 8 MiB`` (count, then the bytes per
-    device of all of that kind: operands -> results where they differ, else the one number);
-    ``none`` for a program without collectives."""
+    device of all of that kind: operands -> results where they differ, else the one number; then
+    ``(N per loop iteration)`` for those in loops of unstated trip count); ``none`` for a program
+    without collectives."""
     parts = []
     for s in summary:
         size = format_bytes(s["bytes"])
         if s["operand_bytes"] != s["bytes"]:
             size = f"{format_bytes(s['operand_bytes'])} -> {size}"
-        parts.append(f"{s['kind']} {s['count']}x {size}")
+        loop = f" ({s['per_iteration']} per loop iteration)" if s.get("per_iteration") else ""
+        parts.append(f"{s['kind']} {s['count']}x {size}{loop}")
     return ", ".join(parts) or "none"
