@@ -247,7 +247,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="compile every kernel variant for real TPUs and GPUs (no device needed); runs nothing",
         description="Build every kernel variant dualop check runs, plus serving shapes, with XLA:TPU/Mosaic "
                     "(libtpu's compile-only devices) and Triton (PTX/cubin, AMDGCN/hsaco). Prints a matrix "
-                    "op case x target: ok / refused (the compiler's message) / n/a (why). Exit 1 if any "
+                    "op case x target: ok / refused (the compiler's message) / n/a (why); on TPU topology "
+                    "targets, each sharded layer's collectives (count, bytes per device). Exit 1 if any "
                     "build is refused, 2 if a compiler is unavailable here.",
     )
     s.add_argument("--ops", help="comma-separated registered op names (default: all)")

@@ -235,15 +235,15 @@ def format_details(rows: list[dict[str, Any]]) -> str:
 
 def format_collectives(rows: list[dict[str, Any]]) -> str:
     """Per sharded-layer row: the collectives of its compiled program, one line each
-    (``all-reduce 2x 64 KiB, all-gather 1x 8 MiB``: count, then the result bytes per device of all
-    of that kind); "" when no row is a sharded layer's."""
+    (``all-reduce 2x 64 KiB, all-gather 1x 2 MiB -> 8 MiB``: ``collectives.describe``); "" when no
+    row is a sharded layer's."""
     from dualop.aot.collectives import describe
     from dualop.aot.sharded import is_sharded_target
     from dualop.bench.report import table
 
+    column = "collectives (count, bytes per device: operands -> results)"
     lines = [{"case": r["case"], "dtype": r["dtype"], "shape": _shape(r), "target": r["target"],
-              "collectives (count, result bytes per device)": describe(r["collectives"]) if r["status"] == "ok" else "",
-              "status": r["status"]}
+              column: describe(r["collectives"]) if r["status"] == "ok" else "", "status": r["status"]}
              for r in rows if is_sharded_target(r["target"])]
     return "Collectives (sharded layers, compiled program):\n" + table(lines) if lines else ""
 

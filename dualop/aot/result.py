@@ -20,8 +20,8 @@ class KernelResult:
     seconds: float = 0.0
     cached: bool = False  # an identical kernel was already compiled for this target in this run
     kernels: list[dict[str, Any]] = dataclasses.field(default_factory=list)
-    # The compiled TPU program's collectives per kind (``collectives.summarize``: kind, count, result
-    # bytes per device, result types): a sharded layer's; [] on one chip and for GPU builds.
+    # A sharded layer's compiled program's collectives per kind (``collectives.summarize``: kind,
+    # count, result and operand bytes per device, result types); [] for per-chip and GPU builds.
     collectives: list[dict[str, Any]] = dataclasses.field(default_factory=list)
 
     def as_dict(self) -> dict[str, Any]:

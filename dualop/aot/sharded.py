@@ -10,8 +10,8 @@ over the experts, is built instead).
 A layer traces with the TPU paths dispatched (``override_platform("tpu")``, every op enabled), so
 its Pallas kernels lower for the chip; where a kernel declined, the layer is built with that op's
 native body and the row's message says which op declined and why. Each row also lists the
-collectives XLA:TPU left in the compiled program (``collectives.py``: kind, count and result bytes
-per device; ``format_collectives`` in ``dualop.aot`` prints them), whatever the layer.
+collectives XLA:TPU left in the compiled program (``collectives.py``: kind, count, operand and
+result bytes per device; ``format_collectives`` in ``dualop.aot`` prints them), whatever the layer.
 
 A layer: ``ShardedLayer(label, op, shapes, serving_shapes, build)``; ``build(mesh, shape, dtype)`` returns
 ``(fn, args)`` where ``args`` are ``jax.ShapeDtypeStruct``s carrying their ``NamedSharding`` on
@@ -86,7 +86,7 @@ def compile_layer(layer: ShardedLayer, shape: tuple[int, ...], dtype: str, targe
             return fn(*a)
 
     clear_dispatch_report()
-    result = tpu.build(on_tpu_paths, args, generation)
+    result = tpu.build(on_tpu_paths, args, generation, read_collectives=True)
     declined = _declines()
     if declined and result.status == "ok":
         result.message = "built with native bodies where kernels declined: " + "; ".join(dict.fromkeys(declined))
