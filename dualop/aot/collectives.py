@@ -1,5 +1,6 @@
-"""The collectives of a compiled XLA program, read from its post-optimisation HLO text
-(``jax.stages.Compiled.as_text()``), for ``dualop compile``'s sharded layers.
+"""The collectives of a compiled XLA program, read from its post-optimisation HLO text (the module
+XLA dumps as ``*after_optimizations.txt``, as ``jax.stages.Compiled.as_text()`` prints it), for
+``dualop compile``'s sharded layers.
 
 One entry per collective the program runs: its kind (``KINDS``), its result type with layouts
 removed (``f32[16,4096]``; a combined collective's tuple ``(f32[8], bf16[8,2])``), ``bytes``: the
