@@ -17,12 +17,13 @@ GEMM written here:
 
 - torch on the CPU / CUDA / ROCm: ``F.linear`` (one addmm: oneDNN / cuBLAS / hipBLASLt on the
   operands' own dtype, the bias in the GEMM's epilogue);
-- jax arrays on a TPU or GPU: ``jax.lax.dot_general`` on the operands' own dtype with float32
-  accumulation (``preferred_element_type``), the bias added in float32 (XLA fuses it into the
-  dot's output fusion), then the cast. For 16-bit inputs that is one pass of the matrix unit,
-  where the native body's float32 operands take several; float32 inputs ask for full precision
-  (XLA:TPU would otherwise multiply them in one bfloat16 pass);
-- torch_xla / torchax tensors on a TPU: ``F.linear``, which those engines lower to the same XLA dot.
+- on a TPU (jax, torch_xla, torchax, torch_tpu arrays, through the Pallas bridge) and for jax
+  arrays on a GPU: ``kernels/xla_linear``, ``jax.lax.dot_general`` on the operands' own dtype with
+  float32 accumulation (``preferred_element_type``), the bias added in float32 (XLA fuses it into
+  the dot's output fusion), then the cast. For 16-bit inputs that is one pass of the matrix unit,
+  where the native body's float32 operands take several (that, and not a GEMM of its own, is why
+  the TPU path is a path: the cells check it against the native body); float32 inputs ask for full
+  precision (XLA:TPU would otherwise multiply them in one bfloat16 pass).
 
 The shard arithmetic of the fused layouts (which rows of a full checkpoint tensor each rank keeps,
 and where they go in its fused weight) is here once, as ``shard_copies``: the torch and jax layers'
@@ -35,10 +36,14 @@ import dataclasses
 from typing import Any
 
 from dualop.backends import array_namespace
+from dualop.backends.xla.pallas_bridge import call_pallas
 from dualop.custom_op import CustomOp
+from dualop.kernels.registry import KernelRef
 from dualop.ops._checks import check_array, check_optional_like, cpu_declines
 from dualop.parallel import TensorParallel, current_tensor_parallel, divide, qkv_layout
 from dualop.platforms import family_of, frontend_of
+
+_XLA_LINEAR = KernelRef("dualop.kernels.xla_linear", "linear")
 
 __all__ = [
     "ReplicatedLinear",
@@ -79,18 +84,21 @@ def _rank_slice(x: Any, rank: Any, size: int, axis: int = -1) -> Any:
     return jax.lax.dynamic_slice_in_dim(x, rank * size, size, axis=axis)
 
 
-def _xla_linear(x: Any, weight: Any, bias: Any) -> Any:
-    """``x @ weight.T (+ bias)`` for jax arrays: XLA's dot on the operands' dtype, float32
-    accumulation, the bias added in float32, one cast."""
-    import jax
-    import jax.numpy as jnp
-
-    precision = jax.lax.Precision.HIGHEST if x.dtype == jnp.float32 else None
-    y = jax.lax.dot_general(x, weight, (((x.ndim - 1,), (1,)), ((), ())), precision=precision,
-                            preferred_element_type=jnp.float32)
+def _native_gemm(x: Any, weight: Any, bias: Any = None) -> Any:
+    """The reference GEMM: operands upcast to float32, multiplied at full float32 precision, the
+    bias added in float32, one cast to ``x``'s dtype."""
+    xp = array_namespace(x)
+    y = xp.einsum("...k,nk->...n", xp.astype(x, xp.float32), xp.astype(weight, xp.float32))
     if bias is not None:
-        y = y + bias.astype(jnp.float32)
-    return y.astype(x.dtype)
+        y = y + xp.astype(bias, xp.float32)
+    return xp.astype(y, x.dtype)
+
+
+def _jax_gpu_linear(x: Any, weight: Any, bias: Any) -> Any:
+    """jax arrays on a GPU: XLA's dot (cuBLAS); a CPU backend standing in upcasts (see the kernel)."""
+    import jax
+
+    return _XLA_LINEAR(x, weight, bias, interpret=jax.default_backend() == "cpu")
 
 
 def _torch_linear(x: Any, weight: Any, bias: Any) -> Any:
@@ -177,17 +185,8 @@ class _Linear(CustomOp):
         return y, (bias if self.skip_bias_add else None)
 
     def forward_native(self, x: Any, weight: Any, bias: Any = None) -> Any:
-        """The reference: operands upcast to float32, multiplied at full float32 precision, the bias
-        added in float32, one cast to ``x``'s dtype."""
-
-        def gemm(x, weight, bias):
-            xp = array_namespace(x)
-            y = xp.einsum("...k,nk->...n", xp.astype(x, xp.float32), xp.astype(weight, xp.float32))
-            if bias is not None:
-                y = y + xp.astype(bias, xp.float32)
-            return xp.astype(y, x.dtype)
-
-        return self._apply(gemm, x, weight, bias)
+        """The reference (``_native_gemm``) between the same input slicing and collectives."""
+        return self._apply(_native_gemm, x, weight, bias)
 
     def declines(self, method: str, frontend: str) -> str | None:
         """``F.linear`` serves torch tensors on the CPU; jax arrays there run the native body."""
@@ -199,12 +198,17 @@ class _Linear(CustomOp):
 
     def forward_cuda(self, x: Any, weight: Any, bias: Any = None) -> Any:
         """torch on a GPU: ``F.linear`` (cuBLAS / hipBLASLt); jax arrays: XLA's dot (cuBLAS)."""
-        return self._apply(_xla_linear if family_of(frontend_of(x)) == "jax" else _torch_linear, x, weight, bias)
+        return self._apply(_jax_gpu_linear if family_of(frontend_of(x)) == "jax" else _torch_linear, x, weight, bias)
 
     def forward_tpu(self, x: Any, weight: Any, bias: Any = None) -> Any:
-        """On a TPU: XLA's dot on the operands' dtype with float32 accumulation (jax), or
-        ``F.linear``, which torch_xla and torchax lower to that dot."""
-        return self._apply(_xla_linear if frontend_of(x) == "jax" else _torch_linear, x, weight, bias)
+        """On a TPU: XLA's dot on the operands' dtype with float32 accumulation
+        (``kernels/xla_linear``), reached from jax, torch_xla, torchax and torch_tpu through the
+        Pallas bridge (jax gets the native body's gradient)."""
+
+        def gemm(x, weight, bias):
+            return call_pallas(frontend_of(x), _XLA_LINEAR, x, weight, bias, native=_native_gemm)
+
+        return self._apply(gemm, x, weight, bias)
 
     # -- checkpoint layout ----------------------------------------------------------------------
 
@@ -224,6 +228,24 @@ class _Linear(CustomOp):
         rank = self._layout_rank(rank)
         size = self.full_size(shard_id) // self.tp.size
         return [ShardCopy(rank * size, (rank + 1) * size, 0)]
+
+    def checkpoint_layout(self, param: str, shard_id: Any = None,
+                          rank: int | None = None) -> tuple[tuple[int, ...], int | None, list[ShardCopy]]:
+        """What a ``weight_loader`` does with a full checkpoint tensor for ``param`` ("weight" or
+        "bias"): ``(the full shape it must have, the dim split over ranks or None when the rank
+        keeps it whole, the copies into rank ``rank``'s parameter along that dim)``."""
+        if param not in ("weight", "bias"):
+            raise ValueError(f"{self._op}: no parameter {param!r}; expected 'weight' or 'bias'")
+        if param == "bias" and not self.has_bias:
+            raise ValueError(f"{self._op}: built with bias=False, so it has no 'bias' to load")
+        dim = self.weight_split_dim if param == "weight" else (0 if self.bias_split else None)
+        full = self.full_size(shard_id)
+        if param == "weight":
+            shape = (self.output_size, full) if dim == 1 else (full, self.input_size)
+        else:
+            shape = (full if dim == 0 else self.output_size,)
+        copies = self.shard_copies(shard_id, rank) if dim is not None else [ShardCopy(0, shape[0], 0)]
+        return shape, dim, copies
 
     def _layout_rank(self, rank: int | None) -> int:
         rank = self.tp.rank if rank is None else rank
