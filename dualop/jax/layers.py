@@ -218,6 +218,62 @@ __all__.append("FusedMoE")
 # --- tensor-parallel linear (issue 11) ---------------------------------------------------------
 
 
+def _split_spec(ndim: int, split_dim: int | None, axis: Any, n: int):
+    """``PartitionSpec`` with ``axis`` at ``split_dim`` (replicated when None or one shard)."""
+    from jax.sharding import PartitionSpec
+
+    if split_dim is None or n == 1:
+        return PartitionSpec()
+    parts = [None] * ndim
+    parts[split_dim % ndim] = axis
+    return PartitionSpec(*parts)
+
+
+def linear_specs(op: Any, axis: Any, x_ndim: int = 2) -> dict[str, Any]:
+    """The ``PartitionSpec``s of a linear op's global arrays over ``axis`` (``op.tp.size`` shards):
+    ``x``, ``weight``, ``bias``, ``output`` and ``output_bias`` (see ``_ParallelLinear``)."""
+    from jax.sharding import PartitionSpec
+
+    n = op.tp.size
+    row = isinstance(op, ops.RowParallelLinear)
+    if row:
+        out = PartitionSpec() if op.reduce_results or n == 1 else PartitionSpec(axis)
+    else:
+        out = _split_spec(x_ndim, None if getattr(op, "gather_output", True) else -1, axis, n)
+    return {"x": _split_spec(x_ndim, -1 if row and op.input_is_parallel else None, axis, n),
+            "weight": _split_spec(2, op.weight_split_dim, axis, n),
+            "bias": _split_spec(1, 0 if op.bias_split else None, axis, n),
+            "output": out}
+
+
+def parallel_linear(op: Any, mesh: Any, axis: Any, x: Any, weight: Any, bias: Any = None) -> Any:
+    """Run a linear op built with ``tp=AxisTensorParallel(axis, n)`` on global arrays laid out as
+    ``linear_specs`` says, under ``shard_map`` over ``mesh`` (the op makes its own collectives).
+    Returns what the op returns, as global arrays; a row op without ``reduce_results`` keeps the
+    ranks' partial sums on a leading axis of size n."""
+    if op.tp.size == 1 or mesh is None:
+        return op(x, weight, bias)
+    from dualop.jax.parallel import shard_map
+
+    specs = linear_specs(op, axis, x.ndim)
+    unreduced = isinstance(op, ops.RowParallelLinear) and not op.reduce_results
+    returns_bias = op.return_bias and op.skip_bias_add and bias is not None
+
+    def per_rank(x, weight, bias):
+        out = op(x, weight, bias)
+        y, out_bias = out if op.return_bias else (out, None)
+        if unreduced:
+            y = y[None]  # this rank's partial sum, on the leading rank axis
+        return (y, out_bias) if returns_bias else y
+
+    out_specs = (specs["output"], specs["bias"]) if returns_bias else specs["output"]
+    in_specs = (specs["x"], specs["weight"], None if bias is None else specs["bias"])
+    result = shard_map(per_rank, mesh=mesh, in_specs=in_specs, out_specs=out_specs)(x, weight, bias)
+    if not op.return_bias:
+        return result
+    return result if returns_bias else (result, None)
+
+
 class _ParallelLinear(nnx.Module):
     """A linear layer over a ``tp`` axis of a ``jax.sharding.Mesh``: the engine's classes.
 
@@ -259,22 +315,11 @@ class _ParallelLinear(nnx.Module):
         self.bias = (nnx.Param(self._place(jnp.zeros((bias_size,), dtype), self._bias_spec())) if op.has_bias
                      else None)
 
-    # -- placement ------------------------------------------------------------------------------
-
-    def _spec(self, ndim: int, split_dim: int | None):
-        from jax.sharding import PartitionSpec
-
-        if split_dim is None or self.n == 1:
-            return PartitionSpec()
-        parts = [None] * ndim
-        parts[split_dim % ndim] = self.axis
-        return PartitionSpec(*parts)
-
     def _weight_spec(self):
-        return self._spec(2, self.op.weight_split_dim)
+        return _split_spec(2, self.op.weight_split_dim, self.axis, self.n)
 
     def _bias_spec(self):
-        return self._spec(1, 0 if self.op.bias_split else None)
+        return _split_spec(1, 0 if self.op.bias_split else None, self.axis, self.n)
 
     def _place(self, value, spec):
         if self.mesh is None:
@@ -284,38 +329,9 @@ class _ParallelLinear(nnx.Module):
 
         return jax.device_put(value, NamedSharding(self.mesh, spec))
 
-    # -- the call -------------------------------------------------------------------------------
-
     def __call__(self, x):
-        op = self.op
-        weight, bias = self.weight[...], None if self.bias is None else self.bias[...]
-        if self.n == 1:
-            return op(x, weight, bias)
-        from jax.sharding import PartitionSpec
-
-        from dualop.jax.parallel import shard_map
-
-        row = isinstance(op, ops.RowParallelLinear)
-        x_spec = self._spec(x.ndim, -1 if row and op.input_is_parallel else None)
-        if row:
-            y_spec = PartitionSpec() if op.reduce_results else PartitionSpec(self.axis)
-        else:
-            y_spec = PartitionSpec() if op.gather_output else self._spec(x.ndim, -1)
-        returns_bias = op.return_bias and op.skip_bias_add and bias is not None
-
-        def per_rank(x, weight, bias):
-            out = op(x, weight, bias)
-            y, out_bias = out if op.return_bias else (out, None)
-            if row and not op.reduce_results:
-                y = y[None]  # this rank's partial sum, on the leading rank axis
-            return (y, out_bias) if returns_bias else y
-
-        out_specs = (y_spec, self._bias_spec()) if returns_bias else y_spec
-        in_specs = (x_spec, self._weight_spec(), None if bias is None else self._bias_spec())
-        result = shard_map(per_rank, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs)(x, weight, bias)
-        if not op.return_bias:
-            return result
-        return result if returns_bias else (result, None)
+        return parallel_linear(self.op, self.mesh, self.axis, x, self.weight[...],
+                               None if self.bias is None else self.bias[...])
 
     # -- loading ----------------------------------------------------------------------------------
 
@@ -373,4 +389,4 @@ RowParallelLinear = _parallel_linear(
     "skip_bias_add=False, params_dtype=None, reduce_results=True, *, ..., mesh=None, axis='tp')``.")
 
 __all__ += ["ReplicatedLinear", "ColumnParallelLinear", "MergedColumnParallelLinear", "QKVParallelLinear",
-            "RowParallelLinear"]
+            "RowParallelLinear", "linear_specs", "parallel_linear"]
