@@ -168,6 +168,40 @@ def test_return_bias_and_skip_bias_add():
     assert isinstance(y, torch.Tensor) and torch.allclose(y, x @ w.T + b, atol=1e-6)
 
 
+def test_disable_tp_keeps_the_whole_weight_on_every_rank():
+    import torch
+
+    from dualop.ops import ColumnParallelLinear, RowParallelLinear
+
+    x, w = torch.randn(2, 8), torch.randn(10, 8)
+    col = ColumnParallelLinear(8, 10, bias=False, disable_tp=True, tp=_TP4())
+    assert col.tp.size == 1 and torch.allclose(col(x, w)[0], x @ w.T, atol=1e-6)
+    row = RowParallelLinear(8, 10, bias=False, disable_tp=True, tp=_TP4())
+    assert row.input_size_per_partition == 8
+
+
+def test_torch_compile_of_a_tp1_op_is_its_custom_op_with_the_engines_tuple():
+    """The (output, output_bias) tuple has a schema (``Tensor?[]``: the bias is None unless
+    skip_bias_add), so a tp-1 op compiles to ``torch.ops.dualop.<name>`` and returns what eager does."""
+    import torch
+
+    from dualop import CustomOp, OpsConfig, set_config
+    from dualop.backends.torch import library
+    from dualop.ops import ColumnParallelLinear
+
+    assert library.op_signature(CustomOp.op_registry["column_parallel_linear"]).schema == (
+        "(Tensor x, Tensor weight, Tensor? bias, str ctor) -> Tensor?[]")
+    x, w, b = torch.randn(3, 8), torch.randn(6, 8), torch.randn(6)
+    for skip in (False, True):
+        op = ColumnParallelLinear(8, 6, skip_bias_add=skip)
+        with set_config(OpsConfig(["all"])):
+            torch._dynamo.reset()
+            y, out_bias = torch.compile(lambda *a: op(*a), fullgraph=True)(x, w, b)
+        want = torch.nn.functional.linear(x, w, None if skip else b)
+        assert torch.allclose(y, want, atol=1e-5) and (out_bias is None) != skip
+        assert out_bias is None or torch.equal(out_bias, b)
+
+
 # --- bad input: one rule each ---------------------------------------------------------------------
 
 class _TP4(TensorParallel):
