@@ -66,6 +66,9 @@ KERNEL_OPS_IN_NATIVE_CELLS = {
     # modular_fused_moe runs the same experts (unquantized_fused_moe's paths) between prepare and finalize.
     **{("modular_fused_moe", "jax", platform): method
        for platform, method in (("cpu", "forward_cpu"), ("cuda", "forward_cuda"))},
+    # The linear ops run XLA's dot (cuBLAS) on the operands' dtype for jax arrays on GPUs.
+    **{(op, "jax", "cuda"): "forward_cuda"
+       for op in ("replicated_linear", "column_parallel_linear", "row_parallel_linear")},
 }
 # Op cases (labels) with no kernel in a cell of KERNEL_CELLS: {(label, frontend, platform): reason}.
 NATIVE_CASES = {

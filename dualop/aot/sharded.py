@@ -142,3 +142,65 @@ SHARDED_LAYERS += [
     ShardedLayer("fused_moe[ep,all_to_all]", "fused_moe", _EP_A2A, _EP_A2A_SERVING, _ep_layer("all_to_all")),
     ShardedLayer("fused_moe[ep,psum]", "fused_moe", _EP_PSUM, _EP_PSUM_SERVING, _ep_layer("psum")),
 ]
+
+
+# --- tensor-parallel linear (issue 11) ----------------------------------------------------------
+# Llama-3-70B's projections over the whole topology (tp = every chip): the fused QKV (hidden 8192 ->
+# (64 + 2 * 8) heads of 128; 8 kv heads split, or replicated past 8 chips), the merged gate_up
+# (8192 -> 2 * 28672), both column-parallel without a gather, and the row-parallel o_proj (8192 ->
+# 8192) and down (28672 -> 8192) with their all-reduce; a 16-token decode batch and an 8192-token
+# prefill. The small shapes keep the same structure (8 q heads / 2 kv heads of 64, widths 512-1024).
+_QKV, _QKV_SERVING = ((16, 512, 8, 2, 64),), ((16, 8192, 64, 8, 128), (8192, 8192, 64, 8, 128))
+_GATE_UP, _GATE_UP_SERVING = ((16, 512, 1024),), ((16, 8192, 28672), (8192, 8192, 28672))
+_O_PROJ, _O_PROJ_SERVING = ((16, 512, 512),), ((16, 8192, 8192), (8192, 8192, 8192))
+_DOWN, _DOWN_SERVING = ((16, 1024, 512),), ((16, 28672, 8192), (8192, 28672, 8192))
+
+
+def _tp_linear_layer(kind: str):
+    """``build`` of one tensor-parallel projection (``dualop.jax.layers.parallel_linear``, the jax
+    layers' own call) on a mesh axis "x" over every chip; no biases (Llama)."""
+
+    def build(mesh, shape, dtype):
+        import jax
+        import jax.numpy as jnp
+        from jax.sharding import NamedSharding
+
+        from dualop import ops
+        from dualop.jax.layers import linear_specs, parallel_linear
+        from dualop.jax.parallel import AxisTensorParallel
+
+        tp = AxisTensorParallel("x", mesh.shape["x"])
+        if kind == "qkv":
+            tokens, hidden, heads, kv_heads, head = shape
+            op = ops.QKVParallelLinear(hidden, head, heads, kv_heads, bias=False, tp=tp)
+        elif kind == "gate_up":
+            tokens, hidden, inter = shape
+            op = ops.MergedColumnParallelLinear(hidden, [inter, inter], bias=False, tp=tp)
+        else:
+            tokens, in_size, out_size = shape
+            op = ops.RowParallelLinear(in_size, out_size, bias=False, tp=tp)
+        specs = linear_specs(op, "x")
+        weight_shape = [op.output_size_per_partition, op.input_size_per_partition]
+        weight_shape[op.weight_split_dim] *= tp.size  # the rank-major global weight
+
+        def spec(shp, part):
+            return jax.ShapeDtypeStruct(shp, jnp.dtype(dtype), sharding=NamedSharding(mesh, part))
+
+        args = (spec((tokens, op.input_size), specs["x"]), spec(tuple(weight_shape), specs["weight"]))
+
+        def fn(x, weight):
+            return parallel_linear(op, mesh, "x", x, weight)[0]
+
+        return fn, args
+
+    return build
+
+
+SHARDED_LAYERS += [
+    ShardedLayer("column_parallel_linear[qkv]", "column_parallel_linear", _QKV, _QKV_SERVING, _tp_linear_layer("qkv")),
+    ShardedLayer("column_parallel_linear[gate_up]", "column_parallel_linear", _GATE_UP, _GATE_UP_SERVING,
+                 _tp_linear_layer("gate_up")),
+    ShardedLayer("row_parallel_linear[o_proj]", "row_parallel_linear", _O_PROJ, _O_PROJ_SERVING,
+                 _tp_linear_layer("row")),
+    ShardedLayer("row_parallel_linear[down]", "row_parallel_linear", _DOWN, _DOWN_SERVING, _tp_linear_layer("row")),
+]

@@ -429,3 +429,42 @@ def _modular_experts_op(shape: tuple[int, ...]):
 
 SERVING_INPUTS["modular_fused_moe"] = _experts_inputs
 _SERVING_MAKE_OP["modular_fused_moe[silu,expert_map,E8,I64]"] = _modular_experts_op
+
+
+# --- linear: (tokens, input features, output features) of one chip's shard ------------------------
+# Llama-3-70B at tp 8: the fused QKV ((64 + 2 * 8) * 128 / 8 = 1280 rows) and merged gate_up
+# (2 * 28672 / 8 = 7168 rows) shards of column_parallel_linear, o_proj (8192 / 8 = 1024 -> 8192)
+# and down (28672 / 8 = 3584 -> 8192) of row_parallel_linear, and a whole 8192 x 8192 replicated
+# projection; a 16-token decode batch and an 8192-token prefill, in bfloat16 (the served dtype).
+SERVING_SHAPES.update({
+    "replicated_linear": ((16, 8192, 8192), (8192, 8192, 8192)),
+    "column_parallel_linear": ((16, 8192, 1280), (8192, 8192, 1280), (16, 8192, 7168), (8192, 8192, 7168)),
+    "row_parallel_linear": ((16, 1024, 8192), (8192, 1024, 8192), (16, 3584, 8192), (8192, 3584, 8192)),
+})
+SERVING_DTYPES.update({op: ("bfloat16",) for op in ("replicated_linear", "column_parallel_linear",
+                                                     "row_parallel_linear")})
+SERVING_CASES.update({"replicated_linear": ("replicated_linear",),
+                      "column_parallel_linear": ("column_parallel_linear[bias]",),
+                      "row_parallel_linear": ("row_parallel_linear[bias]",)})
+
+
+def _linear_inputs(shape: tuple[int, ...]) -> tuple:
+    tokens, in_size, out_size = shape
+    return (InputSpec((tokens, in_size), None), InputSpec((out_size, in_size), None), None)  # Llama: no bias
+
+
+def _linear_op(op_name: str):
+    def make(shape: tuple[int, ...]):
+        from dualop import ops
+
+        tokens, in_size, out_size = shape
+        cls = {"replicated_linear": ops.ReplicatedLinear, "column_parallel_linear": ops.ColumnParallelLinear,
+               "row_parallel_linear": ops.RowParallelLinear}[op_name]
+        return cls(in_size, out_size, bias=False)
+
+    return make
+
+
+SERVING_INPUTS.update({op: _linear_inputs for op in ("replicated_linear", "column_parallel_linear",
+                                                     "row_parallel_linear")})
+_SERVING_MAKE_OP.update({label: _linear_op(op) for op, (label,) in SERVING_CASES.items() if op.endswith("_linear")})

@@ -597,6 +597,52 @@ CASES = (*CASES, *(BenchCase(f"fused_moe[{family}]", "fused_moe", _moe_op(family
                              _torch_moe, _jax_moe, default=False, matrix=True) for family in MOE_FAMILIES))
 
 
+# --- linear: x (tokens, hidden) times a square weight (hidden -> hidden), no bias ------------------
+# The vendor GEMM is the path (F.linear on the CPU; XLA's dot for jax); the peers are F.linear
+# itself, torch.compile of the native body (the bench's torch-compile impl) and a hand-written
+# jnp.dot. Not run by default (a 4096-wide GEMM is seconds on 2 cores); the issue's shapes are
+# Llama-8B-ish: ``--ops column_parallel_linear --sizes 16x4096,256x2048``.
+
+
+def _linear_op(op_name: str) -> Callable[[int], Any]:
+    def make(hidden: int):
+        from dualop import ops
+        from dualop.parallel import TensorParallel
+
+        cls = {"replicated_linear": ops.ReplicatedLinear, "column_parallel_linear": ops.ColumnParallelLinear,
+               "row_parallel_linear": ops.RowParallelLinear}[op_name]
+        return cls(hidden, hidden, bias=False, return_bias=False, tp=TensorParallel())
+
+    return make
+
+
+def _linear_inputs(shape, rng):
+    hidden = shape[-1]
+    return (_normal(shape, rng), _normal((hidden, hidden), rng, hidden ** -0.5))
+
+
+def _linear_cost(op, shape, itemsize) -> KernelCost:
+    return cost_model.linear_cost(rows_of(shape), op.input_size, op.output_size, itemsize, False)
+
+
+def _torch_linear(op):
+    import torch.nn.functional as F
+
+    return lambda x, w: F.linear(x, w)
+
+
+def _jax_linear(op):
+    """What a jax user writes: ``jnp.dot(x, w.T)``."""
+    import jax.numpy as jnp
+
+    return lambda x, w: jnp.dot(x, w.T)
+
+
+CASES = (*CASES, *(BenchCase(op_name, op_name, _linear_op(op_name), _linear_inputs, _linear_cost, _torch_linear,
+                             _jax_linear, default=False, matrix=True)
+                   for op_name in ("column_parallel_linear", "row_parallel_linear", "replicated_linear")))
+
+
 DEFAULT_CASES: tuple[str, ...] = tuple(c.label for c in CASES if c.default)
 
 

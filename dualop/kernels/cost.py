@@ -166,3 +166,11 @@ def fused_moe_cost(tokens: int, top_k: int, num_experts: int, hidden: int, inter
     return KernelCost(flops=2 * rows * hidden * (w13_rows + intermediate),
                       transcendentals=rows * intermediate if gated else 0,
                       bytes_accessed=weight_bytes + activations)
+
+
+def linear_cost(tokens: int, in_features: int, out_features: int, itemsize: int, has_bias: bool) -> KernelCost:
+    """``x @ weight.T (+ bias)``: read x and the weight (and bias) once, write the output; two flops
+    per multiply-add (the vendor GEMM's, on the matrix units)."""
+    reads = (tokens * in_features + out_features * in_features + (out_features if has_bias else 0)) * itemsize
+    return KernelCost(flops=2 * tokens * in_features * out_features, transcendentals=0,
+                      bytes_accessed=reads + tokens * out_features * itemsize)
