@@ -75,6 +75,12 @@ NATIVE_CASES = {
     ("swigluoai_and_mul", "torch", "cpu"): "the C++ CPU kernel has no swigluoai gate",
     ("rms_norm[var_hidden_size]", "torch", "cpu"): "var_hidden_size < hidden_size",
     ("xielu", "torch", "cpu"): "torch has no fused xIELU",
+    # logits_processor: a plain matmul (no soft cap, scale 1) is the vendor's; logits given as input
+    # leave only an elementwise epilogue. Every kernel cell declines both, to the native body.
+    **{("logits_processor[plain]", fe, pf): "the logits are the plain matmul"
+       for fe, pf, _ in KERNEL_CELLS},
+    **{("logits_processor[logits_as_input]", fe, pf): "logits_as_input: no matmul to fuse into"
+       for fe, pf, _ in KERNEL_CELLS},
 }
 
 
