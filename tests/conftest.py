@@ -77,10 +77,10 @@ NATIVE_CASES = {
     ("xielu", "torch", "cpu"): "torch has no fused xIELU",
     # logits_processor: a plain matmul (no soft cap, scale 1) is the vendor's; logits given as input
     # leave only an elementwise epilogue. Every kernel cell declines both, to the native body.
-    **{("logits_processor[plain]", fe, pf): "the logits are the plain matmul"
-       for fe, pf, _ in KERNEL_CELLS},
-    **{("logits_processor[logits_as_input]", fe, pf): "logits_as_input: no matmul to fuse into"
-       for fe, pf, _ in KERNEL_CELLS},
+    **{(f"logits_processor[{variant}]", fe, pf): reason
+       for variant, reason in (("plain", "the logits are the plain matmul"),
+                               ("logits_as_input", "logits_as_input: no matmul to fuse into"))
+       for fe, pf in [*((f, p) for f, p, _ in KERNEL_CELLS), *NATIVE_CELLS]},
 }
 
 

@@ -12,7 +12,7 @@ from dualop.custom_op import CustomOp
 from dualop.kernels.logits_math import LogitsSpec, cap_and_scale
 from dualop.kernels.registry import KernelRef
 from dualop.ops._checks import check_array, check_optional_like, cpu_declines, decline_if_recording, dtype_name
-from dualop.parallel import TensorParallel, current_tensor_parallel, vocab_shard
+from dualop.parallel import TensorParallel, current_tensor_parallel, vocab_shard, vocab_token_ids
 from dualop.platforms import family_of, frontend_of
 
 __all__ = ["LogitsProcessor"]
@@ -204,48 +204,37 @@ def _matmul_f32(hidden_states: Any, weight: Any) -> Any:
 
 
 def check_cases():
-    """Shapes are ``(tokens, hidden, vocab_size)``; the weight is the tp-1 shard (``[V_pad, H]``,
-    padding rows zero). Logits of a few units, so a soft cap of 4-5 bends them."""
+    """Shapes are the hidden states' (``[..., H]``); each case has its vocabulary (1000 pads to
+    1024: two 512-row vocab blocks; 300 with 16 added tokens: base rows 320 of a 384-row shard). The
+    weight is the tp-1 shard (``[V_pad, H]``, padding rows zero); logits of a few units, so a soft
+    cap of 4-5 bends them."""
     import numpy as np
 
-    from dualop.testing import OpCase, normal
+    from dualop.testing import NORM_SHAPES, OpCase, normal
 
-    shapes = ((0, 128, 200), (1, 128, 1000), (13, 200, 130))
-
-    def inputs(org_vocab: bool = False, bias: bool = False, logits: bool = False):
+    def inputs(vocab: int, org: int | None = None, bias: bool = False, logits: bool = False):
         def make(shape, rng):
-            tokens, hidden, vocab = shape
             if logits:  # the first argument is only read for its frontend: pass the logits there too
-                x = normal((tokens, vocab), rng, 6.0)
+                x = normal((*shape[:-1], vocab), rng, 6.0)
                 return (x, x, normal((vocab,), rng) if bias else None)
-            org = _org_vocab(vocab) if org_vocab else vocab
+            hidden = shape[-1]
             layout = vocab_shard(vocab, org, 64, 1, 0)
             weight = np.zeros((layout.num_embeddings_per_partition, hidden), np.float32)
-            rows = [i for i, t in enumerate(_token_rows(layout)) if t >= 0]
+            rows = [i for i, t in enumerate(vocab_token_ids(layout)) if t >= 0]
             weight[rows] = normal((len(rows), hidden), rng, 3.0 / hidden ** 0.5)
             b = normal((layout.num_embeddings_per_partition,), rng) if bias else None
-            return (weight, normal((tokens, hidden), rng), b)
+            return (weight, normal(shape, rng), b)
 
         return make
 
     return [
-        OpCase("logits_processor", "logits_processor[soft_cap]", lambda s: LogitsProcessor(s[2], soft_cap=5.0),
-               inputs(), shapes),
-        OpCase("logits_processor", "logits_processor[soft_cap,scale,bias,added_vocab]",
-               lambda s: LogitsProcessor(s[2], _org_vocab(s[2]), 0.5, soft_cap=4.0), inputs(True, True), shapes),
-        OpCase("logits_processor", "logits_processor[plain]", lambda s: LogitsProcessor(s[2]), inputs(), shapes[1:2]),
+        OpCase("logits_processor", "logits_processor[plain]", lambda s: LogitsProcessor(1000), inputs(1000),
+               NORM_SHAPES),
         OpCase("logits_processor", "logits_processor[logits_as_input]",
-               lambda s: LogitsProcessor(s[2], scale=0.5, logits_as_input=True, soft_cap=5.0),
-               inputs(logits=True), shapes[1:2]),
+               lambda s: LogitsProcessor(1000, scale=0.5, logits_as_input=True, soft_cap=5.0),
+               inputs(1000, logits=True), NORM_SHAPES),
+        OpCase("logits_processor", "logits_processor[soft_cap,scale,bias,added_vocab]",
+               lambda s: LogitsProcessor(300, 284, 0.5, soft_cap=4.0), inputs(300, 284, bias=True), NORM_SHAPES),
+        OpCase("logits_processor", "logits_processor[soft_cap]", lambda s: LogitsProcessor(1000, soft_cap=5.0),
+               inputs(1000), NORM_SHAPES),
     ]
-
-
-def _org_vocab(vocab: int) -> int:
-    """The base vocabulary of a check case with added (LoRA) tokens: all but the last 16."""
-    return max(1, vocab - 16)
-
-
-def _token_rows(layout) -> list[int]:
-    from dualop.parallel import vocab_token_ids
-
-    return vocab_token_ids(layout)
