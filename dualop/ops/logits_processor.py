@@ -148,16 +148,28 @@ class LogitsProcessor(CustomOp):
     def forward_native(self, lm_head_weight: Any, hidden_states: Any, embedding_bias: Any = None) -> Any:
         return self._finish(self._local_logits(lm_head_weight, hidden_states, embedding_bias))
 
-    def declines(self, method: str, frontend: str) -> str | None:
+    def _no_kernel(self) -> str | None:
+        """Why this configuration has no fused kernel on any platform, or None."""
         if self.logits_as_input:
             return "logits_as_input: no matmul to fuse into; the native body's elementwise soft cap and scale"
         if not self.spec.has_epilogue:
             return "no soft cap and scale 1.0: the logits are the plain matmul, the vendor's in the native body"
-        return cpu_declines(method, frontend)
+        return None
+
+    def _require_kernel(self) -> None:
+        """The kernel methods decline (NotImplementedError) what ``_no_kernel`` names also when
+        called directly (``dualop compile`` builds forward_tpu / forward_cuda without dispatch)."""
+        why = self._no_kernel()
+        if why is not None:
+            raise NotImplementedError(why)
+
+    def declines(self, method: str, frontend: str) -> str | None:
+        return self._no_kernel() or cpu_declines(method, frontend)
 
     def forward_cpu(self, lm_head_weight: Any, hidden_states: Any, embedding_bias: Any = None) -> Any:
         """torch on the CPU: ``F.linear`` (oneDNN/MKL, float32 accumulation) then the epilogue in
         place on its output (float32: no copy; 16-bit: one float32 copy, then one cast)."""
+        self._require_kernel()
         decline_if_recording(type(self).name, lm_head_weight, hidden_states, embedding_bias)
         import torch
         import torch.nn.functional as F
@@ -173,11 +185,13 @@ class LogitsProcessor(CustomOp):
         return self._finish(work if work is logits else work.to(logits.dtype))
 
     def forward_cuda(self, lm_head_weight: Any, hidden_states: Any, embedding_bias: Any = None) -> Any:
+        self._require_kernel()
         local = call_triton(frontend_of(hidden_states), _TRITON_LOGITS, lm_head_weight, hidden_states,
                             embedding_bias, spec=self.spec, rows=self.base_rows)
         return self._finish(local)
 
     def forward_tpu(self, lm_head_weight: Any, hidden_states: Any, embedding_bias: Any = None) -> Any:
+        self._require_kernel()
         local = call_pallas(frontend_of(hidden_states), _PALLAS_LOGITS, lm_head_weight, hidden_states,
                             embedding_bias, spec=self.spec, rows=self.base_rows, native=self._local_logits)
         return self._finish(local)
@@ -189,12 +203,15 @@ class LogitsProcessor(CustomOp):
 
 def _matmul_f32(hidden_states: Any, weight: Any) -> Any:
     """``hidden_states @ weightᵀ`` in float32: jax multiplies the inputs as they are with float32
-    accumulation (no copies; full precision on TPU); torch multiplies float32 copies (a 16-bit
-    torch matmul would round its output)."""
+    accumulation (no copies on TPU and GPUs; full precision); torch multiplies float32 copies (a
+    16-bit torch matmul would round its output)."""
     if family_of(frontend_of(hidden_states)) == "jax":
         import jax
         import jax.numpy as jnp
 
+        if hidden_states.dtype != jnp.float32 and jax.default_backend() == "cpu":
+            # XLA:CPU of older jax (0.7) has no 16-bit x 16-bit = float32 dot; the upcast is exact
+            hidden_states, weight = hidden_states.astype(jnp.float32), weight.astype(jnp.float32)
         return jax.lax.dot_general(hidden_states, weight, (((hidden_states.ndim - 1,), (1,)), ((), ())),
                                    precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
     import torch

@@ -23,8 +23,8 @@ __all__ = ["logits_processor", "block_sizes"]
 
 @triton.jit
 def _logits_kernel(
-    h_ptr, w_ptr, b_ptr, out_ptr, tokens, rows, hidden, h_stride, w_stride, out_stride, soft_cap, scale,
-    HAS_BIAS: tl.constexpr, HAS_CAP: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr,
+    h_ptr, w_ptr, b_ptr, out_ptr, tokens, rows, h_stride, w_stride, out_stride, soft_cap, scale,
+    HIDDEN: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_CAP: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr,
     BLOCK_H: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr, EXACT_BF16: tl.constexpr,
 ):
     pid_v = tl.program_id(0)
@@ -33,9 +33,9 @@ def _logits_kernel(
     v = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
     t_ok, v_ok = t < tokens, v < rows
     acc = tl.zeros((BLOCK_T, BLOCK_V), dtype=tl.float32)
-    for h0 in range(0, hidden, BLOCK_H):
+    for h0 in range(0, HIDDEN, BLOCK_H):
         ks = h0 + tl.arange(0, BLOCK_H)
-        k_ok = ks < hidden
+        k_ok = ks < HIDDEN
         a = tl.load(h_ptr + t.to(tl.int64)[:, None] * h_stride + ks[None, :], mask=t_ok[:, None] & k_ok[None, :],
                     other=0.0)
         b = tl.load(w_ptr + v.to(tl.int64)[None, :] * w_stride + ks[:, None], mask=k_ok[:, None] & v_ok[None, :],
@@ -76,8 +76,8 @@ def logits_processor(weight: torch.Tensor, hidden: torch.Tensor, bias: torch.Ten
     block_t, block_v, block_h, num_warps = block_sizes(tokens, hidden.element_size())
     grid = (triton.cdiv(rows, block_v), triton.cdiv(tokens, block_t))
     _logits_kernel[grid](
-        h2, w, w if bias is None else bias.contiguous(), out, tokens, rows, hidden_size, h2.stride(0), w.stride(0),
-        out.stride(0), float(spec.soft_cap or 1.0), float(spec.scale),
+        h2, w, w if bias is None else bias.contiguous(), out, tokens, rows, h2.stride(0), w.stride(0),
+        out.stride(0), float(spec.soft_cap or 1.0), float(spec.scale), HIDDEN=hidden_size,
         HAS_BIAS=bias is not None, HAS_CAP=spec.soft_cap is not None, BLOCK_T=block_t, BLOCK_V=block_v,
         BLOCK_H=block_h, DOT_PRECISION="ieee" if hidden.dtype == torch.float32 else "tf32",
         DOT_UPCAST=interpreting() and hidden.dtype != torch.float32, EXACT_BF16=needs_exact_bf16(hidden.dtype),
