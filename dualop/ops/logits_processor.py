@@ -88,6 +88,9 @@ class LogitsProcessor(CustomOp):
         shard = vocab_shard(self.vocab_size, org, self.padding_size, self.tp.size, 0, op=op)
         self.shard_rows = shard.num_embeddings_per_partition  # rows of each rank's weight shard
         self.base_rows = shard.num_org_elements_padded  # its base rows, the ones the output keeps
+        # The columns each rank computes: its base rows; on one device just the base vocabulary
+        # (the kernel then writes the output itself, no cut and copy after it).
+        self.local_rows = org if self.tp.size == 1 else self.base_rows
         self.spec = LogitsSpec(soft_cap=self.soft_cap, scale=self.scale)
 
     # ------------------------------------------------------------------ checks
@@ -118,15 +121,15 @@ class LogitsProcessor(CustomOp):
     # ------------------------------------------------------------------ bodies
 
     def _local_logits(self, lm_head_weight: Any, hidden_states: Any, embedding_bias: Any = None) -> Any:
-        """This rank's base-vocabulary logits ``[..., base_rows]``, soft-capped and scaled, in the
+        """This rank's base-vocabulary logits ``[..., local_rows]``, soft-capped and scaled, in the
         input dtype: what the kernels compute (and the VJP their JAX callers differentiate)."""
         xp = array_namespace(hidden_states)
         dtype = hidden_states.dtype
         if self.logits_as_input:
             logits = xp.astype(hidden_states, xp.float32)
         else:
-            weight = lm_head_weight[: self.base_rows]
-            bias = None if embedding_bias is None else embedding_bias[: self.base_rows]
+            weight = lm_head_weight[: self.local_rows]
+            bias = None if embedding_bias is None else embedding_bias[: self.local_rows]
             if not self.spec.has_epilogue and family_of(frontend_of(hidden_states)) == "torch":
                 # the plain matmul: the vendor's, float32 accumulation and one rounding (no copies)
                 import torch.nn.functional as F
@@ -174,8 +177,8 @@ class LogitsProcessor(CustomOp):
         import torch
         import torch.nn.functional as F
 
-        bias = None if embedding_bias is None else embedding_bias[: self.base_rows]
-        logits = F.linear(hidden_states, lm_head_weight[: self.base_rows], bias)
+        bias = None if embedding_bias is None else embedding_bias[: self.local_rows]
+        logits = F.linear(hidden_states, lm_head_weight[: self.local_rows], bias)
         work = logits if logits.dtype == torch.float32 else logits.float()
         if self.soft_cap is not None:
             work.div_(self.soft_cap).tanh_()
@@ -187,13 +190,13 @@ class LogitsProcessor(CustomOp):
     def forward_cuda(self, lm_head_weight: Any, hidden_states: Any, embedding_bias: Any = None) -> Any:
         self._require_kernel()
         local = call_triton(frontend_of(hidden_states), _TRITON_LOGITS, lm_head_weight, hidden_states,
-                            embedding_bias, spec=self.spec, rows=self.base_rows)
+                            embedding_bias, spec=self.spec, rows=self.local_rows)
         return self._finish(local)
 
     def forward_tpu(self, lm_head_weight: Any, hidden_states: Any, embedding_bias: Any = None) -> Any:
         self._require_kernel()
         local = call_pallas(frontend_of(hidden_states), _PALLAS_LOGITS, lm_head_weight, hidden_states,
-                            embedding_bias, spec=self.spec, rows=self.base_rows, native=self._local_logits)
+                            embedding_bias, spec=self.spec, rows=self.local_rows, native=self._local_logits)
         return self._finish(local)
 
     def extra_repr(self) -> str:
