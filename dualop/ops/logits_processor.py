@@ -3,6 +3,7 @@ cut to the base vocabulary, and the final soft cap and scale (issue 11)."""
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 from dualop.backends import array_namespace
@@ -212,15 +213,28 @@ def _matmul_f32(hidden_states: Any, weight: Any) -> Any:
         import jax
         import jax.numpy as jnp
 
-        if hidden_states.dtype != jnp.float32 and jax.default_backend() == "cpu":
-            # XLA:CPU of older jax (0.7) has no 16-bit x 16-bit = float32 dot; the upcast is exact
+        if hidden_states.dtype != jnp.float32 and _cpu_lacks_mixed_dot():
+            # the upcast is exact; it costs a float32 copy of the weight per call
             hidden_states, weight = hidden_states.astype(jnp.float32), weight.astype(jnp.float32)
+        # float32 at full precision (XLA:TPU would otherwise multiply it in bfloat16 passes); 16-bit
+        # products are exact in float32 at the default precision
+        precision = jax.lax.Precision.HIGHEST if hidden_states.dtype == jnp.float32 else None
         return jax.lax.dot_general(hidden_states, weight, (((hidden_states.ndim - 1,), (1,)), ((), ())),
-                                   precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
+                                   precision=precision, preferred_element_type=jnp.float32)
     import torch
     import torch.nn.functional as F
 
     return F.linear(hidden_states.to(torch.float32), weight.to(torch.float32))
+
+
+@functools.lru_cache(maxsize=None)
+def _cpu_lacks_mixed_dot() -> bool:
+    """XLA:CPU of jax < 0.8 (the xla environment's 0.7) has no 16-bit x 16-bit = float32 dot
+    ("Unsupported element type for DotThunk"); newer jax and TPUs/GPUs do."""
+    import jax
+
+    version = tuple(int(p) for p in jax.__version__.split(".")[:2] if p.isdigit())
+    return version < (0, 8) and jax.default_backend() == "cpu"
 
 
 def check_cases():
