@@ -188,6 +188,15 @@ def test_tp_not_dividing_the_padded_vocab():
         ops.LogitsProcessor(50, tp=type("Three", (TensorParallel,), {"size": 3})())
 
 
+def test_bias_with_logits_as_input():
+    import torch
+
+    logits = torch.zeros(2, 50)
+    with pytest.raises(ValueError, match="logits_processor: argument 'embedding_bias' must be None with "
+                                         "logits_as_input=True"):
+        ops.LogitsProcessor(50, logits_as_input=True, soft_cap=3.0)(logits, logits, torch.zeros(50))
+
+
 # --- torch: 2 gloo processes ------------------------------------------------------------------------
 
 
@@ -299,3 +308,4 @@ def test_jax_tensor_parallel_equals_tp1_on_2_and_4_host_devices():
     for r in results:
         assert r["ok"] and r["shape"] == [TOKENS, r["org"] or r["vocab"]], r
     assert [r["pallas"] for r in results if "pallas" in r] == ["forward_tpu"]
+

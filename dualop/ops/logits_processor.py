@@ -35,7 +35,10 @@ class LogitsProcessor(CustomOp):
     Per rank, as the engine's: ``hidden_states @ W_shardᵀ (+ bias shard)`` with float32
     accumulation, the ranks' logits gathered along the vocabulary (``tp.all_gather``), cut to
     the ``org_vocab_size`` base tokens, soft-capped (``tanh(l / c) * c``) when ``soft_cap`` is
-    set, then multiplied by ``scale``; float32 throughout, one cast to the input dtype.
+    set, then multiplied by ``scale``; float32 throughout, one cast to the input dtype (with no
+    soft cap and scale 1, torch callers get the vendor's 16-bit matmul, which accumulates in
+    float32 and rounds once). On one device the matmul covers only the ``org_vocab_size`` base rows
+    (the output needs no cut); at tp > 1 each rank covers its padded base rows.
 
     ``lm_head_weight`` is this rank's LM-head rows ``[V_pad / tp, H]`` in the vocabulary-parallel
     layout of ``dualop.parallel.vocab_shard(vocab_size, org_vocab_size, padding_size, tp.size,
@@ -100,8 +103,9 @@ class LogitsProcessor(CustomOp):
         op = type(self).name
         fe = check_array(op, "hidden_states", hidden_states)
         if self.logits_as_input:
-            check_optional_like(op, "embedding_bias", embedding_bias, "hidden_states", hidden_states, fe,
-                                shape=tuple(hidden_states.shape[-1:]), same_dtype=True)
+            if embedding_bias is not None:
+                raise ValueError(f"{op}: argument 'embedding_bias' must be None with logits_as_input=True (the "
+                                 "logits are given; the engine adds no bias to them)")
             return
         if lm_head_weight is None:
             raise ValueError(f"{op}: argument 'lm_head_weight' is required (this rank's [{self.shard_rows}, H] shard)")
@@ -137,8 +141,8 @@ class LogitsProcessor(CustomOp):
 
                 return F.linear(hidden_states, weight, bias)
             logits = _matmul_f32(hidden_states, weight)
-        if embedding_bias is not None:
-            logits = logits + xp.astype(embedding_bias if self.logits_as_input else bias, xp.float32)
+            if bias is not None:
+                logits = logits + xp.astype(bias, xp.float32)
         return xp.astype(cap_and_scale(xp, logits, self.spec), dtype)
 
     def _finish(self, local_logits: Any) -> Any:
