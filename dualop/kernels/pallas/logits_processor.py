@@ -36,7 +36,7 @@ __all__ = ["logits_processor", "logits_processor_reference", "LogitsBlocks", "lo
 
 _MAX_TOKENS_BLOCK = 256
 _MAX_VOCAB_BLOCK = 512
-_HIDDEN_BLOCKS = (4096, 2048, 1024, 512, 256, 128)
+_MAX_HIDDEN_BLOCK = 4096
 
 
 def logits_processor_reference(weight, hidden, bias=None, *, spec: LogitsSpec = LogitsSpec(), rows: int | None = None):
@@ -73,7 +73,6 @@ def logits_blocks(tokens: int, hidden: int, rows: int, weight_rows: int, itemsiz
     Raises NotImplementedError (the op then runs its native body) for the one layout Mosaic's
     tiling cannot express: fewer than 128 base rows that are not the whole weight."""
     tile = 8 * max(1, 4 // itemsize)
-    tm = tokens if tokens <= _MAX_TOKENS_BLOCK else _MAX_TOKENS_BLOCK
     if rows == weight_rows and rows <= _MAX_VOCAB_BLOCK:
         tv = rows  # the whole weight: exempt from the 128-lane rule
     else:
@@ -81,11 +80,24 @@ def logits_blocks(tokens: int, hidden: int, rows: int, weight_rows: int, itemsiz
         if tv > weight_rows:
             raise NotImplementedError(f"a shard of {rows} base rows in a {weight_rows}-row weight has no 128-row tiling")
     budget = block_budget()
-    tk = hidden
-    if _step_bytes(tm, tv, tk, itemsize, tile) > budget:
-        fitting = [k for k in _HIDDEN_BLOCKS if hidden % k == 0 and _step_bytes(tm, tv, k, itemsize, tile) <= budget]
-        divisors = [k for k in _HIDDEN_BLOCKS if hidden % k == 0]
-        tk = fitting[0] if fitting else (divisors[-1] if divisors else hidden)
+    # lane-aligned divisors of the hidden size, largest first (4608: 2304, 1536, 1152, ...)
+    divisors = [k for k in range(min(hidden, _MAX_HIDDEN_BLOCK) // 128 * 128, 0, -128) if hidden % k == 0]
+
+    def hidden_block(tm: int) -> int:
+        if _step_bytes(tm, tv, hidden, itemsize, tile) <= budget:
+            return hidden
+        fitting = [k for k in divisors if _step_bytes(tm, tv, k, itemsize, tile) <= budget]
+        return fitting[0] if fitting else (divisors[-1] if divisors else hidden)
+
+    # A decode batch is one token block. Prefill takes 512-token blocks where the budget still
+    # leaves 512-wide hidden steps (v6e), else 256: the weight is re-read once per token block, so
+    # taller blocks raise the flops per weight byte (512 x 512 tiles: about v5e's ridge point).
+    if tokens <= _MAX_TOKENS_BLOCK:
+        tm = tokens
+    else:
+        tm = 2 * _MAX_TOKENS_BLOCK if tokens >= 2 * _MAX_TOKENS_BLOCK and hidden_block(2 * _MAX_TOKENS_BLOCK) >= 512 \
+            else _MAX_TOKENS_BLOCK
+    tk = hidden_block(tm)
     return LogitsBlocks(tm, tv, tk, _step_bytes(tm, tv, tk, itemsize, tile))
 
 
