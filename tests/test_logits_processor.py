@@ -77,6 +77,26 @@ def test_logits_as_input_caps_and_scales_only():
     assert testing.compare(testing.to_numpy(got), (np.tanh(x / 3.0) * 3.0 * 0.25).astype(np.float32), "float32").ok
 
 
+def test_layers_on_one_device_call_the_op():
+    """The torch layer takes the LM-head module (``nn.Linear``'s weight is ``[V, H]``) or its
+    weight; the jax layer with no mesh, an nnx.Linear-like holder or the array."""
+    import jax.numpy as jnp
+    import torch
+
+    from dualop.jax import layers as jax_layers
+    from dualop.torch import layers as torch_layers
+
+    weight, bias, hidden = _full_checkpoint(1000)
+    shard = shard_rows(weight, 1000, None, 1, 0)
+    want = ops.LogitsProcessor(1000, scale=0.5, soft_cap=5.0).forward_native(torch.from_numpy(shard),
+                                                                              torch.from_numpy(hidden))
+    head = torch.nn.Linear(HIDDEN, shard.shape[0], bias=False).requires_grad_(False)
+    head.weight.copy_(torch.from_numpy(shard))
+    layer = torch_layers.LogitsProcessor(1000, scale=0.5, soft_cap=5.0)
+    for got in (layer(head, torch.from_numpy(hidden)), layer(head.weight, torch.from_numpy(hidden)),
+                jax_layers.LogitsProcessor(1000, scale=0.5, soft_cap=5.0)(jnp.asarray(shard), jnp.asarray(hidden))):
+        assert testing.compare(testing.to_numpy(got), want.numpy(), "float32").ok
+
 # --- transformers' Gemma-2 final-logit soft cap ---------------------------------------------------
 
 

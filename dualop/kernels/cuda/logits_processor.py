@@ -4,8 +4,8 @@ The same computation as ``kernels/pallas/logits_processor.py``: each program own
 ``[BLOCK_T, BLOCK_V]`` tile of the logits, accumulates ``hidden @ weightᵀ`` over the hidden dim in
 ``BLOCK_H`` steps with ``tl.dot`` (float32 accumulation), then adds the bias, soft-caps
 (``tanh(l / c) * c``, tanh from one exp of a non-positive argument) and scales in registers, and
-stores the tile once in the input dtype. Vocab tiles are the outer program axis' fast-moving index
-within a token tile, so a decode batch (one token tile) reads each weight row once.
+stores the tile once in the input dtype. The grid is (vocab tiles, token tiles) with the vocab
+tiles on the fastest-launched axis, so a decode batch (one token tile) reads each weight row once.
 """
 
 from __future__ import annotations
