@@ -329,3 +329,24 @@ def test_jax_tensor_parallel_equals_tp1_on_2_and_4_host_devices():
         assert r["ok"] and r["shape"] == [TOKENS, r["org"] or r["vocab"]], r
     assert [r["pallas"] for r in results if "pallas" in r] == ["forward_tpu"]
 
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_cpu_compiled_epilogue_matches_native(dtype):
+    """Logits above COMPILED_MIN_ELEMENTS take the compiled one-pass epilogue (the check cases are
+    below it and take the eager steps)."""
+    import torch
+
+    from dualop.kernels.cpu import logits_processor as cpu_logits
+
+    weight, bias, hidden = _full_checkpoint(1000)
+    tokens = cpu_logits.COMPILED_MIN_ELEMENTS // 1000 + 1
+    h = testing.to_frontend(np.random.default_rng(2).standard_normal((tokens, HIDDEN)).astype(np.float32), "torch", dtype)
+    w = testing.to_frontend(shard_rows(weight, 1000, None, 1, 0), "torch", dtype)
+    b = testing.to_frontend(shard_rows(bias, 1000, None, 1, 0), "torch", dtype)
+    op = ops.LogitsProcessor(1000, scale=0.5, soft_cap=5.0)
+    with torch.no_grad():
+        got = op.forward_cpu(w, h, b)
+    assert not cpu_logits._compile_failed, cpu_logits._compile_failed
+    cmp = testing.compare(testing.to_numpy(got), testing.to_numpy(op.forward_native(w, h, b)), dtype)
+    assert cmp.ok, (cmp.max_abs, cmp.max_rel)

@@ -12,7 +12,7 @@ from dualop.backends.xla.pallas_bridge import call_pallas
 from dualop.custom_op import CustomOp
 from dualop.kernels.logits_math import LogitsSpec, cap_and_scale
 from dualop.kernels.registry import KernelRef
-from dualop.ops._checks import check_array, check_optional_like, cpu_declines, decline_if_recording, dtype_name
+from dualop.ops._checks import check_array, check_optional_like, cpu_declines, decline_if_recording
 from dualop.parallel import TensorParallel, current_tensor_parallel, vocab_shard, vocab_token_ids
 from dualop.platforms import family_of, frontend_of
 
@@ -20,6 +20,7 @@ __all__ = ["LogitsProcessor"]
 
 _PALLAS_LOGITS = KernelRef("dualop.kernels.pallas.logits_processor", "logits_processor")
 _TRITON_LOGITS = KernelRef("dualop.kernels.cuda.logits_processor", "logits_processor")
+_CPU_LOGITS = KernelRef("dualop.kernels.cpu.logits_processor", "logits_processor")
 
 
 def _positive_int(op: str, name: str, value: Any) -> int:
@@ -62,7 +63,7 @@ class LogitsProcessor(CustomOp):
 
     Paths: a fused kernel (the matmul with bias, soft cap and scale in its epilogue, one write of
     the logits) where there is an epilogue: Pallas on TPU, Triton on CUDA/ROCm, ``F.linear`` then
-    in-place ``div_``/``tanh_``/``mul_`` on the torch CPU. With no soft cap and scale 1.0 the logits
+    the epilogue as one compiled pass on the torch CPU. With no soft cap and scale 1.0 the logits
     are the plain matmul: every kernel declines and the native body runs the vendor's matmul.
     """
 
@@ -175,22 +176,12 @@ class LogitsProcessor(CustomOp):
         return self._no_kernel() or cpu_declines(method, frontend)
 
     def forward_cpu(self, lm_head_weight: Any, hidden_states: Any, embedding_bias: Any = None) -> Any:
-        """torch on the CPU: ``F.linear`` (oneDNN/MKL, float32 accumulation) then the epilogue in
-        place on its output (float32: no copy; 16-bit: one float32 copy, then one cast)."""
+        """torch on the CPU: ``F.linear`` (oneDNN/MKL, float32 accumulation), then the soft cap and
+        scale in one compiled pass over its output (``kernels/cpu/logits_processor``)."""
         self._require_kernel()
         decline_if_recording(type(self).name, lm_head_weight, hidden_states, embedding_bias)
-        import torch
-        import torch.nn.functional as F
-
-        bias = None if embedding_bias is None else embedding_bias[: self.local_rows]
-        logits = F.linear(hidden_states, lm_head_weight[: self.local_rows], bias)
-        work = logits if logits.dtype == torch.float32 else logits.float()
-        if self.soft_cap is not None:
-            work.div_(self.soft_cap).tanh_()
-        factor = self.scale * (1.0 if self.soft_cap is None else self.soft_cap)
-        if factor != 1.0:
-            work.mul_(factor)
-        return self._finish(work if work is logits else work.to(logits.dtype))
+        local = _CPU_LOGITS(lm_head_weight, hidden_states, embedding_bias, spec=self.spec, rows=self.local_rows)
+        return self._finish(local)
 
     def forward_cuda(self, lm_head_weight: Any, hidden_states: Any, embedding_bias: Any = None) -> Any:
         self._require_kernel()
