@@ -33,7 +33,8 @@ def _full_checkpoint(vocab: int, seed: int = 0):
     """The full LM head ``[vocab, H]`` (token-id order), its bias, and hidden states, float32."""
     rng = np.random.default_rng(seed)
     weight = rng.standard_normal((vocab, HIDDEN)).astype(np.float32) * (3.0 / HIDDEN ** 0.5)
-    return weight, rng.standard_normal(vocab).astype(np.float32), rng.standard_normal((TOKENS, HIDDEN)).astype(np.float32)
+    bias = rng.standard_normal(vocab).astype(np.float32)
+    return weight, bias, rng.standard_normal((TOKENS, HIDDEN)).astype(np.float32)
 
 
 def shard_rows(full: np.ndarray, vocab: int, org: int | None, tp: int, rank: int) -> np.ndarray:
@@ -341,7 +342,8 @@ def test_cpu_compiled_epilogue_matches_native(dtype):
 
     weight, bias, hidden = _full_checkpoint(1000)
     tokens = cpu_logits.COMPILED_MIN_ELEMENTS // 1000 + 1
-    h = testing.to_frontend(np.random.default_rng(2).standard_normal((tokens, HIDDEN)).astype(np.float32), "torch", dtype)
+    hidden_states = np.random.default_rng(2).standard_normal((tokens, HIDDEN)).astype(np.float32)
+    h = testing.to_frontend(hidden_states, "torch", dtype)
     w = testing.to_frontend(shard_rows(weight, 1000, None, 1, 0), "torch", dtype)
     b = testing.to_frontend(shard_rows(bias, 1000, None, 1, 0), "torch", dtype)
     op = ops.LogitsProcessor(1000, scale=0.5, soft_cap=5.0)

@@ -162,8 +162,10 @@ def _tp_logits_layer(mesh, shape, dtype):
     n = mesh.shape["x"]
     layer = LogitsProcessor(vocab, soft_cap=30.0, mesh=mesh, axis="x")
     rows = vocab_shard(vocab, None, 64, n, 0, op="logits_processor").num_embeddings_per_partition
-    args = (jax.ShapeDtypeStruct((n * rows, hidden), jnp.dtype(dtype), sharding=NamedSharding(mesh, PartitionSpec("x"))),
-            jax.ShapeDtypeStruct((tokens, hidden), jnp.dtype(dtype), sharding=NamedSharding(mesh, PartitionSpec())))
+    def spec(shape, part):
+        return jax.ShapeDtypeStruct(shape, jnp.dtype(dtype), sharding=NamedSharding(mesh, part))
+
+    args = (spec((n * rows, hidden), PartitionSpec("x")), spec((tokens, hidden), PartitionSpec()))
     return (lambda weight, hidden_states: layer(weight, hidden_states)), args
 
 

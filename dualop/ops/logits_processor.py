@@ -87,7 +87,8 @@ class LogitsProcessor(CustomOp):
         self.logits_as_input = bool(logits_as_input)
         self.padding_size = _positive_int(op, "padding_size", padding_size)
         if tp is not None and not isinstance(tp, TensorParallel):
-            raise TypeError(f"{op}: argument 'tp' must be a dualop.parallel.TensorParallel or None, got {type(tp).__qualname__}")
+            raise TypeError(f"{op}: argument 'tp' must be a dualop.parallel.TensorParallel or None, "
+                            f"got {type(tp).__qualname__}")
         self.tp = current_tensor_parallel() if tp is None else tp
         # Sizes only (they are the same on every rank; inside shard_map the rank is traced).
         shard = vocab_shard(self.vocab_size, org, self.padding_size, self.tp.size, 0, op=op)

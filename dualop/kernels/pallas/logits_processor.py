@@ -78,7 +78,8 @@ def logits_blocks(tokens: int, hidden: int, rows: int, weight_rows: int, itemsiz
     else:
         tv = min(_MAX_VOCAB_BLOCK, -(-rows // 128) * 128)
         if tv > weight_rows:
-            raise NotImplementedError(f"a shard of {rows} base rows in a {weight_rows}-row weight has no 128-row tiling")
+            raise NotImplementedError(
+                f"a shard of {rows} base rows in a {weight_rows}-row weight has no 128-row tiling")
     budget = block_budget()
     # lane-aligned divisors of the hidden size, largest first (4608: 2304, 1536, 1152, ...)
     divisors = [k for k in range(min(hidden, _MAX_HIDDEN_BLOCK) // 128 * 128, 0, -128) if hidden % k == 0]
