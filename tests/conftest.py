@@ -78,6 +78,12 @@ NATIVE_CASES = {
     ("swigluoai_and_mul", "torch", "cpu"): "the C++ CPU kernel has no swigluoai gate",
     ("rms_norm[var_hidden_size]", "torch", "cpu"): "var_hidden_size < hidden_size",
     ("xielu", "torch", "cpu"): "torch has no fused xIELU",
+    # logits_processor: a plain matmul (no soft cap, scale 1) is the vendor's; logits given as input
+    # leave only an elementwise epilogue. Every kernel cell declines both, to the native body.
+    **{(f"logits_processor[{variant}]", fe, pf): reason
+       for variant, reason in (("plain", "the logits are the plain matmul"),
+                               ("logits_as_input", "logits_as_input: no matmul to fuse into"))
+       for fe, pf in [*((f, p) for f, p, _ in KERNEL_CELLS), *NATIVE_CELLS]},
 }
 
 

@@ -204,3 +204,37 @@ SHARDED_LAYERS += [
                  _tp_linear_layer("row")),
     ShardedLayer("row_parallel_linear[down]", "row_parallel_linear", _DOWN, _DOWN_SERVING, _tp_linear_layer("row")),
 ]
+
+
+# --- tensor-parallel logits processor (issue 11) ------------------------------------------------------
+# (tokens, hidden, vocab): the LM head's rows sharded over every chip of the topology (4 on v5e:2x2,
+# 8 on v6e:2x4), each chip's logits computed by the fused kernel (soft cap 30, Gemma-2's) and
+# all-gathered along the vocabulary. Small: a 32000 vocabulary at hidden 1024; serving: Llama-3-70B's
+# width (hidden 8192, vocab 128256) at decode and prefill, and Gemma-2-27B's decode (4608, 256000).
+_TP_LOGITS, _TP_LOGITS_SERVING = ((16, 1024, 32000),), ((16, 8192, 128256), (8192, 8192, 128256), (16, 4608, 256000))
+
+
+def _tp_logits_layer(mesh, shape, dtype):
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from dualop.jax.layers import LogitsProcessor
+    from dualop.parallel import vocab_shard
+
+    tokens, hidden, vocab = shape
+    n = mesh.shape["x"]
+    layer = LogitsProcessor(vocab, soft_cap=30.0, mesh=mesh, axis="x")
+    rows = vocab_shard(vocab, None, 64, n, 0, op="logits_processor").num_embeddings_per_partition
+
+    def spec(shape, part):
+        return jax.ShapeDtypeStruct(shape, jnp.dtype(dtype), sharding=NamedSharding(mesh, part))
+
+    args = (spec((n * rows, hidden), PartitionSpec("x")), spec((tokens, hidden), PartitionSpec()))
+    return (lambda weight, hidden_states: layer(weight, hidden_states)), args
+
+
+SHARDED_LAYERS += [
+    ShardedLayer("logits_processor[tp,soft_cap]", "logits_processor", _TP_LOGITS, _TP_LOGITS_SERVING,
+                 _tp_logits_layer),
+]

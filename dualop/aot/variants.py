@@ -468,3 +468,31 @@ def _linear_op(op_name: str):
 SERVING_INPUTS.update({op: _linear_inputs for op in ("replicated_linear", "column_parallel_linear",
                                                      "row_parallel_linear")})
 _SERVING_MAKE_OP.update({label: _linear_op(op) for op, (label,) in SERVING_CASES.items() if op.endswith("_linear")})
+
+
+# --- logits_processor: (tokens, hidden, vocab) ---------------------------------------------------
+# One chip's whole LM head with the fused soft cap of Gemma-2 (30): Gemma-2-27B (hidden 4608, vocab
+# 256000) and Llama-3-70B's width (hidden 8192, vocab 128256; Llama itself has no cap, and its plain
+# logits decline to XLA's dot, so the cap stands for any epilogue at that width); a 16-token decode
+# batch and an 8192-token prefill, in bfloat16 (a float32 LM head at these sizes is not served).
+SERVING_SHAPES["logits_processor"] = ((16, 8192, 128256), (8192, 8192, 128256), (16, 4608, 256000),
+                                      (8192, 4608, 256000))
+SERVING_CASES["logits_processor"] = ("logits_processor[soft_cap]",)
+SERVING_DTYPES["logits_processor"] = ("bfloat16",)
+
+
+def _logits_processor_inputs(shape: tuple[int, ...]) -> tuple:
+    tokens, hidden, vocab = shape
+    from dualop.parallel import pad_vocab_size
+
+    return (InputSpec((pad_vocab_size(vocab, 64), hidden), None), InputSpec((tokens, hidden), None), None)
+
+
+def _logits_processor_op(shape: tuple[int, ...]):
+    from dualop.ops import LogitsProcessor
+
+    return LogitsProcessor(shape[2], soft_cap=30.0)
+
+
+SERVING_INPUTS["logits_processor"] = _logits_processor_inputs
+_SERVING_MAKE_OP["logits_processor[soft_cap]"] = _logits_processor_op

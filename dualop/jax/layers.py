@@ -390,3 +390,50 @@ RowParallelLinear = _parallel_linear(
 
 __all__ += ["ReplicatedLinear", "ColumnParallelLinear", "MergedColumnParallelLinear", "QKVParallelLinear",
             "RowParallelLinear", "linear_specs", "parallel_linear"]
+
+
+# --- issue 11: the logits processor (parameterless; the LM head's weight comes with the call) -------
+class LogitsProcessor(nnx.Module):
+    """The engine's ``LogitsProcessor(vocab_size, org_vocab_size=None, scale=1.0,
+    logits_as_input=False, soft_cap=None)`` plus ``padding_size=64``, ``mesh=None``, ``axis="tp"``.
+    ``__call__(lm_head, hidden_states, embedding_bias=None)``: ``lm_head`` is the LM-head layer
+    (anything with a ``weight``) or its weight. With a mesh the weight (and bias) are global arrays
+    laid out rank-major along the vocabulary (shard r = rank r's ``vocab_shard`` rows) and the
+    hidden states are replicated; each rank's logits are computed under ``shard_map`` and
+    all-gathered over ``axis`` (see :class:`dualop.ops.LogitsProcessor`); the result is replicated.
+    Without a mesh: one device."""
+
+    def __init__(self, vocab_size: int, org_vocab_size: int | None = None, scale: float = 1.0,
+                 logits_as_input: bool = False, soft_cap: float | None = None, *, padding_size: int = 64,
+                 mesh: Any = None, axis: str = "tp") -> None:
+        from dualop.jax.parallel import AxisTensorParallel, axis_size
+        from dualop.parallel import TensorParallel
+
+        tp = TensorParallel() if mesh is None else AxisTensorParallel(axis, axis_size(mesh, axis, op="LogitsProcessor"))
+        self.op = ops.LogitsProcessor(vocab_size, org_vocab_size, scale, logits_as_input, soft_cap,
+                                      padding_size=padding_size, tp=tp)
+        self.mesh, self.axis = mesh, axis
+
+    def __call__(self, lm_head: Any, hidden_states: Any, embedding_bias: Any = None) -> Any:
+        weight = lm_head if lm_head is None or hasattr(lm_head, "shape") else lm_head.weight
+        weight = getattr(weight, "value", weight)  # an nnx.Param
+        if weight is None and self.op.logits_as_input:
+            weight = hidden_states  # read only for its frontend (the op's docstring)
+        if self.mesh is None or self.op.logits_as_input:  # logits given whole: no collective to make
+            return self.op(weight, hidden_states, embedding_bias)
+        from jax.sharding import PartitionSpec as P
+
+        from dualop.jax.parallel import shard_map
+
+        op, vocab = self.op, P(self.axis)
+        args, specs = [weight, hidden_states], [P(self.axis, None), P()]
+        if embedding_bias is not None:
+            args.append(embedding_bias)
+            specs.append(vocab)
+        return shard_map(lambda *a: op(*a), mesh=self.mesh, in_specs=tuple(specs), out_specs=P())(*args)
+
+    def extra_repr(self) -> str:
+        return self.op.extra_repr()
+
+
+__all__.append("LogitsProcessor")

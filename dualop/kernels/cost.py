@@ -29,6 +29,8 @@ __all__ = [
     "ragged_paged_attention_cost",
     "experts_used",
     "fused_moe_cost",
+    "linear_cost",
+    "logits_processor_cost",
 ]
 
 
@@ -174,3 +176,12 @@ def linear_cost(tokens: int, in_features: int, out_features: int, itemsize: int,
     reads = (tokens * in_features + out_features * in_features + (out_features if has_bias else 0)) * itemsize
     return KernelCost(flops=2 * tokens * in_features * out_features, transcendentals=0,
                       bytes_accessed=reads + tokens * out_features * itemsize)
+def logits_processor_cost(tokens: int, hidden: int, vocab: int, itemsize: int, has_bias: bool = False,
+                          soft_cap: bool = False) -> KernelCost:
+    """The LM head's fused logits: read the hidden states ``[T, H]`` and the weight rows ``[V, H]``
+    once (the weight dominates a decode step), write the logits ``[T, V]`` once; ``2 T H V`` matmul
+    flops plus the epilogue (bias, ``/ c``, ``* c``, ``* scale``) and one tanh per logit when capped."""
+    n = tokens * vocab
+    reads = (tokens * hidden + vocab * hidden + (vocab if has_bias else 0)) * itemsize
+    return KernelCost(flops=2 * tokens * hidden * vocab + n * (4 if soft_cap else 2),
+                      transcendentals=n if soft_cap else 0, bytes_accessed=reads + n * itemsize)

@@ -324,3 +324,32 @@ RowParallelLinear = _parallel_linear(
 
 __all__ += ["ReplicatedLinear", "ColumnParallelLinear", "MergedColumnParallelLinear", "QKVParallelLinear",
             "RowParallelLinear"]
+
+# --- issue 11: the logits processor (parameterless; the LM head's weight comes with the call) -------
+class LogitsProcessor(nn.Module):
+    """The engine's ``LogitsProcessor(vocab_size, org_vocab_size=None, scale=1.0,
+    logits_as_input=False, soft_cap=None)`` (plus ``padding_size=64`` and ``tp=None``: the current
+    tensor-parallel group). ``forward(lm_head, hidden_states, embedding_bias=None)``: ``lm_head`` is
+    the LM-head layer (anything with a ``weight``: ``ParallelLMHead``, ``nn.Linear``) or its weight,
+    this rank's vocabulary-parallel shard; returns the gathered logits ``[..., org_vocab_size]``
+    (see :class:`dualop.ops.LogitsProcessor`). With ``logits_as_input`` ``lm_head`` may be None."""
+
+    def __init__(self, vocab_size: int, org_vocab_size: int | None = None, scale: float = 1.0,
+                 logits_as_input: bool = False, soft_cap: float | None = None, *, padding_size: int = 64,
+                 tp: Any = None) -> None:
+        super().__init__()
+        self.op = ops.LogitsProcessor(vocab_size, org_vocab_size, scale, logits_as_input, soft_cap,
+                                      padding_size=padding_size, tp=tp)
+
+    def forward(self, lm_head: Any, hidden_states: torch.Tensor,
+                embedding_bias: torch.Tensor | None = None) -> torch.Tensor:
+        weight = lm_head if lm_head is None or isinstance(lm_head, torch.Tensor) else lm_head.weight
+        if weight is None and self.op.logits_as_input:
+            weight = hidden_states  # read only for its frontend (the op's docstring)
+        return self.op(weight, hidden_states, embedding_bias)
+
+    def extra_repr(self) -> str:
+        return self.op.extra_repr()
+
+
+__all__.append("LogitsProcessor")
