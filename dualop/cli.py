@@ -126,6 +126,9 @@ def cmd_compile(args: argparse.Namespace) -> int:
     else:
         if not args.no_details:
             print(aot.format_details(rows) + "\n")
+        collectives = aot.format_collectives(rows)
+        if collectives:
+            print(collectives + "\n")
         print(aot.format_matrix(rows))
         print("\n" + aot.format_summary(rows, time.perf_counter() - start))
     return aot.exit_status(rows)
@@ -244,7 +247,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="compile every kernel variant for real TPUs and GPUs (no device needed); runs nothing",
         description="Build every kernel variant dualop check runs, plus serving shapes, with XLA:TPU/Mosaic "
                     "(libtpu's compile-only devices) and Triton (PTX/cubin, AMDGCN/hsaco). Prints a matrix "
-                    "op case x target: ok / refused (the compiler's message) / n/a (why). Exit 1 if any "
+                    "op case x target: ok / refused (the compiler's message) / n/a (why); on TPU topology "
+                    "targets, each sharded layer's collectives (count, bytes per device). Exit 1 if any "
                     "build is refused, 2 if a compiler is unavailable here.",
     )
     s.add_argument("--ops", help="comma-separated registered op names (default: all)")

@@ -66,6 +66,9 @@ KERNEL_OPS_IN_NATIVE_CELLS = {
     # modular_fused_moe runs the same experts (unquantized_fused_moe's paths) between prepare and finalize.
     **{("modular_fused_moe", "jax", platform): method
        for platform, method in (("cpu", "forward_cpu"), ("cuda", "forward_cuda"))},
+    # The linear ops run XLA's dot (cuBLAS) on the operands' dtype for jax arrays on GPUs.
+    **{(op, "jax", "cuda"): "forward_cuda"
+       for op in ("replicated_linear", "column_parallel_linear", "row_parallel_linear")},
     # conv2d/conv3d: the patch-embedding matmul is the platform path for every frontend (XLA's dot for jax).
     **{(op, "jax", platform): method for op in ("conv2d", "conv3d")
        for platform, method in (("cpu", "forward_cpu"), ("cuda", "forward_cuda"))},
@@ -78,6 +81,12 @@ NATIVE_CASES = {
     ("swigluoai_and_mul", "torch", "cpu"): "the C++ CPU kernel has no swigluoai gate",
     ("rms_norm[var_hidden_size]", "torch", "cpu"): "var_hidden_size < hidden_size",
     ("xielu", "torch", "cpu"): "torch has no fused xIELU",
+    # logits_processor: a plain matmul (no soft cap, scale 1) is the vendor's; logits given as input
+    # leave only an elementwise epilogue. Every kernel cell declines both, to the native body.
+    **{(f"logits_processor[{variant}]", fe, pf): reason
+       for variant, reason in (("plain", "the logits are the plain matmul"),
+                               ("logits_as_input", "logits_as_input: no matmul to fuse into"))
+       for fe, pf in [*((f, p) for f, p, _ in KERNEL_CELLS), *NATIVE_CELLS]},
     # A convolution that is not a patch embedding runs the frontend's own convolution in every cell.
     **{(label, frontend, platform): "the patch-embedding matmul needs kernel_size == stride"
        for label in ("conv2d[general]", "conv3d[general]")

@@ -26,6 +26,7 @@ __all__ = [
     "run_compile",
     "format_matrix",
     "format_details",
+    "format_collectives",
     "format_summary",
     "exit_status",
     "SERVING_SHAPES",
@@ -230,6 +231,21 @@ def format_details(rows: list[dict[str, Any]]) -> str:
     if gpu_rows:
         parts.append("Triton kernels (GPU):\n" + table(gpu_rows))
     return "\n\n".join(parts)
+
+
+def format_collectives(rows: list[dict[str, Any]]) -> str:
+    """Per sharded-layer row: the collectives of its compiled program, one line each
+    (``all-reduce 2x 64 KiB, all-gather 1x 2 MiB -> 8 MiB``: ``collectives.describe``); "" when no
+    row is a sharded layer's."""
+    from dualop.aot.collectives import describe
+    from dualop.aot.sharded import is_sharded_target
+    from dualop.bench.report import table
+
+    column = "collectives (count, bytes per device: operands -> results)"
+    lines = [{"case": r["case"], "dtype": r["dtype"], "shape": _shape(r), "target": r["target"],
+              column: describe(r["collectives"]) if r["status"] == "ok" else "", "status": r["status"]}
+             for r in rows if is_sharded_target(r["target"])]
+    return "Collectives (sharded layers, compiled program):\n" + table(lines) if lines else ""
 
 
 def format_summary(rows: list[dict[str, Any]], seconds: float) -> str:

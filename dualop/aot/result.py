@@ -20,6 +20,9 @@ class KernelResult:
     seconds: float = 0.0
     cached: bool = False  # an identical kernel was already compiled for this target in this run
     kernels: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    # A sharded layer's compiled program's collectives per kind (``collectives.summarize``: kind,
+    # count, result and operand bytes per device, result types); [] for per-chip and GPU builds.
+    collectives: list[dict[str, Any]] = dataclasses.field(default_factory=list)
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

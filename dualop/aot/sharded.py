@@ -9,7 +9,9 @@ Each layer has small shapes (always; seconds each) and model-size shapes (``dual
 over the experts, is built instead).
 A layer traces with the TPU paths dispatched (``override_platform("tpu")``, every op enabled), so
 its Pallas kernels lower for the chip; where a kernel declined, the layer is built with that op's
-native body and the row's message says which op declined and why.
+native body and the row's message says which op declined and why. Each row also lists the
+collectives XLA:TPU left in the compiled program (``collectives.py``: kind, count, operand and
+result bytes per device; ``format_collectives`` in ``dualop.aot`` prints them), whatever the layer.
 
 A layer: ``ShardedLayer(label, op, shapes, serving_shapes, build)``; ``build(mesh, shape, dtype)`` returns
 ``(fn, args)`` where ``args`` are ``jax.ShapeDtypeStruct``s carrying their ``NamedSharding`` on
@@ -84,7 +86,7 @@ def compile_layer(layer: ShardedLayer, shape: tuple[int, ...], dtype: str, targe
             return fn(*a)
 
     clear_dispatch_report()
-    result = tpu.build(on_tpu_paths, args, generation)
+    result = tpu.build(on_tpu_paths, args, generation, read_collectives=True)
     declined = _declines()
     if declined and result.status == "ok":
         result.message = "built with native bodies where kernels declined: " + "; ".join(dict.fromkeys(declined))
@@ -139,4 +141,100 @@ def _ep_layer(mode: str):
 SHARDED_LAYERS += [
     ShardedLayer("fused_moe[ep,all_to_all]", "fused_moe", _EP_A2A, _EP_A2A_SERVING, _ep_layer("all_to_all")),
     ShardedLayer("fused_moe[ep,psum]", "fused_moe", _EP_PSUM, _EP_PSUM_SERVING, _ep_layer("psum")),
+]
+
+
+# --- tensor-parallel linear (issue 11) ----------------------------------------------------------
+# Llama-3-70B's projections over the whole topology (tp = every chip): the fused QKV (hidden 8192 ->
+# (64 + 2 * 8) heads of 128; 8 kv heads split, or replicated past 8 chips), the merged gate_up
+# (8192 -> 2 * 28672), both column-parallel without a gather, and the row-parallel o_proj (8192 ->
+# 8192) and down (28672 -> 8192) with their all-reduce; a 16-token decode batch and an 8192-token
+# prefill. The small shapes keep the same structure (8 q heads / 2 kv heads of 64, widths 512-1024).
+_QKV, _QKV_SERVING = ((16, 512, 8, 2, 64),), ((16, 8192, 64, 8, 128), (8192, 8192, 64, 8, 128))
+_GATE_UP, _GATE_UP_SERVING = ((16, 512, 1024),), ((16, 8192, 28672), (8192, 8192, 28672))
+_O_PROJ, _O_PROJ_SERVING = ((16, 512, 512),), ((16, 8192, 8192), (8192, 8192, 8192))
+_DOWN, _DOWN_SERVING = ((16, 1024, 512),), ((16, 28672, 8192), (8192, 28672, 8192))
+
+
+def _tp_linear_layer(kind: str):
+    """``build`` of one tensor-parallel projection (``dualop.jax.layers.parallel_linear``, the jax
+    layers' own call) on a mesh axis "x" over every chip; no biases (Llama)."""
+
+    def build(mesh, shape, dtype):
+        import jax
+        import jax.numpy as jnp
+        from jax.sharding import NamedSharding
+
+        from dualop import ops
+        from dualop.jax.layers import linear_specs, parallel_linear
+        from dualop.jax.parallel import AxisTensorParallel
+
+        tp = AxisTensorParallel("x", mesh.shape["x"])
+        if kind == "qkv":
+            tokens, hidden, heads, kv_heads, head = shape
+            op = ops.QKVParallelLinear(hidden, head, heads, kv_heads, bias=False, tp=tp)
+        elif kind == "gate_up":
+            tokens, hidden, inter = shape
+            op = ops.MergedColumnParallelLinear(hidden, [inter, inter], bias=False, tp=tp)
+        else:
+            tokens, in_size, out_size = shape
+            op = ops.RowParallelLinear(in_size, out_size, bias=False, tp=tp)
+        specs = linear_specs(op, "x")
+        weight_shape = [op.output_size_per_partition, op.input_size_per_partition]
+        weight_shape[op.weight_split_dim] *= tp.size  # the rank-major global weight
+
+        def spec(shp, part):
+            return jax.ShapeDtypeStruct(shp, jnp.dtype(dtype), sharding=NamedSharding(mesh, part))
+
+        args = (spec((tokens, op.input_size), specs["x"]), spec(tuple(weight_shape), specs["weight"]))
+
+        def fn(x, weight):
+            return parallel_linear(op, mesh, "x", x, weight)[0]
+
+        return fn, args
+
+    return build
+
+
+SHARDED_LAYERS += [
+    ShardedLayer("column_parallel_linear[qkv]", "column_parallel_linear", _QKV, _QKV_SERVING, _tp_linear_layer("qkv")),
+    ShardedLayer("column_parallel_linear[gate_up]", "column_parallel_linear", _GATE_UP, _GATE_UP_SERVING,
+                 _tp_linear_layer("gate_up")),
+    ShardedLayer("row_parallel_linear[o_proj]", "row_parallel_linear", _O_PROJ, _O_PROJ_SERVING,
+                 _tp_linear_layer("row")),
+    ShardedLayer("row_parallel_linear[down]", "row_parallel_linear", _DOWN, _DOWN_SERVING, _tp_linear_layer("row")),
+]
+
+
+# --- tensor-parallel logits processor (issue 11) ------------------------------------------------------
+# (tokens, hidden, vocab): the LM head's rows sharded over every chip of the topology (4 on v5e:2x2,
+# 8 on v6e:2x4), each chip's logits computed by the fused kernel (soft cap 30, Gemma-2's) and
+# all-gathered along the vocabulary. Small: a 32000 vocabulary at hidden 1024; serving: Llama-3-70B's
+# width (hidden 8192, vocab 128256) at decode and prefill, and Gemma-2-27B's decode (4608, 256000).
+_TP_LOGITS, _TP_LOGITS_SERVING = ((16, 1024, 32000),), ((16, 8192, 128256), (8192, 8192, 128256), (16, 4608, 256000))
+
+
+def _tp_logits_layer(mesh, shape, dtype):
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from dualop.jax.layers import LogitsProcessor
+    from dualop.parallel import vocab_shard
+
+    tokens, hidden, vocab = shape
+    n = mesh.shape["x"]
+    layer = LogitsProcessor(vocab, soft_cap=30.0, mesh=mesh, axis="x")
+    rows = vocab_shard(vocab, None, 64, n, 0, op="logits_processor").num_embeddings_per_partition
+
+    def spec(shape, part):
+        return jax.ShapeDtypeStruct(shape, jnp.dtype(dtype), sharding=NamedSharding(mesh, part))
+
+    args = (spec((n * rows, hidden), PartitionSpec("x")), spec((tokens, hidden), PartitionSpec()))
+    return (lambda weight, hidden_states: layer(weight, hidden_states)), args
+
+
+SHARDED_LAYERS += [
+    ShardedLayer("logits_processor[tp,soft_cap]", "logits_processor", _TP_LOGITS, _TP_LOGITS_SERVING,
+                 _tp_logits_layer),
 ]

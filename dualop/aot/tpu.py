@@ -177,22 +177,50 @@ def describe_pallas_call(eqn) -> dict[str, Any]:
     }
 
 
-# Compiles already done in this process: (generation, hash of the lowered module) -> (status, message).
-_DONE: dict[tuple[str, str], tuple[str, str]] = {}
+# Compiles already done in this process: (generation, hash of the lowered module, whether its
+# collectives were read) -> (status, message, collectives).
+_DONE: dict[tuple[str, str, bool], tuple[str, str, list]] = {}
 
 
-def _compile_lowered(lowered, generation: str, result: KernelResult) -> None:
-    """Compile once per distinct lowered module and generation; record the verdict in ``result``."""
-    key = (generation, hashlib.sha256(lowered.as_text().encode()).hexdigest())
+def _compile_reading_hlo(lowered) -> list[str]:
+    """Compile ``lowered`` and return the optimised program's HLO text (one per module; none if XLA
+    wrote none), from XLA's own dump of it (``xla_dump_to``). Not ``Compiled.as_text()``: that rebuilds the module
+    from its proto, which this jaxlib refuses for some XLA:TPU programs (v6e's SparseCore offload:
+    "async-update instruction should have 1 operands but sees 4")."""
+    with tempfile.TemporaryDirectory(prefix="dualop-hlo-") as dump:
+        lowered.compile(compiler_options={"xla_dump_to": dump, "xla_dump_hlo_as_text": True})
+        texts = []
+        for path in sorted(glob.glob(os.path.join(dump, "*after_optimizations.txt"))):
+            with open(path) as fh:
+                texts.append(fh.read())
+    return texts
+
+
+def _compile_lowered(lowered, generation: str, result: KernelResult, read_collectives: bool = False) -> None:
+    """Compile once per distinct lowered module and generation; record the verdict in ``result``
+    and, with ``read_collectives`` (a program over several chips), the collectives of the compiled
+    program (``collectives.py``)."""
+    from dualop.aot.collectives import collectives, summarize
+
+    key = (generation, hashlib.sha256(lowered.as_text().encode()).hexdigest(), read_collectives)
     if key in _DONE:
-        result.status, result.message = _DONE[key]
+        result.status, result.message, result.collectives = _DONE[key]
         result.cached = True
         return
+    hlo = None
     try:
-        lowered.compile()
+        if read_collectives:
+            hlo = _compile_reading_hlo(lowered)
+        else:
+            lowered.compile()
     except Exception as err:  # the compiler's refusal
         result.status, result.message = "refused", first_line(err)
-    _DONE[key] = (result.status, result.message)
+    else:
+        if hlo:
+            result.collectives = summarize([c for module in hlo for c in collectives(module)])
+        elif read_collectives:
+            result.message = "collectives not read: XLA dumped no optimised HLO"
+    _DONE[key] = (result.status, result.message, result.collectives)
 
 
 def compile_function(fn: Callable, args: tuple, generation: str) -> KernelResult:
@@ -213,9 +241,10 @@ def compile_function(fn: Callable, args: tuple, generation: str) -> KernelResult
     return result
 
 
-def build(fn: Callable, abstract: tuple, generation: str) -> KernelResult:
+def build(fn: Callable, abstract: tuple, generation: str, read_collectives: bool = False) -> KernelResult:
     """Trace ``fn`` on ``abstract`` inputs (``jax.ShapeDtypeStruct``s carrying their shardings,
-    None, scalars) for ``generation``, lower and compile it; the verdict as ``compile_function``'s."""
+    None, scalars) for ``generation``, lower and compile it; the verdict as ``compile_function``'s,
+    and with ``read_collectives`` the compiled program's collectives (``KernelResult.collectives``)."""
     import jax
 
     from dualop.kernels.pallas.common import compile_target
@@ -235,7 +264,7 @@ def build(fn: Callable, abstract: tuple, generation: str) -> KernelResult:
             except Exception as err:
                 result.status, result.message = "refused", first_line(err)
             else:
-                _compile_lowered(lowered, generation, result)
+                _compile_lowered(lowered, generation, result, read_collectives)
     return result
 
 

@@ -431,6 +431,73 @@ SERVING_INPUTS["modular_fused_moe"] = _experts_inputs
 _SERVING_MAKE_OP["modular_fused_moe[silu,expert_map,E8,I64]"] = _modular_experts_op
 
 
+# --- linear: (tokens, input features, output features) of one chip's shard ------------------------
+# Llama-3-70B at tp 8: the fused QKV ((64 + 2 * 8) * 128 / 8 = 1280 rows) and merged gate_up
+# (2 * 28672 / 8 = 7168 rows) shards of column_parallel_linear, o_proj (8192 / 8 = 1024 -> 8192)
+# and down (28672 / 8 = 3584 -> 8192) of row_parallel_linear, and a whole 8192 x 8192 replicated
+# projection; a 16-token decode batch and an 8192-token prefill, in bfloat16 (the served dtype).
+SERVING_SHAPES.update({
+    "replicated_linear": ((16, 8192, 8192), (8192, 8192, 8192)),
+    "column_parallel_linear": ((16, 8192, 1280), (8192, 8192, 1280), (16, 8192, 7168), (8192, 8192, 7168)),
+    "row_parallel_linear": ((16, 1024, 8192), (8192, 1024, 8192), (16, 3584, 8192), (8192, 3584, 8192)),
+})
+SERVING_DTYPES.update({op: ("bfloat16",) for op in ("replicated_linear", "column_parallel_linear",
+                                                     "row_parallel_linear")})
+SERVING_CASES.update({"replicated_linear": ("replicated_linear",),
+                      "column_parallel_linear": ("column_parallel_linear[bias]",),
+                      "row_parallel_linear": ("row_parallel_linear[bias]",)})
+
+
+def _linear_inputs(shape: tuple[int, ...]) -> tuple:
+    tokens, in_size, out_size = shape
+    return (InputSpec((tokens, in_size), None), InputSpec((out_size, in_size), None), None)  # Llama: no bias
+
+
+def _linear_op(op_name: str):
+    def make(shape: tuple[int, ...]):
+        from dualop import ops
+
+        tokens, in_size, out_size = shape
+        cls = {"replicated_linear": ops.ReplicatedLinear, "column_parallel_linear": ops.ColumnParallelLinear,
+               "row_parallel_linear": ops.RowParallelLinear}[op_name]
+        return cls(in_size, out_size, bias=False)
+
+    return make
+
+
+SERVING_INPUTS.update({op: _linear_inputs for op in ("replicated_linear", "column_parallel_linear",
+                                                     "row_parallel_linear")})
+_SERVING_MAKE_OP.update({label: _linear_op(op) for op, (label,) in SERVING_CASES.items() if op.endswith("_linear")})
+
+
+# --- logits_processor: (tokens, hidden, vocab) ---------------------------------------------------
+# One chip's whole LM head with the fused soft cap of Gemma-2 (30): Gemma-2-27B (hidden 4608, vocab
+# 256000) and Llama-3-70B's width (hidden 8192, vocab 128256; Llama itself has no cap, and its plain
+# logits decline to XLA's dot, so the cap stands for any epilogue at that width); a 16-token decode
+# batch and an 8192-token prefill, in bfloat16 (a float32 LM head at these sizes is not served).
+SERVING_SHAPES["logits_processor"] = ((16, 8192, 128256), (8192, 8192, 128256), (16, 4608, 256000),
+                                      (8192, 4608, 256000))
+SERVING_CASES["logits_processor"] = ("logits_processor[soft_cap]",)
+SERVING_DTYPES["logits_processor"] = ("bfloat16",)
+
+
+def _logits_processor_inputs(shape: tuple[int, ...]) -> tuple:
+    tokens, hidden, vocab = shape
+    from dualop.parallel import pad_vocab_size
+
+    return (InputSpec((pad_vocab_size(vocab, 64), hidden), None), InputSpec((tokens, hidden), None), None)
+
+
+def _logits_processor_op(shape: tuple[int, ...]):
+    from dualop.ops import LogitsProcessor
+
+    return LogitsProcessor(shape[2], soft_cap=30.0)
+
+
+SERVING_INPUTS["logits_processor"] = _logits_processor_inputs
+_SERVING_MAKE_OP["logits_processor[soft_cap]"] = _logits_processor_op
+
+
 # --- conv2d / conv3d: the vision encoders' patch embeddings ----------------------------------------
 # (N, C, *spatial, out_channels, *kernel) for x [N, C, *spatial] and a kernel equal to the stride:
 # Qwen2.5-VL's Conv3d(3, 1280, (2, 14, 14), bias=False) on 16384 patches, one per item as its vision

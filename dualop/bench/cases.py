@@ -597,6 +597,52 @@ CASES = (*CASES, *(BenchCase(f"fused_moe[{family}]", "fused_moe", _moe_op(family
                              _torch_moe, _jax_moe, default=False, matrix=True) for family in MOE_FAMILIES))
 
 
+# --- linear: x (tokens, hidden) times a square weight (hidden -> hidden), no bias ------------------
+# The vendor GEMM is the path (F.linear on the CPU; XLA's dot for jax); the peers are F.linear
+# itself, torch.compile of the native body (the bench's torch-compile impl) and a hand-written
+# jnp.dot. Not run by default (a 4096-wide GEMM is seconds on 2 cores); the issue's shapes are
+# Llama-8B-ish: ``--ops column_parallel_linear --sizes 16x4096,256x2048``.
+
+
+def _linear_op(op_name: str) -> Callable[[int], Any]:
+    def make(hidden: int):
+        from dualop import ops
+        from dualop.parallel import TensorParallel
+
+        cls = {"replicated_linear": ops.ReplicatedLinear, "column_parallel_linear": ops.ColumnParallelLinear,
+               "row_parallel_linear": ops.RowParallelLinear}[op_name]
+        return cls(hidden, hidden, bias=False, return_bias=False, tp=TensorParallel())
+
+    return make
+
+
+def _linear_inputs(shape, rng):
+    hidden = shape[-1]
+    return (_normal(shape, rng), _normal((hidden, hidden), rng, hidden ** -0.5))
+
+
+def _linear_cost(op, shape, itemsize) -> KernelCost:
+    return cost_model.linear_cost(rows_of(shape), op.input_size, op.output_size, itemsize, False)
+
+
+def _torch_linear(op):
+    import torch.nn.functional as F
+
+    return lambda x, w: F.linear(x, w)
+
+
+def _jax_linear(op):
+    """What a jax user writes: ``jnp.dot(x, w.T)``."""
+    import jax.numpy as jnp
+
+    return lambda x, w: jnp.dot(x, w.T)
+
+
+CASES = (*CASES, *(BenchCase(op_name, op_name, _linear_op(op_name), _linear_inputs, _linear_cost, _torch_linear,
+                             _jax_linear, default=False, matrix=True)
+                   for op_name in ("column_parallel_linear", "row_parallel_linear", "replicated_linear")))
+
+
 DEFAULT_CASES: tuple[str, ...] = tuple(c.label for c in CASES if c.default)
 
 
@@ -615,6 +661,65 @@ def select_cases(names: Iterable[str] | None = None) -> list[BenchCase]:
         valid = sorted({c.label for c in CASES} | {c.op_name for c in CASES})
         raise ValueError(f"--ops: unknown {', '.join(map(repr, unknown))}; valid: {', '.join(valid)}")
     return [c for c in CASES if c.label in wanted or c.op_name in wanted]
+
+
+# --- logits processor (issue 11) -------------------------------------------------------------------
+# The LM head's logits with Gemma-2's final soft cap (30) on hidden states of (tokens, hidden): a
+# 32000-token vocabulary (Llama-2 / Mistral; pass smaller hidden sizes on a small host), decode
+# ``--sizes 16x4096`` and prefill ``512x4096``. The weight read dominates decode (the roofline's
+# bytes are the weight's); peers: F.linear then the cap in float32 (torch), a dot with float32
+# accumulation then the cap (jax), and torch.compile of the native body (the bench's torch-compile).
+LOGITS_VOCAB, LOGITS_SOFT_CAP = 32000, 30.0
+
+
+def _logits_processor(hidden: int):
+    from dualop.ops import LogitsProcessor
+
+    return LogitsProcessor(LOGITS_VOCAB, soft_cap=LOGITS_SOFT_CAP)
+
+
+def _logits_inputs(shape, rng):
+    from dualop.parallel import pad_vocab_size
+
+    hidden = shape[-1]
+    weight = _normal((pad_vocab_size(LOGITS_VOCAB), hidden), rng, 3.0 / hidden ** 0.5)
+    weight[LOGITS_VOCAB:] = 0.0  # the padding rows of the vocabulary-parallel layout
+    return (weight, _normal(shape, rng))
+
+
+def _logits_cost(op, shape, itemsize) -> KernelCost:
+    return cost_model.logits_processor_cost(rows_of(shape), shape[-1], op.org_vocab_size, itemsize, False, True)
+
+
+def _torch_logits(op):
+    import torch
+    import torch.nn.functional as F
+
+    cap, vocab = op.soft_cap, op.org_vocab_size
+
+    def logits(weight, hidden_states):
+        y = F.linear(hidden_states, weight[:vocab]).float()
+        return (torch.tanh(y / cap) * cap).to(hidden_states.dtype)
+
+    return logits
+
+
+def _jax_logits(op):
+    import jax
+    import jax.numpy as jnp
+
+    cap, vocab = op.soft_cap, op.org_vocab_size
+
+    def logits(weight, hidden_states):
+        y = jax.lax.dot_general(hidden_states, weight[:vocab], (((1,), (1,)), ((), ())),
+                                preferred_element_type=jnp.float32)
+        return (jnp.tanh(y / cap) * cap).astype(hidden_states.dtype)
+
+    return logits
+
+
+CASES = (*CASES, BenchCase("logits_processor[soft_cap]", "logits_processor", _logits_processor, _logits_inputs,
+                           _logits_cost, _torch_logits, _jax_logits, default=False, matrix=True))
 
 
 # --- patch embeddings (conv2d / conv3d) ------------------------------------------------------------

@@ -215,6 +215,230 @@ class FusedMoE(nnx.Module):
 __all__.append("FusedMoE")
 
 
+# --- tensor-parallel linear (issue 11) ---------------------------------------------------------
+
+
+def _split_spec(ndim: int, split_dim: int | None, axis: Any, n: int):
+    """``PartitionSpec`` with ``axis`` at ``split_dim`` (replicated when None or one shard)."""
+    from jax.sharding import PartitionSpec
+
+    if split_dim is None or n == 1:
+        return PartitionSpec()
+    parts = [None] * ndim
+    parts[split_dim % ndim] = axis
+    return PartitionSpec(*parts)
+
+
+def linear_specs(op: Any, axis: Any, x_ndim: int = 2) -> dict[str, Any]:
+    """The ``PartitionSpec``s of a linear op's global arrays over ``axis`` (``op.tp.size`` shards):
+    ``x``, ``weight``, ``bias``, ``output`` and ``output_bias`` (see ``_ParallelLinear``)."""
+    from jax.sharding import PartitionSpec
+
+    n = op.tp.size
+    row = isinstance(op, ops.RowParallelLinear)
+    if row:
+        out = PartitionSpec() if op.reduce_results or n == 1 else PartitionSpec(axis)
+    else:
+        out = _split_spec(x_ndim, None if getattr(op, "gather_output", True) else -1, axis, n)
+    return {"x": _split_spec(x_ndim, -1 if row and op.input_is_parallel else None, axis, n),
+            "weight": _split_spec(2, op.weight_split_dim, axis, n),
+            "bias": _split_spec(1, 0 if op.bias_split else None, axis, n),
+            "output": out}
+
+
+def parallel_linear(op: Any, mesh: Any, axis: Any, x: Any, weight: Any, bias: Any = None) -> Any:
+    """Run a linear op built with ``tp=AxisTensorParallel(axis, n)`` on global arrays laid out as
+    ``linear_specs`` says, under ``shard_map`` over ``mesh`` (the op makes its own collectives).
+    Returns what the op returns, as global arrays; a row op without ``reduce_results`` keeps the
+    ranks' partial sums on a leading axis of size n."""
+    if op.tp.size == 1 or mesh is None:
+        return op(x, weight, bias)
+    from dualop.jax.parallel import shard_map
+
+    specs = linear_specs(op, axis, x.ndim)
+    unreduced = isinstance(op, ops.RowParallelLinear) and not op.reduce_results
+    returns_bias = op.return_bias and op.skip_bias_add and bias is not None
+
+    def per_rank(x, weight, bias):
+        out = op(x, weight, bias)
+        y, out_bias = out if op.return_bias else (out, None)
+        if unreduced:
+            y = y[None]  # this rank's partial sum, on the leading rank axis
+        return (y, out_bias) if returns_bias else y
+
+    out_specs = (specs["output"], specs["bias"]) if returns_bias else specs["output"]
+    in_specs = (specs["x"], specs["weight"], None if bias is None else specs["bias"])
+    result = shard_map(per_rank, mesh=mesh, in_specs=in_specs, out_specs=out_specs)(x, weight, bias)
+    if not op.return_bias:
+        return result
+    return result if returns_bias else (result, None)
+
+
+class _ParallelLinear(nnx.Module):
+    """A linear layer over a ``tp`` axis of a ``jax.sharding.Mesh``: the engine's classes.
+
+    Built with the op's constructor arguments plus ``mesh=None, axis="tp"`` (None: one device).
+    Each parameter is ONE global array laid out rank-major (block r along its split dim is rank r's
+    shard, fused merged / QKV rows included) and placed with ``NamedSharding(mesh, PartitionSpec(...
+    axis ...))``. ``__call__(x)`` runs the op under ``shard_map`` with ``AxisTensorParallel(axis,
+    n)``, so each device computes its shard and the op's own collectives (``psum`` / ``all_gather``)
+    do the rest (``dualop.jax.parallel`` says why shard_map). ``x`` is the whole input, except for
+    ``RowParallelLinear(input_is_parallel=True)``, whose ``x`` is split over the axis on its last
+    dim. Outputs are whole arrays, but the column layer's without ``gather_output`` (split on the
+    last dim) and the row layer's without ``reduce_results``, which keeps the ranks' partial sums
+    on a leading axis of size n (their sum is the output).
+
+    ``weight_loader(param_name, loaded_weight, loaded_shard_id=None)``: the FULL checkpoint tensor
+    (a jax or numpy array or a torch tensor; see the torch layer) in, every rank's rows placed."""
+
+    op_class: type = ops.ColumnParallelLinear
+
+    def __init__(self, *args: Any, mesh: Any = None, axis: str = "tp", **kwargs: Any) -> None:
+        from dualop.jax.parallel import AxisTensorParallel, axis_size
+        from dualop.parallel import TensorParallel
+
+        name = self.op_class.__name__
+        if "tp" in kwargs:
+            raise TypeError(f"{name}: the jax layer takes mesh= and axis=, not tp=")
+        n = 1 if mesh is None else axis_size(mesh, axis, op=name)
+        replicated = self.op_class is ops.ReplicatedLinear
+        tp = AxisTensorParallel(axis, n) if n > 1 and not replicated else TensorParallel()
+        self.op = self.op_class(*args, tp=tp, **kwargs)
+        self.mesh, self.axis, self.n = mesh, axis, self.op.tp.size
+        dtype = self.op.params_dtype or jnp.float32
+        op = self.op
+        weight_shape = [op.output_size_per_partition, op.input_size_per_partition]
+        if op.weight_split_dim is not None:
+            weight_shape[op.weight_split_dim] *= self.n
+        self.weight = nnx.Param(self._place(jnp.zeros(tuple(weight_shape), dtype), self._weight_spec()))
+        bias_size = op.bias_size * (self.n if op.bias_split else 1)
+        self.bias = (nnx.Param(self._place(jnp.zeros((bias_size,), dtype), self._bias_spec())) if op.has_bias
+                     else None)
+
+    def _weight_spec(self):
+        return _split_spec(2, self.op.weight_split_dim, self.axis, self.n)
+
+    def _bias_spec(self):
+        return _split_spec(1, 0 if self.op.bias_split else None, self.axis, self.n)
+
+    def _place(self, value, spec):
+        if self.mesh is None:
+            return value
+        import jax
+        from jax.sharding import NamedSharding
+
+        return jax.device_put(value, NamedSharding(self.mesh, spec))
+
+    def __call__(self, x):
+        return parallel_linear(self.op, self.mesh, self.axis, x, self.weight[...],
+                               None if self.bias is None else self.bias[...])
+
+    # -- loading ----------------------------------------------------------------------------------
+
+    def weight_loader(self, param_name: str, loaded_weight: Any, loaded_shard_id: Any = None) -> None:
+        """Place every rank's part of the full checkpoint tensor ``loaded_weight`` into ``param_name``
+        ("weight" or "bias"), rank-major."""
+        import numpy as np
+
+        name = type(self).__name__
+        full, dim, _ = self.op.checkpoint_layout(param_name, loaded_shard_id, rank=0)
+        loaded = np.asarray(_as_jax(loaded_weight, jnp.float32))
+        if loaded.shape != full:
+            part = "" if loaded_shard_id is None else f" (loaded_shard_id {loaded_shard_id!r})"
+            raise ValueError(f"{name}.weight_loader: {param_name!r}{part} got shape {loaded.shape}; expected the "
+                             f"full checkpoint shape {full}")
+        param = getattr(self, param_name)
+        value = np.array(param[...].astype(jnp.float32))
+        if dim is None:
+            value[...] = loaded
+        else:
+            per_rank = value.shape[dim] // self.n
+            for rank in range(self.n):
+                for c in self.op.checkpoint_layout(param_name, loaded_shard_id, rank=rank)[2]:
+                    dst = [slice(None)] * value.ndim
+                    src = [slice(None)] * value.ndim
+                    start = rank * per_rank + c.dst_start
+                    dst[dim] = slice(start, start + c.src_stop - c.src_start)
+                    src[dim] = slice(c.src_start, c.src_stop)
+                    value[tuple(dst)] = loaded[tuple(src)]
+        spec = self._weight_spec() if param_name == "weight" else self._bias_spec()
+        param.value = self._place(jnp.asarray(value, param[...].dtype), spec)
+
+
+def _parallel_linear(op_class: type, doc: str) -> type:
+    return type(op_class.__name__, (_ParallelLinear,), {"op_class": op_class, "__module__": __name__,
+                                                         "__doc__": f"{doc} Over :class:`dualop.ops.{op_class.__name__}`."})
+
+
+ReplicatedLinear = _parallel_linear(
+    ops.ReplicatedLinear, "``ReplicatedLinear(input_size, output_size, bias=True, skip_bias_add=False, "
+    "params_dtype=None, *, return_bias=True, mesh=None, axis='tp')``: the whole weight on every device.")
+ColumnParallelLinear = _parallel_linear(
+    ops.ColumnParallelLinear, "``ColumnParallelLinear(input_size, output_size, bias=True, gather_output=False, "
+    "skip_bias_add=False, params_dtype=None, *, return_bias=True, disable_tp=False, mesh=None, axis='tp')``.")
+MergedColumnParallelLinear = _parallel_linear(
+    ops.MergedColumnParallelLinear, "``MergedColumnParallelLinear(input_size, output_sizes, bias=True, "
+    "gather_output=False, skip_bias_add=False, params_dtype=None, *, ..., mesh=None, axis='tp')``; "
+    "``loaded_shard_id`` is the output's index.")
+QKVParallelLinear = _parallel_linear(
+    ops.QKVParallelLinear, "``QKVParallelLinear(hidden_size, head_size, total_num_heads, total_num_kv_heads=None, "
+    "bias=True, skip_bias_add=False, params_dtype=None, *, ..., mesh=None, axis='tp')``; ``loaded_shard_id`` "
+    "is 'q', 'k' or 'v'.")
+RowParallelLinear = _parallel_linear(
+    ops.RowParallelLinear, "``RowParallelLinear(input_size, output_size, bias=True, input_is_parallel=True, "
+    "skip_bias_add=False, params_dtype=None, reduce_results=True, *, ..., mesh=None, axis='tp')``.")
+
+__all__ += ["ReplicatedLinear", "ColumnParallelLinear", "MergedColumnParallelLinear", "QKVParallelLinear",
+            "RowParallelLinear", "linear_specs", "parallel_linear"]
+
+
+# --- issue 11: the logits processor (parameterless; the LM head's weight comes with the call) -------
+class LogitsProcessor(nnx.Module):
+    """The engine's ``LogitsProcessor(vocab_size, org_vocab_size=None, scale=1.0,
+    logits_as_input=False, soft_cap=None)`` plus ``padding_size=64``, ``mesh=None``, ``axis="tp"``.
+    ``__call__(lm_head, hidden_states, embedding_bias=None)``: ``lm_head`` is the LM-head layer
+    (anything with a ``weight``) or its weight. With a mesh the weight (and bias) are global arrays
+    laid out rank-major along the vocabulary (shard r = rank r's ``vocab_shard`` rows) and the
+    hidden states are replicated; each rank's logits are computed under ``shard_map`` and
+    all-gathered over ``axis`` (see :class:`dualop.ops.LogitsProcessor`); the result is replicated.
+    Without a mesh: one device."""
+
+    def __init__(self, vocab_size: int, org_vocab_size: int | None = None, scale: float = 1.0,
+                 logits_as_input: bool = False, soft_cap: float | None = None, *, padding_size: int = 64,
+                 mesh: Any = None, axis: str = "tp") -> None:
+        from dualop.jax.parallel import AxisTensorParallel, axis_size
+        from dualop.parallel import TensorParallel
+
+        tp = TensorParallel() if mesh is None else AxisTensorParallel(axis, axis_size(mesh, axis, op="LogitsProcessor"))
+        self.op = ops.LogitsProcessor(vocab_size, org_vocab_size, scale, logits_as_input, soft_cap,
+                                      padding_size=padding_size, tp=tp)
+        self.mesh, self.axis = mesh, axis
+
+    def __call__(self, lm_head: Any, hidden_states: Any, embedding_bias: Any = None) -> Any:
+        weight = lm_head if lm_head is None or hasattr(lm_head, "shape") else lm_head.weight
+        weight = getattr(weight, "value", weight)  # an nnx.Param
+        if weight is None and self.op.logits_as_input:
+            weight = hidden_states  # read only for its frontend (the op's docstring)
+        if self.mesh is None or self.op.logits_as_input:  # logits given whole: no collective to make
+            return self.op(weight, hidden_states, embedding_bias)
+        from jax.sharding import PartitionSpec as P
+
+        from dualop.jax.parallel import shard_map
+
+        op, vocab = self.op, P(self.axis)
+        args, specs = [weight, hidden_states], [P(self.axis, None), P()]
+        if embedding_bias is not None:
+            args.append(embedding_bias)
+            specs.append(vocab)
+        return shard_map(lambda *a: op(*a), mesh=self.mesh, in_specs=tuple(specs), out_specs=P())(*args)
+
+    def extra_repr(self) -> str:
+        return self.op.extra_repr()
+
+
+__all__.append("LogitsProcessor")
+
+
 class _ConvLayer(nnx.Module):
     """Twin of ``dualop.torch.layers.Conv2dLayer``/``Conv3dLayer``: ``weight`` ``[out, in / groups,
     *kernel]`` and ``bias`` ``[out]`` (or None) as ``nnx.Param``s in torch's layout, initialised

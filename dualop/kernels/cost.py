@@ -29,6 +29,8 @@ __all__ = [
     "ragged_paged_attention_cost",
     "experts_used",
     "fused_moe_cost",
+    "linear_cost",
+    "logits_processor_cost",
 ]
 
 
@@ -166,6 +168,23 @@ def fused_moe_cost(tokens: int, top_k: int, num_experts: int, hidden: int, inter
     return KernelCost(flops=2 * rows * hidden * (w13_rows + intermediate),
                       transcendentals=rows * intermediate if gated else 0,
                       bytes_accessed=weight_bytes + activations)
+
+
+def linear_cost(tokens: int, in_features: int, out_features: int, itemsize: int, has_bias: bool) -> KernelCost:
+    """``x @ weight.T (+ bias)``: read x and the weight (and bias) once, write the output; two flops
+    per multiply-add (the vendor GEMM's, on the matrix units)."""
+    reads = (tokens * in_features + out_features * in_features + (out_features if has_bias else 0)) * itemsize
+    return KernelCost(flops=2 * tokens * in_features * out_features, transcendentals=0,
+                      bytes_accessed=reads + tokens * out_features * itemsize)
+def logits_processor_cost(tokens: int, hidden: int, vocab: int, itemsize: int, has_bias: bool = False,
+                          soft_cap: bool = False) -> KernelCost:
+    """The LM head's fused logits: read the hidden states ``[T, H]`` and the weight rows ``[V, H]``
+    once (the weight dominates a decode step), write the logits ``[T, V]`` once; ``2 T H V`` matmul
+    flops plus the epilogue (bias, ``/ c``, ``* c``, ``* scale``) and one tanh per logit when capped."""
+    n = tokens * vocab
+    reads = (tokens * hidden + vocab * hidden + (vocab if has_bias else 0)) * itemsize
+    return KernelCost(flops=2 * tokens * hidden * vocab + n * (4 if soft_cap else 2),
+                      transcendentals=n if soft_cap else 0, bytes_accessed=reads + n * itemsize)
 
 
 def patch_embed_cost(patches: int, patch_size: int, out_channels: int, itemsize: int, bias: bool,

@@ -1,5 +1,507 @@
-"""linear ops (issue 11; filled in by its work)."""
+"""Linear ops of the reference serving engine, per tensor-parallel rank: ``replicated_linear``,
+``column_parallel_linear`` (with its fused layouts ``MergedColumnParallelLinear`` and
+``QKVParallelLinear``) and ``row_parallel_linear``.
+
+``op(x, weight, bias=None)`` runs on THIS rank's shards (``weight``: ``[out_per_rank,
+in_per_rank]``, torch layout; ``bias``: this rank's, or the whole bias for row-parallel) and makes
+the engine's collectives through ``op.tp`` (a ``dualop.parallel.TensorParallel``): the column
+op all-gathers its output when ``gather_output``, the row op all-reduces when ``reduce_results``
+(adding the bias to rank 0's partial sum only, as the engine does). With ``return_bias`` (the
+default) the result is ``(output, output_bias)``, ``output_bias`` being the bias when
+``skip_bias_add`` (the caller adds it later) and None otherwise.
+
+The math, ``x @ weight.T + bias``: every product of the inputs' dtype summed in float32, the bias
+added in float32, one cast to ``x``'s dtype (``forward_native`` upcasts the operands and multiplies
+in float32 at full precision: the reference). The platform paths are the vendor GEMM, never a
+GEMM written here:
+
+- torch on the CPU / CUDA / ROCm: ``F.linear`` (one addmm: oneDNN / cuBLAS / hipBLASLt on the
+  operands' own dtype, the bias in the GEMM's epilogue);
+- on a TPU (jax, torch_xla, torchax, torch_tpu arrays, through the Pallas bridge) and for jax
+  arrays on a GPU: ``kernels/xla_linear``, ``jax.lax.dot_general`` on the operands' own dtype with
+  float32 accumulation (``preferred_element_type``), the bias added in float32 (XLA fuses it into
+  the dot's output fusion), then the cast. For 16-bit inputs that is one pass of the matrix unit,
+  where the native body's float32 operands take several (that, and not a GEMM of its own, is why
+  the TPU path is a path: the cells check it against the native body); float32 inputs ask for full
+  precision (XLA:TPU would otherwise multiply them in one bfloat16 pass).
+
+The shard arithmetic of the fused layouts (which rows of a full checkpoint tensor each rank keeps,
+and where they go in its fused weight) is here once, as ``shard_copies``: the torch and jax layers'
+``weight_loader``s both read it.
+"""
 
 from __future__ import annotations
 
-__all__: list[str] = []
+import dataclasses
+from typing import Any
+
+from dualop.backends import array_namespace
+from dualop.backends.xla.pallas_bridge import call_pallas
+from dualop.custom_op import CustomOp
+from dualop.kernels.registry import KernelRef
+from dualop.ops._checks import check_array, check_optional_like, cpu_declines
+from dualop.parallel import TensorParallel, current_tensor_parallel, divide, qkv_layout
+from dualop.platforms import family_of, frontend_of
+
+_XLA_LINEAR = KernelRef("dualop.kernels.xla_linear", "linear")
+
+__all__ = [
+    "ReplicatedLinear",
+    "ColumnParallelLinear",
+    "MergedColumnParallelLinear",
+    "QKVParallelLinear",
+    "RowParallelLinear",
+    "ShardCopy",
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardCopy:
+    """Rows ``[src_start, src_stop)`` of a loaded checkpoint tensor (along the split dim) go to
+    ``[dst_start, dst_start + src_stop - src_start)`` of a rank's parameter."""
+
+    src_start: int
+    src_stop: int
+    dst_start: int
+
+
+def _check_positive(op: str, name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{op}: argument {name!r} must be a positive int, got {value!r}")
+    return value
+
+
+def _rank_slice(x: Any, rank: Any, size: int, axis: int = -1) -> Any:
+    """Block ``rank`` of ``size`` equal blocks of ``x`` along ``axis`` (``rank`` an int, or a traced
+    ``axis_index`` inside ``shard_map``)."""
+    axis %= x.ndim
+    if isinstance(rank, int):
+        index = [slice(None)] * x.ndim
+        index[axis] = slice(rank * size, (rank + 1) * size)
+        return x[tuple(index)]
+    import jax
+
+    return jax.lax.dynamic_slice_in_dim(x, rank * size, size, axis=axis)
+
+
+def _native_gemm(x: Any, weight: Any, bias: Any = None) -> Any:
+    """The reference GEMM: operands upcast to float32, multiplied at full float32 precision, the
+    bias added in float32, one cast to ``x``'s dtype."""
+    xp = array_namespace(x)
+    y = xp.einsum("...k,nk->...n", xp.astype(x, xp.float32), xp.astype(weight, xp.float32))
+    if bias is not None:
+        y = y + xp.astype(bias, xp.float32)
+    return xp.astype(y, x.dtype)
+
+
+def _jax_gpu_linear(x: Any, weight: Any, bias: Any) -> Any:
+    """jax arrays on a GPU: XLA's dot (cuBLAS); a CPU backend standing in upcasts (see the kernel)."""
+    import jax
+
+    return _XLA_LINEAR(x, weight, bias, interpret=jax.default_backend() == "cpu")
+
+
+def _torch_linear(x: Any, weight: Any, bias: Any) -> Any:
+    import torch.nn.functional as F
+
+    return F.linear(x, weight, bias)
+
+
+class _Linear(CustomOp):
+    """Shared body: input checks, the per-rank GEMM and the collectives (``_finish``, the one place
+    they are made). Subclasses set the per-rank sizes and the bias / collective rules."""
+
+    op_label: str | None = None  # the name errors give (default: the registered name)
+
+    @property
+    def _op(self) -> str:
+        return self.op_label or type(self).name
+
+    input_size: int
+    output_size: int
+    input_size_per_partition: int
+    output_size_per_partition: int
+    bias_size: int  # the bias this op takes: the rank's columns, or the whole (row-parallel)
+
+    def _setup(self, op: str, input_size: Any, output_size: Any, bias: bool, skip_bias_add: bool, params_dtype: Any,
+               return_bias: bool, disable_tp: bool, tp: TensorParallel | None) -> None:
+        self.input_size = _check_positive(op, "input_size", input_size)
+        self.output_size = _check_positive(op, "output_size", output_size)
+        if tp is not None and not isinstance(tp, TensorParallel):
+            raise TypeError(f"{op}: argument 'tp' must be a dualop.parallel.TensorParallel or None, "
+                            f"got {type(tp).__qualname__}")
+        self.disable_tp = bool(disable_tp)
+        self.tp = TensorParallel() if self.disable_tp else (tp or current_tensor_parallel())
+        self.has_bias, self.skip_bias_add = bool(bias), bool(skip_bias_add)
+        self.params_dtype, self.return_bias = params_dtype, bool(return_bias)
+
+    # -- checks -------------------------------------------------------------------------------
+
+    @property
+    def x_features(self) -> int:
+        """The last dim ``x`` must have on this rank."""
+        return self.input_size_per_partition
+
+    def check_inputs(self, x: Any, weight: Any = None, bias: Any = None) -> None:
+        op = self._op
+        fe = check_array(op, "x", x)
+        if x.shape[-1] != self.x_features:
+            raise ValueError(f"{op}: argument 'x' has last dim {x.shape[-1]}; expected {self.x_features} "
+                             f"(input features on this rank: {self._x_features_why()})")
+        if weight is None:
+            raise ValueError(f"{op}: argument 'weight' is required (shape "
+                             f"({self.output_size_per_partition}, {self.input_size_per_partition}))")
+        check_optional_like(op, "weight", weight, "x", x, fe, same_dtype=True,
+                            shape=(self.output_size_per_partition, self.input_size_per_partition))
+        if bias is not None and not self.has_bias:
+            raise ValueError(f"{op}: argument 'bias' must be None for an op built with bias=False")
+        check_optional_like(op, "bias", bias, "x", x, fe, same_dtype=True, shape=(self.bias_size,))
+
+    def _x_features_why(self) -> str:
+        return f"input_size={self.input_size}"
+
+    # -- the computation ------------------------------------------------------------------------
+
+    def _gemm_bias(self, bias: Any) -> Any:
+        """The bias the GEMM adds (None: none): the engine adds it unless ``skip_bias_add``."""
+        return None if self.skip_bias_add else bias
+
+    def _local_input(self, x: Any) -> Any:
+        return x
+
+    def _collect(self, y: Any) -> Any:
+        """The collective after the per-rank GEMM (identity here)."""
+        return y
+
+    def _apply(self, gemm: Any, x: Any, weight: Any, bias: Any) -> Any:
+        """Every platform path: this rank's input, its GEMM, then ``_finish``."""
+        return self._finish(gemm(self._local_input(x), weight, self._gemm_bias(bias)), bias)
+
+    def _finish(self, y: Any, bias: Any) -> Any:
+        """The engine's collective on the GEMM's output, then its ``(output, output_bias)``."""
+        y = self._collect(y)
+        if not self.return_bias:
+            return y
+        return y, (bias if self.skip_bias_add else None)
+
+    def forward_native(self, x: Any, weight: Any, bias: Any = None) -> Any | tuple[Any, Any | None]:
+        """The reference (``_native_gemm``) between the same input slicing and collectives."""
+        return self._apply(_native_gemm, x, weight, bias)
+
+    def declines(self, method: str, frontend: str) -> str | None:
+        """``F.linear`` serves torch tensors on the CPU; jax arrays there run the native body."""
+        return cpu_declines(method, frontend)
+
+    def forward_cpu(self, x: Any, weight: Any, bias: Any = None) -> Any:
+        """torch on the CPU: ``F.linear`` (oneDNN / MKL addmm, the bias in its epilogue)."""
+        return self._apply(_torch_linear, x, weight, bias)
+
+    def forward_cuda(self, x: Any, weight: Any, bias: Any = None) -> Any:
+        """torch on a GPU: ``F.linear`` (cuBLAS / hipBLASLt); jax arrays: XLA's dot (cuBLAS)."""
+        return self._apply(_jax_gpu_linear if family_of(frontend_of(x)) == "jax" else _torch_linear, x, weight, bias)
+
+    def forward_tpu(self, x: Any, weight: Any, bias: Any = None) -> Any:
+        """On a TPU: XLA's dot on the operands' dtype with float32 accumulation
+        (``kernels/xla_linear``), reached from jax, torch_xla, torchax and torch_tpu through the
+        Pallas bridge (jax gets the native body's gradient)."""
+
+        def gemm(x, weight, bias):
+            return call_pallas(frontend_of(x), _XLA_LINEAR, x, weight, bias, native=_native_gemm)
+
+        return self._apply(gemm, x, weight, bias)
+
+    # -- checkpoint layout ----------------------------------------------------------------------
+
+    weight_split_dim: int | None = 0  # the dim of the weight split over ranks (None: replicated)
+    bias_split: bool = True  # whether the bias is split over ranks like the weight's rows
+
+    def full_size(self, shard_id: Any = None) -> int:
+        """The size, along the split dim, of the full checkpoint tensor ``weight_loader`` takes."""
+        if shard_id is not None:
+            raise ValueError(f"{self._op}: loaded_shard_id must be None for {type(self).__name__}, "
+                             f"got {shard_id!r}")
+        return self.output_size if self.weight_split_dim == 0 else self.input_size
+
+    def shard_copies(self, shard_id: Any = None, rank: int | None = None) -> list[ShardCopy]:
+        """Which rows of the full checkpoint tensor (``shard_id`` says which part, None: all) rank
+        ``rank`` (default: this op's) keeps, and where in its parameter (along the split dim)."""
+        rank = self._layout_rank(rank)
+        size = self.full_size(shard_id) // self.tp.size
+        return [ShardCopy(rank * size, (rank + 1) * size, 0)]
+
+    def checkpoint_layout(self, param: str, shard_id: Any = None,
+                          rank: int | None = None) -> tuple[tuple[int, ...], int | None, list[ShardCopy]]:
+        """What a ``weight_loader`` does with a full checkpoint tensor for ``param`` ("weight" or
+        "bias"): ``(the full shape it must have, the dim split over ranks or None when the rank
+        keeps it whole, the copies into rank ``rank``'s parameter along that dim)``."""
+        if param not in ("weight", "bias"):
+            raise ValueError(f"{self._op}: no parameter {param!r}; expected 'weight' or 'bias'")
+        if param == "bias" and not self.has_bias:
+            raise ValueError(f"{self._op}: built with bias=False, so it has no 'bias' to load")
+        dim = self.weight_split_dim if param == "weight" else (0 if self.bias_split else None)
+        full = self.full_size(shard_id)
+        if param == "weight":
+            shape = (self.output_size, full) if dim == 1 else (full, self.input_size)
+        else:
+            shape = (full if dim == 0 else self.output_size,)
+        copies = self.shard_copies(shard_id, rank) if dim is not None else [ShardCopy(0, shape[0], 0)]
+        return shape, dim, copies
+
+    def _layout_rank(self, rank: int | None) -> int:
+        rank = self.tp.rank if rank is None else rank
+        if not isinstance(rank, int) or not 0 <= rank < self.tp.size:
+            raise ValueError(f"{self._op}: rank {rank!r} is outside [0, {self.tp.size}) (pass an int rank "
+                             "when the op's tp is traced)")
+        return rank
+
+    def extra_repr(self) -> str:
+        return (f"input_size={self.input_size}, output_size={self.output_size}, bias={self.has_bias}, "
+                f"tp_size={self.tp.size}")
+
+
+@CustomOp.register("replicated_linear")
+class ReplicatedLinear(_Linear):
+    """The engine's ``ReplicatedLinear``: the whole weight ``[output_size, input_size]`` on every rank,
+    no collective. ``op(x, weight, bias=None)``."""
+
+    weight_split_dim = None
+    bias_split = False
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = True, skip_bias_add: bool = False,
+                 params_dtype: Any = None, *, return_bias: bool = True, disable_tp: bool = False,
+                 tp: TensorParallel | None = None, enforce_enable: bool = False) -> None:
+        super().__init__(enforce_enable=enforce_enable)
+        self._setup("replicated_linear", input_size, output_size, bias, skip_bias_add, params_dtype, return_bias,
+                    disable_tp, tp)
+        self.input_size_per_partition, self.output_size_per_partition = self.input_size, self.output_size
+        self.bias_size = self.output_size
+
+    def shard_copies(self, shard_id: Any = None, rank: int | None = None) -> list[ShardCopy]:
+        return [ShardCopy(0, self.full_size(shard_id), 0)]
+
+    def full_size(self, shard_id: Any = None) -> int:
+        super().full_size(shard_id)  # checks shard_id
+        return self.output_size
+
+
+@CustomOp.register("column_parallel_linear")
+class ColumnParallelLinear(_Linear):
+    """The engine's ``ColumnParallelLinear``: ``Y = X A`` with ``A``'s output columns split over the
+    ranks (weight ``[output_size / tp, input_size]``, bias ``[output_size / tp]``); each rank gets
+    ``Y``'s columns, all-gathered when ``gather_output``."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = True, gather_output: bool = False,
+                 skip_bias_add: bool = False, params_dtype: Any = None, *, return_bias: bool = True,
+                 disable_tp: bool = False, tp: TensorParallel | None = None, enforce_enable: bool = False) -> None:
+        super().__init__(enforce_enable=enforce_enable)
+        self._setup(self._op, input_size, output_size, bias, skip_bias_add, params_dtype, return_bias,
+                    disable_tp, tp)
+        self.gather_output = bool(gather_output)
+        self.input_size_per_partition = self.input_size
+        self.output_size_per_partition = self._output_per_partition()
+        self.bias_size = self.output_size_per_partition
+
+    def _output_per_partition(self) -> int:
+        return divide(self.output_size, self.tp.size, op=self._op, what="argument 'output_size'")
+
+    def _collect(self, y: Any) -> Any:
+        return self.tp.all_gather(y, dim=-1) if self.gather_output else y
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, gather_output={self.gather_output}"
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """The engine's ``MergedColumnParallelLinear(input_size, output_sizes, ...)``: several column-
+    parallel outputs (gate and up) in one GEMM. Each rank's weight is its shard of every output,
+    side by side: ``[out_0 / tp | out_1 / tp | ...]`` rows. ``loaded_shard_id`` k loads output k."""
+
+    op_label = "merged_column_parallel_linear"
+
+    def __init__(self, input_size: int, output_sizes: list[int], bias: bool = True, gather_output: bool = False,
+                 skip_bias_add: bool = False, params_dtype: Any = None, *, return_bias: bool = True,
+                 disable_tp: bool = False, tp: TensorParallel | None = None, enforce_enable: bool = False) -> None:
+        op = self._op
+        if not isinstance(output_sizes, (list, tuple)) or not output_sizes:
+            raise ValueError(f"{op}: argument 'output_sizes' must be a non-empty list of ints, got {output_sizes!r}")
+        self.output_sizes = [_check_positive(op, "output_sizes", s) for s in output_sizes]
+        super().__init__(input_size, sum(self.output_sizes), bias, gather_output, skip_bias_add, params_dtype,
+                         return_bias=return_bias, disable_tp=disable_tp, tp=tp, enforce_enable=enforce_enable)
+        for k, s in enumerate(self.output_sizes):
+            divide(s, self.tp.size, op=op, what=f"output_sizes[{k}]")
+
+    def full_size(self, shard_id: Any = None) -> int:
+        if shard_id is None:
+            return self.output_size
+        if isinstance(shard_id, bool) or not isinstance(shard_id, int) or not 0 <= shard_id < len(self.output_sizes):
+            raise ValueError(f"{self._op}: loaded_shard_id must be None or an int in "
+                             f"[0, {len(self.output_sizes)}), got {shard_id!r}")
+        return self.output_sizes[shard_id]
+
+    def shard_copies(self, shard_id: Any = None, rank: int | None = None) -> list[ShardCopy]:
+        rank, n = self._layout_rank(rank), self.tp.size
+        self.full_size(shard_id)
+        copies, src, dst = [], 0, 0
+        for k, s in enumerate(self.output_sizes):
+            per = s // n
+            if shard_id is None or shard_id == k:
+                start = (src if shard_id is None else 0) + rank * per
+                copies.append(ShardCopy(start, start + per, dst))
+            src, dst = src + s, dst + per
+        return copies
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, output_sizes={self.output_sizes}"
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """The engine's ``QKVParallelLinear(hidden_size, head_size, total_num_heads,
+    total_num_kv_heads=None, ...)``: q, k and v projections in one column-parallel GEMM. Each rank's
+    weight rows are ``[its q heads | its k heads | its v heads]`` (``dualop.parallel.qkv_layout``:
+    kv heads split over the ranks, or each replicated on ``tp / total_num_kv_heads`` ranks when
+    tp >= their number). ``loaded_shard_id`` "q", "k" or "v" loads that projection."""
+
+    op_label = "qkv_parallel_linear"
+
+    def __init__(self, hidden_size: int, head_size: int, total_num_heads: int, total_num_kv_heads: int | None = None,
+                 bias: bool = True, skip_bias_add: bool = False, params_dtype: Any = None, *,
+                 return_bias: bool = True, disable_tp: bool = False, tp: TensorParallel | None = None,
+                 enforce_enable: bool = False) -> None:
+        op = self._op
+        self.hidden_size = _check_positive(op, "hidden_size", hidden_size)
+        self.head_size = _check_positive(op, "head_size", head_size)
+        self.total_num_heads = _check_positive(op, "total_num_heads", total_num_heads)
+        self.total_num_kv_heads = _check_positive(
+            op, "total_num_kv_heads", total_num_heads if total_num_kv_heads is None else total_num_kv_heads)
+        output_size = (self.total_num_heads + 2 * self.total_num_kv_heads) * self.head_size
+        super().__init__(hidden_size, output_size, bias, False, skip_bias_add, params_dtype, return_bias=return_bias,
+                         disable_tp=disable_tp, tp=tp, enforce_enable=enforce_enable)
+
+    def layout(self, rank: int):
+        """Rank ``rank``'s ``dualop.parallel.QKVLayout``."""
+        return qkv_layout(self.total_num_heads, self.total_num_kv_heads, self.head_size, self.tp.size, rank,
+                          op=self._op)
+
+    def _output_per_partition(self) -> int:
+        return self.layout(0).output_size_per_partition  # checks the head counts against tp
+
+    @property
+    def num_heads(self) -> int:
+        return self.layout(0).num_heads
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.layout(0).num_kv_heads
+
+    def full_size(self, shard_id: Any = None) -> int:
+        heads = {None: self.total_num_heads + 2 * self.total_num_kv_heads, "q": self.total_num_heads,
+                 "k": self.total_num_kv_heads, "v": self.total_num_kv_heads}
+        if shard_id not in heads or isinstance(shard_id, bool):
+            raise ValueError(f"{self._op}: loaded_shard_id must be None, 'q', 'k' or 'v', got {shard_id!r}")
+        return heads[shard_id] * self.head_size
+
+    def shard_copies(self, shard_id: Any = None, rank: int | None = None) -> list[ShardCopy]:
+        layout, d = self.layout(self._layout_rank(rank)), self.head_size
+        self.full_size(shard_id)
+        # (part, its first row in the fused checkpoint, first head this rank keeps, heads it keeps)
+        parts = (("q", 0, layout.q_head_start, layout.num_heads),
+                 ("k", self.total_num_heads * d, layout.kv_head_start, layout.num_kv_heads),
+                 ("v", (self.total_num_heads + self.total_num_kv_heads) * d, layout.kv_head_start,
+                  layout.num_kv_heads))
+        copies, dst = [], 0
+        for part, offset, head, count in parts:
+            if shard_id is None or shard_id == part:
+                start = (offset if shard_id is None else 0) + head * d
+                copies.append(ShardCopy(start, start + count * d, dst))
+            dst += count * d
+        return copies
+
+    def extra_repr(self) -> str:
+        return (f"hidden_size={self.hidden_size}, head_size={self.head_size}, total_num_heads={self.total_num_heads}, "
+                f"total_num_kv_heads={self.total_num_kv_heads}, tp_size={self.tp.size}")
+
+
+@CustomOp.register("row_parallel_linear")
+class RowParallelLinear(_Linear):
+    """The engine's ``RowParallelLinear``: ``Y = X A`` with ``A``'s input rows split over the ranks
+    (weight ``[output_size, input_size / tp]``, bias ``[output_size]`` whole). ``x`` is this rank's
+    slice of the input (``input_is_parallel``) or the whole input, which the op slices. Rank 0 adds
+    the bias to its partial sum; the partial sums are all-reduced when ``reduce_results``."""
+
+    weight_split_dim = 1
+    bias_split = False
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = True, input_is_parallel: bool = True,
+                 skip_bias_add: bool = False, params_dtype: Any = None, reduce_results: bool = True, *,
+                 return_bias: bool = True, disable_tp: bool = False, tp: TensorParallel | None = None,
+                 enforce_enable: bool = False) -> None:
+        super().__init__(enforce_enable=enforce_enable)
+        op = "row_parallel_linear"
+        self._setup(op, input_size, output_size, bias, skip_bias_add, params_dtype, return_bias, disable_tp, tp)
+        self.input_is_parallel, self.reduce_results = bool(input_is_parallel), bool(reduce_results)
+        if not self.reduce_results and self.has_bias and not self.skip_bias_add:
+            raise ValueError(f"{op}: When not reduce the results, adding bias to the results can lead to incorrect "
+                             "results (build it with reduce_results=True, skip_bias_add=True or bias=False)")
+        self.input_size_per_partition = divide(self.input_size, self.tp.size, op=op, what="argument 'input_size'")
+        self.output_size_per_partition = self.bias_size = self.output_size
+
+    @property
+    def x_features(self) -> int:
+        return self.input_size_per_partition if self.input_is_parallel else self.input_size
+
+    def _x_features_why(self) -> str:
+        if self.input_is_parallel:
+            return f"input_is_parallel, input_size={self.input_size} / tp {self.tp.size}"
+        return f"input_is_parallel=False, the whole input_size={self.input_size}"
+
+    def _local_input(self, x: Any) -> Any:
+        if self.input_is_parallel or self.tp.size == 1:
+            return x
+        return _rank_slice(x, self.tp.rank, self.input_size_per_partition)
+
+    def _gemm_bias(self, bias: Any) -> Any:
+        """Rank 0's partial sum carries the bias (the engine's ``bias_ = None if tp_rank > 0``)."""
+        if bias is None or self.skip_bias_add:
+            return None
+        rank = self.tp.rank
+        if isinstance(rank, int):
+            return bias if rank == 0 else None
+        return array_namespace(bias).where(rank == 0, bias, 0)  # traced rank (shard_map)
+
+    def _collect(self, y: Any) -> Any:
+        return self.tp.all_reduce(y) if self.reduce_results else y
+
+    def extra_repr(self) -> str:
+        return (f"{super().extra_repr()}, input_is_parallel={self.input_is_parallel}, "
+                f"reduce_results={self.reduce_results}")
+
+
+def check_cases():
+    """Tiny shapes (zero tokens, one token, ragged, 3-D): the GEMM is the vendor's, so these check
+    the paths' plumbing (bias placement, output tuple, dtype), not tiling. ``skip_bias_add`` (the
+    bias passed through, not computed) is tests/test_linear.py's, shared by every path."""
+    from dualop.testing import OpCase, normal
+
+    shapes = ((0, 32), (1, 32), (5, 32), (2, 3, 40))
+
+    def inputs(out: int, bias: bool, in_scale: int = 1):
+        def make(shape, rng):
+            k = shape[-1] // in_scale
+            return (normal(shape, rng), normal((out, k), rng, k ** -0.5), normal((out,), rng) if bias else None)
+
+        return make
+
+    return [
+        OpCase("replicated_linear", "replicated_linear", lambda s: ReplicatedLinear(s[-1], 48, bias=False),
+               inputs(48, False), shapes),
+        OpCase("replicated_linear", "replicated_linear[bias,no_return_bias]",
+               lambda s: ReplicatedLinear(s[-1], 48, return_bias=False), inputs(48, True), shapes),
+        OpCase("column_parallel_linear", "column_parallel_linear[bias]", lambda s: ColumnParallelLinear(s[-1], 48),
+               inputs(48, True), shapes),
+        OpCase("column_parallel_linear", "merged_column_parallel_linear[bias]",
+               lambda s: MergedColumnParallelLinear(s[-1], [24, 40]), inputs(64, True), shapes),
+        OpCase("column_parallel_linear", "qkv_parallel_linear[gqa]",
+               lambda s: QKVParallelLinear(s[-1], 8, 4, 2, bias=False), inputs(64, False), shapes),
+        OpCase("row_parallel_linear", "row_parallel_linear[bias]", lambda s: RowParallelLinear(s[-1], 48),
+               inputs(48, True), shapes),
+    ]

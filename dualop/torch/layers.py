@@ -237,6 +237,124 @@ class FusedMoE(nn.Module):
 __all__.append("FusedMoE")
 
 
+# --- tensor-parallel linear (issue 11) ---------------------------------------------------------
+
+
+class _ParallelLinear(nn.Module):
+    """A linear layer holding THIS rank's shard of its weight (and bias): the engine's classes.
+
+    Built with the op's constructor arguments (``tp=None``: the current group,
+    ``dualop.torch.parallel.init_tensor_parallel_group``); ``forward(x)`` returns what the op
+    returns (``(output, output_bias)`` with ``return_bias``). ``weight_loader(param, loaded_weight,
+    loaded_shard_id=None)`` takes the FULL checkpoint tensor (for merged / QKV layers, one output's
+    or q/k/v's full tensor with its shard id, or the whole fused one with None) and copies this
+    rank's rows into ``param``; the layout is the op's ``checkpoint_layout``. Parameters start at
+    zeros, in ``params_dtype`` (default: torch's default dtype)."""
+
+    op_class: type = ops.ColumnParallelLinear
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__()
+        self.op = self.op_class(*args, **kwargs)
+        dtype = self.op.params_dtype or torch.get_default_dtype()
+        self.weight = nn.Parameter(torch.zeros(self.op.output_size_per_partition, self.op.input_size_per_partition,
+                                               dtype=dtype), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+        if self.op.has_bias:
+            self.bias = nn.Parameter(torch.zeros(self.op.bias_size, dtype=dtype), requires_grad=False)
+            self.bias.weight_loader = self.weight_loader
+        else:
+            self.register_parameter("bias", None)
+
+    @property
+    def tp(self):
+        return self.op.tp
+
+    def forward(self, x: torch.Tensor):
+        return self.op(x, self.weight, self.bias)
+
+    @torch.no_grad()
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, loaded_shard_id: Any = None) -> None:
+        """Copy this rank's part of the full checkpoint tensor ``loaded_weight`` into ``param``."""
+        name = next((n for n, p in self.named_parameters(recurse=False) if p is param), None)
+        if name is None:
+            raise ValueError(f"{type(self).__name__}.weight_loader: param is not a parameter of this layer")
+        full, dim, copies = self.op.checkpoint_layout(name, loaded_shard_id)
+        loaded_weight = torch.as_tensor(loaded_weight)
+        if tuple(loaded_weight.shape) != full:
+            part = "" if loaded_shard_id is None else f" (loaded_shard_id {loaded_shard_id!r})"
+            raise ValueError(f"{type(self).__name__}.weight_loader: {name!r}{part} got shape "
+                             f"{tuple(loaded_weight.shape)}; expected the full checkpoint shape {full}")
+        loaded_weight = loaded_weight.to(device=param.device, dtype=param.dtype)
+        if dim is None:
+            param.copy_(loaded_weight)
+            return
+        for c in copies:
+            n = c.src_stop - c.src_start
+            param.narrow(dim, c.dst_start, n).copy_(loaded_weight.narrow(dim, c.src_start, n))
+
+    def extra_repr(self) -> str:
+        return self.op.extra_repr()
+
+
+def _parallel_linear(op_class: type, doc: str) -> type:
+    return type(op_class.__name__, (_ParallelLinear,), {"op_class": op_class, "__module__": __name__,
+                                                         "__doc__": f"{doc} Over :class:`dualop.ops.{op_class.__name__}`."})
+
+
+ReplicatedLinear = _parallel_linear(
+    ops.ReplicatedLinear, "``ReplicatedLinear(input_size, output_size, bias=True, skip_bias_add=False, "
+    "params_dtype=None, *, return_bias=True, disable_tp=False, tp=None)``: the whole weight on every rank.")
+ColumnParallelLinear = _parallel_linear(
+    ops.ColumnParallelLinear, "``ColumnParallelLinear(input_size, output_size, bias=True, gather_output=False, "
+    "skip_bias_add=False, params_dtype=None, *, return_bias=True, disable_tp=False, tp=None)``: output columns "
+    "split over the ranks.")
+MergedColumnParallelLinear = _parallel_linear(
+    ops.MergedColumnParallelLinear, "``MergedColumnParallelLinear(input_size, output_sizes, bias=True, "
+    "gather_output=False, skip_bias_add=False, params_dtype=None, *, ...)``: several outputs (gate, up) "
+    "side by side, each split over the ranks; ``loaded_shard_id`` is the output's index.")
+QKVParallelLinear = _parallel_linear(
+    ops.QKVParallelLinear, "``QKVParallelLinear(hidden_size, head_size, total_num_heads, total_num_kv_heads=None, "
+    "bias=True, skip_bias_add=False, params_dtype=None, *, ...)``: q, k, v heads per rank (kv heads replicated "
+    "when tp >= their number); ``loaded_shard_id`` is 'q', 'k' or 'v'.")
+RowParallelLinear = _parallel_linear(
+    ops.RowParallelLinear, "``RowParallelLinear(input_size, output_size, bias=True, input_is_parallel=True, "
+    "skip_bias_add=False, params_dtype=None, reduce_results=True, *, ...)``: input rows split over the ranks, "
+    "partial sums all-reduced.")
+
+__all__ += ["ReplicatedLinear", "ColumnParallelLinear", "MergedColumnParallelLinear", "QKVParallelLinear",
+            "RowParallelLinear"]
+
+# --- issue 11: the logits processor (parameterless; the LM head's weight comes with the call) -------
+class LogitsProcessor(nn.Module):
+    """The engine's ``LogitsProcessor(vocab_size, org_vocab_size=None, scale=1.0,
+    logits_as_input=False, soft_cap=None)`` (plus ``padding_size=64`` and ``tp=None``: the current
+    tensor-parallel group). ``forward(lm_head, hidden_states, embedding_bias=None)``: ``lm_head`` is
+    the LM-head layer (anything with a ``weight``: ``ParallelLMHead``, ``nn.Linear``) or its weight,
+    this rank's vocabulary-parallel shard; returns the gathered logits ``[..., org_vocab_size]``
+    (see :class:`dualop.ops.LogitsProcessor`). With ``logits_as_input`` ``lm_head`` may be None."""
+
+    def __init__(self, vocab_size: int, org_vocab_size: int | None = None, scale: float = 1.0,
+                 logits_as_input: bool = False, soft_cap: float | None = None, *, padding_size: int = 64,
+                 tp: Any = None) -> None:
+        super().__init__()
+        self.op = ops.LogitsProcessor(vocab_size, org_vocab_size, scale, logits_as_input, soft_cap,
+                                      padding_size=padding_size, tp=tp)
+
+    def forward(self, lm_head: Any, hidden_states: torch.Tensor,
+                embedding_bias: torch.Tensor | None = None) -> torch.Tensor:
+        weight = lm_head if lm_head is None or isinstance(lm_head, torch.Tensor) else lm_head.weight
+        if weight is None and self.op.logits_as_input:
+            weight = hidden_states  # read only for its frontend (the op's docstring)
+        return self.op(weight, hidden_states, embedding_bias)
+
+    def extra_repr(self) -> str:
+        return self.op.extra_repr()
+
+
+__all__.append("LogitsProcessor")
+
+
 class _ConvLayer(nn.Module):
     """The engine's ConvLayerBase as an nn.Module: ``weight`` ``[out, in / groups, *kernel]`` and
     ``bias`` ``[out]`` (or None) as parameters, initialised as torch.nn.ConvNd's, so a torch Conv

@@ -15,7 +15,8 @@ The rule (``op_signature``, the one place it lives):
 - the output, from the return annotation: an array (or none) is ``Tensor``; ``tuple[A, B]`` is
   ``(Tensor, Tensor)``, an item ``Any | None`` (an output that is None when an optional input is,
   as rotary_embedding's key) ``Tensor?``; a union of an array and tuples (the number of outputs depends on the call,
-  as rms_norm's residual does) is ``Tensor[]``. One variable-length output rather than an overload
+  as rms_norm's residual does) is ``Tensor[]``, or ``Tensor?[]`` when a tuple has an optional item
+  (the linear ops' ``(output, output_bias)``, whose bias is None unless ``skip_bias_add``). One variable-length output rather than an overload
   per output count: the count follows from which optional inputs are given, which only the op's
   body knows, and one schema per op keeps ``torch.ops.dualop.<name>`` the single name for it.
 
@@ -106,7 +107,7 @@ class OpSignature:
     @property
     def output_count(self) -> int | None:
         """How many tensors a call returns (None: it depends on the call)."""
-        if self.returns == "Tensor[]":
+        if self.returns in ("Tensor[]", "Tensor?[]"):
             return None
         return self.returns.count("Tensor")  # "Tensor?" included
 
@@ -171,9 +172,9 @@ def _return_type(op: str, hint: Any) -> str:
         return "(" + ", ".join(fixed_tuple(hint)) + ")"
     if is_tuple(hint) and typing.get_args(hint)[1:] == (Ellipsis,):
         return "Tensor[]"
-    if members and all(m in _ARRAY_HINTS or (is_tuple(m) and fixed_tuple(m) and "Tensor?" not in fixed_tuple(m))
-                       for m in members):
-        return "Tensor[]"
+    if members and all(m in _ARRAY_HINTS or (is_tuple(m) and fixed_tuple(m)) for m in members):
+        optional = any(is_tuple(m) and "Tensor?" in fixed_tuple(m) for m in members)
+        return "Tensor?[]" if optional else "Tensor[]"
     raise TypeError(
         f"{op}: forward_native's return annotation {hint!r} has no torch.library output type; annotate it "
         f"Any (one array), tuple[Any, Any] (a fixed number), or Any | tuple[Any, Any] (depends on the call)"
