@@ -29,6 +29,7 @@ __all__ = [
     "ragged_paged_attention_cost",
     "experts_used",
     "fused_moe_cost",
+    "embedding_gather_cost",
 ]
 
 
@@ -166,3 +167,9 @@ def fused_moe_cost(tokens: int, top_k: int, num_experts: int, hidden: int, inter
     return KernelCost(flops=2 * rows * hidden * (w13_rows + intermediate),
                       transcendentals=rows * intermediate if gated else 0,
                       bytes_accessed=weight_bytes + activations)
+
+
+def embedding_gather_cost(tokens: int, dim: int, itemsize: int) -> KernelCost:
+    """Vocabulary embedding lookup: read the ids (int32) and one weight row per token, write the
+    ``[tokens, dim]`` output (the roofline minimum: every token's row fetched, none cached)."""
+    return KernelCost(flops=0, transcendentals=0, bytes_accessed=2 * tokens * dim * itemsize + 4 * tokens)
