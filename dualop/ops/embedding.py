@@ -52,7 +52,7 @@ from dualop.ops._checks import check_array, check_optional_like, cpu_declines, d
 from dualop.parallel import TensorParallel, VocabShard, current_tensor_parallel, vocab_shard
 from dualop.platforms import family_of, frontend_of
 
-__all__ = ["VocabParallelEmbedding", "ParallelLMHead", "masked_vocab_lookup"]
+__all__ = ["VocabParallelEmbedding", "ParallelLMHead", "masked_vocab_lookup", "checkpoint_row_segments"]
 
 _PALLAS_EMBEDDING = KernelRef("dualop.kernels.pallas.embedding", "vocab_embedding")
 _TRITON_EMBEDDING = KernelRef("dualop.kernels.cuda.embedding", "vocab_embedding")
@@ -80,6 +80,24 @@ def masked_vocab_lookup(input_ids: Any, weight_shard: Any, bounds: Any) -> Any:
     rows = xp.take(weight_shard, xp.where(valid, local, 0 * input_ids), axis=0)
     zero = xp.asarray(0, like=weight_shard)
     return xp.where(xp.reshape(valid, (*valid.shape, 1)), rows, zero)
+
+
+def checkpoint_row_segments(shard: VocabShard, checkpoint_rows: int, *, layer: str, param: str,
+                            trailing: tuple[int, ...]) -> list[tuple[int, int, int]]:
+    """How a full checkpoint tensor fills one rank's shard, as ``(shard_row, checkpoint_row, count)``
+    copies (every other row of the shard is zero): its base ids, then (when the checkpoint also
+    holds the added ids, ``num_embeddings`` rows) its added ids after the base padding. A checkpoint
+    of ``org_num_embeddings`` rows (the engine's: added/LoRA rows come from elsewhere) fills the
+    base only. Any other row count is a ``ValueError`` naming ``layer``, ``param`` and the expected
+    full shapes (``trailing``: the dims after the vocabulary one)."""
+    if checkpoint_rows not in (shard.org_num_embeddings, shard.num_embeddings):
+        shapes = {(shard.org_num_embeddings, *trailing), (shard.num_embeddings, *trailing)}
+        raise ValueError(f"{layer}.weight_loader: the full tensor for parameter {param!r} has "
+                         f"{checkpoint_rows} vocabulary rows; expected shape {' or '.join(map(str, sorted(shapes)))}")
+    segments = [(0, shard.org_vocab_start, shard.num_org_elements)]
+    if checkpoint_rows == shard.num_embeddings and shard.num_added_elements:
+        segments.append((shard.num_org_elements_padded, shard.added_vocab_start, shard.num_added_elements))
+    return [seg for seg in segments if seg[2] > 0]
 
 
 def _known_id_range(input_ids: Any, frontend: str) -> tuple[int, int] | None:
