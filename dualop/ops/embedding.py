@@ -213,6 +213,9 @@ class VocabParallelEmbedding(CustomOp):
 
     def forward_tpu(self, input_ids: Any, weight_shard: Any) -> Any:
         fe = frontend_of(input_ids)
+        if dtype_name(weight_shard) == "float16":  # seen refused by Mosaic: "Invalid vector register cast"
+            raise NotImplementedError(f"{type(self).name}: the Pallas kernel takes float32 and bfloat16 tables "
+                                      "(Mosaic refuses its 16-bit float16 unpacking)")
         if dtype_name(weight_shard) != "float32" and weight_shard.shape[0] % 2:
             raise NotImplementedError(f"{type(self).name}: the Pallas kernel reads 16-bit rows in pairs and needs an "
                                       f"even row count per shard (got {weight_shard.shape[0]})")

@@ -9,10 +9,20 @@ rank inside ``shard_map``), so it is data, not a static argument.
 
 Layout: the weight stays in HBM (``memory_space=pl.ANY``); only the rows the tokens need move.
 The ids and the bounds are scalar-prefetched to SMEM (ids padded to whole blocks with -1, which
-every bound excludes). Grid over blocks of tokens; each step zeroes its ``(block, D)`` output block
-in VMEM, then for every token whose id is in this shard starts one DMA ``weight[row] -> out[i]``
-(one semaphore per row of the block, all of them in flight at once), then waits for them. A masked
-id costs no DMA. The output block is written back by the pipeline as usual.
+every bound excludes). Grid over blocks of tokens; each step starts, for every token whose id is in
+this shard, one DMA of its row into a ``(block, D)`` VMEM buffer (one semaphore per row, all in
+flight at once; a masked id costs no DMA), waits for them, then writes the output block in one
+vector pass that applies the shard mask (masked rows zero) from the same ids, also given as a
+``(block, 1)`` VMEM block.
+
+16-bit tables: Mosaic moves 16-bit arrays in whole (16, 128) tiles and refuses a one-row slice
+(seen: "Slice sizes along tiled dimensions must be aligned to tiles"), so the kernel reads the
+table as the 32-bit words that hold it (``ref.bitcast(uint32)``: rows 2k and 2k+1 share a word row,
+row 2k in the low half, ``pltpu.bitcast``'s packing), fetches word row ``row // 2`` and keeps the
+half the row's parity selects. The shard must have an even row count (the op declines otherwise).
+The interpreters cannot DMA through a bitcast ref, so there the wrapper passes the words made by
+``pltpu.bitcast`` on the array (the same reinterpretation, done by XLA); the in-kernel bitcast is
+checked by the real TPU compiler (``dualop compile``), not by running it.
 """
 
 from __future__ import annotations
@@ -108,10 +118,7 @@ def _kernel(ids_ref, bounds_ref, ids_block_ref, weight_ref, out_ref, words_ref, 
     fetched = words_ref[...]
     if packing == 2:
         half = jnp.where((row & 1) == 1, fetched >> 16, fetched & 0xFFFF)
-        if out_ref.dtype == jnp.bfloat16:  # a bfloat16 is the top half of the float32 it widens to
-            fetched = pltpu.bitcast(half << 16, jnp.float32)
-        else:
-            fetched = jax.lax.bitcast_convert_type(half.astype(jnp.uint16), out_ref.dtype)
+        fetched = pltpu.bitcast(half << 16, jnp.float32)  # a bfloat16 is the top half of its float32
     out_ref[...] = jnp.where(valid, fetched, 0).astype(out_ref.dtype)
 
 
@@ -130,6 +137,9 @@ def vocab_embedding(ids, weight, bounds, *, interpret=False, block_tokens: int |
     itemsize = jnp.dtype(weight.dtype).itemsize
     word_dtype = weight.dtype if itemsize == 4 else jnp.uint32
     prepacked = itemsize != 4 and interpret is not False
+    if weight.dtype not in (jnp.float32, jnp.bfloat16):
+        raise ValueError(f"vocab_embedding: float32 or bfloat16 tables, got {weight.dtype} (Mosaic refuses float16's "
+                         "unpacking)")
     if weight.shape[0] % (4 // itemsize):
         raise ValueError(f"vocab_embedding: 16-bit weights need an even row count, got {weight.shape[0]}")
     grid_spec = pltpu.PrefetchScalarGridSpec(
