@@ -227,6 +227,7 @@ _JAX_SCRIPT = textwrap.dedent("""
     import json, os
     os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
     import numpy as np, jax, jax.numpy as jnp
+    import dualop
     from dualop.jax import layers
     from dualop.jax.parallel import tensor_parallel_mesh
 
@@ -248,6 +249,11 @@ _JAX_SCRIPT = textwrap.dedent("""
                 got = jax.jit(lambda i: layer(i))(ids)
                 row[f"tp{n}"] = bool(np.array_equal(np.asarray(got.astype(jnp.float32)), base))
                 row[f"shard{n}"] = [int(s.data.shape[0]) for s in layer.weight[...].addressable_shards]
+                if vocab == 1026:  # the Pallas kernel (interpreted) per rank, the rank traced in shard_map
+                    with dualop.override_platform("tpu"):
+                        got = jax.jit(lambda i: layer(i))(ids)
+                    row[f"pallas{n}"] = (bool(np.array_equal(np.asarray(got.astype(jnp.float32)), base))
+                                         and layer.op.last_run("jax", "tpu")[0] == "forward_tpu")
             out.append(row)
     head = layers.ParallelLMHead(1026, 8, bias=True, org_num_embeddings=1010, mesh=tensor_parallel_mesh(2))
     emb = layers.VocabParallelEmbedding(1026, 8, org_num_embeddings=1010, mesh=tensor_parallel_mesh(2))
@@ -257,6 +263,7 @@ _JAX_SCRIPT = textwrap.dedent("""
 
 
 def test_jax_layers_at_tp2_and_tp4_equal_tp1_and_jnp_take():
+    """Native bodies and (1026-id vocabulary) the interpreted Pallas kernel per rank."""
     importlib.import_module("jax")
     importlib.import_module("flax")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
@@ -270,4 +277,6 @@ def test_jax_layers_at_tp2_and_tp4_equal_tp1_and_jnp_take():
         assert row["tp1"] and row["tp2"] and row["tp4"], row
     docstring = embeddings[0]  # 1010 + 16 added, padding 64: 1088 rows, 544 per rank at tp 2
     assert docstring["shard2"] == [544, 544] and docstring["shard4"] == [272] * 4
+    for row in embeddings[:2]:  # float32 and bfloat16 through the Pallas kernel inside shard_map
+        assert row["pallas2"] and row["pallas4"], row
     assert head == dict(tied=True, bias=[1088])
