@@ -243,7 +243,9 @@ class VocabParallelEmbedding(nnx.Module):
         self.weight = nnx.Param(self._place(jnp.zeros((rows, embedding_dim), params_dtype or jnp.float32)))
 
     def _make_op(self, num_embeddings, embedding_dim, params_dtype, org_num_embeddings, padding_size, tp):
-        return self.op_class(num_embeddings, embedding_dim, params_dtype, org_num_embeddings, padding_size, tp)
+        # params_dtype stays with the layer (the op does not use it, and a dtype object would keep
+        # torch.compile from rebuilding the op from its constructor call)
+        return self.op_class(num_embeddings, embedding_dim, None, org_num_embeddings, padding_size, tp)
 
     def _place(self, array):
         """``array`` split over the mesh axis on its first (vocabulary) dim; as is without a mesh."""
@@ -325,7 +327,7 @@ class ParallelLMHead(VocabParallelEmbedding):
         self.bias = nnx.Param(self._place(jnp.zeros((rows,), self.weight.dtype))) if bias else None
 
     def _make_op(self, num_embeddings, embedding_dim, params_dtype, org_num_embeddings, padding_size, tp):
-        return self.op_class(num_embeddings, embedding_dim, self._has_bias, params_dtype, org_num_embeddings,
+        return self.op_class(num_embeddings, embedding_dim, self._has_bias, None, org_num_embeddings,
                              padding_size, tp)
 
     def tie_weights(self, embed_tokens: VocabParallelEmbedding) -> ParallelLMHead:

@@ -264,7 +264,9 @@ class VocabParallelEmbedding(nn.Module):
         self.weight.weight_loader = self.weight_loader
 
     def _make_op(self, num_embeddings, embedding_dim, params_dtype, org_num_embeddings, padding_size, tp):
-        return self.op_class(num_embeddings, embedding_dim, params_dtype, org_num_embeddings, padding_size, tp)
+        # params_dtype stays with the layer (the op does not use it, and a dtype object would keep
+        # torch.compile from rebuilding the op from its constructor call)
+        return self.op_class(num_embeddings, embedding_dim, None, org_num_embeddings, padding_size, tp)
 
     @torch.no_grad()
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, loaded_shard_id: Any = None) -> None:
@@ -312,7 +314,7 @@ class ParallelLMHead(VocabParallelEmbedding):
             self.register_parameter("bias", None)
 
     def _make_op(self, num_embeddings, embedding_dim, params_dtype, org_num_embeddings, padding_size, tp):
-        return self.op_class(num_embeddings, embedding_dim, self._bias, params_dtype, org_num_embeddings,
+        return self.op_class(num_embeddings, embedding_dim, self._bias, None, org_num_embeddings,
                              padding_size, tp)
 
     def tie_weights(self, embed_tokens: VocabParallelEmbedding) -> ParallelLMHead:
