@@ -238,3 +238,36 @@ SHARDED_LAYERS += [
     ShardedLayer("logits_processor[tp,soft_cap]", "logits_processor", _TP_LOGITS, _TP_LOGITS_SERVING,
                  _tp_logits_layer),
 ]
+
+
+# --- tensor-parallel vocabulary embedding ---------------------------------------------------------
+# (tokens, num_embeddings, org_num_embeddings, embedding_dim): the table's padded rows split over
+# the "x" axis (rank-major, as dualop.jax.layers.VocabParallelEmbedding holds it), ids replicated,
+# each chip's Pallas gather of its rows, then one all-reduce. Small: the engine docstring's
+# vocabulary (1010 + 16 added ids: 1024 base + 64 added rows), D 256; serving: Llama-3-70B's vocab
+# 128256 at hidden 8192, a 16-token decode batch and an 8192-token prefill.
+_VOCAB_SMALL = ((64, 1026, 1010, 256),)
+_VOCAB_SERVING = ((16, 128256, 128256, 8192), (8192, 128256, 128256, 8192))
+
+
+def _vocab_embedding_layer(mesh, shape, dtype):
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from dualop.jax.parallel import AxisTensorParallel, shard_map
+    from dualop.ops import VocabParallelEmbedding
+
+    tokens, vocab, org, dim = shape
+    op = VocabParallelEmbedding(vocab, dim, org_num_embeddings=org, tp=AxisTensorParallel("x", mesh.shape["x"]))
+    rows = mesh.shape["x"] * op.num_embeddings_per_partition
+    args = (jax.ShapeDtypeStruct((tokens,), jnp.int32, sharding=NamedSharding(mesh, PartitionSpec())),
+            jax.ShapeDtypeStruct((rows, dim), jnp.dtype(dtype), sharding=NamedSharding(mesh, PartitionSpec("x", None))))
+    fn = shard_map(op, mesh=mesh, in_specs=(PartitionSpec(), PartitionSpec("x", None)), out_specs=PartitionSpec())
+    return fn, args
+
+
+SHARDED_LAYERS += [
+    ShardedLayer("vocab_parallel_embedding[tp]", "vocab_parallel_embedding", _VOCAB_SMALL, _VOCAB_SERVING,
+                 _vocab_embedding_layer),
+]

@@ -532,3 +532,20 @@ def _patch_embed_op(shape: tuple[int, ...]):
 
 SERVING_INPUTS.update({"conv2d": _patch_embed_inputs, "conv3d": _patch_embed_inputs})
 _SERVING_MAKE_OP.update({"conv2d[patch]": _patch_embed_op, "conv3d[patch]": _patch_embed_op})
+
+
+# --- vocab_parallel_embedding: (tokens, num_embeddings, org_num_embeddings, embedding_dim) ---------
+# Llama-3-70B's table (vocab 128256, hidden 8192) at one device: a 16-token decode batch and an
+# 8192-token prefill; the ids are int32, the table this rank's padded rows.
+SERVING_SHAPES["vocab_parallel_embedding"] = ((16, 128256, 128256, 8192), (8192, 128256, 128256, 8192))
+
+
+def _vocab_embedding_inputs(shape: tuple[int, ...]) -> tuple:
+    from dualop.parallel import vocab_shard
+
+    tokens, vocab, org, dim = shape
+    rows = vocab_shard(vocab, org).num_embeddings_per_partition
+    return (InputSpec((tokens,), "int32"), InputSpec((rows, dim), None))
+
+
+SERVING_INPUTS["vocab_parallel_embedding"] = _vocab_embedding_inputs

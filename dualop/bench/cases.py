@@ -793,3 +793,45 @@ def _jax_conv(op):
 CASES = (*CASES, *(BenchCase(label, label.split("[")[0], _patch_embed(label), _patch_embed_inputs, _patch_embed_cost,
                              _torch_conv, _jax_conv, default=False, shape_of=_patch_embed_shape(label), matrix=True)
                    for label in PATCH_EMBEDS))
+
+
+# --- vocab_parallel_embedding: the token embedding gather (issue 11) --------------------------------
+# The bench size (tokens, D) is the ids' count and the embedding dim over Llama-3's vocabulary of
+# 128256 rows (one device: the whole padded table): ``64xD`` is a decode step, ``4096xD`` a prefill
+# (Llama-3-8B's D is 4096; the table then takes 1 GiB in bfloat16, 2 GiB in float32, so smoke runs
+# here use a smaller D). Peers: ``F.embedding`` and ``jnp.take`` on the same table.
+EMBEDDING_VOCAB = 128256
+
+
+def _vocab_embedding(dim: int):
+    from dualop.ops import VocabParallelEmbedding
+
+    return VocabParallelEmbedding(EMBEDDING_VOCAB, dim)
+
+
+def _vocab_embedding_inputs(shape, rng):
+    from dualop.testing import Pinned
+
+    tokens, dim = shape
+    ids = Pinned(rng.integers(0, EMBEDDING_VOCAB, tokens).astype(np.int32), "int32")
+    return (ids, rng.standard_normal((EMBEDDING_VOCAB, dim), dtype=np.float32))
+
+
+def _vocab_embedding_cost(op, shape, itemsize) -> KernelCost:
+    return cost_model.embedding_gather_cost(shape[0], shape[1], itemsize)
+
+
+def _torch_embedding(op):
+    import torch.nn.functional as F
+
+    return lambda input_ids, weight: F.embedding(input_ids, weight)
+
+
+def _jax_take(op):
+    import jax.numpy as jnp
+
+    return lambda input_ids, weight: jnp.take(weight, input_ids, axis=0)
+
+
+CASES = (*CASES, BenchCase("vocab_parallel_embedding", "vocab_parallel_embedding", _vocab_embedding,
+                           _vocab_embedding_inputs, _vocab_embedding_cost, _torch_embedding, _jax_take, default=False))

@@ -523,3 +523,130 @@ class Conv3dLayer(_ConvLayer):
 
 
 __all__ += ["Conv2dLayer", "Conv3dLayer"]
+
+
+# --- tensor-parallel vocabulary embedding and LM head (issue 11) ----------------------------------
+
+
+class VocabParallelEmbedding(nnx.Module):
+    """``VocabParallelEmbedding(num_embeddings, embedding_dim, params_dtype=None,
+    org_num_embeddings=None, padding_size=64, mesh=None, axis="tp")``; ``__call__(input_ids)`` ->
+    ``[..., D]``. Twin of ``dualop.torch.layers.VocabParallelEmbedding``.
+
+    ``weight`` is ONE global ``[tp * num_embeddings_per_partition, D]`` array, rank-major (rows
+    ``[r * P, (r + 1) * P)`` are rank r's padded shard), placed with ``NamedSharding(mesh,
+    P(axis, None))``; ``__call__`` runs the op per rank under ``shard_map`` (ids replicated, the
+    op's ``psum`` over ``axis`` inside). ``mesh`` None: one device, the op called directly.
+    ``weight_loader(param_name, full)``: the full checkpoint table, laid out here."""
+
+    op_class: type = ops.VocabParallelEmbedding
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, params_dtype: Any = None,
+                 org_num_embeddings: int | None = None, padding_size: int = 64, mesh: Any = None,
+                 axis: str = "tp") -> None:
+        self.mesh, self.axis = mesh, axis
+        self.op = self._make_op(num_embeddings, embedding_dim, params_dtype, org_num_embeddings, padding_size,
+                                _tensor_parallel(mesh, axis, self.op_class.name))
+        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        self.num_embeddings_per_partition = self.op.num_embeddings_per_partition
+        rows = self.op.tp.size * self.num_embeddings_per_partition
+        self.weight = nnx.Param(self._place(jnp.zeros((rows, embedding_dim), params_dtype or jnp.float32)))
+
+    def _make_op(self, num_embeddings, embedding_dim, params_dtype, org_num_embeddings, padding_size, tp):
+        # params_dtype stays with the layer (the op does not use it, and a dtype object would keep
+        # torch.compile from rebuilding the op from its constructor call)
+        return self.op_class(num_embeddings, embedding_dim, None, org_num_embeddings, padding_size, tp)
+
+    def _place(self, array):
+        """``array`` split over the mesh axis on its first (vocabulary) dim; as is without a mesh."""
+        if self.mesh is None:
+            return array
+        import jax
+        from jax.sharding import NamedSharding, PartitionSpec
+
+        spec = PartitionSpec(self.axis, *([None] * (array.ndim - 1)))
+        return jax.device_put(array, NamedSharding(self.mesh, spec))
+
+    def weight_loader(self, param_name: str, loaded_weight: Any, loaded_shard_id: Any = None) -> None:
+        """Lay the full checkpoint tensor (``[org_num_embeddings, ...]`` or ``[num_embeddings, ...]``)
+        out rank-major into parameter ``param_name`` (``"weight"``, or the LM head's ``"bias"``)."""
+        import numpy as np
+
+        from dualop.ops.embedding import checkpoint_row_segments
+
+        layer = type(self).__name__
+        param = getattr(self, param_name, None)
+        if not isinstance(param, nnx.Param):
+            raise ValueError(f"{layer}.weight_loader: no parameter {param_name!r}")
+        current = param[...]
+        full = np.asarray(_as_jax(loaded_weight, jnp.float32))
+        per_rank = self.num_embeddings_per_partition
+        if full.shape[1:] != current.shape[1:]:
+            trailing = "".join(f", {d}" for d in current.shape[1:])
+            raise ValueError(f"{layer}.weight_loader: the full tensor for parameter {param_name!r} has shape "
+                             f"{full.shape}; expected ({self.op.org_vocab_size}{trailing}) or "
+                             f"({self.num_embeddings}{trailing})")
+        laid_out = np.zeros(current.shape, np.float32)
+        for rank in range(self.op.tp.size):
+            segments = checkpoint_row_segments(self.op.shard(rank), full.shape[0], layer=layer, param=param_name,
+                                               trailing=tuple(current.shape[1:]))
+            for dst, src, count in segments:
+                laid_out[rank * per_rank + dst:rank * per_rank + dst + count] = full[src:src + count]
+        param.value = self._place(jnp.asarray(laid_out, current.dtype))
+
+    def _per_rank(self, fn, input_ids, *arrays):
+        """``fn(input_ids, *shards)`` on each rank (``shard_map``; ids replicated), or directly."""
+        if self.mesh is None:
+            return fn(input_ids, *arrays)
+        from jax.sharding import PartitionSpec
+
+        from dualop.jax.parallel import shard_map
+
+        specs = tuple(PartitionSpec(self.axis, *([None] * (a.ndim - 1))) for a in arrays)
+        return shard_map(fn, mesh=self.mesh, in_specs=(PartitionSpec(), *specs), out_specs=PartitionSpec())(
+            input_ids, *arrays)
+
+    def __call__(self, input_ids):
+        return self._per_rank(self.op, input_ids, self.weight[...])
+
+
+def _tensor_parallel(mesh: Any, axis: str, op: str):
+    """The ``TensorParallel`` of a layer: one device without a mesh, else ``axis`` of it."""
+    from dualop.jax.parallel import AxisTensorParallel, axis_size
+    from dualop.parallel import TensorParallel
+
+    if mesh is None:
+        return TensorParallel()
+    return AxisTensorParallel(axis, axis_size(mesh, axis, op=op))
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """``ParallelLMHead(num_embeddings, embedding_dim, bias=False, params_dtype=None,
+    org_num_embeddings=None, padding_size=64, mesh=None, axis="tp")``: the embedding's global
+    rank-major weight (and a ``bias`` the same way when ``bias``) for the logits processor; calling
+    it raises, as in the engine. ``tie_weights(embed_tokens)`` shares the embedding's ``nnx.Param``."""
+
+    op_class: type = ops.ParallelLMHead
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, bias: bool = False, params_dtype: Any = None,
+                 org_num_embeddings: int | None = None, padding_size: int = 64, mesh: Any = None,
+                 axis: str = "tp") -> None:
+        self._has_bias = bool(bias)
+        super().__init__(num_embeddings, embedding_dim, params_dtype, org_num_embeddings, padding_size, mesh, axis)
+        rows = self.op.tp.size * self.num_embeddings_per_partition
+        self.bias = nnx.Param(self._place(jnp.zeros((rows,), self.weight.dtype))) if bias else None
+
+    def _make_op(self, num_embeddings, embedding_dim, params_dtype, org_num_embeddings, padding_size, tp):
+        return self.op_class(num_embeddings, embedding_dim, self._has_bias, None, org_num_embeddings,
+                             padding_size, tp)
+
+    def tie_weights(self, embed_tokens: VocabParallelEmbedding) -> ParallelLMHead:
+        """Use ``embed_tokens``' weight ``nnx.Param`` as this head's (the same object); returns self."""
+        if tuple(embed_tokens.weight.shape) != tuple(self.weight.shape):
+            raise ValueError(f"ParallelLMHead.tie_weights: the embedding's weight is {tuple(embed_tokens.weight.shape)}; "
+                             f"expected {tuple(self.weight.shape)}")
+        self.weight = embed_tokens.weight
+        return self
+
+
+__all__ += ["VocabParallelEmbedding", "ParallelLMHead"]

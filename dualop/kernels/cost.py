@@ -31,6 +31,7 @@ __all__ = [
     "fused_moe_cost",
     "linear_cost",
     "logits_processor_cost",
+    "embedding_gather_cost",
 ]
 
 
@@ -199,3 +200,7 @@ def patch_embed_cost(patches: int, patch_size: int, out_channels: int, itemsize:
 
 
 __all__ += ["patch_embed_cost"]
+def embedding_gather_cost(tokens: int, dim: int, itemsize: int) -> KernelCost:
+    """Vocabulary embedding lookup: read the ids (int32) and one weight row per token, write the
+    ``[tokens, dim]`` output (the roofline minimum: every token's row fetched, none cached)."""
+    return KernelCost(flops=0, transcendentals=0, bytes_accessed=2 * tokens * dim * itemsize + 4 * tokens)

@@ -431,3 +431,98 @@ class Conv3dLayer(_ConvLayer):
 
 
 __all__ += ["Conv2dLayer", "Conv3dLayer"]
+
+
+# --- tensor-parallel vocabulary embedding and LM head (issue 11) ----------------------------------
+
+
+class VocabParallelEmbedding(nn.Module):
+    """``VocabParallelEmbedding(num_embeddings, embedding_dim, params_dtype=None,
+    org_num_embeddings=None, padding_size=64, tp=None)``; ``forward(input_ids)`` -> ``[..., D]``.
+
+    Holds THIS rank's ``[num_embeddings_per_partition, embedding_dim]`` rows of the padded table
+    (``dualop.ops.embedding``; padding rows zero) as ``weight``; ``tp`` None: the current group
+    (``dualop.torch.parallel.init_tensor_parallel_group``). ``weight_loader(param, full)`` takes the
+    full checkpoint table (``[org_num_embeddings, D]`` as the engine's checkpoints hold it, or
+    ``[num_embeddings, D]`` with the added rows) and keeps this rank's rows."""
+
+    op_class: type = ops.VocabParallelEmbedding
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, params_dtype: torch.dtype | None = None,
+                 org_num_embeddings: int | None = None, padding_size: int = 64, tp: Any = None) -> None:
+        super().__init__()
+        self.op = self._make_op(num_embeddings, embedding_dim, params_dtype, org_num_embeddings, padding_size, tp)
+        self.tp = self.op.tp
+        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        self.num_embeddings_per_partition = self.op.num_embeddings_per_partition
+        self.weight = nn.Parameter(torch.zeros(self.num_embeddings_per_partition, embedding_dim,
+                                               dtype=params_dtype or torch.get_default_dtype()))
+        self.weight.weight_loader = self.weight_loader
+
+    def _make_op(self, num_embeddings, embedding_dim, params_dtype, org_num_embeddings, padding_size, tp):
+        # params_dtype stays with the layer (the op does not use it, and a dtype object would keep
+        # torch.compile from rebuilding the op from its constructor call)
+        return self.op_class(num_embeddings, embedding_dim, None, org_num_embeddings, padding_size, tp)
+
+    @torch.no_grad()
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, loaded_shard_id: Any = None) -> None:
+        """Copy this rank's rows of the full checkpoint tensor ``loaded_weight`` into ``param``."""
+        from dualop.ops.embedding import checkpoint_row_segments
+
+        name = next((n for n, p in self.named_parameters() if p is param), "weight")
+        layer = type(self).__name__
+        if loaded_weight.shape[1:] != param.shape[1:]:
+            raise ValueError(f"{layer}.weight_loader: the full tensor for parameter {name!r} has shape "
+                             f"{tuple(loaded_weight.shape)}; expected ({self.op.org_vocab_size}"
+                             f"{''.join(f', {d}' for d in param.shape[1:])}) or ({self.num_embeddings}"
+                             f"{''.join(f', {d}' for d in param.shape[1:])})")
+        segments = checkpoint_row_segments(self.op.shard(), loaded_weight.shape[0], layer=layer, param=name,
+                                           trailing=tuple(param.shape[1:]))
+        param.zero_()
+        for dst, src, count in segments:
+            param[dst:dst + count].copy_(loaded_weight[src:src + count])
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.op(input_ids, self.weight)
+
+    def extra_repr(self) -> str:
+        return self.op.extra_repr()
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """``ParallelLMHead(num_embeddings, embedding_dim, bias=False, params_dtype=None,
+    org_num_embeddings=None, padding_size=64, tp=None)``: the embedding's weight layout (this rank's
+    padded rows, rank-major) for the output projection, plus a ``[num_embeddings_per_partition]``
+    ``bias`` shard when ``bias``. No forward (as the engine's): pass ``weight`` to the logits
+    processor. ``tie_weights(embed_tokens)`` shares the embedding's parameter."""
+
+    op_class: type = ops.ParallelLMHead
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, bias: bool = False,
+                 params_dtype: torch.dtype | None = None, org_num_embeddings: int | None = None,
+                 padding_size: int = 64, tp: Any = None) -> None:
+        self._bias = bool(bias)
+        super().__init__(num_embeddings, embedding_dim, params_dtype, org_num_embeddings, padding_size, tp)
+        if bias:
+            self.bias = nn.Parameter(torch.zeros(self.num_embeddings_per_partition, dtype=self.weight.dtype))
+            self.bias.weight_loader = self.weight_loader
+        else:
+            self.register_parameter("bias", None)
+
+    def _make_op(self, num_embeddings, embedding_dim, params_dtype, org_num_embeddings, padding_size, tp):
+        return self.op_class(num_embeddings, embedding_dim, self._bias, None, org_num_embeddings,
+                             padding_size, tp)
+
+    def tie_weights(self, embed_tokens: VocabParallelEmbedding) -> ParallelLMHead:
+        """Use ``embed_tokens``' weight parameter as this head's (the same object); returns self."""
+        if tuple(embed_tokens.weight.shape) != tuple(self.weight.shape):
+            raise ValueError(f"ParallelLMHead.tie_weights: the embedding's weight shard is "
+                             f"{tuple(embed_tokens.weight.shape)}; expected {tuple(self.weight.shape)}")
+        self.weight = embed_tokens.weight
+        return self
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.op(input_ids, self.weight)  # raises: the LM head is applied by the logits processor
+
+
+__all__ += ["VocabParallelEmbedding", "ParallelLMHead"]

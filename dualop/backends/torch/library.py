@@ -285,13 +285,11 @@ def library_op(name: str):  # noqa: C901 - one op's real, fake and autograd kern
         op = ctor_spec.build(ctx.ctor)
         saved = iter(ctx.saved_tensors)
         with torch.enable_grad():
+            # integer inputs (ids, positions) cannot require gradients: only floating ones are leaves
             leaves = [
-                next(saved).detach().requires_grad_(True) if present else other
+                _grad_leaf(next(saved)) if present else other
                 for present, other in zip(ctx.present, ctx.others)
             ]
-            for t in leaves:
-                if isinstance(t, torch.Tensor) and not t.is_floating_point():
-                    t.requires_grad_(False)
             args, kwargs = sig.bind(leaves)
             result = op.forward_native(*args, **kwargs)
             outs = list(result) if isinstance(result, tuple) else [result]
@@ -427,3 +425,8 @@ def compiled_call(op: CustomOp, args: tuple, kwargs: dict) -> Any:
     if isinstance(out, list):  # Tensor[]: as the op's own call returns it, one array or a tuple
         return out[0] if len(out) == 1 else tuple(out)
     return out
+
+
+def _grad_leaf(t: Any) -> Any:
+    """A detached copy of a saved input for the backward's re-run; floating ones require grad."""
+    return t.detach().requires_grad_(t.is_floating_point())
