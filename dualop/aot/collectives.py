@@ -233,7 +233,8 @@ def format_bytes(n: int) -> str:
     """``512 B``, ``64 KiB``, ``1.5 MiB``, ``2 GiB``."""
     for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
         if n >= scale:
-            return f"{n / scale:.3g} {unit}"
+            text = f"{n / scale:.3g}"
+            return f"{text if 'e' not in text else f'{n / scale:.0f}'} {unit}"  # 1000 KiB, not 1e+03 KiB
     return f"{n} B"
 
 

@@ -154,6 +154,9 @@ _QKV, _QKV_SERVING = ((16, 512, 8, 2, 64),), ((16, 8192, 64, 8, 128), (8192, 819
 _GATE_UP, _GATE_UP_SERVING = ((16, 512, 1024),), ((16, 8192, 28672), (8192, 8192, 28672))
 _O_PROJ, _O_PROJ_SERVING = ((16, 512, 512),), ((16, 8192, 8192), (8192, 8192, 8192))
 _DOWN, _DOWN_SERVING = ((16, 1024, 512),), ((16, 28672, 8192), (8192, 28672, 8192))
+# A column-parallel layer that all-gathers its output (``gather_output=True``: the full output on
+# every chip), Llama-3-70B's up projection width.
+_GATHER, _GATHER_SERVING = ((16, 512, 1024),), ((16, 8192, 28672), (8192, 8192, 28672))
 
 
 def _tp_linear_layer(kind: str):
@@ -173,6 +176,9 @@ def _tp_linear_layer(kind: str):
         if kind == "qkv":
             tokens, hidden, heads, kv_heads, head = shape
             op = ops.QKVParallelLinear(hidden, head, heads, kv_heads, bias=False, tp=tp)
+        elif kind == "gather":
+            tokens, in_size, out_size = shape
+            op = ops.ColumnParallelLinear(in_size, out_size, bias=False, gather_output=True, tp=tp)
         elif kind == "gate_up":
             tokens, hidden, inter = shape
             op = ops.MergedColumnParallelLinear(hidden, [inter, inter], bias=False, tp=tp)
@@ -200,6 +206,8 @@ SHARDED_LAYERS += [
     ShardedLayer("column_parallel_linear[qkv]", "column_parallel_linear", _QKV, _QKV_SERVING, _tp_linear_layer("qkv")),
     ShardedLayer("column_parallel_linear[gate_up]", "column_parallel_linear", _GATE_UP, _GATE_UP_SERVING,
                  _tp_linear_layer("gate_up")),
+    ShardedLayer("column_parallel_linear[gather]", "column_parallel_linear", _GATHER, _GATHER_SERVING,
+                 _tp_linear_layer("gather")),
     ShardedLayer("row_parallel_linear[o_proj]", "row_parallel_linear", _O_PROJ, _O_PROJ_SERVING,
                  _tp_linear_layer("row")),
     ShardedLayer("row_parallel_linear[down]", "row_parallel_linear", _DOWN, _DOWN_SERVING, _tp_linear_layer("row")),
