@@ -70,8 +70,17 @@ def test_rocm_runs_the_triton_kernel(case):
 SPATIAL_OPS = ("conv2d", "conv3d")
 
 
+# Cases whose shape tuple is (tokens, vocab, org_vocab, dim), not an input's shape: zero and one token.
+TOKEN_TABLE_OPS = ("vocab_parallel_embedding",)
+
+
+def test_token_table_cases_cover_zero_and_one_token():
+    for case in (c for c in CASES if c.op in TOKEN_TABLE_OPS):
+        assert {0, 1} <= {s[0] for s in case.shapes}, case.label
+
+
 def test_cells_cover_zero_one_ragged_and_3d_shapes():
-    for case in (c for c in CASES if c.op not in SPATIAL_OPS):
+    for case in (c for c in CASES if c.op not in SPATIAL_OPS + TOKEN_TABLE_OPS):
         shapes = case.shapes
         assert any(math.prod(s) == 0 for s in shapes), case.label  # nothing to do: no launch
         assert any(math.prod(s[:-1]) == 1 for s in shapes), case.label  # a single token

@@ -284,5 +284,5 @@ def check_cases():
 
     return [
         OpCase("vocab_parallel_embedding", "vocab_parallel_embedding", make_op, make_inputs,
-               ((0, 100, 100, 32), (37, 100, 100, 32), (21, 110, 100, 32), (64, 1026, 1010, 128))),
+               ((0, 100, 100, 32), (1, 100, 100, 32), (37, 100, 100, 32), (21, 110, 100, 32), (64, 1026, 1010, 128))),
     ]

@@ -29,8 +29,9 @@ def ragged_paged_attention(q: Any, kv_pages: Any, kv_lens: Any, page_indices: An
     q, kv_pages = q.contiguous(), kv_pages.contiguous()
     kv_lens, page_indices, cu_q_lens = kv_lens.contiguous(), page_indices.contiguous(), cu_q_lens.contiguous()
     count = int(num_seqs[0])
-    out = torch.empty_like(q)
-    out[int(cu_q_lens[min(max(count, 0), max_seqs)]):].zero_()  # padding rows
+    # zeros: padding rows past cu_q_lens[num_seqs], and any row metadata the op did not validate
+    # (a caller past its checks) leaves unwritten, stay finite; one memset, small next to attention
+    out = torch.zeros_like(q)
     if num_tokens:
         status = lib.dualop_ragged_paged_attention(
             code, pointer(q), pointer(kv_pages), pointer(kv_lens), pointer(page_indices), pointer(cu_q_lens), count,
