@@ -244,6 +244,15 @@ def x_only(scale: float = 3.0):
     return make
 
 
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 free now: the rendezvous of a ``torch.distributed`` group a test spawns."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def memory_mappings() -> int | None:
     """How many memory mappings this process has (``/proc/self/maps`` lines; None off Linux)."""
     try:

@@ -8,7 +8,6 @@ from __future__ import annotations
 import importlib
 import json
 import os
-import socket
 import subprocess
 import sys
 import textwrap
@@ -16,6 +15,7 @@ import textwrap
 import numpy as np
 import pytest
 
+from dualop.testing import free_port
 from dualop import ops, parallel
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -164,11 +164,6 @@ def test_lm_head_has_no_forward_and_says_to_use_the_logits_processor():
 
 # --- torch: two gloo processes ---------------------------------------------------------------------
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 # (num_embeddings, org_num_embeddings, dim): the engine docstring's example, and no added vocabulary
 _TP_SIZES = ((1026, 1010, 32), (300, 300, 16))
@@ -218,7 +213,7 @@ def test_torch_layers_at_tp2_equal_tp1_and_f_embedding():
 
     if not torch.distributed.is_available():
         pytest.skip("this torch build has no torch.distributed")
-    mp.spawn(_torch_tp_ranks, args=(2, _free_port()), nprocs=2, join=True)
+    mp.spawn(_torch_tp_ranks, args=(2, free_port()), nprocs=2, join=True)
 
 
 # --- jax: 2 and 4 of 8 host devices, one subprocess ------------------------------------------------

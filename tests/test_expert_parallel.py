@@ -7,7 +7,6 @@ from __future__ import annotations
 import importlib
 import json
 import os
-import socket
 import subprocess
 import sys
 import textwrap
@@ -15,6 +14,7 @@ import textwrap
 import numpy as np
 import pytest
 
+from dualop.testing import free_port
 from dualop import OpsConfig, override_platform, set_config, testing
 from dualop.ops import FusedMoEModularMethod, UnquantizedFusedMoEMethod, expert_blocks, expert_owner
 from dualop.ops.moe_modular import Prepared, SingleDevicePrepareAndFinalize
@@ -347,12 +347,6 @@ def test_jax_expert_parallel_rejects_bad_arguments():
 # --- torch: 2 and 4 gloo processes ---------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _torch_rank(rank: int, world: int, port: int) -> None:
     """One rank: the one-process result, then the all-reduce and all-to-all forms over gloo; on
     the "cuda" platform the experts are the Triton kernels (interpreted here on CPU tensors)."""
@@ -413,7 +407,7 @@ def test_torch_expert_parallel_matches_one_process(world):
 
     if not torch.distributed.is_available():
         pytest.skip("this torch build has no torch.distributed")
-    mp.spawn(_torch_rank, args=(world, _free_port()), nprocs=world, join=True)
+    mp.spawn(_torch_rank, args=(world, free_port()), nprocs=world, join=True)
 
 
 def test_torch_expert_map_for_rank():

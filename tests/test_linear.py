@@ -15,6 +15,7 @@ import textwrap
 import numpy as np
 import pytest
 
+from dualop.testing import free_port
 from dualop import testing
 from dualop.parallel import TensorParallel
 
@@ -301,13 +302,6 @@ def test_unknown_loaded_shard_id():
 
 # --- torch: tp 2 over two gloo processes == tp 1 ---------------------------------------------------
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def _torch_layers_at_tp(rank: int, world: int, port: int) -> None:
     import torch
@@ -359,7 +353,7 @@ def test_torch_layers_at_tp2_equal_tp1():
 
     if not torch.distributed.is_available():
         pytest.skip("this torch build has no torch.distributed")
-    mp.spawn(_torch_layers_at_tp, args=(2, _free_port()), nprocs=2, join=True)
+    mp.spawn(_torch_layers_at_tp, args=(2, free_port()), nprocs=2, join=True)
 
 
 # --- jax: tp 2 and 4 of 8 host devices == tp 1 (one subprocess) -------------------------------------

@@ -8,7 +8,6 @@ from __future__ import annotations
 import importlib
 import json
 import os
-import socket
 import subprocess
 import sys
 import textwrap
@@ -16,6 +15,7 @@ import textwrap
 import numpy as np
 import pytest
 
+from dualop.testing import free_port
 from dualop import ops, testing
 from dualop.parallel import TensorParallel, vocab_shard, vocab_token_ids
 
@@ -221,12 +221,6 @@ def test_bias_with_logits_as_input():
 # --- torch: 2 gloo processes ------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _torch_tp_worker(rank: int, world: int, port: int) -> None:
     import torch
 
@@ -273,7 +267,7 @@ def test_torch_tensor_parallel_equals_tp1_over_two_processes():
 
     if not torch.distributed.is_available():
         pytest.skip("this torch build has no torch.distributed")
-    mp.spawn(_torch_tp_worker, args=(2, _free_port()), nprocs=2, join=True)
+    mp.spawn(_torch_tp_worker, args=(2, free_port()), nprocs=2, join=True)
 
 
 # --- jax: 2 and 4 of 8 host devices, one subprocess --------------------------------------------------
@@ -329,7 +323,6 @@ def test_jax_tensor_parallel_equals_tp1_on_2_and_4_host_devices():
     for r in results:
         assert r["ok"] and r["shape"] == [TOKENS, r["org"] or r["vocab"]], r
     assert [r["pallas"] for r in results if "pallas" in r] == ["forward_tpu"]
-
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

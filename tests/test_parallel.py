@@ -6,7 +6,6 @@ from __future__ import annotations
 import importlib
 import json
 import os
-import socket
 import subprocess
 import sys
 import textwrap
@@ -14,6 +13,7 @@ import textwrap
 import numpy as np
 import pytest
 
+from dualop.testing import free_port
 from dualop import parallel
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -87,11 +87,6 @@ def test_current_group_defaults_to_one_device():
 
 # --- torch: a gloo group of 2 processes ------------------------------------------------------------
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def _torch_collectives(rank: int, world: int, port: int) -> None:
     import torch
@@ -123,7 +118,7 @@ def test_torch_group_collectives_over_two_processes():
 
     if not torch.distributed.is_available():
         pytest.skip("this torch build has no torch.distributed")
-    mp.spawn(_torch_collectives, args=(2, _free_port()), nprocs=2, join=True)
+    mp.spawn(_torch_collectives, args=(2, free_port()), nprocs=2, join=True)
 
 
 # --- jax: a tp axis over 2 and 4 of 8 host devices -------------------------------------------------
