@@ -94,6 +94,12 @@ NATIVE_CASES = {
                                   ("torchax", "tpu"), ("jax", "cpu"), ("jax", "cuda"))},
 }
 
+# Kernel cells that decline one dtype at run time, because the native body is the faster path there:
+# {(label, frontend, platform, dtype): (a part of) the reason the cell must report}.
+NATIVE_DTYPE_CASES = {
+    ("conv2d[patch]", "torch", "cpu", "float32"): "oneDNN's strided convolution",
+}
+
 
 def require_frontend(frontend: str) -> None:
     """Skip (saying why) when a package ``frontend`` needs is not installed in this environment;

@@ -13,7 +13,8 @@ import math
 
 import pytest
 
-from conftest import KERNEL_CELLS, KERNEL_OPS_IN_NATIVE_CELLS, NATIVE_CASES, NATIVE_CELLS, require_frontend
+from conftest import (KERNEL_CELLS, KERNEL_OPS_IN_NATIVE_CELLS, NATIVE_CASES, NATIVE_CELLS, NATIVE_DTYPE_CASES,
+                      require_frontend)
 from dualop import check, testing
 
 CASES = list(testing.cases_for(None))  # every registered op's check cases
@@ -38,6 +39,11 @@ NATIVE_SWEEP = [
 def test_cell_matches_native(case, frontend, platform, method, dtype):
     require_frontend(frontend)
     result = check._run_cell(case, frontend, platform, dtype, seed=1)
+    declined = NATIVE_DTYPE_CASES.get((case.label, frontend, platform, dtype))
+    if declined is not None:  # the native body is this dtype's faster path: it must say so
+        assert (result.status, result.method) == ("native", "forward_native"), result.detail
+        assert declined in result.detail
+        return
     assert result.method == method, result.detail
     assert result.status == "pass", f"{result.detail} (max abs {result.max_abs}, max rel {result.max_rel})"
     assert result.shapes == len(case.shapes)
@@ -56,6 +62,7 @@ def test_native_cell_reports_its_reason(case, frontend, platform, reason, dtype)
 def test_native_expectations_name_real_cases():
     labels = {c.label for c in CASES}
     assert {label for label, _, _ in NATIVE_CASES} <= labels
+    assert {label for label, _, _, _ in NATIVE_DTYPE_CASES} <= labels
 
 
 @pytest.mark.parametrize("case", list({c.op: c for c in CASES}.values()), ids=lambda c: c.op)

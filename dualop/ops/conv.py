@@ -248,7 +248,7 @@ class _ConvNd(CustomOp):
         """Only patch embeddings have a path of their own (on every platform and frontend)."""
         return self.why_not_patch_embed
 
-    def _patch_embed(self, x: Any, weight: Any, bias: Any) -> Any:
+    def _patch_embed(self, x: Any, weight: Any, bias: Any, on_cpu: bool = False) -> Any:
         """The fast path: torch's GEMM for torch tensors on the CPU or a GPU; for jax arrays and
         XLA-device tensors (torch_xla, torchax, torch_tpu), ``xla_patch_embed`` (XLA's dot), reached
         through the same bridge as the Pallas kernels."""
@@ -256,39 +256,43 @@ class _ConvNd(CustomOp):
             raise NotImplementedError(self.why_not_patch_embed)
         frontend = frontend_of(x)
         if frontend == "torch":
-            return self._torch_patch_embed(x, weight, bias)
+            return self._torch_patch_embed(x, weight, bias, on_cpu)
         return call_pallas(frontend, _XLA_PATCH_EMBED, x, weight, bias, native=self.forward_native,
                            kernel_size=self.kernel_size)
 
-    def _torch_patch_embed(self, x: Any, weight: Any, bias: Any) -> Any:
+    def _torch_patch_embed(self, x: Any, weight: Any, bias: Any, on_cpu: bool) -> Any:
         """torch on the CPU or a GPU: the vendor GEMM (oneDNN / cuBLAS accumulate 16-bit inputs in
-        float32 and add the bias before the one rounding), written in the convolution's contiguous
-        ``[N, out, *patches]`` layout. One patch per item (Qwen2.5-VL's): ``rows @ Wᵀ`` on x viewed
-        as ``[N, C·k]``, no copy. Several per item: ``W @ cols`` per item on the ``[N, C·k,
-        patches]`` unfold (one copy of x, none of the output)."""
+        float32 and add the bias before the one rounding). One patch per item (Qwen2.5-VL's):
+        ``rows @ Wᵀ`` on x viewed as ``[N, C·k]``, no copy. Several per item: every item's patches
+        as the rows of one ``[N·patches, C·k]`` GEMM (one copy of x), the output then laid out as
+        the convolution's contiguous ``[N, out, *patches]`` (one copy of it). A 2-D convolution on the
+        CPU in float32 with several patches per item declines to the native body: oneDNN's strided
+        conv2d reads x in place and is as fast or faster there (BENCHMARKS.md; its conv3d is not)."""
         import torch
 
         outs, split = _split_shape(x.shape, self.kernel_size)
+        items, patches = x.shape[0], math.prod(outs)
+        if on_cpu and self.num_dim == 2 and patches > 1 and x.dtype == torch.float32:
+            raise NotImplementedError(
+                "float32 with several patches per item on the CPU: oneDNN's strided convolution (the native "
+                "body) reads x in place and is as fast as or faster than unfold + GEMM for conv2d")
         for dim, (o, k) in enumerate(zip(outs, self.kernel_size), start=2):
             if x.shape[dim] != o * k:
                 x = x.narrow(dim, 0, o * k)
-        items, patches = x.shape[0], math.prod(outs)
         w = weight.reshape(self.out_channels, self.patch_size)
         if patches == 1:
             rows = x.reshape(items, self.patch_size)
             y = rows @ w.t() if bias is None else torch.addmm(bias, rows, w.t())
-        else:
-            cols = x.reshape(split).permute(_features_first(self.num_dim)).reshape(items, self.patch_size, patches)
-            if bias is None:
-                y = torch.matmul(w, cols)
-            elif items == 1:
-                y = torch.addmm(bias[:, None], w, cols[0])
-            else:
-                y = torch.baddbmm(bias[None, :, None], w.expand(items, *w.shape), cols)
-        return y.view(items, self.out_channels, *outs)
+            return y.view(items, self.out_channels, *outs)
+        # [N, C, o1, k1, o2, k2, ...] -> [N, o1, o2, ..., C, k1, k2, ...]: one patch's features per row.
+        n = self.num_dim
+        rows = x.reshape(split).permute(0, *range(2, 2 + 2 * n, 2), 1, *range(3, 3 + 2 * n, 2))
+        rows = rows.reshape(items * patches, self.patch_size)
+        y = rows @ w.t() if bias is None else torch.addmm(bias, rows, w.t())
+        return y.view(items, patches, self.out_channels).transpose(1, 2).reshape(items, self.out_channels, *outs)
 
     def forward_cpu(self, x: Any, weight: Any, bias: Any = None) -> Any:
-        return self._patch_embed(x, weight, bias)
+        return self._patch_embed(x, weight, bias, on_cpu=True)
 
     def forward_cuda(self, x: Any, weight: Any, bias: Any = None) -> Any:
         return self._patch_embed(x, weight, bias)
