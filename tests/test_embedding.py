@@ -108,11 +108,20 @@ def _torch_op_and_weight(vocab=100, dim=8):
     return torch, op, torch.zeros(op.num_embeddings_per_partition, dim)
 
 
-def test_ids_at_or_past_the_vocabulary_are_refused():
+@pytest.mark.parametrize("platform", ["cpu", "cuda", "tpu"])
+@pytest.mark.parametrize("ops_config", ["all", "none"])
+def test_ids_at_or_past_the_vocabulary_are_refused(platform, ops_config):
+    """Torch CPU ids are checked by whichever method runs (the C++ kernel in its first pass, the
+    others by a min/max read), before any row is written."""
+    from dualop.config import OpsConfig, set_config
+    from dualop.platforms import override_platform
+
     torch, op, weight = _torch_op_and_weight()
-    with pytest.raises(ValueError, match=r"vocab_parallel_embedding: argument 'input_ids' holds id 100; expected "
-                                         r"ids in \[0, num_embeddings = 100\)"):
-        op(torch.tensor([3, 100]), weight)
+    with override_platform(platform), set_config(OpsConfig([ops_config])):
+        for ids, bad in ((torch.tensor([3, 100]), 100), (torch.tensor([[-2, 5]], dtype=torch.int32), -2)):
+            with pytest.raises(ValueError, match=rf"vocab_parallel_embedding: argument 'input_ids' holds id {bad}; "
+                                                 r"expected ids in \[0, num_embeddings = 100\)"):
+                op(ids, weight)
 
 
 def test_negative_ids_are_refused_for_jax_arrays_too():

@@ -21,8 +21,9 @@ org_num_embeddings=None, padding_size=64, tp=None)``; ``out = op(input_ids, weig
 
 Id validation: a negative id or one ``>= num_embeddings`` is a ``ValueError`` where the ids' values
 are at hand (torch CPU/CUDA tensors outside ``torch.compile`` and CUDA graph capture; jax arrays
-outside a trace): the check reads ``min``/``max`` (on CUDA one small read-back, a device sync per
-call). Traced or lazy ids (``jax.jit``, ``shard_map``, torch_xla, torchax) are not read: there every
+outside a trace), before any row is written: the C++ CPU kernel checks torch CPU ids in a first pass
+of its own; elsewhere the check reads ``min``/``max`` (on CUDA one small read-back, a device sync
+per call). Traced or lazy ids (``jax.jit``, ``shard_map``, torch_xla, torchax) are not read: there every
 path gives a zero row for an id outside the vocabulary (it is in no rank's shard).
 
 ``ParallelLMHead(num_embeddings, embedding_dim, bias=False, params_dtype=None,
@@ -124,6 +125,10 @@ def _known_id_range(input_ids: Any, frontend: str) -> tuple[int, int] | None:
     return None
 
 
+def _on_torch_cpu(input_ids: Any, frontend: str | None) -> bool:
+    return frontend == "torch" and input_ids.device.type == "cpu"
+
+
 @CustomOp.register("vocab_parallel_embedding")
 class VocabParallelEmbedding(CustomOp):
     """Embedding lookup over a vocabulary sharded across tensor-parallel ranks (see the module
@@ -186,14 +191,27 @@ class VocabParallelEmbedding(CustomOp):
         check_array(op, "weight_shard", weight_shard, min_ndim=2)
         check_optional_like(op, "weight_shard", weight_shard, "input_ids", input_ids, fe,
                             shape=(self.num_embeddings_per_partition, self.embedding_dim))
+        if not _on_torch_cpu(input_ids, fe):  # there the method that runs checks them (_check_torch_cpu_ids)
+            self._check_id_values(input_ids, fe)
+
+    def _check_id_values(self, input_ids: Any, fe: str) -> None:
+        """The ids' range where their values are at hand (``_known_id_range``): a ``ValueError``
+        naming the first offending extreme."""
         if input_ids.size if fe == "jax" else input_ids.numel():
             known = _known_id_range(input_ids, fe)
             if known is not None and (known[0] < 0 or known[1] >= self.num_embeddings):
                 bad = known[0] if known[0] < 0 else known[1]
-                raise ValueError(f"{op}: argument 'input_ids' holds id {bad}; expected ids in "
+                raise ValueError(f"{type(self).name}: argument 'input_ids' holds id {bad}; expected ids in "
                                  f"[0, num_embeddings = {self.num_embeddings})")
 
+    def _check_torch_cpu_ids(self, input_ids: Any) -> None:
+        """Torch CPU ids skip check_inputs' value read, because the C++ kernel checks them in its
+        own first pass at no extra call; every other method that may get them reads them here."""
+        if _on_torch_cpu(input_ids, frontend_of(input_ids)):
+            self._check_id_values(input_ids, "torch")
+
     def forward_native(self, input_ids: Any, weight_shard: Any) -> Any:
+        self._check_torch_cpu_ids(input_ids)
         return self._finish(masked_vocab_lookup(input_ids, weight_shard, self._bounds(input_ids)))
 
     def declines(self, method: str, frontend: str) -> str | None:
@@ -202,16 +220,23 @@ class VocabParallelEmbedding(CustomOp):
     def forward_cpu(self, input_ids: Any, weight_shard: Any) -> Any:
         """torch on the CPU: the C++ lookup (``kernels/cpu/embedding.py``), mask fused; while autograd
         records (it has no backward) the native body runs."""
-        from dualop.kernels.cpu.embedding import vocab_embedding
+        from dualop.kernels.cpu.embedding import OutOfVocabulary, vocab_embedding
 
         decline_if_recording(type(self).name, weight_shard)
-        return self._finish(vocab_embedding(input_ids, weight_shard, self._bounds(input_ids)))
+        try:
+            rows = vocab_embedding(input_ids, weight_shard, self._bounds(input_ids), self.num_embeddings)
+        except OutOfVocabulary:
+            self._check_id_values(input_ids, "torch")  # names the offending id
+            raise
+        return self._finish(rows)
 
     def forward_cuda(self, input_ids: Any, weight_shard: Any) -> Any:
+        self._check_torch_cpu_ids(input_ids)  # the interpreter's cell: Triton on CPU tensors
         fe = frontend_of(input_ids)
         return self._finish(call_triton(fe, _TRITON_EMBEDDING, input_ids, weight_shard, self._bounds(input_ids)))
 
     def forward_tpu(self, input_ids: Any, weight_shard: Any) -> Any:
+        self._check_torch_cpu_ids(input_ids)
         fe = frontend_of(input_ids)
         if dtype_name(weight_shard) == "float16":  # seen refused by Mosaic: "Invalid vector register cast"
             raise NotImplementedError(f"{type(self).name}: the Pallas kernel takes float32 and bfloat16 tables "

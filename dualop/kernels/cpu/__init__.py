@@ -117,7 +117,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.dualop_split_bf16.restype = i32
     lib.dualop_grouped_topk.argtypes = [i32, p, p, p, p, i64, i64, i32, i32, i64, i32, i32, f32, i32]
     lib.dualop_grouped_topk.restype = i32
-    lib.dualop_vocab_embedding.argtypes = [i32, p, p, i64, p, i64, i64, i64, i64, i64, i64, i64, i32]
+    lib.dualop_vocab_embedding.argtypes = [i32, p, p, i64, p, i64, i64, i64, i64, i64, i64, i64, i32, i64]
     lib.dualop_vocab_embedding.restype = i32
 
 
