@@ -200,3 +200,12 @@ def bincount(x: torch.Tensor, length: int) -> torch.Tensor:
     """Counts of ``0 .. length - 1`` in the 1-D int ``x`` (values outside are not counted), int32."""
     kept = x[(x >= 0) & (x < length)].to(torch.int64)
     return torch.bincount(kept, minlength=length)[:length].to(torch.int32)
+
+
+# --- state-space serving batches (ops/ssm_batch.py) --------------------------------------------
+bool_ = torch.bool
+
+
+def zeros(shape, like: torch.Tensor, dtype=None) -> torch.Tensor:
+    """Zeros of ``shape`` on ``like``'s device (``like``'s dtype unless ``dtype`` says otherwise)."""
+    return torch.zeros(tuple(shape), dtype=dtype if dtype is not None else like.dtype, device=like.device)

@@ -179,3 +179,12 @@ def bincount(x: jax.Array, length: int) -> jax.Array:
     """Counts of ``0 .. length - 1`` in the 1-D int ``x`` (values outside are not counted), int32."""
     kept = jnp.where((x >= 0) & (x < length), x, length)
     return jnp.bincount(kept, length=length + 1)[:length].astype(jnp.int32)
+
+
+# --- state-space serving batches (ops/ssm_batch.py) --------------------------------------------
+bool_ = jnp.bool_
+
+
+def zeros(shape, like: jax.Array, dtype=None) -> jax.Array:
+    """Zeros of ``shape`` (``like``'s dtype unless ``dtype`` says otherwise)."""
+    return jnp.zeros(tuple(shape), dtype=dtype if dtype is not None else like.dtype)

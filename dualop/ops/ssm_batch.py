@@ -1,0 +1,163 @@
+"""The serving batch of the state-space ops: sequences packed along the token axis, each with a
+slot in a state cache. One place for its defaults and its checks (every Mamba-family op calls
+``ssm_batch`` in ``check_inputs`` and its methods read the result).
+
+The contract (the README's "State cache for serving"):
+
+- ``x`` packs the tokens of B sequences along its first axis, T tokens in all.
+  ``cu_seqlens`` ``[B + 1]`` (int32/int64): sequence ``b`` is tokens
+  ``cu_seqlens[b] : cu_seqlens[b + 1]``; it starts at 0, ends at T and strictly increases (every
+  sequence has a token). None: one sequence of all T tokens.
+- A state cache ``[S, *state_shape]`` (float32/bfloat16/float16) holds S slots.
+  ``state_indices`` ``[B]`` (int32/int64) gives each sequence's slot, or -1 for a padding sequence
+  (a CUDA-graph or bucket filler): its outputs are zeros and no state is written. Two sequences
+  may not share a slot. None: sequence ``b`` uses slot ``b``.
+- ``has_initial_state`` ``[B]`` (bool): start from the slot's cached state (a prefill that
+  continues, or a decode step), else from zeros (a new sequence). None: True for every sequence
+  when a cache is given, False when none is.
+- After the call each sequence's slot holds its state after its last token. torch: the cache is
+  updated in place (and returned); jax: a new cache is returned (donate the old one under ``jit``
+  to reuse its memory). With no cache given, the op returns the final states as a fresh
+  ``[B, *state_shape]`` float32 array.
+- Decode is the same call with one token per sequence (T == B): the ops then take their
+  single-step kernels.
+
+Values are checked (a ``ValueError`` before any kernel runs) where they can be read without a
+trace, a lazy graph or a CUDA-graph capture (``dualop.ops._checks.concrete_values``); traced
+metadata is taken as given (the kernels clamp slot indices into the cache).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import numpy as np
+
+from dualop.backends import array_namespace
+from dualop.ops._checks import FLOAT_DTYPES, concrete_values, dtype_name
+from dualop.platforms import family_of, frontend_of
+
+__all__ = ["SSMBatch", "ssm_batch"]
+
+_INDEX_DTYPES = ("int32", "int64")
+
+
+@dataclasses.dataclass(frozen=True)
+class SSMBatch:
+    """A validated serving batch: int32 ``cu_seqlens`` ``[B + 1]`` and ``state_indices`` ``[B]``,
+    bool ``has_initial_state`` ``[B]`` (arrays of the call's frontend, on its device), the cache
+    (given, or fresh zeros) and the static counts."""
+
+    cu_seqlens: Any
+    state_indices: Any
+    has_initial_state: Any
+    state: Any
+    num_seqs: int
+    num_tokens: int
+    state_given: bool
+
+    @property
+    def decode(self) -> bool:
+        """One token per sequence: the single-step kernels' case."""
+        return self.num_tokens == self.num_seqs
+
+
+def _check_index_array(op: str, arg: str, a: Any, fe: str, dtypes: tuple[str, ...], length: int | None) -> None:
+    if frontend_of(a) is None or family_of(frontend_of(a)) != family_of(fe):
+        raise TypeError(f"{op}: argument '{arg}' must be an array of the same frontend as the inputs ({fe}), "
+                        f"got {type(a).__module__}.{type(a).__qualname__}")
+    if dtype_name(a) not in dtypes:
+        raise TypeError(f"{op}: argument '{arg}' has dtype {dtype_name(a)}; expected {' or '.join(dtypes)}")
+    if a.ndim != 1 or (length is not None and a.shape[0] != length):
+        want = f"[{length}]" if length is not None else "a 1-D array"
+        raise ValueError(f"{op}: argument '{arg}' has shape {tuple(a.shape)}; expected {want}")
+
+
+def _values(a: Any) -> np.ndarray | None:
+    if frontend_of(a) == "torch":
+        import torch
+
+        if torch.compiler.is_compiling() or isinstance(a, torch._subclasses.FakeTensor):
+            return None
+    return concrete_values(a)
+
+
+def ssm_batch(op: str, x: Any, cu_seqlens: Any, state_indices: Any, has_initial_state: Any, state: Any,
+              state_name: str, state_shape: tuple[int, ...]) -> SSMBatch:
+    """Validate and complete one call's serving metadata (see the module docstring).
+
+    ``x`` is the packed token array (its first axis is T); ``state`` the cache argument named
+    ``state_name`` in errors, of shape ``[S, *state_shape]`` or None. Raises ``TypeError`` /
+    ``ValueError`` naming ``op`` and the argument.
+    """
+    fe = frontend_of(x)
+    xp = array_namespace(x)
+    num_tokens = int(x.shape[0])
+    if cu_seqlens is None:
+        num_seqs = 1
+        cu = xp.asarray([0, num_tokens], like=x, dtype=xp.int32)
+    else:
+        _check_index_array(op, "cu_seqlens", cu_seqlens, fe, _INDEX_DTYPES, None)
+        num_seqs = int(cu_seqlens.shape[0]) - 1
+        if num_seqs < 1:
+            raise ValueError(f"{op}: argument 'cu_seqlens' needs at least 2 entries (one sequence), got "
+                             f"shape {tuple(cu_seqlens.shape)}")
+        cu = xp.astype(cu_seqlens, xp.int32)
+        values = _values(cu_seqlens)
+        if values is not None:
+            if values[0] != 0 or values[-1] != num_tokens:
+                raise ValueError(f"{op}: argument 'cu_seqlens' must start at 0 and end at the token count "
+                                 f"{num_tokens}, got {values[0]} ... {values[-1]}")
+            steps = np.diff(values)
+            if (steps <= 0).any():
+                b = int(np.argmax(steps <= 0))
+                raise ValueError(f"{op}: argument 'cu_seqlens' must strictly increase (every sequence has a "
+                                 f"token); entries {b} and {b + 1} are {values[b]} and {values[b + 1]}")
+    if num_tokens < num_seqs:
+        raise ValueError(f"{op}: {num_seqs} sequences need at least as many tokens, x has {num_tokens}")
+
+    state_given = state is not None
+    if state_given:
+        if frontend_of(state) is None or family_of(frontend_of(state)) != family_of(fe):
+            raise TypeError(f"{op}: argument '{state_name}' must be an array of the same frontend as the inputs")
+        if dtype_name(state) not in FLOAT_DTYPES:
+            raise TypeError(f"{op}: argument '{state_name}' has dtype {dtype_name(state)}; expected one of "
+                            f"{', '.join(sorted(FLOAT_DTYPES))}")
+        if state.ndim != 1 + len(state_shape) or tuple(state.shape[1:]) != tuple(state_shape):
+            want = ", ".join(map(str, state_shape))
+            raise ValueError(f"{op}: argument '{state_name}' has shape {tuple(state.shape)}; expected "
+                             f"[slots, {want}] for this layer")
+    slots = int(state.shape[0]) if state_given else num_seqs
+
+    if state_indices is None:
+        if slots < num_seqs:
+            raise ValueError(f"{op}: {num_seqs} sequences and no 'state_indices' need at least {num_seqs} slots "
+                             f"in '{state_name}', which has {slots}")
+        idx = xp.arange(num_seqs, like=x, dtype=xp.int32)
+    else:
+        _check_index_array(op, "state_indices", state_indices, fe, _INDEX_DTYPES, num_seqs)
+        idx = xp.astype(state_indices, xp.int32)
+        values = _values(state_indices)
+        if values is not None:
+            bad = values[(values < -1) | (values >= slots)]
+            if bad.size:
+                raise ValueError(f"{op}: argument 'state_indices' holds slot {int(bad[0])}; expected -1 (padding) "
+                                 f"or a slot in [0, {slots}) of '{state_name}'")
+            used = values[values >= 0]
+            if np.unique(used).size != used.size:
+                raise ValueError(f"{op}: argument 'state_indices' gives two sequences the same slot")
+
+    if has_initial_state is None:
+        init = xp.asarray([state_given] * num_seqs, like=x, dtype=xp.bool_)
+    else:
+        _check_index_array(op, "has_initial_state", has_initial_state, fe, ("bool",), num_seqs)
+        init = has_initial_state
+        values = _values(has_initial_state) if not state_given else None
+        if values is not None and values.any():
+            raise ValueError(f"{op}: argument 'has_initial_state' is True for a sequence but no "
+                             f"'{state_name}' cache holds its state")
+
+    if not state_given:
+        state = xp.zeros((num_seqs, *state_shape), like=x, dtype=xp.float32)
+    return SSMBatch(cu, idx, init, state, num_seqs, num_tokens, state_given)
