@@ -36,7 +36,8 @@ embedding.
 Paths: Pallas (``kernels/pallas/embedding.py``: ids in SMEM, the weight left in HBM, one DMA per
 needed row, the shard mask fused), Triton (``kernels/cuda/embedding.py``: token block x dim block
 gather, masked rows zero), and on the torch CPU a C++ loop (``kernels/cpu/embedding.py``: per id
-one row ``memcpy`` or a zero row, OpenMP over ids for large calls). Measured here it matched
+one row ``memcpy`` or a zero row, OpenMP over ids for large calls), or ``F.embedding`` itself when
+the shard is the whole vocabulary (tp 1, no added ids: no mask to fuse). Measured here it matched
 ``F.embedding`` itself (which has no shard mask) and beat ``F.embedding`` of masked ids plus the
 zeroing (the masks are 5 extra tensor passes: about 6x at 64 ids, 2x at 4096).
 """
@@ -157,6 +158,8 @@ class VocabParallelEmbedding(CustomOp):
         self.num_embeddings_padded = first.num_embeddings_padded
         self.num_embeddings_per_partition = first.num_embeddings_per_partition
         self._bounds_table = tuple(_shard_bounds(s) for s in self.shards)
+        # tp 1 and no added ids: every valid id is its own row, nothing to mask
+        self._shard_is_the_vocabulary = tp.size == 1 and first.num_added_elements == 0
 
     def shard(self, rank: int | None = None) -> VocabShard:
         """Rank ``rank``'s (default: this rank's, when it is an int) ``VocabShard``."""
@@ -219,10 +222,18 @@ class VocabParallelEmbedding(CustomOp):
 
     def forward_cpu(self, input_ids: Any, weight_shard: Any) -> Any:
         """torch on the CPU: the C++ lookup (``kernels/cpu/embedding.py``), mask fused; while autograd
-        records (it has no backward) the native body runs."""
+        records (it has no backward) the native body runs. When this rank's shard is the whole
+        vocabulary (tp 1, no added ids) nothing is masked and an id is its row: then ATen's own
+        ``F.embedding`` is the lookup (as fast as a gather gets here; the C++ loop measured up to
+        15% slower at 4096 ids, BENCHMARKS.md)."""
         from dualop.kernels.cpu.embedding import OutOfVocabulary, vocab_embedding
 
         decline_if_recording(type(self).name, weight_shard)
+        if self._shard_is_the_vocabulary:
+            import torch.nn.functional as F
+
+            self._check_id_values(input_ids, "torch")
+            return F.embedding(input_ids, weight_shard)
         try:
             rows = vocab_embedding(input_ids, weight_shard, self._bounds(input_ids), self.num_embeddings)
         except OutOfVocabulary:
