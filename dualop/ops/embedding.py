@@ -21,9 +21,10 @@ org_num_embeddings=None, padding_size=64, tp=None)``; ``out = op(input_ids, weig
 
 Id validation: a negative id or one ``>= num_embeddings`` is a ``ValueError`` where the ids' values
 are at hand (torch CPU/CUDA tensors outside ``torch.compile`` and CUDA graph capture; jax arrays
-outside a trace), before any row is written: the C++ CPU kernel checks torch CPU ids in a first pass
-of its own; elsewhere the check reads ``min``/``max`` (on CUDA one small read-back, a device sync
-per call). Traced or lazy ids (``jax.jit``, ``shard_map``, torch_xla, torchax) are not read: there every
+outside a trace), before any result is returned: on the torch CPU the lookup checks the ids itself
+(the C++ kernel in a first pass of its own, ``F.embedding`` as it gathers) and the op then names
+the offending id; elsewhere the check reads ``min``/``max`` (on CUDA one small read-back, a device
+sync per call). Traced or lazy ids (``jax.jit``, ``shard_map``, torch_xla, torchax) are not read: there every
 path gives a zero row for an id outside the vocabulary (it is in no rank's shard).
 
 ``ParallelLMHead(num_embeddings, embedding_dim, bias=False, params_dtype=None,
@@ -208,8 +209,9 @@ class VocabParallelEmbedding(CustomOp):
                                  f"[0, num_embeddings = {self.num_embeddings})")
 
     def _check_torch_cpu_ids(self, input_ids: Any) -> None:
-        """Torch CPU ids skip check_inputs' value read, because the C++ kernel checks them in its
-        own first pass at no extra call; every other method that may get them reads them here."""
+        """Torch CPU ids skip check_inputs' value read, because forward_cpu's lookups check them
+        themselves at no extra pass (the C++ kernel's first pass, ATen's ``F.embedding``); every
+        other method that may get them reads them here."""
         if _on_torch_cpu(input_ids, frontend_of(input_ids)):
             self._check_id_values(input_ids, "torch")
 
@@ -232,8 +234,11 @@ class VocabParallelEmbedding(CustomOp):
         if self._shard_is_the_vocabulary:
             import torch.nn.functional as F
 
-            self._check_id_values(input_ids, "torch")
-            return F.embedding(input_ids, weight_shard)
+            try:  # ATen checks every id against the unpadded rows: the id check costs nothing extra
+                return F.embedding(input_ids, weight_shard[: self.num_embeddings])
+            except IndexError:
+                self._check_id_values(input_ids, "torch")  # the op's own error, naming the id
+                raise
         try:
             rows = vocab_embedding(input_ids, weight_shard, self._bounds(input_ids), self.num_embeddings)
         except OutOfVocabulary:
