@@ -29,7 +29,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from dualop.kernels import ssm_math
-from dualop.kernels.pallas.common import compiler_params, tpu_jit
+from dualop.kernels.pallas.common import compiler_params, rowwise_batching, tpu_jit
 from dualop.backends.xla import array_api as _xp
 
 __all__ = ["causal_conv1d", "ConvBlocks"]
@@ -144,7 +144,20 @@ def causal_conv1d(x, weight, bias, conv_state, cu_seqlens, state_indices, has_in
                   decode=False, interpret=False, blocks: ConvBlocks = ConvBlocks()):
     """``(y [T, D], new conv_state)`` for x ``[T, D]``, weight ``[D, K]``, bias ``[D]`` or None,
     conv_state ``[S, D, K - 1]`` and int32/bool serving metadata (validated by the op). ``decode``
-    (T == B) takes the single-step kernel."""
+    (T == B) takes the single-step kernel. Under ``vmap`` (independent serving batches) the batch is
+    mapped with ``lax.map``, one kernel call per batch item."""
+    static = dict(activation=activation, decode=decode, interpret=interpret, blocks=blocks)
+    if bias is None:
+        def call(x, weight, conv_state, cu, slots, init):
+            return _causal_conv1d(x, weight, None, conv_state, cu, slots, init, **static)
+
+        return rowwise_batching(call, 0)(x, weight, conv_state, cu_seqlens, state_indices, has_initial_state)
+    return rowwise_batching(functools.partial(_causal_conv1d, **static), 0)(
+        x, weight, bias, conv_state, cu_seqlens, state_indices, has_initial_state)
+
+
+def _causal_conv1d(x, weight, bias, conv_state, cu_seqlens, state_indices, has_initial_state, *, activation,
+                   decode, interpret, blocks):
     num_tokens, dim = x.shape
     kernel_size = weight.shape[1]
     hist = kernel_size - 1
