@@ -88,7 +88,7 @@ def test_token_table_cases_cover_zero_and_one_token():
 
 # Cases whose shape tuple is (tokens, dim, sequences) of a packed serving batch (issue 12's
 # state-space ops): a single token, a decode step (T == B) and a multi-sequence prefill.
-PACKED_SEQUENCE_OPS = ("causal_conv1d",)
+PACKED_SEQUENCE_OPS = ("causal_conv1d", "short_conv")
 
 
 def test_packed_sequence_cases_cover_one_token_decode_and_prefill():
