@@ -569,3 +569,20 @@ def _causal_conv1d_inputs(shape: tuple[int, ...]) -> tuple:
 
 
 SERVING_INPUTS["causal_conv1d"] = _causal_conv1d_inputs
+
+# short_conv: (tokens, hidden, sequences) at LFM2-1.2B's width (hidden 2048, conv_L_cache 3, no
+# biases): the same prefill and decode batches as causal_conv1d.
+SERVING_SHAPES["short_conv"] = ((1024, 2048, 1), (1024, 2048, 8), (64, 2048, 64))
+SERVING_CASES["short_conv"] = ("short_conv",)
+_SHORT_CONV_KERNEL = 3
+
+
+def _short_conv_inputs(shape: tuple[int, ...]) -> tuple:
+    tokens, hidden, seqs = shape
+    return (InputSpec((tokens, hidden), None), InputSpec((3 * hidden, hidden), None),
+            InputSpec((hidden, _SHORT_CONV_KERNEL), None), InputSpec((hidden, hidden), None), None,
+            InputSpec((_CONV_SLOTS, hidden, _SHORT_CONV_KERNEL - 1), None), InputSpec((seqs + 1,), "int32"),
+            InputSpec((seqs,), "int32"), InputSpec((seqs,), "bool"), None, None)
+
+
+SERVING_INPUTS["short_conv"] = _short_conv_inputs

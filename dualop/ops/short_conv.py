@@ -109,6 +109,8 @@ class ShortConv(CustomOp):
         return xp.astype(out, hidden_states.dtype), state
 
     def declines(self, method: str, frontend: str) -> str | None:
+        if method in ("forward_cuda", "forward_hip") and family_of(frontend) == "jax":
+            return "the causal_conv1d Triton kernel would need jax-triton: XLA compiles the native body"
         return cpu_declines(method, frontend)
 
     def _platform(self, hidden_states: Any, in_proj_weight: Any, conv_weight: Any, out_proj_weight: Any,
