@@ -29,10 +29,11 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from dualop.kernels import ssm_math
-from dualop.kernels.pallas.common import compiler_params, rowwise_batching, tpu_jit
+from dualop.kernels.cost import causal_conv1d_cost
+from dualop.kernels.pallas.common import compiler_params, cost_estimate, rowwise_batching, tpu_jit
 from dualop.backends.xla import array_api as _xp
 
-__all__ = ["causal_conv1d", "ConvBlocks"]
+__all__ = ["causal_conv1d", "causal_conv1d_cost", "ConvBlocks"]
 
 _HALO = 16  # rows of the previous T block each prefill step reads (>= K - 1; a bf16 sublane tile)
 
@@ -192,10 +193,8 @@ def _causal_conv1d(x, weight, bias, conv_state, cu_seqlens, state_indices, has_i
             out_shape=[jax.ShapeDtypeStruct(x.shape, x.dtype),
                        jax.ShapeDtypeStruct((hist, num_seqs, dim), jnp.float32)],
             compiler_params=compiler_params(2, vmem_bytes=2 * bb * bd * (2 * itemsize + 8 * hist + 8)),
-            cost_estimate=pl.CostEstimate(
-                flops=2 * kernel_size * num_tokens * dim,
-                transcendentals=num_tokens * dim if activation == "silu" else 0,
-                bytes_accessed=2 * num_tokens * dim * itemsize + 2 * init_t.size * 4 + w.size * 4),
+            cost_estimate=cost_estimate(causal_conv1d_cost(num_tokens, dim, num_seqs, kernel_size, itemsize,
+                                                           activation == "silu")),
             interpret=interpret,
         )(x, init_t, w, b, keep)
         return y, _store(conv_state, slots, jnp.transpose(new, (1, 0, 2)))
@@ -233,10 +232,8 @@ def _causal_conv1d(x, weight, bias, conv_state, cu_seqlens, state_indices, has_i
         grid_spec=grid_spec,
         out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
         compiler_params=compiler_params(2, vmem_bytes=vmem),
-        cost_estimate=pl.CostEstimate(
-            flops=2 * kernel_size * num_tokens * dim,
-            transcendentals=num_tokens * dim if activation == "silu" else 0,
-            bytes_accessed=2 * num_tokens * dim * itemsize + init_t.size * 4 + w.size * 4),
+        cost_estimate=cost_estimate(causal_conv1d_cost(num_tokens, dim, num_seqs, kernel_size, itemsize,
+                                                       activation == "silu")),
         interpret=interpret,
     )(cu, slots, fix_first, seq_last, x, x, init_t, w, b)
     finals = _final_states(x, jnp.swapaxes(init, 1, 2), cu, hist)
