@@ -26,7 +26,7 @@ decode-step kernel), Triton (``kernels/cuda/causal_conv1d.py``) and on the torch
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 from dualop.backends import array_namespace
 from dualop.backends.torch.triton_launch import call_triton
@@ -47,6 +47,12 @@ _ACTIVATIONS = ("silu", None)
 OP = "causal_conv1d"
 
 
+def _torch_float32():
+    import torch
+
+    return torch.float32
+
+
 def _positive_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value > 0
 
@@ -54,6 +60,11 @@ def _positive_int(value: Any) -> bool:
 @CustomOp.register(OP)
 class CausalConv1d(CustomOp):
     """Depthwise causal conv1d with a per-sequence conv state (see the module docstring)."""
+
+    # torch updates a given cache in place and returns it as the second result (torch.library:
+    # ``dualop/backends/torch/library.py``); with no cache the second result is a new array.
+    mutates_args: ClassVar[tuple[str, ...]] = ("conv_state",)
+    mutated_results: ClassVar[tuple[str | None, ...]] = (None, "conv_state")
 
     def __init__(self, dim: int, kernel_size: int, activation: str | None = "silu", *,
                  enforce_enable: bool = False) -> None:
@@ -99,6 +110,15 @@ class CausalConv1d(CustomOp):
         return ssm_math.causal_conv1d_reference(
             array_namespace(x), x, weight, bias, batch.state, batch.cu_seqlens, batch.state_indices,
             batch.has_initial_state, self.activation)
+
+    def forward_fake(self, x: Any, weight: Any, bias: Any = None, conv_state: Any = None, cu_seqlens: Any = None,
+                     state_indices: Any = None, has_initial_state: Any = None) -> tuple[Any, Any]:
+        """Empty results of the right shapes (torch.library's fake kernel: the token loop of the
+        native body needs metadata values)."""
+        if conv_state is not None:
+            return x.new_empty(x.shape), conv_state
+        seqs = 1 if cu_seqlens is None else cu_seqlens.shape[0] - 1
+        return x.new_empty(x.shape), x.new_empty((seqs, *self.state_shape), dtype=_torch_float32())
 
     def declines(self, method: str, frontend: str) -> str | None:
         return cpu_declines(method, frontend)

@@ -22,7 +22,7 @@ in float32) and the ``causal_conv1d`` op, which dispatches to its own kernels.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 from dualop.backends import array_namespace
 from dualop.custom_op import CustomOp
@@ -40,6 +40,10 @@ OP = "short_conv"
 @CustomOp.register(OP)
 class ShortConv(CustomOp):
     """LFM2's gated short convolution (see the module docstring)."""
+
+    # As causal_conv1d's: a given cache is updated in place and returned second.
+    mutates_args: ClassVar[tuple[str, ...]] = ("conv_state",)
+    mutated_results: ClassVar[tuple[str | None, ...]] = (None, "conv_state")
 
     def __init__(self, hidden_size: int, conv_kernel: int, bias: bool = False, *, enforce_enable: bool = False) -> None:
         super().__init__(enforce_enable=enforce_enable)
@@ -107,6 +111,12 @@ class ShortConv(CustomOp):
         if out_proj_bias is not None:
             out = out + xp.astype(out_proj_bias, f32)
         return xp.astype(out, hidden_states.dtype), state
+
+    def forward_fake(self, hidden_states: Any, in_proj_weight: Any, conv_weight: Any, out_proj_weight: Any,
+                     conv_bias: Any = None, conv_state: Any = None, cu_seqlens: Any = None, state_indices: Any = None,
+                     has_initial_state: Any = None, in_proj_bias: Any = None, out_proj_bias: Any = None):
+        """Empty results of the right shapes (torch.library's fake kernel), as ``causal_conv1d``'s."""
+        return self.conv.forward_fake(hidden_states, conv_weight, conv_bias, conv_state, cu_seqlens)
 
     def declines(self, method: str, frontend: str) -> str | None:
         if method in ("forward_cuda", "forward_hip") and family_of(frontend) == "jax":
