@@ -244,7 +244,7 @@ def test_jax_jit_vmap_and_grad():
     import jax
     import jax.numpy as jnp
 
-    x, w, b, cache, cu, slots, init = _jax(_inputs(12, 8, 3, seed=9, padding=False))
+    x, w, b, cache, cu, slots, init = _jax(_inputs(7, 8, 2, seed=9, padding=False))
     op = CausalConv1d(8, K)
     with override_platform("tpu"), set_config(OpsConfig(["all"])):
         eager = op(x, w, b, cache, cu, slots, init)
