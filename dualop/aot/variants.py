@@ -549,3 +549,40 @@ def _vocab_embedding_inputs(shape: tuple[int, ...]) -> tuple:
 
 
 SERVING_INPUTS["vocab_parallel_embedding"] = _vocab_embedding_inputs
+
+
+# --- causal_conv1d: (tokens, dim, sequences) ------------------------------------------------------
+# Mamba conv widths at kernel size 4: Falcon-Mamba-7B / Jamba's intermediate 8192 and Nemotron-H-8B's
+# Mamba-2 conv input I + 2GN = 8192 + 2 * 8 * 128; a 1024-token prefill of one and of eight
+# sequences and a 64-sequence decode step, over a 256-slot state cache.
+SERVING_SHAPES["causal_conv1d"] = tuple((tokens, dim, seqs) for dim in (8192, 8192 + 2 * 8 * 128)
+                                        for tokens, seqs in ((1024, 1), (1024, 8), (64, 64)))
+SERVING_CASES["causal_conv1d"] = ("causal_conv1d",)
+_CONV_SLOTS, _CONV_KERNEL = 256, 4
+
+
+def _causal_conv1d_inputs(shape: tuple[int, ...]) -> tuple:
+    tokens, dim, seqs = shape
+    return (InputSpec((tokens, dim), None), InputSpec((dim, _CONV_KERNEL), None), InputSpec((dim,), None),
+            InputSpec((_CONV_SLOTS, dim, _CONV_KERNEL - 1), None), InputSpec((seqs + 1,), "int32"),
+            InputSpec((seqs,), "int32"), InputSpec((seqs,), "bool"))
+
+
+SERVING_INPUTS["causal_conv1d"] = _causal_conv1d_inputs
+
+# short_conv: (tokens, hidden, sequences) at LFM2-1.2B's width (hidden 2048, conv_L_cache 3, no
+# biases): the same prefill and decode batches as causal_conv1d.
+SERVING_SHAPES["short_conv"] = ((1024, 2048, 1), (1024, 2048, 8), (64, 2048, 64))
+SERVING_CASES["short_conv"] = ("short_conv",)
+_SHORT_CONV_KERNEL = 3
+
+
+def _short_conv_inputs(shape: tuple[int, ...]) -> tuple:
+    tokens, hidden, seqs = shape
+    return (InputSpec((tokens, hidden), None), InputSpec((3 * hidden, hidden), None),
+            InputSpec((hidden, _SHORT_CONV_KERNEL), None), InputSpec((hidden, hidden), None), None,
+            InputSpec((_CONV_SLOTS, hidden, _SHORT_CONV_KERNEL - 1), None), InputSpec((seqs + 1,), "int32"),
+            InputSpec((seqs,), "int32"), InputSpec((seqs,), "bool"), None, None)
+
+
+SERVING_INPUTS["short_conv"] = _short_conv_inputs

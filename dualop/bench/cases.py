@@ -835,3 +835,77 @@ def _jax_take(op):
 
 CASES = (*CASES, BenchCase("vocab_parallel_embedding", "vocab_parallel_embedding", _vocab_embedding,
                            _vocab_embedding_inputs, _vocab_embedding_cost, _torch_embedding, _jax_take, default=False))
+
+
+# --- causal_conv1d: the Mamba / LFM2 short convolution over packed sequences (issue 12) ------------
+# The bench size (tokens, D) is x's shape at kernel width 4; the case fixes how the tokens are
+# split: one sequence, eight, or one token per sequence (a decode step; ``64xD``: 64 sequences).
+# Every sequence is new (no initial state), so repeated calls on the same inputs give the same
+# outputs and final states (the torch cache is updated in place). Peers: transformers-style
+# grouped ``F.conv1d`` over the sequences behind their histories (torch), a ``lax.scan`` over the
+# tokens under jit (jax), and torch.compile of the native body (the bench's torch-compile impl).
+_CONV_WIDTH = 4
+
+
+def _causal_conv1d(dim: int):
+    from dualop.ops import CausalConv1d
+
+    return CausalConv1d(dim, _CONV_WIDTH)
+
+
+def _conv_sequences(split: str, tokens: int) -> int:
+    return {"1seq": 1, "8seq": min(8, tokens), "decode": tokens}[split]
+
+
+def _causal_conv1d_inputs(split: str):
+    def make(shape, rng):
+        from dualop.ops.causal_conv1d import packed_batch
+        from dualop.testing import Pinned
+
+        tokens, dim = shape
+        cu, slots, _, num_slots = packed_batch(tokens, _conv_sequences(split, tokens), rng, padding=False)
+        return (rng.standard_normal((tokens, dim), dtype=np.float32),
+                0.5 * rng.standard_normal((dim, _CONV_WIDTH), dtype=np.float32),
+                rng.standard_normal(dim, dtype=np.float32),
+                np.zeros((num_slots, dim, _CONV_WIDTH - 1), np.float32),
+                Pinned(cu, "int32"), Pinned(slots, "int32"), Pinned(np.zeros(len(slots), bool), "bool"))
+
+    return make
+
+
+def _causal_conv1d_cost(split: str):
+    def cost(op, shape, itemsize) -> KernelCost:
+        return cost_model.causal_conv1d_cost(shape[0], shape[1], _conv_sequences(split, shape[0]), _CONV_WIDTH,
+                                             itemsize, True)
+
+    return cost
+
+
+def _torch_grouped_conv1d(op):
+    from dualop.kernels.cpu.causal_conv1d import causal_conv1d_grouped_conv
+
+    def run(x, weight, bias, conv_state, cu_seqlens, state_indices, has_initial_state):
+        return causal_conv1d_grouped_conv(x, weight, bias, conv_state, cu_seqlens, state_indices,
+                                          has_initial_state, activation=op.activation)
+
+    return run
+
+
+def _jax_conv_scan(op):
+    import jax
+
+    from dualop.backends.xla import array_api
+    from dualop.kernels import ssm_math
+
+    @jax.jit
+    def run(x, weight, bias, conv_state, cu_seqlens, state_indices, has_initial_state):
+        return ssm_math.causal_conv1d_reference(array_api, x, weight, bias, conv_state, cu_seqlens, state_indices,
+                                                has_initial_state, op.activation)
+
+    return run
+
+
+CASES = (*CASES, *(
+    BenchCase(f"causal_conv1d[{split}]", "causal_conv1d", _causal_conv1d, _causal_conv1d_inputs(split),
+              _causal_conv1d_cost(split), _torch_grouped_conv1d, _jax_conv_scan, default=False)
+    for split in ("1seq", "8seq", "decode")))

@@ -650,3 +650,60 @@ class ParallelLMHead(VocabParallelEmbedding):
 
 
 __all__ += ["VocabParallelEmbedding", "ParallelLMHead"]
+
+
+# --- issue 12: LFM2's short convolution ------------------------------------------------------------
+class ShortConv(nnx.Module):
+    """Twin of ``dualop.torch.layers.ShortConv``: ``in_proj_weight [3 Hd, Hd]``, ``conv_weight
+    [Hd, L]``, ``out_proj_weight [Hd, Hd]`` (and, with ``bias``, their biases) as ``nnx.Param``s
+    (normal(0, 0.02) from ``rngs``, default ``nnx.Rngs(0)``; biases zero); ``__call__(hidden_states,
+    conv_state=None, cu_seqlens=None, state_indices=None, has_initial_state=None) -> (out,
+    conv_state)``; ``load_state_dict`` takes transformers' ``Lfm2ShortConv`` state dict."""
+
+    # this layer's parameter -> (the Lfm2ShortConv state-dict key, how to reshape it)
+    _HF_KEYS = {"in_proj_weight": "in_proj.weight", "conv_weight": "conv.weight", "out_proj_weight": "out_proj.weight",
+                "in_proj_bias": "in_proj.bias", "conv_bias": "conv.bias", "out_proj_bias": "out_proj.bias"}
+
+    def __init__(self, hidden_size: int, conv_kernel: int, bias: bool = False, *, params_dtype: Any = None,
+                 rngs: nnx.Rngs | None = None) -> None:
+        import jax
+
+        self.op = ops.ShortConv(hidden_size, conv_kernel, bias)
+        dtype = params_dtype or jnp.float32
+        rngs = rngs if rngs is not None else nnx.Rngs(0)
+
+        def normal(shape):
+            return (0.02 * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype)
+
+        hd = hidden_size
+        self.in_proj_weight = nnx.Param(normal((3 * hd, hd)))
+        self.conv_weight = nnx.Param(normal((hd, conv_kernel)))
+        self.out_proj_weight = nnx.Param(normal((hd, hd)))
+        zeros = lambda n: nnx.Param(jnp.zeros((n,), dtype)) if bias else None  # noqa: E731
+        self.in_proj_bias, self.conv_bias, self.out_proj_bias = zeros(3 * hd), zeros(hd), zeros(hd)
+
+    def __call__(self, hidden_states, conv_state=None, cu_seqlens=None, state_indices=None, has_initial_state=None):
+        p = {name: None if getattr(self, name) is None else getattr(self, name)[...] for name in self._HF_KEYS}
+        return self.op(hidden_states, p["in_proj_weight"], p["conv_weight"], p["out_proj_weight"], p["conv_bias"],
+                       conv_state, cu_seqlens, state_indices, has_initial_state, p["in_proj_bias"], p["out_proj_bias"])
+
+    def load_state_dict(self, state_dict: Any, prefix: str = "") -> None:
+        """Load ``Lfm2ShortConv``'s state dict (its conv weight ``[Hd, 1, L]`` becomes ``[Hd, L]``)."""
+        layer = type(self).__name__
+        for name, hf_key in self._HF_KEYS.items():
+            param, key = getattr(self, name), prefix + hf_key
+            if param is None:
+                if key in state_dict:
+                    raise ValueError(f"{layer}.load_state_dict: '{key}' given but the layer has no biases")
+                continue
+            if key not in state_dict:
+                raise ValueError(f"{layer}.load_state_dict: '{key}' is missing")
+            value = state_dict[key]
+            value = value.reshape(value.shape[0], -1) if name == "conv_weight" else value
+            if tuple(value.shape) != tuple(param.shape):
+                raise ValueError(f"{layer}.load_state_dict: '{key}' has shape {tuple(value.shape)}; expected "
+                                 f"{tuple(param.shape)}")
+            param[...] = _as_jax(value, param.dtype)
+
+
+__all__.append("ShortConv")

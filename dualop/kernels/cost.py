@@ -204,3 +204,13 @@ def embedding_gather_cost(tokens: int, dim: int, itemsize: int) -> KernelCost:
     """Vocabulary embedding lookup: read the ids (int32) and one weight row per token, write the
     ``[tokens, dim]`` output (the roofline minimum: every token's row fetched, none cached)."""
     return KernelCost(flops=0, transcendentals=0, bytes_accessed=2 * tokens * dim * itemsize + 4 * tokens)
+
+
+def causal_conv1d_cost(tokens: int, dim: int, seqs: int, kernel_size: int, itemsize: int, silu: bool) -> KernelCost:
+    """Depthwise causal conv1d over packed sequences (issue 12): read x and write y, read each
+    sequence's float32 starting state and write its final state (``K - 1`` values per channel),
+    read the float32 weight and bias; a multiply-add per tap, one sigmoid per output with SiLU."""
+    n = tokens * dim
+    states = 2 * seqs * dim * (kernel_size - 1) * 4
+    return KernelCost(flops=2 * kernel_size * n, transcendentals=n if silu else 0,
+                      bytes_accessed=2 * n * itemsize + states + (kernel_size + 1) * dim * 4)

@@ -51,3 +51,13 @@ __all__ = [
     *logits_processor.__all__,
     *conv.__all__,
 ]
+
+# --- issue 12: state-space ops (causal conv) ---
+from dualop.ops.causal_conv1d import *  # noqa: F403,E402
+from dualop.ops import causal_conv1d  # noqa: E402
+
+__all__ += [*causal_conv1d.__all__]
+from dualop.ops.short_conv import *  # noqa: F403,E402
+from dualop.ops import short_conv  # noqa: E402
+
+__all__ += [*short_conv.__all__]

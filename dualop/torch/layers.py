@@ -526,3 +526,32 @@ class ParallelLMHead(VocabParallelEmbedding):
 
 
 __all__ += ["VocabParallelEmbedding", "ParallelLMHead"]
+
+
+# --- issue 12: LFM2's short convolution ------------------------------------------------------------
+class ShortConv(nn.Module):
+    """LFM2's ShortConv mixer (:class:`dualop.ops.ShortConv`) over packed tokens. Its parameters are
+    named and shaped as transformers' ``Lfm2ShortConv`` (``in_proj``, ``out_proj`` Linears and the
+    depthwise ``conv`` with weight ``[Hd, 1, L]``), so that module's state dict loads as is.
+    ``forward(hidden_states [T, Hd], conv_state=None, cu_seqlens=None, state_indices=None,
+    has_initial_state=None) -> (out, conv_state)`` (serving metadata as ``dualop.ops.ssm_batch``)."""
+
+    def __init__(self, hidden_size: int, conv_kernel: int, bias: bool = False, *, params_dtype: Any = None) -> None:
+        super().__init__()
+        self.op = ops.ShortConv(hidden_size, conv_kernel, bias)
+        self.in_proj = nn.Linear(hidden_size, 3 * hidden_size, bias=bias, dtype=params_dtype)
+        self.out_proj = nn.Linear(hidden_size, hidden_size, bias=bias, dtype=params_dtype)
+        self.conv = nn.Conv1d(hidden_size, hidden_size, conv_kernel, groups=hidden_size, bias=bias,
+                              padding=conv_kernel - 1, dtype=params_dtype)
+
+    def forward(self, hidden_states: Any, conv_state: Any = None, cu_seqlens: Any = None, state_indices: Any = None,
+                has_initial_state: Any = None) -> Any:
+        return self.op(hidden_states, self.in_proj.weight, self.conv.weight[:, 0], self.out_proj.weight,
+                       self.conv.bias, conv_state, cu_seqlens, state_indices, has_initial_state,
+                       self.in_proj.bias, self.out_proj.bias)
+
+    def extra_repr(self) -> str:
+        return self.op.extra_repr()
+
+
+__all__.append("ShortConv")

@@ -27,6 +27,16 @@ Each becomes ``Tensor(a!)`` (``Tensor(b!)``, ...) in the schema, the custom op i
 a compiled call returns the mutated argument(s) as the eager call does. It gets no autograd formula
 (an in-place cache write has no gradient).
 
+An op that returns outputs AND updates a state argument in place when one is given (the
+state-space ops: ``(y, conv_state)``, a fresh state when none is given) also names, in
+``mutated_results``, what each item of its result is: None for an output, or the mutated argument
+it returns. Its schema returns one ``Tensor`` per result item (functionalization takes no list
+output from a mutating op): an output, or for a state item the state the call created (its argument
+was None) or an empty placeholder (it was given and updated in place; a custom op's outputs may not
+alias its inputs); a compiled call reassembles the eager result (``assemble_result``). Its fake
+kernel calls the op's ``forward_fake`` (same arguments, empty results of the right shapes) when it
+has one: a native body that loops over the tokens reads metadata values fake tensors do not have.
+
 The real kernel rebuilds the op (cached per ``ctor``) and runs its ordinary eager dispatch
 (config, platform path, fallbacks); the fake kernel runs ``forward_native`` on fake tensors;
 autograd differentiates ``forward_native``.
@@ -93,6 +103,7 @@ class OpSignature:
     keyword_only: frozenset[str]
     returns: str  # "Tensor", "(Tensor, Tensor)", ... or "Tensor[]"; "()" for an op that mutates
     mutated: tuple[str, ...] = ()  # parameters updated in place (the op class's ``mutates_args``)
+    mutated_results: tuple[str | None, ...] = ()  # per result item: None (an output) or the argument it is
 
     @property
     def schema(self) -> str:
@@ -200,13 +211,18 @@ def op_signature(cls: type) -> OpSignature:
     for name in mutated:
         if dict(typed).get(name, "").rstrip("?") != "Tensor":
             raise TypeError(f"{op}: mutates_args names {name!r}, which is not an array parameter of forward_native")
+    results = tuple(getattr(cls, "mutated_results", ()) or ())
+    if any(r is not None and r not in mutated for r in results):
+        raise TypeError(f"{op}: mutated_results {results} names an argument not in mutates_args {mutated}")
     return OpSignature(
         name=op,
         params=typed,
         defaults=tuple(p.default for p in params),
         keyword_only=frozenset(p.name for p in params if p.kind is p.KEYWORD_ONLY),
-        returns="()" if mutated else _return_type(op, hints.get("return", Any)),
+        returns=("(" + ", ".join(["Tensor"] * len(results)) + ")" if results else "()" if mutated
+                 else _return_type(op, hints.get("return", Any))),
         mutated=mutated,
+        mutated_results=results,
     )
 
 
@@ -254,6 +270,8 @@ def library_op(name: str):  # noqa: C901 - one op's real, fake and autograd kern
         op = ctor_spec.build(ctor)  # at run time this is an eager call: the ordinary dispatch runs
         args, kwargs = sig.bind(call)
         result = op(*args, **kwargs)
+        if sig.mutated_results:
+            return tuple(_no_alias(_created_results(sig, call, result, into=True), call))
         if sig.mutated:
             _into_mutated(sig, call, result)
             return None
@@ -265,6 +283,13 @@ def library_op(name: str):  # noqa: C901 - one op's real, fake and autograd kern
     @custom.register_fake
     def _fake(*values: Any) -> Any:
         *call, ctor = values
+        if sig.mutated_results:
+            args, kwargs = sig.bind(call)
+            op = ctor_spec.build(ctor)
+            # A sequential native body (a token loop reading its metadata) cannot run on fake
+            # tensors: such an op gives its results' shapes by ``forward_fake``.
+            result = getattr(op, "forward_fake", op.forward_native)(*args, **kwargs)
+            return tuple(_no_alias(_created_results(sig, call, result, into=False), call))
         if sig.mutated:
             return None  # the mutated arguments keep their shapes; nothing is returned
         args, kwargs = sig.bind(call)
@@ -306,6 +331,32 @@ def library_op(name: str):  # noqa: C901 - one op's real, fake and autograd kern
     custom.register_autograd(backward, setup_context=setup_context)
     _DEFINED[name] = sig
     return custom
+
+
+def _created_results(sig: OpSignature, call: Sequence[Any], result: Any, *, into: bool) -> list:
+    """The library op's outputs for an op with ``mutated_results``: each output, each state it
+    created (its argument was None), an empty placeholder for each given state. A given state the
+    path returned as a new tensor is copied into the argument when ``into`` (so the declared
+    in-place update holds)."""
+    given = dict(zip((p for p, _ in sig.params), call))
+    outputs = []
+    for item, name in zip(result, sig.mutated_results, strict=True):
+        target = given.get(name) if name is not None else None
+        if target is None:
+            outputs.append(item)
+            continue
+        if into and item is not target:
+            target.copy_(item)
+        outputs.append(target.new_empty((0,)))
+    return outputs
+
+
+def assemble_result(sig: OpSignature, call: Sequence[Any], outputs: Sequence[Any]) -> tuple:
+    """An op with ``mutated_results``: its eager result from the library op's outputs and the call's
+    values (a given state argument is returned itself, updated in place)."""
+    given = dict(zip((p for p, _ in sig.params), call))
+    return tuple(out if name is None or given.get(name) is None else given[name]
+                 for out, name in zip(outputs, sig.mutated_results, strict=True))
 
 
 def _into_mutated(sig: OpSignature, call: Sequence[Any], result: Any) -> None:
@@ -419,6 +470,8 @@ def compiled_call(op: CustomOp, args: tuple, kwargs: dict) -> Any:
     values = library_args(op, args, kwargs)
     out = getattr(getattr(torch.ops, _NAMESPACE), name)(*values)
     sig = _DEFINED[name]
+    if sig.mutated_results:
+        return assemble_result(sig, values[:-1], out)
     if sig.mutated:  # the call's result is its mutated argument(s), as in eager
         mutated = [v for (param, _), v in zip(sig.params, values) if param in sig.mutated]
         return mutated[0] if len(mutated) == 1 else tuple(mutated)

@@ -1,0 +1,206 @@
+"""Depthwise causal conv1d over packed sequences with a conv-state cache: ``CausalConv1d``
+(registered ``causal_conv1d``), the short convolution in front of every Mamba scan (and LFM2's
+ShortConv).
+
+``op = CausalConv1d(dim, kernel_size, activation="silu")``;
+``y, conv_state = op(x, weight, bias=None, conv_state=None, cu_seqlens=None, state_indices=None,
+has_initial_state=None)``.
+
+- ``x`` ``[T, D]``: the tokens of B sequences packed along T (float32/bfloat16/float16).
+- ``weight`` ``[D, K]``, ``bias`` ``[D]`` (optional), both in x's dtype.
+- ``conv_state`` ``[S, D, K - 1]``: each slot holds a sequence's last ``K - 1`` inputs, oldest
+  first. The serving metadata (``cu_seqlens``, ``state_indices`` with -1 for padding,
+  ``has_initial_state``) and what happens to the cache are ``dualop.ops.ssm_batch``'s contract:
+  torch updates the cache in place and returns it, jax returns a new one, no cache gives fresh
+  float32 final states ``[B, D, K - 1]``.
+
+``y[t, d] = act(bias[d] + sum_k weight[d, k] * window[d, k])`` with the window the sequence's previous
+``K - 1`` inputs (from its cached state at its start) and ``x[t]``; computed in float32, ``y`` in
+x's dtype (``ssm_math.causal_conv1d_reference``, the native body).
+
+Kernels: Pallas (``kernels/pallas/causal_conv1d.py``: a prefill kernel tiled over T and D and a
+decode-step kernel), Triton (``kernels/cuda/causal_conv1d.py``) and on the torch CPU one grouped
+``F.conv1d`` over the sequences laid end to end, each behind its history
+(``kernels/cpu/causal_conv1d.py``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+from dualop.backends import array_namespace
+from dualop.backends.torch.triton_launch import call_triton
+from dualop.backends.xla.pallas_bridge import call_pallas
+from dualop.custom_op import CustomOp
+from dualop.kernels import ssm_math
+from dualop.kernels.registry import KernelRef
+from dualop.ops._checks import check_array, check_optional_like, cpu_declines
+from dualop.ops.ssm_batch import SSMBatch, ssm_batch
+from dualop.platforms import family_of, frontend_of
+
+__all__ = ["CausalConv1d"]
+
+_PALLAS_CAUSAL_CONV1D = KernelRef("dualop.kernels.pallas.causal_conv1d", "causal_conv1d")
+_TRITON_CAUSAL_CONV1D = KernelRef("dualop.kernels.cuda.causal_conv1d", "causal_conv1d")
+_CPU_CAUSAL_CONV1D = KernelRef("dualop.kernels.cpu.causal_conv1d", "causal_conv1d")
+_ACTIVATIONS = ("silu", None)
+OP = "causal_conv1d"
+
+
+def _torch_float32():
+    import torch
+
+    return torch.float32
+
+
+def _positive_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
+@CustomOp.register(OP)
+class CausalConv1d(CustomOp):
+    """Depthwise causal conv1d with a per-sequence conv state (see the module docstring)."""
+
+    # torch updates a given cache in place and returns it as the second result (torch.library:
+    # ``dualop/backends/torch/library.py``); with no cache the second result is a new array.
+    mutates_args: ClassVar[tuple[str, ...]] = ("conv_state",)
+    mutated_results: ClassVar[tuple[str | None, ...]] = (None, "conv_state")
+
+    def __init__(self, dim: int, kernel_size: int, activation: str | None = "silu", *,
+                 enforce_enable: bool = False) -> None:
+        super().__init__(enforce_enable=enforce_enable)
+        if not _positive_int(dim):
+            raise ValueError(f"{OP}: dim must be a positive int, got {dim!r}")
+        if not _positive_int(kernel_size) or kernel_size < 2:
+            raise ValueError(f"{OP}: kernel_size must be an int >= 2, got {kernel_size!r}")
+        if activation not in _ACTIVATIONS:
+            raise ValueError(f"{OP}: activation must be 'silu' or None, got {activation!r}")
+        self.dim = dim
+        self.kernel_size = kernel_size
+        self.activation = activation
+
+    def extra_repr(self) -> str:
+        return f"dim={self.dim}, kernel_size={self.kernel_size}, activation={self.activation!r}"
+
+    @property
+    def state_shape(self) -> tuple[int, int]:
+        return (self.dim, self.kernel_size - 1)
+
+    def _batch(self, x, conv_state, cu_seqlens, state_indices, has_initial_state) -> SSMBatch:
+        return ssm_batch(OP, x, cu_seqlens, state_indices, has_initial_state, conv_state, "conv_state",
+                         self.state_shape)
+
+    def check_inputs(self, x: Any, weight: Any = None, bias: Any = None, conv_state: Any = None,
+                     cu_seqlens: Any = None, state_indices: Any = None, has_initial_state: Any = None) -> None:
+        fe = check_array(OP, "x", x, min_ndim=2)
+        if x.ndim != 2 or x.shape[1] != self.dim:
+            raise ValueError(f"{OP}: argument 'x' has shape {tuple(x.shape)}; expected [tokens, dim={self.dim}]")
+        if weight is None:
+            raise TypeError(f"{OP}: argument 'weight' is required; expected an array of shape "
+                            f"({self.dim}, {self.kernel_size})")
+        check_optional_like(OP, "weight", weight, "x", x, fe, shape=(self.dim, self.kernel_size), same_dtype=True)
+        check_optional_like(OP, "bias", bias, "x", x, fe, shape=(self.dim,), same_dtype=True)
+        if conv_state is not None:
+            check_optional_like(OP, "conv_state", conv_state, "x", x, fe, shape=tuple(conv_state.shape))
+        self._batch(x, conv_state, cu_seqlens, state_indices, has_initial_state)
+
+    def forward_native(self, x: Any, weight: Any, bias: Any = None, conv_state: Any = None, cu_seqlens: Any = None,
+                       state_indices: Any = None, has_initial_state: Any = None) -> tuple[Any, Any]:
+        batch = self._batch(x, conv_state, cu_seqlens, state_indices, has_initial_state)
+        return ssm_math.causal_conv1d_reference(
+            array_namespace(x), x, weight, bias, batch.state, batch.cu_seqlens, batch.state_indices,
+            batch.has_initial_state, self.activation)
+
+    def forward_fake(self, x: Any, weight: Any, bias: Any = None, conv_state: Any = None, cu_seqlens: Any = None,
+                     state_indices: Any = None, has_initial_state: Any = None) -> tuple[Any, Any]:
+        """Empty results of the right shapes (torch.library's fake kernel: the token loop of the
+        native body needs metadata values)."""
+        if conv_state is not None:
+            return x.new_empty(x.shape), conv_state
+        seqs = 1 if cu_seqlens is None else cu_seqlens.shape[0] - 1
+        return x.new_empty(x.shape), x.new_empty((seqs, *self.state_shape), dtype=_torch_float32())
+
+    def declines(self, method: str, frontend: str) -> str | None:
+        return cpu_declines(method, frontend)
+
+    def _kernel_args(self, x, weight, bias, conv_state, cu_seqlens, state_indices, has_initial_state):
+        batch = self._batch(x, conv_state, cu_seqlens, state_indices, has_initial_state)
+        return batch, (x, weight, bias, batch.state, batch.cu_seqlens, batch.state_indices, batch.has_initial_state)
+
+    def forward_cpu(self, x: Any, weight: Any, bias: Any = None, conv_state: Any = None, cu_seqlens: Any = None,
+                    state_indices: Any = None, has_initial_state: Any = None) -> tuple[Any, Any]:
+        _, args = self._kernel_args(x, weight, bias, conv_state, cu_seqlens, state_indices, has_initial_state)
+        return _CPU_CAUSAL_CONV1D(*args, activation=self.activation)
+
+    def forward_cuda(self, x: Any, weight: Any, bias: Any = None, conv_state: Any = None, cu_seqlens: Any = None,
+                     state_indices: Any = None, has_initial_state: Any = None) -> tuple[Any, Any]:
+        _, args = self._kernel_args(x, weight, bias, conv_state, cu_seqlens, state_indices, has_initial_state)
+        return call_triton(frontend_of(x), _TRITON_CAUSAL_CONV1D, *args, activation=self.activation)
+
+    def forward_tpu(self, x: Any, weight: Any, bias: Any = None, conv_state: Any = None, cu_seqlens: Any = None,
+                    state_indices: Any = None, has_initial_state: Any = None) -> tuple[Any, Any]:
+        """The Pallas kernels (decode step when T == B); torch frontends get the new cache written
+        back into ``conv_state`` (``copy_``), so they see the update in place."""
+        fe = frontend_of(x)
+        batch, args = self._kernel_args(x, weight, bias, conv_state, cu_seqlens, state_indices, has_initial_state)
+
+        def native(*arrays):
+            return ssm_math.causal_conv1d_reference(array_namespace(arrays[0]), *arrays, self.activation)
+
+        y, new_state = call_pallas(fe, _PALLAS_CAUSAL_CONV1D, *args, native=native,
+                                   activation=self.activation, decode=batch.decode)
+        if family_of(fe) == "torch" and conv_state is not None:
+            conv_state.copy_(new_state)
+            return y, conv_state
+        return y, new_state
+
+
+# (tokens, dim, sequences): one token; a decode step (T == B) with a padding slot, D off the
+# 128-lane grid; a packed prefill of new and continued sequences, some shorter than the window's
+# history (K - 1 = 3). Three shapes keep the interpreted cells quick; T 1024 with T blocks
+# splitting sequences runs once per kernel in tests/test_causal_conv1d.py.
+CHECK_SHAPES = ((1, 128, 1), (5, 136, 5), (21, 128, 4))
+CHECK_KERNEL_SIZE = 4
+
+
+def packed_batch(tokens: int, sequences: int, rng, *, padding: bool = True):
+    """Random serving metadata for ``sequences`` sequences over ``tokens`` tokens (numpy): int32
+    ``cu_seqlens`` (every sequence non-empty), ``state_indices`` (distinct slots out of
+    ``2 * sequences + 1``, one padding -1 when ``padding`` and B > 1) and ``has_initial_state``."""
+    import numpy as np
+
+    if sequences == tokens:
+        lengths = np.ones(sequences, np.int64)
+    else:
+        cuts = np.sort(rng.choice(np.arange(1, tokens), sequences - 1, replace=False))
+        lengths = np.diff(np.concatenate([[0], cuts, [tokens]]))
+    cu = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+    slots = rng.permutation(2 * sequences + 1)[:sequences].astype(np.int32)
+    if padding and sequences > 1:
+        slots[rng.integers(sequences)] = -1
+    init = rng.random(sequences) < 0.6
+    return cu, slots, init, 2 * sequences + 1
+
+
+def check_cases():
+    """Serving batches over a cache of ``2B + 1`` slots (untouched slots must stay as they were):
+    with bias and SiLU (Mamba), and without either (LFM2's ShortConv)."""
+    from dualop.testing import OpCase, Pinned, normal
+
+    def inputs(with_bias: bool):
+        def make(shape, rng):
+            tokens, dim, sequences = shape
+            cu, slots, init, num_slots = packed_batch(tokens, sequences, rng)
+            return (
+                normal((tokens, dim), rng), 0.5 * normal((dim, CHECK_KERNEL_SIZE), rng),
+                normal((dim,), rng) if with_bias else None, normal((num_slots, dim, CHECK_KERNEL_SIZE - 1), rng),
+                Pinned(cu, "int32"), Pinned(slots, "int32"), Pinned(init, "bool"),
+            )
+
+        return make
+
+    return [
+        OpCase(OP, OP, lambda s: CausalConv1d(s[1], CHECK_KERNEL_SIZE), inputs(True), CHECK_SHAPES),
+        OpCase(OP, f"{OP}[no_act,no_bias]", lambda s: CausalConv1d(s[1], CHECK_KERNEL_SIZE, activation=None),
+               inputs(False), CHECK_SHAPES),
+    ]
