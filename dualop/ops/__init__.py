@@ -51,3 +51,9 @@ __all__ = [
     *logits_processor.__all__,
     *conv.__all__,
 ]
+
+# issue 12: the Mamba-1 mixer
+from dualop.ops.mamba_mixer import *  # noqa: F403,E402
+from dualop.ops import mamba_mixer  # noqa: E402
+
+__all__ += mamba_mixer.__all__
