@@ -20,6 +20,17 @@ import torch  # noqa: E402  (both test environments have torch: a broken install
 from dualop.backends.torch import library  # noqa: E402
 
 CASES = list(testing.cases_for(None))
+# Ops that update state caches in place AND return new outputs: ``mutates_args`` (library.py) covers
+# ops that return only their mutated arguments, so these cannot declare their mutation yet, and
+# opcheck and torch.compile (which rely on the declaration) fail for them. Strict xfail: a fix to
+# library.py makes these tests fail until the marks are removed (issue 12, the lead's).
+STATE_CACHE_OPS = ("mamba_mixer",)
+DECLARED_MUTATION_CASES = [
+    pytest.param(c, id=c.label, marks=pytest.mark.xfail(strict=True, reason="in-place cache update with outputs: "
+                                                        "not expressible by mutates_args yet"))
+    if c.op in STATE_CACHE_OPS else c
+    for c in CASES
+]
 
 
 def _inputs(case, dtype="float32", seed=0, shape=None):
@@ -199,7 +210,7 @@ def test_a_class_defined_in_a_function_has_no_spec():
 
 
 @pytest.mark.parametrize("dtype, which", [("float32", "first"), ("bfloat16", "first"), ("float32", "last")])
-@pytest.mark.parametrize("case", CASES, ids=lambda c: c.label)
+@pytest.mark.parametrize("case", DECLARED_MUTATION_CASES, ids=lambda c: c.label)
 def test_opcheck(case, dtype, which):
     nonempty = [s for s in case.shapes if s[0] > 0]
     op, args = _inputs(case, dtype, shape=nonempty[0] if which == "first" else nonempty[-1])
@@ -256,7 +267,7 @@ def _dualop_targets(graphs) -> list[str]:
 
 
 @pytest.mark.parametrize("custom_ops", [["all"], ["none"]])
-@pytest.mark.parametrize("case", CASES, ids=lambda c: c.label)
+@pytest.mark.parametrize("case", DECLARED_MUTATION_CASES, ids=lambda c: c.label)
 def test_compiled_case_is_the_opaque_op_exactly_when_enabled(case, custom_ops):
     op, args = _inputs(case)
     _, eager_args = _inputs(case)  # its own inputs: an in-place op must not compare with itself

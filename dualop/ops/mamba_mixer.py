@@ -266,9 +266,12 @@ class MambaMixer(CustomOp):
     # -- the platform body ---------------------------------------------------------------------------
 
     def declines(self, method: str, frontend: str) -> str | None:
-        """The platform body composes the kernel ops: it declines where they are not installed (and,
-        as every op, ``forward_cpu`` for arrays other than torch's)."""
+        """The platform body composes the kernel ops: it declines where they are not installed, for
+        jax arrays on a GPU (no Triton launch for jax) and, as every op, ``forward_cpu`` for arrays
+        other than torch's."""
         why = cpu_declines(method, frontend)
+        if why is None and method == "forward_cuda" and family_of(frontend) == "jax":
+            why = "the kernel ops' Triton kernels take torch tensors (jax arrays would need jax-triton)"
         if why is None and method in ("forward_cpu", "forward_cuda", "forward_tpu"):
             missing = _missing_kernel_ops()
             if missing:
@@ -329,3 +332,59 @@ class MambaMixer(CustomOp):
         return (f"hidden_size={self.hidden_size}, intermediate_size={self.intermediate_size}, "
                 f"ssm_state_size={self.ssm_state_size}, conv_kernel_size={self.conv_kernel_size}, "
                 f"time_step_rank={self.time_step_rank}, use_rms_norm={self.use_rms_norm}")
+
+
+# The widths of the check cases' shapes ``(tokens, sequences, hidden, intermediate, state)``: the
+# conv kernel is 4 and the time-step rank ceil(hidden / 16), as Mamba's configs derive it.
+CHECK_SHAPES = ((1, 1, 16, 32, 4), (9, 3, 24, 40, 8), (16, 16, 32, 64, 16), (37, 4, 40, 72, 16))
+
+
+def check_cases():
+    """Small packed batches: sequences of random lengths in shuffled slots of caches with one spare
+    slot (random contents), one sequence continuing from its cached state, and (with two or more)
+    one padding sequence; ``(16, 16, ...)`` is a decode step (one token per sequence). Variants:
+    Mamba (conv bias), Jamba (dt/B/C norm weights), Falcon-Mamba (weightless norms) with the
+    projections' biases."""
+    import numpy as np
+
+    from dualop.testing import OpCase, Pinned, normal
+
+    def make_op(variant):
+        def make(shape):
+            _, _, hidden, inner, state = shape
+            return MambaMixer(hidden, state, 4, inner, -(-hidden // 16), use_bias=variant == "falcon",
+                              use_rms_norm=variant != "mamba")
+
+        return make
+
+    def make_inputs(variant):
+        def make(shape, rng):
+            tokens, seqs, hidden, inner, state = shape
+            rank, kernel = -(-hidden // 16), 4
+            cuts = np.sort(rng.choice(np.arange(1, tokens), seqs - 1, replace=False)) if seqs > 1 else []
+            cu = np.array([0, *cuts, tokens], np.int32)
+            slots = rng.permutation(seqs + 1)[:seqs].astype(np.int32)
+            if seqs > 1:
+                slots[rng.integers(seqs)] = -1
+            init = np.zeros(seqs, bool)
+            init[rng.integers(seqs)] = True
+            a_log = np.log(np.broadcast_to(np.arange(1, state + 1, dtype=np.float32), (inner, state))).copy()
+            norms = ((1 + 0.2 * normal((rank,), rng), 1 + 0.2 * normal((state,), rng), 1 + 0.2 * normal((state,), rng))
+                     if variant == "jamba" else (None, None, None))
+            bias = variant == "falcon"
+            return (
+                normal((tokens, hidden), rng), normal((2 * inner, hidden), rng, hidden ** -0.5),
+                normal((inner, kernel), rng, 0.5), normal((inner,), rng, 0.1),
+                normal((rank + 2 * state, inner), rng, inner ** -0.5), normal((inner, rank), rng, rank ** -0.5),
+                normal((inner,), rng, 0.5) - 1.0, a_log + 0.1 * normal((inner, state), rng), 1 + 0.1 * normal((inner,), rng),
+                normal((hidden, inner), rng, inner ** -0.5),
+                normal((2 * inner,), rng, 0.1) if bias else None, normal((hidden,), rng, 0.1) if bias else None,
+                *norms,
+                normal((seqs + 1, inner, kernel - 1), rng), normal((seqs + 1, inner, state), rng, 0.5),
+                Pinned(cu, "int32"), Pinned(slots, "int32"), Pinned(init, "bool"),
+            )
+
+        return make
+
+    return [OpCase(_OP, f"{_OP}{label}", make_op(variant), make_inputs(variant), CHECK_SHAPES)
+            for variant, label in (("mamba", ""), ("jamba", "[jamba]"), ("falcon", "[falcon_mamba,bias]"))]
