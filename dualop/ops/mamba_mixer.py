@@ -77,13 +77,18 @@ def _native_gemm(xp, x: Any, weight: Any, bias: Any = None) -> Any:
 
 
 def _vendor_gemm(x: Any, weight: Any, bias: Any = None) -> Any:
-    """``x @ weight.T (+ bias)`` with the platform's own GEMM: ``F.linear`` for torch tensors (every
-    torch device, torch_xla and torchax lower it to XLA's dot), XLA's dot for jax arrays (float32
-    accumulation, one rounding to x's dtype)."""
-    if family_of(frontend_of(x)) == "jax":
-        from dualop.kernels.xla_linear import linear
+    """``x @ weight.T (+ bias)`` with the platform's own GEMM, as the linear ops run it: ``F.linear``
+    for torch tensors on the CPU and GPUs, XLA's dot (``kernels/xla_linear``: float32 accumulation,
+    one rounding to x's dtype) through the Pallas bridge for jax arrays and torch_xla / torchax /
+    torch_tpu tensors. The weight is cast to x's dtype first."""
+    from dualop.ops.linear import _XLA_LINEAR, _native_gemm as linear_native
 
-        return linear(x, weight.astype(x.dtype), None if bias is None else bias)
+    fe = frontend_of(x)
+    if family_of(fe) == "jax" or fe != "torch":
+        from dualop.backends.xla.pallas_bridge import call_pallas
+
+        weight = weight.astype(x.dtype) if family_of(fe) == "jax" else weight.to(x.dtype)
+        return call_pallas(fe, _XLA_LINEAR, x, weight, bias, native=linear_native)
     import torch.nn.functional as F
 
     return F.linear(x, weight.to(x.dtype), None if bias is None else bias.to(x.dtype))
