@@ -845,8 +845,9 @@ CASES = (*CASES, BenchCase("vocab_parallel_embedding", "vocab_parallel_embedding
 # that read them would not repeat itself); each call writes both states. Peers (returning the output
 # and the final states): transformers' MambaMixer (torch; the equal-length sequences as one batch) and
 # a hand-written jax lax.scan rounding where the native body does. In 16-bit dtypes transformers rounds
-# at other points (its bf16 GEMM outputs feed the scan unrounded-to-float32 differently), so the
-# bench's correctness check reports it outside the bfloat16 tolerance there: its time is still the peer's.
+# at other points (the SSM state to the input dtype before its product with C, the D skip in the input
+# dtype), so the bench's correctness check reports it outside the bfloat16 tolerance (an error record,
+# not timed; tests/test_bench.py expects exactly those): a 16-bit comparison with it is by hand.
 _MAMBA_SEQS = {"prefill": 1, "prefill_8seq": 8, "decode": 0}  # 0: one token per sequence
 
 
