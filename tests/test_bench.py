@@ -146,6 +146,13 @@ def test_torch_compile_records_its_warmup():
     assert "warmup_s" not in by_impl["torch-eager"]  # nothing compiles on an eager call
 
 
+# Peers that round at other points than the native body in 16-bit dtypes (dualop/bench/cases.py says
+# where): their records there are errors, and must be exactly these.
+EXPECTED_DISAGREEMENTS = {
+    (f"mamba_mixer[{kind}]", "torch-builtin", "bfloat16") for kind in ("prefill", "prefill_8seq", "decode")
+}
+
+
 def test_every_case_and_peer_agrees_with_forward_native():
     """The peers compute the op's own semantics (rounding of Llama's and Gemma's norms included):
     a peer that disagrees would be an error record."""
@@ -153,7 +160,8 @@ def test_every_case_and_peer_agrees_with_forward_native():
         list(bench_cases.CASES), [(8, 64)], ["float32", "bfloat16"], FRONTENDS, impls=NO_COMPILE,
         rounds=1, warmup=0, progress=False,
     )
-    assert not [r for r in recs if "error" in r], [(r["op"], r["impl"], r["error"]) for r in recs if "error" in r]
+    errors = {(r["op"], r["impl"], r["dtype"]) for r in recs if "error" in r}
+    assert errors == EXPECTED_DISAGREEMENTS, [(r["op"], r["impl"], r["error"]) for r in recs if "error" in r]
     peers = {(r["op"], r["impl"]) for r in recs}
     for case in bench_cases.CASES:
         assert ((case.label, "torch-builtin") in peers) == (case.torch_builtin is not None)

@@ -586,3 +586,29 @@ def _short_conv_inputs(shape: tuple[int, ...]) -> tuple:
 
 
 SERVING_INPUTS["short_conv"] = _short_conv_inputs
+
+
+# --- issue 12: mamba_mixer: (tokens, sequences, hidden, intermediate, state), as its check cases -----
+# Falcon-Mamba-7B / Jamba's Mamba layers (hidden 4096, I 8192, N 16, K 4, R 256) with Jamba's dt/B/C
+# norms: an 8192-token prefill of 8 sequences and a 64-sequence decode step, over a 256-slot cache.
+_MAMBA_MIXER_SLOTS = 256
+SERVING_SHAPES["mamba_mixer"] = ((8192, 8, 4096, 8192, 16), (64, 64, 4096, 8192, 16))
+SERVING_CASES["mamba_mixer"] = ("mamba_mixer[jamba]",)
+
+
+def _mamba_mixer_inputs(shape: tuple[int, ...]) -> tuple:
+    """The op's positional arguments (Jamba's: conv bias and norm weights, no projection biases)."""
+    tokens, seqs, hidden, inner, state = shape
+    rank, kernel = -(-hidden // 16), 4
+    w = InputSpec
+    return (
+        w((tokens, hidden), None), w((2 * inner, hidden), None), w((inner, kernel), None), w((inner,), None),
+        w((rank + 2 * state, inner), None), w((inner, rank), None), w((inner,), None), w((inner, state), None),
+        w((inner,), None), w((hidden, inner), None), None, None,
+        w((rank,), None), w((state,), None), w((state,), None),
+        w((_MAMBA_MIXER_SLOTS, inner, kernel - 1), None), w((_MAMBA_MIXER_SLOTS, inner, state), None),
+        w((seqs + 1,), "int32"), w((seqs,), "int32"), w((seqs,), "bool"),
+    )
+
+
+SERVING_INPUTS["mamba_mixer"] = _mamba_mixer_inputs

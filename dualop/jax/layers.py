@@ -707,3 +707,93 @@ class ShortConv(nnx.Module):
 
 
 __all__.append("ShortConv")
+
+
+# --- issue 12: the Mamba-1 mixer -----------------------------------------------------------------
+
+
+class MambaMixer(nnx.Module):
+    """Twin of ``dualop.torch.layers.MambaMixer`` (same constructor, ``params_dtype`` a jax dtype and
+    ``rngs`` for the projections' init, default ``nnx.Rngs(0)``); ``__call__(hidden_states,
+    conv_state=None, ssm_state=None, cu_seqlens=None, state_indices=None, has_initial_state=None)``
+    -> ``(out, conv_state, ssm_state)`` (new caches: jax arrays are immutable; donate the old ones
+    under ``jit``). The weights are ``nnx.Param``s in the op's layout (``conv_weight`` ``[I, K]``);
+    ``load_state_dict`` takes a transformers mixer's state dict (torch, numpy or jax values)."""
+
+    # transformers' key -> this layer's parameter
+    _HF_KEYS = {
+        "in_proj.weight": "in_proj_weight", "in_proj.bias": "in_proj_bias", "conv1d.weight": "conv_weight",
+        "conv1d.bias": "conv_bias", "x_proj.weight": "x_proj_weight", "dt_proj.weight": "dt_proj_weight",
+        "dt_proj.bias": "dt_proj_bias", "A_log": "A_log", "D": "D", "out_proj.weight": "out_proj_weight",
+        "out_proj.bias": "out_proj_bias", "dt_layernorm.weight": "dt_norm_weight",
+        "b_layernorm.weight": "b_norm_weight", "c_layernorm.weight": "c_norm_weight",
+    }
+
+    def __init__(self, hidden_size: int, ssm_state_size: int, conv_kernel_size: int, intermediate_size: int,
+                 time_step_rank: int, use_conv_bias: bool = True, use_bias: bool = False, use_rms_norm: bool = False,
+                 rms_norm_has_weight: bool = True, rms_norm_eps: float = 1e-6, activation: str | None = "silu",
+                 params_dtype: Any = None, *, rngs: nnx.Rngs | None = None) -> None:
+        import jax
+
+        self.op = ops.MambaMixer(hidden_size, ssm_state_size, conv_kernel_size, intermediate_size, time_step_rank,
+                                 use_conv_bias, use_bias, use_rms_norm, rms_norm_eps, activation)
+        dtype = params_dtype or jnp.float32
+        rngs = rngs if rngs is not None else nnx.Rngs(0)
+        i, n, r, h, k = intermediate_size, ssm_state_size, time_step_rank, hidden_size, conv_kernel_size
+
+        def uniform(shape, fan_in):
+            bound = 1 / fan_in ** 0.5
+            return nnx.Param(jax.random.uniform(rngs.params(), shape, jnp.float32, -bound, bound).astype(dtype))
+
+        def const(value):
+            return nnx.Param(jnp.asarray(value, jnp.float32).astype(dtype))
+
+        self.in_proj_weight = uniform((2 * i, h), h)
+        self.in_proj_bias = const(jnp.zeros(2 * i)) if use_bias else None
+        self.conv_weight = uniform((i, k), k)
+        self.conv_bias = const(jnp.zeros(i)) if use_conv_bias else None
+        self.x_proj_weight = uniform((r + 2 * n, i), i)
+        self.dt_proj_weight = uniform((i, r), r)
+        self.dt_proj_bias = const(jnp.zeros(i))
+        self.A_log = const(jnp.log(jnp.broadcast_to(jnp.arange(1, n + 1, dtype=jnp.float32), (i, n))))
+        self.D = const(jnp.ones(i))
+        self.out_proj_weight = uniform((h, i), i)
+        self.out_proj_bias = const(jnp.zeros(h)) if use_bias else None
+        with_norms = use_rms_norm and rms_norm_has_weight
+        self.dt_norm_weight = const(jnp.ones(r)) if with_norms else None
+        self.b_norm_weight = const(jnp.ones(n)) if with_norms else None
+        self.c_norm_weight = const(jnp.ones(n)) if with_norms else None
+
+    def _value(self, name: str):
+        param = getattr(self, name)
+        return None if param is None else param[...]
+
+    def __call__(self, hidden_states, conv_state=None, ssm_state=None, cu_seqlens=None, state_indices=None,
+                 has_initial_state=None):
+        names = ("in_proj_weight", "conv_weight", "conv_bias", "x_proj_weight", "dt_proj_weight", "dt_proj_bias",
+                 "A_log", "D", "out_proj_weight", "in_proj_bias", "out_proj_bias", "dt_norm_weight",
+                 "b_norm_weight", "c_norm_weight")
+        return self.op(hidden_states, *(self._value(n) for n in names), conv_state, ssm_state, cu_seqlens,
+                       state_indices, has_initial_state)
+
+    def load_state_dict(self, state_dict: Any, prefix: str = "") -> None:
+        """Load a transformers mixer's state dict: every parameter this layer has must be there, and
+        nothing it lacks (a bias or norm weight the layer was built without is an error)."""
+        layer = type(self).__name__
+        for key, name in self._HF_KEYS.items():
+            param, value = getattr(self, name), state_dict.get(prefix + key)
+            if param is None and value is not None:
+                raise ValueError(f"{layer}.load_state_dict: '{prefix + key}' given but the layer has no {name}")
+            if param is None:
+                continue
+            if value is None:
+                raise ValueError(f"{layer}.load_state_dict: '{prefix + key}' is missing")
+            if key == "conv1d.weight" and value.ndim == 3:
+                value = value[:, 0, :]  # transformers' depthwise Conv1d weight [I, 1, K]
+            if tuple(value.shape) != tuple(param.shape):
+                raise ValueError(f"{layer}.load_state_dict: '{prefix + key}' has shape {tuple(value.shape)}; expected "
+                                 f"{tuple(param.shape)}")
+            param[...] = _as_jax(value, param.dtype)
+
+
+__all__.append("MambaMixer")

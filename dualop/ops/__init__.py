@@ -61,3 +61,9 @@ from dualop.ops.short_conv import *  # noqa: F403,E402
 from dualop.ops import short_conv  # noqa: E402
 
 __all__ += [*short_conv.__all__]
+
+# issue 12: the Mamba-1 mixer
+from dualop.ops.mamba_mixer import *  # noqa: F403,E402
+from dualop.ops import mamba_mixer  # noqa: E402
+
+__all__ += mamba_mixer.__all__

@@ -555,3 +555,72 @@ class ShortConv(nn.Module):
 
 
 __all__.append("ShortConv")
+
+
+# --- issue 12: the Mamba-1 mixer -----------------------------------------------------------------
+
+
+class _NormWeight(nn.Module):
+    """Holds one norm weight as ``weight`` (so the state dict keys are transformers' own)."""
+
+    def __init__(self, size: int, dtype: torch.dtype | None) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size, dtype=dtype))
+
+
+class MambaMixer(nn.Module):
+    """``MambaMixer(hidden_size, ssm_state_size, conv_kernel_size, intermediate_size, time_step_rank,
+    use_conv_bias=True, use_bias=False, use_rms_norm=False, rms_norm_has_weight=True,
+    rms_norm_eps=1e-6, activation="silu", params_dtype=None)``;
+    ``forward(hidden_states [T, Hd], conv_state=None, ssm_state=None, cu_seqlens=None,
+    state_indices=None, has_initial_state=None)`` -> ``(out [T, Hd], conv_state, ssm_state)``.
+
+    Owns the weights under transformers' names (``in_proj``, ``conv1d`` with its ``[I, 1, K]``
+    weight, ``x_proj``, ``dt_proj``, ``A_log``, ``D``, ``out_proj``, and with ``use_rms_norm`` and
+    ``rms_norm_has_weight`` Jamba's ``dt/b/c_layernorm``), so ``load_state_dict`` takes a
+    transformers ``MambaMixer`` / ``JambaMambaMixer`` / ``FalconMambaMixer`` state dict as is
+    (Falcon-Mamba: ``rms_norm_has_weight=False``, its norms have no weights). Holds no cache: the
+    caller passes the caches and the batch metadata, as to the op (``dualop.ops.mamba_mixer``).
+    Initialised as transformers does without its random dt: A = 1..N per channel, D = 1."""
+
+    op_class: type = ops.MambaMixer
+
+    def __init__(self, hidden_size: int, ssm_state_size: int, conv_kernel_size: int, intermediate_size: int,
+                 time_step_rank: int, use_conv_bias: bool = True, use_bias: bool = False, use_rms_norm: bool = False,
+                 rms_norm_has_weight: bool = True, rms_norm_eps: float = 1e-6, activation: str | None = "silu",
+                 params_dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        self.op = self.op_class(hidden_size, ssm_state_size, conv_kernel_size, intermediate_size, time_step_rank,
+                                use_conv_bias, use_bias, use_rms_norm, rms_norm_eps, activation)
+        i, n, r = intermediate_size, ssm_state_size, time_step_rank
+        kw = {"dtype": params_dtype}
+        self.in_proj = nn.Linear(hidden_size, 2 * i, bias=use_bias, **kw)
+        self.conv1d = nn.Conv1d(i, i, conv_kernel_size, groups=i, padding=conv_kernel_size - 1, bias=use_conv_bias,
+                                **kw)
+        self.x_proj = nn.Linear(i, r + 2 * n, bias=False, **kw)
+        self.dt_proj = nn.Linear(r, i, bias=True, **kw)
+        a = torch.arange(1, n + 1, dtype=torch.float32).expand(i, n)
+        self.A_log = nn.Parameter(torch.log(a).to(params_dtype or torch.get_default_dtype()))
+        self.D = nn.Parameter(torch.ones(i, **kw))
+        self.out_proj = nn.Linear(i, hidden_size, bias=use_bias, **kw)
+        self.has_norm_weights = bool(use_rms_norm and rms_norm_has_weight)
+        if self.has_norm_weights:
+            self.dt_layernorm = _NormWeight(r, params_dtype)
+            self.b_layernorm = _NormWeight(n, params_dtype)
+            self.c_layernorm = _NormWeight(n, params_dtype)
+
+    def forward(self, hidden_states: torch.Tensor, conv_state: torch.Tensor | None = None,
+                ssm_state: torch.Tensor | None = None, cu_seqlens: torch.Tensor | None = None,
+                state_indices: torch.Tensor | None = None, has_initial_state: torch.Tensor | None = None):
+        norms = ((self.dt_layernorm.weight, self.b_layernorm.weight, self.c_layernorm.weight)
+                 if self.has_norm_weights else (None, None, None))
+        return self.op(hidden_states, self.in_proj.weight, self.conv1d.weight[:, 0, :], self.conv1d.bias,
+                       self.x_proj.weight, self.dt_proj.weight, self.dt_proj.bias, self.A_log, self.D,
+                       self.out_proj.weight, self.in_proj.bias, self.out_proj.bias, *norms, conv_state, ssm_state,
+                       cu_seqlens, state_indices, has_initial_state)
+
+    def extra_repr(self) -> str:
+        return self.op.extra_repr()
+
+
+__all__ += ["MambaMixer"]

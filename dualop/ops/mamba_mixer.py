@@ -1,0 +1,395 @@
+"""The Mamba-1 mixer (Mamba, Jamba, Falcon-Mamba): ``MambaMixer`` (registered ``mamba_mixer``),
+the reference engine's ``MambaMixer`` math with its weights as explicit arguments and its two state
+caches as the serving batch of ``dualop.ops.ssm_batch`` describes.
+
+``op = MambaMixer(hidden_size, ssm_state_size, conv_kernel_size, intermediate_size, time_step_rank,
+use_conv_bias=True, use_bias=False, use_rms_norm=False, rms_norm_eps=1e-6, activation="silu")``;
+``out, conv_state, ssm_state = op(hidden_states [T, Hd], in_proj_weight [2I, Hd], conv_weight [I, K],
+conv_bias [I] | None, x_proj_weight [R + 2N, I], dt_proj_weight [I, R], dt_proj_bias [I], A_log [I, N],
+D [I], out_proj_weight [Hd, I], in_proj_bias=None, out_proj_bias=None, dt_norm_weight=None,
+b_norm_weight=None, c_norm_weight=None, conv_state=None [S, I, K - 1], ssm_state=None [S, I, N],
+cu_seqlens=None, state_indices=None, has_initial_state=None)``.
+
+The math, per packed token (the sequences of ``cu_seqlens`` never mix):
+
+1. ``x, z = in_proj(h)`` (the first I rows of ``in_proj_weight`` give x, the next I the gate z);
+2. ``x = act(causal_conv1d(x))`` over each sequence, continuing from its ``conv_state`` slot;
+3. ``dt, B, C = x_proj(x)`` split ``[R, N, N]``; with ``use_rms_norm`` each is RMS-normalised over
+   its last dim (Jamba: times ``dt/b/c_norm_weight``; Falcon-Mamba: no weights, pass None);
+4. ``dt = dt_proj_weight @ dt`` (the bias is not added here: the scan adds ``dt_proj_bias`` and
+   takes the softplus, as the engine's ``delta_softplus``);
+5. ``y = selective_scan(x, dt, A = -exp(A_log), B, C, D, z)`` continuing from its ``ssm_state``
+   slot (``y ⊙ silu(z)`` inside);
+6. ``out = out_proj(y)``.
+
+Rounding (``forward_native``): every matmul multiplies float32 operands at full precision and
+rounds its result once to ``hidden_states``' dtype, as a vendor GEMM with float32 accumulation
+does (in_proj, x_proj, dt_proj, out_proj); the conv and the scan compute in float32 and round their
+outputs once to that dtype (``dualop.kernels.ssm_math``); the norms follow the engine's RMSNorm
+(``norm_math``: normalised in float32, rounded, then times the weight). So in float32 nothing
+rounds between steps, and in bfloat16 the steps round where the engine's do. A padding sequence
+(slot -1) gives zero outputs (``out_proj_bias`` included) and writes neither state.
+
+The platform methods (``forward_cpu``/``forward_cuda``/``forward_tpu``, one body) run the
+projections with the vendor matmul (``F.linear``; XLA's dot for jax) and call the kernel ops
+``CausalConv1d`` (``dualop.ops.causal_conv1d``) and ``SelectiveScan`` (``dualop.ops.selective_scan``),
+which dispatch to their own kernels. They decline (at resolution, with the reason) while those
+modules are not installed.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import Any
+
+from dualop.backends import array_namespace
+from dualop.custom_op import CustomOp
+from dualop.kernels import ssm_math
+from dualop.kernels.norm_math import NormSpec, rms_normalize
+from dualop.ops._checks import check_array, check_optional_like, cpu_declines
+from dualop.ops.ssm_batch import SSMBatch, ssm_batch
+from dualop.platforms import family_of, frontend_of
+
+__all__ = ["MambaMixer"]
+
+_OP = "mamba_mixer"
+# The kernel ops the platform methods compose (module, class).
+_KERNEL_OPS = (("dualop.ops.causal_conv1d", "CausalConv1d"), ("dualop.ops.selective_scan", "SelectiveScan"))
+
+
+def _positive_int(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{_OP}: {name} must be a positive int, got {value!r}")
+    return value
+
+
+def _missing_kernel_ops() -> list[str]:
+    """The kernel-op modules the platform body needs that are not importable here."""
+    return [module for module, _ in _KERNEL_OPS if importlib.util.find_spec(module) is None]
+
+
+def _native_gemm(xp, x: Any, weight: Any, bias: Any = None) -> Any:
+    """``x @ weight.T (+ bias)``: float32 operands at full precision, one rounding to x's dtype."""
+    y = xp.einsum("tk,nk->tn", xp.astype(x, xp.float32), xp.astype(weight, xp.float32))
+    if bias is not None:
+        y = y + xp.astype(bias, xp.float32)
+    return xp.astype(y, x.dtype)
+
+
+def _vendor_gemm(x: Any, weight: Any, bias: Any = None) -> Any:
+    """``x @ weight.T (+ bias)`` with the platform's own GEMM, as the linear ops run it: ``F.linear``
+    for torch tensors on the CPU and GPUs, XLA's dot (``kernels/xla_linear``: float32 accumulation,
+    one rounding to x's dtype) through the Pallas bridge for jax arrays and torch_xla / torchax /
+    torch_tpu tensors. The weight is cast to x's dtype first."""
+    from dualop.ops.linear import _XLA_LINEAR, _native_gemm as linear_native
+
+    fe = frontend_of(x)
+    if family_of(fe) == "jax" or fe != "torch":
+        from dualop.backends.xla.pallas_bridge import call_pallas
+
+        weight = weight.astype(x.dtype) if family_of(fe) == "jax" else weight.to(x.dtype)
+        return call_pallas(fe, _XLA_LINEAR, x, weight, bias, native=linear_native)
+    import torch.nn.functional as F
+
+    return F.linear(x, weight.to(x.dtype), None if bias is None else bias.to(x.dtype))
+
+
+@CustomOp.register(_OP)
+class MambaMixer(CustomOp):
+    """The Mamba-1 mixer over packed sequences with conv and SSM state caches (see the module
+    docstring for the call, the math and where it rounds)."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        ssm_state_size: int,
+        conv_kernel_size: int,
+        intermediate_size: int,
+        time_step_rank: int,
+        use_conv_bias: bool = True,
+        use_bias: bool = False,
+        use_rms_norm: bool = False,
+        rms_norm_eps: float = 1e-6,
+        activation: str | None = "silu",
+        *,
+        enforce_enable: bool = False,
+    ) -> None:
+        super().__init__(enforce_enable=enforce_enable)
+        self.hidden_size = _positive_int("hidden_size", hidden_size)
+        self.ssm_state_size = _positive_int("ssm_state_size", ssm_state_size)
+        self.conv_kernel_size = _positive_int("conv_kernel_size", conv_kernel_size)
+        self.intermediate_size = _positive_int("intermediate_size", intermediate_size)
+        self.time_step_rank = _positive_int("time_step_rank", time_step_rank)
+        if activation not in ("silu", None):
+            raise ValueError(f"{_OP}: activation must be 'silu' or None, got {activation!r}")
+        if isinstance(rms_norm_eps, bool) or not isinstance(rms_norm_eps, (int, float)) or not rms_norm_eps >= 0:
+            raise ValueError(f"{_OP}: rms_norm_eps must be a non-negative float, got {rms_norm_eps!r}")
+        self.use_conv_bias, self.use_bias, self.use_rms_norm = bool(use_conv_bias), bool(use_bias), bool(use_rms_norm)
+        self.rms_norm_eps = float(rms_norm_eps)
+        self.activation = activation
+        self.norm_spec = NormSpec(eps=self.rms_norm_eps)
+        self._kernel_op_instances: tuple[Any, Any] | None = None
+
+    # -- shapes and checks ---------------------------------------------------------------------------
+
+    @property
+    def conv_state_shape(self) -> tuple[int, int]:
+        """One slot of the conv cache: the last ``K - 1`` conv inputs of each channel."""
+        return (self.intermediate_size, self.conv_kernel_size - 1)
+
+    @property
+    def ssm_state_shape(self) -> tuple[int, int]:
+        """One slot of the SSM cache: ``[I, N]``."""
+        return (self.intermediate_size, self.ssm_state_size)
+
+    def _weight_shapes(self) -> dict[str, tuple[int, ...]]:
+        i, h, k, r, n = (self.intermediate_size, self.hidden_size, self.conv_kernel_size, self.time_step_rank,
+                         self.ssm_state_size)
+        return {
+            "in_proj_weight": (2 * i, h), "conv_weight": (i, k), "x_proj_weight": (r + 2 * n, i),
+            "dt_proj_weight": (i, r), "dt_proj_bias": (i,), "A_log": (i, n), "D": (i,), "out_proj_weight": (h, i),
+        }
+
+    def _batches(self, hidden_states, conv_state, ssm_state, cu_seqlens, state_indices,
+                 has_initial_state) -> tuple[SSMBatch, SSMBatch]:
+        """Both caches validated against the layer and against each other: one serving batch."""
+        if (conv_state is None) != (ssm_state is None):
+            given, missing = ("conv_state", "ssm_state") if ssm_state is None else ("ssm_state", "conv_state")
+            raise ValueError(f"{_OP}: argument '{given}' is given but '{missing}' is None; pass both caches or "
+                             f"neither")
+        conv = ssm_batch(_OP, hidden_states, cu_seqlens, state_indices, has_initial_state, conv_state,
+                         "conv_state", self.conv_state_shape)
+        ssm = ssm_batch(_OP, hidden_states, cu_seqlens, state_indices, has_initial_state, ssm_state,
+                        "ssm_state", self.ssm_state_shape)
+        if conv_state is not None and conv_state.shape[0] != ssm_state.shape[0]:
+            raise ValueError(f"{_OP}: argument 'ssm_state' has {ssm_state.shape[0]} slots but 'conv_state' has "
+                             f"{conv_state.shape[0]}; expected one slot count for both caches")
+        return conv, ssm
+
+    def check_inputs(self, hidden_states: Any, in_proj_weight: Any, conv_weight: Any, conv_bias: Any,
+                     x_proj_weight: Any, dt_proj_weight: Any, dt_proj_bias: Any, A_log: Any, D: Any,
+                     out_proj_weight: Any, in_proj_bias: Any = None, out_proj_bias: Any = None,
+                     dt_norm_weight: Any = None, b_norm_weight: Any = None, c_norm_weight: Any = None,
+                     conv_state: Any = None, ssm_state: Any = None, cu_seqlens: Any = None,
+                     state_indices: Any = None, has_initial_state: Any = None) -> None:
+        fe = check_array(_OP, "hidden_states", hidden_states, min_ndim=2)
+        if hidden_states.ndim != 2 or hidden_states.shape[1] != self.hidden_size:
+            raise ValueError(f"{_OP}: argument 'hidden_states' has shape {tuple(hidden_states.shape)}; expected "
+                             f"[tokens, hidden_size={self.hidden_size}]")
+        given = {"in_proj_weight": in_proj_weight, "conv_weight": conv_weight, "x_proj_weight": x_proj_weight,
+                 "dt_proj_weight": dt_proj_weight, "dt_proj_bias": dt_proj_bias, "A_log": A_log, "D": D,
+                 "out_proj_weight": out_proj_weight}
+        for name, shape in self._weight_shapes().items():
+            if given[name] is None:
+                raise ValueError(f"{_OP}: argument '{name}' is required (shape {shape})")
+            check_optional_like(_OP, name, given[name], "hidden_states", hidden_states, fe, shape=shape)
+        i, h, n, r = self.intermediate_size, self.hidden_size, self.ssm_state_size, self.time_step_rank
+        optional = (
+            ("conv_bias", conv_bias, (i,), self.use_conv_bias, "use_conv_bias"),
+            ("in_proj_bias", in_proj_bias, (2 * i,), self.use_bias, "use_bias"),
+            ("out_proj_bias", out_proj_bias, (h,), self.use_bias, "use_bias"),
+        )
+        for name, value, shape, wanted, flag in optional:
+            if wanted and value is None:
+                raise ValueError(f"{_OP}: argument '{name}' is required (shape {shape}) for an op built with {flag}=True")
+            if not wanted and value is not None:
+                raise ValueError(f"{_OP}: argument '{name}' must be None for an op built with {flag}=False")
+            check_optional_like(_OP, name, value, "hidden_states", hidden_states, fe, shape=shape)
+        norms = {"dt_norm_weight": (dt_norm_weight, (r,)), "b_norm_weight": (b_norm_weight, (n,)),
+                 "c_norm_weight": (c_norm_weight, (n,))}
+        present = [name for name, (value, _) in norms.items() if value is not None]
+        if present and not self.use_rms_norm:
+            raise ValueError(f"{_OP}: argument '{present[0]}' must be None for an op built with use_rms_norm=False")
+        if present and len(present) != len(norms):
+            missing = next(name for name in norms if name not in present)
+            raise ValueError(f"{_OP}: argument '{missing}' is None but '{present[0]}' is given; pass the three "
+                             f"norm weights together (Jamba) or none (Falcon-Mamba's weightless norms)")
+        for name, (value, shape) in norms.items():
+            check_optional_like(_OP, name, value, "hidden_states", hidden_states, fe, shape=shape)
+        self._batches(hidden_states, conv_state, ssm_state, cu_seqlens, state_indices, has_initial_state)
+        for name, cache in (("conv_state", conv_state), ("ssm_state", ssm_state)):
+            if cache is not None:  # the same device as the tokens (the shape was checked above)
+                check_optional_like(_OP, name, cache, "hidden_states", hidden_states, fe, shape=tuple(cache.shape))
+
+    # -- the shared steps ----------------------------------------------------------------------------
+
+    def _norm(self, xp, v: Any, weight: Any) -> Any:
+        return rms_normalize(xp, xp.astype(v, xp.float32), weight, self.norm_spec, v.dtype)
+
+    def _dt_b_c(self, xp, gemm, x, x_proj_weight, dt_proj_weight, dt_norm_weight, b_norm_weight, c_norm_weight):
+        """Steps 3 and 4: ``x_proj``, the split, the optional norms, ``dt_proj`` (no bias)."""
+        r, n = self.time_step_rank, self.ssm_state_size
+        dbc = gemm(x, x_proj_weight)
+        dt, b, c = dbc[:, :r], dbc[:, r:r + n], dbc[:, r + n:]
+        if self.use_rms_norm:
+            dt = self._norm(xp, dt, dt_norm_weight)
+            b = self._norm(xp, b, b_norm_weight)
+            c = self._norm(xp, c, c_norm_weight)
+        return gemm(dt, dt_proj_weight), b, c
+
+    @staticmethod
+    def _zero_padding_tokens(xp, out: Any, batch: SSMBatch) -> Any:
+        """Tokens of padding sequences give zeros (only ``out_proj_bias`` could make them nonzero)."""
+        seq = ssm_math.sequence_layout(xp, batch.cu_seqlens, batch.num_tokens)[0]
+        keep = xp.take(batch.state_indices >= 0, seq, axis=0)
+        return xp.where(keep[:, None], out, 0.0)
+
+    # -- the native body -----------------------------------------------------------------------------
+
+    def forward_native(self, hidden_states: Any, in_proj_weight: Any, conv_weight: Any, conv_bias: Any | None,
+                       x_proj_weight: Any, dt_proj_weight: Any, dt_proj_bias: Any, A_log: Any, D: Any,
+                       out_proj_weight: Any, in_proj_bias: Any = None, out_proj_bias: Any = None,
+                       dt_norm_weight: Any = None, b_norm_weight: Any = None, c_norm_weight: Any = None,
+                       conv_state: Any = None, ssm_state: Any = None, cu_seqlens: Any = None,
+                       state_indices: Any = None, has_initial_state: Any = None) -> tuple[Any, Any, Any]:
+        """The references of ``dualop.kernels.ssm_math`` composed with float32 matmuls (nothing of
+        dualop's kernels runs: see the module docstring for where it rounds)."""
+        xp = array_namespace(hidden_states)
+        conv_b, ssm_b = self._batches(hidden_states, conv_state, ssm_state, cu_seqlens, state_indices,
+                                      has_initial_state)
+
+        def gemm(v, w, b=None):
+            return _native_gemm(xp, v, w, b)
+
+        i = self.intermediate_size
+        xz = gemm(hidden_states, in_proj_weight, in_proj_bias)
+        x, z = xz[:, :i], xz[:, i:]
+        x, new_conv = ssm_math.causal_conv1d_reference(
+            xp, x, conv_weight, conv_bias, conv_b.state, conv_b.cu_seqlens, conv_b.state_indices,
+            conv_b.has_initial_state, self.activation)
+        dt, b, c = self._dt_b_c(xp, gemm, x, x_proj_weight, dt_proj_weight, dt_norm_weight, b_norm_weight,
+                                c_norm_weight)
+        a = -xp.exp(xp.astype(A_log, xp.float32))
+        y, new_ssm = ssm_math.selective_scan_reference(
+            xp, x, dt, a, b, c, D, z, dt_proj_bias, ssm_b.state, ssm_b.cu_seqlens, ssm_b.state_indices,
+            ssm_b.has_initial_state, delta_softplus=True)
+        out = gemm(y, out_proj_weight, out_proj_bias)
+        if out_proj_bias is not None:
+            out = self._zero_padding_tokens(xp, out, ssm_b)
+        return out, new_conv, new_ssm
+
+    # -- the platform body ---------------------------------------------------------------------------
+
+    def declines(self, method: str, frontend: str) -> str | None:
+        """The platform body composes the kernel ops: it declines where they are not installed, for
+        jax arrays on a GPU (no Triton launch for jax) and, as every op, ``forward_cpu`` for arrays
+        other than torch's."""
+        why = cpu_declines(method, frontend)
+        if why is None and method == "forward_cuda" and family_of(frontend) == "jax":
+            why = "the kernel ops' Triton kernels take torch tensors (jax arrays would need jax-triton)"
+        if why is None and method in ("forward_cpu", "forward_cuda", "forward_tpu"):
+            missing = _missing_kernel_ops()
+            if missing:
+                why = f"the kernel ops it composes are not installed ({', '.join(missing)})"
+        return why
+
+    def _kernel_ops(self) -> tuple[Any, Any]:
+        """This mixer's ``CausalConv1d`` and ``SelectiveScan`` instances (made on first use: imported
+        lazily, so the module loads without them)."""
+        if self._kernel_op_instances is None:
+            from dualop.ops.causal_conv1d import CausalConv1d
+            from dualop.ops.selective_scan import SelectiveScan
+
+            conv = CausalConv1d(self.intermediate_size, self.conv_kernel_size, activation=self.activation,
+                                enforce_enable=self.enforce_enable)
+            scan = SelectiveScan(self.intermediate_size, self.ssm_state_size, delta_softplus=True,
+                                 enforce_enable=self.enforce_enable)
+            self._kernel_op_instances = (conv, scan)
+        return self._kernel_op_instances
+
+    def _forward_kernels(self, hidden_states, in_proj_weight, conv_weight, conv_bias, x_proj_weight, dt_proj_weight,
+                         dt_proj_bias, A_log, D, out_proj_weight, in_proj_bias=None, out_proj_bias=None,
+                         dt_norm_weight=None, b_norm_weight=None, c_norm_weight=None, conv_state=None, ssm_state=None,
+                         cu_seqlens=None, state_indices=None, has_initial_state=None):
+        """Vendor matmuls around the kernel ops (each dispatches to its own kernel; decode, T == B,
+        takes their step kernels). Not yet run on this branch: see the module docstring."""
+        xp = array_namespace(hidden_states)
+        conv_op, scan_op = self._kernel_ops()
+        i = self.intermediate_size
+        xz = _vendor_gemm(hidden_states, in_proj_weight, in_proj_bias)
+        x, z = xz[:, :i], xz[:, i:]
+        x, new_conv = conv_op(x, conv_weight, conv_bias, conv_state, cu_seqlens, state_indices, has_initial_state)
+        dt, b, c = self._dt_b_c(xp, _vendor_gemm, x, x_proj_weight, dt_proj_weight, dt_norm_weight, b_norm_weight,
+                                c_norm_weight)
+        a = -xp.exp(xp.astype(A_log, xp.float32))
+        y, new_ssm = scan_op(x, dt, a, b, c, D, z, dt_proj_bias, ssm_state, cu_seqlens, state_indices,
+                             has_initial_state)
+        out = _vendor_gemm(y, out_proj_weight, out_proj_bias)
+        if out_proj_bias is not None:
+            _, ssm_b = self._batches(hidden_states, conv_state, ssm_state, cu_seqlens, state_indices,
+                                     has_initial_state)
+            out = self._zero_padding_tokens(xp, out, ssm_b)
+        return out, new_conv, new_ssm
+
+    def forward_cpu(self, *args: Any, **kwargs: Any) -> tuple[Any, Any, Any]:
+        """torch on the CPU: ``F.linear`` and the kernel ops' CPU kernels."""
+        return self._forward_kernels(*args, **kwargs)
+
+    def forward_cuda(self, *args: Any, **kwargs: Any) -> tuple[Any, Any, Any]:
+        """torch on a GPU: cuBLAS through ``F.linear`` and the kernel ops' Triton kernels."""
+        return self._forward_kernels(*args, **kwargs)
+
+    def forward_tpu(self, *args: Any, **kwargs: Any) -> tuple[Any, Any, Any]:
+        """On a TPU: XLA's dot and the kernel ops' Pallas kernels (reached through their bridges)."""
+        return self._forward_kernels(*args, **kwargs)
+
+    def extra_repr(self) -> str:
+        return (f"hidden_size={self.hidden_size}, intermediate_size={self.intermediate_size}, "
+                f"ssm_state_size={self.ssm_state_size}, conv_kernel_size={self.conv_kernel_size}, "
+                f"time_step_rank={self.time_step_rank}, use_rms_norm={self.use_rms_norm}")
+
+
+# The widths of the check cases' shapes ``(tokens, sequences, hidden, intermediate, state)``: the
+# conv kernel is 4 and the time-step rank ceil(hidden / 16), as Mamba's configs derive it.
+CHECK_SHAPES = ((1, 1, 16, 32, 4), (9, 3, 24, 40, 8), (16, 16, 32, 64, 16), (37, 4, 40, 72, 16))
+
+
+def check_cases():
+    """Small packed batches: sequences of random lengths in shuffled slots of caches with one spare
+    slot (random contents), one sequence continuing from its cached state, and (with two or more)
+    one padding sequence; ``(16, 16, ...)`` is a decode step (one token per sequence). Variants:
+    Mamba (conv bias), Jamba (dt/B/C norm weights), Falcon-Mamba (weightless norms) with the
+    projections' biases."""
+    import numpy as np
+
+    from dualop.testing import OpCase, Pinned, normal
+
+    def make_op(variant):
+        def make(shape):
+            _, _, hidden, inner, state = shape
+            return MambaMixer(hidden, state, 4, inner, -(-hidden // 16), use_bias=variant == "falcon",
+                              use_rms_norm=variant != "mamba")
+
+        return make
+
+    def make_inputs(variant):
+        def make(shape, rng):
+            tokens, seqs, hidden, inner, state = shape
+            rank, kernel = -(-hidden // 16), 4
+            cuts = np.sort(rng.choice(np.arange(1, tokens), seqs - 1, replace=False)) if seqs > 1 else []
+            cu = np.array([0, *cuts, tokens], np.int32)
+            slots = rng.permutation(seqs + 1)[:seqs].astype(np.int32)
+            if seqs > 1:
+                slots[rng.integers(seqs)] = -1
+            init = np.zeros(seqs, bool)
+            init[rng.integers(seqs)] = True
+            a_log = np.log(np.broadcast_to(np.arange(1, state + 1, dtype=np.float32), (inner, state))).copy()
+            norms = ((1 + 0.2 * normal((rank,), rng), 1 + 0.2 * normal((state,), rng), 1 + 0.2 * normal((state,), rng))
+                     if variant == "jamba" else (None, None, None))
+            bias = variant == "falcon"
+            return (
+                normal((tokens, hidden), rng), normal((2 * inner, hidden), rng, hidden ** -0.5),
+                normal((inner, kernel), rng, 0.5), normal((inner,), rng, 0.1),
+                normal((rank + 2 * state, inner), rng, inner ** -0.5), normal((inner, rank), rng, rank ** -0.5),
+                normal((inner,), rng, 0.5) - 1.0, a_log + 0.1 * normal((inner, state), rng), 1 + 0.1 * normal((inner,), rng),
+                normal((hidden, inner), rng, inner ** -0.5),
+                normal((2 * inner,), rng, 0.1) if bias else None, normal((hidden,), rng, 0.1) if bias else None,
+                *norms,
+                normal((seqs + 1, inner, kernel - 1), rng), normal((seqs + 1, inner, state), rng, 0.5),
+                Pinned(cu, "int32"), Pinned(slots, "int32"), Pinned(init, "bool"),
+            )
+
+        return make
+
+    return [OpCase(_OP, f"{_OP}{label}", make_op(variant), make_inputs(variant), CHECK_SHAPES)
+            for variant, label in (("mamba", ""), ("jamba", "[jamba]"), ("falcon", "[falcon_mamba,bias]"))]
