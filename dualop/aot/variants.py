@@ -549,3 +549,18 @@ def _vocab_embedding_inputs(shape: tuple[int, ...]) -> tuple:
 
 
 SERVING_INPUTS["vocab_parallel_embedding"] = _vocab_embedding_inputs
+
+
+# --- issue 12, the Mamba-2 mixer (mamba_mixer2 module) ------------------------------------------------
+# mixer2_gated_rms_norm: Nemotron-H-8B's mixer output (intermediate 8192, 8 groups; one group for
+# Mamba-2 / Bamba), an 8192-token prefill and a 64-sequence decode step.
+SERVING_SHAPES["mixer2_gated_rms_norm"] = ((8192, 8192), (64, 8192))
+
+
+def _mixer2_norm_op(shape: tuple[int, ...]):
+    from dualop.ops import Mixer2RMSNormGated
+
+    return Mixer2RMSNormGated(shape[-1], 8)
+
+
+_SERVING_MAKE_OP["mixer2_gated_rms_norm[groups]"] = _mixer2_norm_op
