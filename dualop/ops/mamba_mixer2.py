@@ -12,11 +12,15 @@ from typing import Any
 
 from dualop.backends import array_namespace
 from dualop.custom_op import CustomOp
+from dualop.kernels import ssm_math
 from dualop.ops._checks import check_array, check_optional_like, cpu_declines
 from dualop.ops.gated_norm import RMSNormGated
+from dualop.ops.linear import ReplicatedLinear
+from dualop.ops.ssm_batch import ssm_batch
 from dualop.parallel import TensorParallel, current_tensor_parallel, divide
+from dualop.platforms import frontend_of
 
-__all__ = ["Mixer2RMSNormGated"]
+__all__ = ["Mixer2RMSNormGated", "MambaMixer2"]
 
 
 def _positive_int(op: str, name: str, value: Any) -> int:
@@ -150,6 +154,233 @@ class Mixer2RMSNormGated(CustomOp):
 
     def forward_tpu(self, x: Any, gate: Any, weight: Any = None) -> Any:
         return self._norm.forward_tpu(x, weight, gate)
+
+
+def _kernel_ops(mixer: "MambaMixer2") -> tuple[Any, Any, str | None]:
+    """The mixer's kernel ops ``(CausalConv1d, SSDChunkScan, None)``, or ``(None, None, why)`` while
+    their modules (issue 12's other parts) are missing from this build."""
+    try:
+        from dualop.ops.causal_conv1d import CausalConv1d
+        from dualop.ops.ssd import SSDChunkScan
+    except ImportError as err:
+        return None, None, f"the kernel ops are missing ({err}): causal_conv1d and ssd_chunk_scan run only natively"
+    conv = CausalConv1d(mixer.conv_dim, mixer.conv_kernel_size, activation=mixer.activation)
+    ssd = SSDChunkScan(mixer.num_heads, mixer.head_dim, mixer.ssm_state_size, n_groups=mixer.n_groups,
+                       chunk_size=mixer.chunk_size, delta_softplus=True, dt_limit=mixer.time_step_limit)
+    return conv, ssd, None
+
+
+_MIXER = "mamba_mixer2"
+
+
+@CustomOp.register("mamba_mixer2")
+class MambaMixer2(CustomOp):
+    """The engine's MambaMixer2 math on packed sequences with a state cache (one rank).
+
+    ``op(hidden_states [T, Hd], in_proj_weight [I + (I + 2GN) + H, Hd], conv_weight [I + 2GN, K],
+    conv_bias, dt_bias [H], A_log [H], D [H], norm_weight [I], out_proj_weight [Hd, I],
+    in_proj_bias=None, out_proj_bias=None, conv_state=None [S, I + 2GN, K-1], ssm_state=None
+    [S, H, P, N], cu_seqlens=None, state_indices=None, has_initial_state=None)``
+    -> ``(out [T, Hd], conv_state, ssm_state)``; the serving batch and caches as
+    ``dualop.ops.ssm_batch`` says (torch caches updated in place, jax returns new ones).
+
+    1. ``in_proj`` -> ``[z (I) | xBC (I + 2GN) | dt (H)]`` (rounded to the input dtype);
+    2. causal depthwise conv of ``xBC`` (with its bias) and ``activation``;
+    3. ``x [T, H, P]``, ``B``, ``C`` ``[T, G, N]``; the SSD scan with ``A = -exp(A_log)``, ``D``,
+       ``dt_bias``, softplus and ``time_step_limit`` (no gate inside the scan);
+    4. the gated norm (``mixer2_gated_rms_norm``) of the scan output with ``z`` (or only
+       ``y * silu(z)`` without ``use_rms_norm``, ``norm_weight`` then None);
+    5. ``out_proj``. Tokens of padding sequences (slot -1) give zeros.
+
+    ``forward_native`` composes the references (``ssm_math``) and float32 GEMMs; the platform
+    methods run the vendor GEMM (``replicated_linear``'s paths) and the ``causal_conv1d`` /
+    ``ssd_chunk_scan`` / gated-norm ops, which dispatch to their own kernels.
+    """
+
+    def __init__(self, hidden_size: int, ssm_state_size: int, conv_kernel_size: int, intermediate_size: int,
+                 use_conv_bias: bool, use_bias: bool, n_groups: int = 1, num_heads: int = 128, head_dim: int = 64,
+                 rms_norm_eps: float = 1e-5, activation: str | None = "silu", chunk_size: int = 256,
+                 time_step_limit: tuple[float, float] = (0.0, float("inf")), use_rms_norm: bool = True, *,
+                 enforce_enable: bool = False) -> None:
+        super().__init__(enforce_enable=enforce_enable)
+        op = _MIXER
+        self.hidden_size = _positive_int(op, "hidden_size", hidden_size)
+        self.ssm_state_size = _positive_int(op, "ssm_state_size", ssm_state_size)
+        self.conv_kernel_size = _positive_int(op, "conv_kernel_size", conv_kernel_size)
+        self.intermediate_size = _positive_int(op, "intermediate_size", intermediate_size)
+        self.n_groups = _positive_int(op, "n_groups", n_groups)
+        self.num_heads = _positive_int(op, "num_heads", num_heads)
+        self.head_dim = _positive_int(op, "head_dim", head_dim)
+        self.chunk_size = _positive_int(op, "chunk_size", chunk_size)
+        if num_heads * head_dim != intermediate_size:
+            raise ValueError(f"{op}: num_heads * head_dim = {num_heads} * {head_dim} must equal intermediate_size "
+                             f"{intermediate_size}")
+        if num_heads % n_groups:
+            raise ValueError(f"{op}: n_groups {n_groups} must divide num_heads {num_heads} (each group serves "
+                             "num_heads / n_groups heads)")
+        if activation not in ("silu", None):
+            raise ValueError(f"{op}: argument 'activation' must be 'silu' or None, got {activation!r}")
+        try:
+            low, high = (float(v) for v in time_step_limit)
+        except (TypeError, ValueError):
+            raise ValueError(f"{op}: argument 'time_step_limit' must be a pair (min, max), got "
+                             f"{time_step_limit!r}") from None
+        if not 0.0 <= low <= high:
+            raise ValueError(f"{op}: argument 'time_step_limit' must satisfy 0 <= min <= max, got {time_step_limit!r}")
+        self.use_conv_bias, self.use_bias = bool(use_conv_bias), bool(use_bias)
+        self.activation, self.time_step_limit, self.use_rms_norm = activation, (low, high), bool(use_rms_norm)
+        self.conv_dim = intermediate_size + 2 * n_groups * ssm_state_size
+        self.projection_size = intermediate_size + self.conv_dim + num_heads
+        one = TensorParallel()
+        self.norm = Mixer2RMSNormGated(intermediate_size, n_groups, use_rms_norm=self.use_rms_norm, eps=rms_norm_eps,
+                                       tp=one, enforce_enable=True)
+        self.in_proj = ReplicatedLinear(hidden_size, self.projection_size, bias=self.use_bias, return_bias=False,
+                                        tp=one, enforce_enable=True)
+        self.out_proj = ReplicatedLinear(intermediate_size, hidden_size, bias=self.use_bias, return_bias=False,
+                                         tp=one, enforce_enable=True)
+        self._conv, self._ssd, self._missing = _kernel_ops(self)
+
+    def extra_repr(self) -> str:
+        return (f"hidden_size={self.hidden_size}, intermediate_size={self.intermediate_size}, "
+                f"heads={self.num_heads}x{self.head_dim}, n_groups={self.n_groups}, state={self.ssm_state_size}, "
+                f"conv_kernel={self.conv_kernel_size}, time_step_limit={self.time_step_limit}")
+
+    @property
+    def conv_state_shape(self) -> tuple[int, int]:
+        """One sequence's conv state: the last ``K - 1`` inputs of ``xBC``."""
+        return (self.conv_dim, self.conv_kernel_size - 1)
+
+    @property
+    def ssm_state_shape(self) -> tuple[int, int, int]:
+        """One sequence's SSD state ``[H, P, N]``."""
+        return (self.num_heads, self.head_dim, self.ssm_state_size)
+
+    def _batches(self, hidden_states, conv_state, ssm_state, cu_seqlens, state_indices, has_initial_state):
+        conv = ssm_batch(_MIXER, hidden_states, cu_seqlens, state_indices, has_initial_state, conv_state,
+                         "conv_state", self.conv_state_shape)
+        ssm = ssm_batch(_MIXER, hidden_states, cu_seqlens, state_indices, has_initial_state, ssm_state,
+                        "ssm_state", self.ssm_state_shape)
+        return conv, ssm
+
+    def check_inputs(self, hidden_states: Any, in_proj_weight: Any = None, conv_weight: Any = None,
+                     conv_bias: Any = None, dt_bias: Any = None, A_log: Any = None, D: Any = None,
+                     norm_weight: Any = None, out_proj_weight: Any = None, in_proj_bias: Any = None,
+                     out_proj_bias: Any = None, conv_state: Any = None, ssm_state: Any = None, cu_seqlens: Any = None,
+                     state_indices: Any = None, has_initial_state: Any = None) -> None:
+        op = _MIXER
+        fe = check_array(op, "hidden_states", hidden_states)
+        if hidden_states.ndim != 2 or hidden_states.shape[1] != self.hidden_size:
+            raise ValueError(f"{op}: argument 'hidden_states' has shape {tuple(hidden_states.shape)}; expected "
+                             f"[T, hidden_size={self.hidden_size}] (tokens packed along the first axis)")
+        heads, inter = self.num_heads, self.intermediate_size
+        required = [
+            ("in_proj_weight", in_proj_weight, (self.projection_size, self.hidden_size)),
+            ("conv_weight", conv_weight, (self.conv_dim, self.conv_kernel_size)),
+            ("dt_bias", dt_bias, (heads,)),
+            ("A_log", A_log, (heads,)),
+            ("D", D, (heads,)),
+            ("out_proj_weight", out_proj_weight, (self.hidden_size, inter)),
+        ]
+        optional = [
+            ("conv_bias", conv_bias, (self.conv_dim,), self.use_conv_bias, "use_conv_bias"),
+            ("in_proj_bias", in_proj_bias, (self.projection_size,), self.use_bias, "use_bias"),
+            ("out_proj_bias", out_proj_bias, (self.hidden_size,), self.use_bias, "use_bias"),
+            ("norm_weight", norm_weight, (inter,), self.use_rms_norm, "use_rms_norm"),
+        ]
+        for name, value, shape in required:
+            if value is None:
+                raise TypeError(f"{op}: argument {name!r} is required; expected an array of shape {list(shape)}")
+            check_optional_like(op, name, value, "hidden_states", hidden_states, fe, shape=shape)
+        for name, value, shape, wanted, flag in optional:
+            if (value is None) == wanted:
+                need = f"an array of shape {list(shape)}" if wanted else "None"
+                raise ValueError(f"{op}: argument {name!r} must be {need} ({flag}={wanted})")
+            check_optional_like(op, name, value, "hidden_states", hidden_states, fe, shape=shape)
+        for name, value in (("in_proj_weight", in_proj_weight), ("out_proj_weight", out_proj_weight)):
+            if value.dtype != hidden_states.dtype:
+                raise TypeError(f"{op}: argument {name!r} has dtype {value.dtype}; expected hidden_states' dtype "
+                                f"{hidden_states.dtype}")
+        self._batches(hidden_states, conv_state, ssm_state, cu_seqlens, state_indices, has_initial_state)
+
+    def _split(self, xp, projected):
+        inter, conv_dim = self.intermediate_size, self.conv_dim
+        return projected[:, :inter], projected[:, inter:inter + conv_dim], projected[:, inter + conv_dim:]
+
+    def _split_xbc(self, xp, xbc):
+        num_tokens, inter, gn = xbc.shape[0], self.intermediate_size, self.n_groups * self.ssm_state_size
+        x = xp.reshape(xbc[:, :inter], (num_tokens, self.num_heads, self.head_dim))
+        b = xp.reshape(xbc[:, inter:inter + gn], (num_tokens, self.n_groups, self.ssm_state_size))
+        c = xp.reshape(xbc[:, inter + gn:], (num_tokens, self.n_groups, self.ssm_state_size))
+        return x, b, c
+
+    def _zero_padding(self, xp, out, batch):
+        seq = ssm_math.sequence_layout(xp, batch.cu_seqlens, batch.num_tokens)[0]
+        keep = xp.take(batch.state_indices >= 0, seq, axis=0)
+        return xp.where(keep[:, None], out, 0.0)
+
+    def forward_native(self, hidden_states, in_proj_weight, conv_weight, conv_bias, dt_bias, A_log, D, norm_weight,
+                       out_proj_weight, in_proj_bias=None, out_proj_bias=None, conv_state=None, ssm_state=None,
+                       cu_seqlens=None, state_indices=None, has_initial_state=None):
+        xp = array_namespace(hidden_states)
+        conv_b, ssm_b = self._batches(hidden_states, conv_state, ssm_state, cu_seqlens, state_indices,
+                                      has_initial_state)
+        meta = (conv_b.cu_seqlens, conv_b.state_indices, conv_b.has_initial_state)
+        z, xbc, dt = self._split(xp, self.in_proj.forward_native(hidden_states, in_proj_weight, in_proj_bias))
+        xbc, conv_out = ssm_math.causal_conv1d_reference(xp, xbc, conv_weight, conv_bias, conv_b.state, *meta,
+                                                         self.activation)
+        x, b, c = self._split_xbc(xp, xbc)
+        a = -xp.exp(xp.astype(A_log, xp.float32))
+        y, ssm_out = ssm_math.ssd_reference(xp, x, dt, a, b, c, D, None, dt_bias, ssm_b.state, *meta, True,
+                                            self.time_step_limit)
+        y = self.norm.forward_native(xp.reshape(y, (y.shape[0], self.intermediate_size)), z, norm_weight)
+        out = self.out_proj.forward_native(y, out_proj_weight, out_proj_bias)
+        return self._zero_padding(xp, out, conv_b), conv_out, ssm_out
+
+    def declines(self, method: str, frontend: str) -> str | None:
+        if self._missing is not None:
+            return self._missing
+        return cpu_declines(method, frontend)
+
+    def _forward_platform(self, method, hidden_states, in_proj_weight, conv_weight, conv_bias, dt_bias, A_log, D,
+                          norm_weight, out_proj_weight, in_proj_bias, out_proj_bias, conv_state, ssm_state, cu_seqlens,
+                          state_indices, has_initial_state):
+        """The platform methods' one body: the vendor GEMMs (``method`` of ``replicated_linear``)
+        around the kernel ops (each dispatching to its own kernel) and the gated norm's ``method``."""
+        xp = array_namespace(hidden_states)
+        conv_b, _ = self._batches(hidden_states, conv_state, ssm_state, cu_seqlens, state_indices,
+                                  has_initial_state)
+        meta = dict(cu_seqlens=conv_b.cu_seqlens, state_indices=conv_b.state_indices,
+                    has_initial_state=conv_b.has_initial_state)
+        projected = getattr(self.in_proj, method)(hidden_states, in_proj_weight, in_proj_bias)
+        z, xbc, dt = self._split(xp, projected)
+        xbc, conv_out = self._conv(xbc, conv_weight, conv_bias, conv_state=conv_state, **meta)
+        x, b, c = self._split_xbc(xp, xbc)
+        a = -xp.exp(xp.astype(A_log, xp.float32))
+        y, ssm_out = self._ssd(x, dt, a, b, c, D=D, dt_bias=dt_bias, ssm_state=ssm_state, **meta)
+        y = xp.reshape(y, (y.shape[0], self.intermediate_size))
+        norm = self.norm
+        y = getattr(norm, method)(y, z, norm_weight) if norm.declines(method, frontend_of(y)) is None else \
+            norm.forward_native(y, z, norm_weight)
+        out = getattr(self.out_proj, method)(y, out_proj_weight, out_proj_bias)
+        return self._zero_padding(xp, out, conv_b), conv_out, ssm_out
+
+    def forward_cpu(self, *args, **kwargs):
+        return self._forward_platform("forward_cpu", *self._arguments(args, kwargs))
+
+    def forward_cuda(self, *args, **kwargs):
+        return self._forward_platform("forward_cuda", *self._arguments(args, kwargs))
+
+    def forward_tpu(self, *args, **kwargs):
+        return self._forward_platform("forward_tpu", *self._arguments(args, kwargs))
+
+    _ARGUMENTS = ("hidden_states", "in_proj_weight", "conv_weight", "conv_bias", "dt_bias", "A_log", "D",
+                  "norm_weight", "out_proj_weight", "in_proj_bias", "out_proj_bias", "conv_state", "ssm_state",
+                  "cu_seqlens", "state_indices", "has_initial_state")
+
+    def _arguments(self, args, kwargs) -> tuple:
+        values = dict(zip(self._ARGUMENTS, args))
+        values.update(kwargs)
+        return tuple(values.get(name) for name in self._ARGUMENTS)
 
 
 def check_cases():
