@@ -190,3 +190,157 @@ def test_gated_norm_jax_tp2_of_8_devices_equals_tp1():
     results = json.loads(line.removeprefix("RESULTS "))
     assert [r["mode"] for r in results] == ["all_reduce", "local", "all_gather"]
     assert all(r["ok"] for r in results), results
+
+
+# --- op 7: mamba_mixer2 -------------------------------------------------------------------------------
+
+# One tiny shape for every mixer test: hidden 16, 8 heads of 4 (intermediate 32), 2 groups of state 8,
+# kernel 4; the Nemotron-H config clamps dt from below (its time_step_limit is (time_step_min, inf)).
+HIDDEN, HEADS, HEAD_DIM, GROUPS, STATE, KERNEL = 16, 8, 4, 2, 8, 4
+WEIGHT_NAMES = ("in_proj.weight", "conv1d.weight", "conv1d.bias", "dt_bias", "A_log", "D", "norm.weight",
+                "out_proj.weight")
+
+
+def _hf_mixer(kind: str, seed: int = 0):
+    """A transformers mixer of ``kind`` with random weights, and the MambaMixer2 op of its config."""
+    import torch
+
+    from dualop.ops import MambaMixer2
+
+    common = dict(hidden_size=HIDDEN, num_hidden_layers=1)
+    if kind == "mamba2":
+        from transformers import Mamba2Config
+        from transformers.models.mamba2.modeling_mamba2 import Mamba2Mixer as cls
+
+        cfg = Mamba2Config(expand=2, num_heads=HEADS, head_dim=HEAD_DIM, n_groups=GROUPS, state_size=STATE,
+                           conv_kernel=KERNEL, chunk_size=8, use_bias=False, use_conv_bias=True, **common)
+        eps, limit = cfg.layer_norm_epsilon, tuple(cfg.time_step_limit)
+    elif kind == "bamba":
+        from transformers import BambaConfig
+        from transformers.models.bamba.modeling_bamba import BambaMixer as cls
+
+        cfg = BambaConfig(mamba_expand=2, mamba_n_heads=HEADS, mamba_d_head=HEAD_DIM, mamba_n_groups=GROUPS,
+                          mamba_d_state=STATE, mamba_d_conv=KERNEL, mamba_chunk_size=8, mamba_proj_bias=False,
+                          mamba_conv_bias=True, attn_layer_indices=[], **common)
+        eps, limit = cfg.rms_norm_eps, tuple(cfg.time_step_limit)
+    else:
+        from transformers import NemotronHConfig
+        from transformers.models.nemotron_h.modeling_nemotron_h import NemotronHMamba2Mixer as cls
+
+        cfg = NemotronHConfig(mamba_num_heads=HEADS, mamba_head_dim=HEAD_DIM, n_groups=GROUPS, ssm_state_size=STATE,
+                              conv_kernel=KERNEL, chunk_size=8, use_bias=False, use_conv_bias=True,
+                              layers_block_type=["mamba"], time_step_min=0.05, **common)
+        eps, limit = cfg.layer_norm_epsilon, (cfg.time_step_min, float("inf"))
+    torch.manual_seed(seed)
+    module = cls(cfg, 0).eval()
+    with torch.no_grad():
+        for p in module.parameters():
+            p.copy_(torch.randn_like(p) * 0.3)
+        module.A_log.copy_(torch.rand(HEADS).log())
+    op = MambaMixer2(HIDDEN, STATE, KERNEL, HEADS * HEAD_DIM, True, False, n_groups=GROUPS, num_heads=HEADS,
+                     head_dim=HEAD_DIM, rms_norm_eps=eps, chunk_size=8, time_step_limit=limit)
+    return module, op
+
+
+def _weights(module, convert=None):
+    """The op's weight arguments from a transformers mixer's state dict (conv1d.weight [C, 1, K] -> [C, K])."""
+    sd = module.state_dict()
+    ws = [sd[name] for name in WEIGHT_NAMES]
+    ws[1] = ws[1][:, 0]
+    return [w if convert is None else convert(w) for w in ws]
+
+
+@pytest.mark.parametrize("kind", ["mamba2", "bamba", "nemotron_h"])
+def test_mixer_matches_transformers(kind):
+    """Several sequences packed in one call == each run alone through transformers' mixer."""
+    torch = importlib.import_module("torch")
+    module, op = _hf_mixer(kind)
+    lengths = (5, 1, 9)
+    xs = [torch.randn(n, HIDDEN, generator=torch.Generator().manual_seed(n)) for n in lengths]
+    with torch.no_grad():
+        want = torch.cat([module(x[None])[0] for x in xs])
+    cu = torch.tensor(np.cumsum((0,) + lengths), dtype=torch.int32)
+    out, conv_state, ssm_state = op(torch.cat(xs), *_weights(module), cu_seqlens=cu)
+    cmp = testing.compare(out.numpy(), want.numpy(), "float32")
+    assert cmp.ok, cmp
+    assert conv_state.shape == (3, op.conv_dim, KERNEL - 1) and ssm_state.shape == (3, HEADS, HEAD_DIM, STATE)
+
+
+def test_mixer_state_continuity_and_padding():
+    """Prefill of a whole sequence == its first part, then continued prefill, then decode steps
+    from the cached state; a padding slot (-1) gives zeros and writes nothing."""
+    torch = importlib.import_module("torch")
+    module, op = _hf_mixer("mamba2")
+    ws = _weights(module)
+    x = torch.randn(9, HIDDEN, generator=torch.Generator().manual_seed(1))
+    slots = 3
+    conv = torch.zeros(slots, op.conv_dim, KERNEL - 1)
+    ssm = torch.zeros(slots, HEADS, HEAD_DIM, STATE)
+    whole, conv_whole, ssm_whole = op(x, *ws)
+    idx, no, yes = torch.tensor([2]), torch.tensor([False]), torch.tensor([True])
+    first, _, _ = op(x[:4], *ws, conv_state=conv, ssm_state=ssm, state_indices=idx, has_initial_state=no)
+    parts = [first, op(x[4:7], *ws, conv_state=conv, ssm_state=ssm, state_indices=idx, has_initial_state=yes)[0]]
+    for t in (7, 8):  # decode: one token, plus a padding sequence beside it
+        step, _, _ = op(torch.stack([x[t], x[t]]), *ws, conv_state=conv, ssm_state=ssm,
+                        state_indices=torch.tensor([-1, 2]), has_initial_state=torch.tensor([True, True]),
+                        cu_seqlens=torch.tensor([0, 1, 2], dtype=torch.int32))
+        assert torch.count_nonzero(step[0]) == 0
+        parts.append(step[1:])
+    cmp = testing.compare(torch.cat(parts).numpy(), whole.numpy(), "float32")
+    assert cmp.ok, cmp
+    for got, want in ((conv[2], conv_whole[0]), (ssm[2], ssm_whole[0])):
+        assert testing.compare(got.numpy(), want.numpy(), "float32").ok
+    assert torch.count_nonzero(conv[:2]) == 0 and torch.count_nonzero(ssm[:2]) == 0  # untouched slots
+
+
+def test_mixer_bad_input():
+    torch = importlib.import_module("torch")
+    from dualop.ops import MambaMixer2
+
+    module, op = _hf_mixer("mamba2")
+    ws = _weights(module)
+    x = torch.randn(4, HIDDEN)
+    with pytest.raises(ValueError, match="mamba_mixer2: num_heads \\* head_dim"):
+        MambaMixer2(HIDDEN, STATE, KERNEL, 32, True, False, num_heads=8, head_dim=3)
+    with pytest.raises(ValueError, match="mamba_mixer2: n_groups 3 must divide num_heads 8"):
+        MambaMixer2(HIDDEN, STATE, KERNEL, 32, True, False, n_groups=3, num_heads=8, head_dim=4)
+    with pytest.raises(ValueError, match="mamba_mixer2: argument 'hidden_states' has shape"):
+        op(x[:, :8], *ws)
+    with pytest.raises(ValueError, match="mamba_mixer2: argument 'conv_weight' has shape"):
+        op(x, ws[0], ws[1][:, :2], *ws[2:])
+    with pytest.raises(ValueError, match="mamba_mixer2: argument 'conv_bias' must be an array"):
+        op(x, ws[0], ws[1], None, *ws[3:])
+    with pytest.raises(ValueError, match="mamba_mixer2: argument 'ssm_state'"):
+        op(x, *ws, ssm_state=torch.zeros(2, HEADS, HEAD_DIM, STATE + 1))
+    with pytest.raises(ValueError, match="mamba_mixer2: argument 'conv_state'"):
+        op(x, *ws, conv_state=torch.zeros(2, op.conv_dim, KERNEL))
+    with pytest.raises(ValueError, match="mamba_mixer2: argument 'cu_seqlens'"):
+        op(x, *ws, cu_seqlens=torch.tensor([0, 3], dtype=torch.int32))
+
+
+def test_mixer_jax_under_jit_and_grad_of_native():
+    """jax: the native body under jit equals torch's; jax.grad of the native body through the
+    scans equals torch autograd through transformers' mixer."""
+    torch = importlib.import_module("torch")
+    jax = importlib.import_module("jax")
+    jnp = importlib.import_module("jax.numpy")
+    module, op = _hf_mixer("nemotron_h")
+    ws_t = _weights(module)
+    x_t = torch.randn(6, HIDDEN, generator=torch.Generator().manual_seed(2))
+    cu_t = torch.tensor([0, 2, 6], dtype=torch.int32)
+    want, _, ssm_want = op.forward_native(x_t, *ws_t, cu_seqlens=cu_t)
+    ws = [jnp.asarray(w.detach().numpy()) for w in ws_t]
+    x, cu = jnp.asarray(x_t.numpy()), jnp.asarray(cu_t.numpy())
+    out, _, ssm = jax.jit(lambda x, ws, cu: op(x, *ws, cu_seqlens=cu))(x, ws, cu)
+    assert testing.compare(np.asarray(out), want.numpy(), "float32").ok
+    assert testing.compare(np.asarray(ssm), ssm_want.numpy(), "float32").ok
+
+    def loss(x):
+        return jnp.sum(op.forward_native(x, *ws, cu_seqlens=cu)[0] ** 2)
+
+    grad = np.asarray(jax.grad(loss)(x))
+    x_ref = x_t.clone().requires_grad_(True)
+    ref_loss = sum(torch.sum(module(x_ref[None, a:b])[0] ** 2) for a, b in ((0, 2), (2, 6)))
+    ref_loss.backward()  # transformers' torch path, through torch autograd
+    cmp = testing.compare(grad, x_ref.grad.numpy(), "float32")
+    assert cmp.ok, cmp
