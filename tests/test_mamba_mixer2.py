@@ -344,3 +344,33 @@ def test_mixer_jax_under_jit_and_grad_of_native():
     ref_loss.backward()  # transformers' torch path, through torch autograd
     cmp = testing.compare(grad, x_ref.grad.numpy(), "float32")
     assert cmp.ok, cmp
+
+
+def test_mixer_layers_load_transformers_state_dict():
+    """The torch and jax MambaMixer2 layers, loaded from a transformers Mamba2Mixer's state dict,
+    give its output (jax under nnx.jit); a state dict with a stray key is refused."""
+    torch = importlib.import_module("torch")
+    nnx = importlib.import_module("flax.nnx")
+    jnp = importlib.import_module("jax.numpy")
+    from dualop.jax import layers as jlayers
+    from dualop.torch import layers as tlayers
+
+    module, op = _hf_mixer("mamba2")
+    args = (HIDDEN, STATE, KERNEL, HEADS * HEAD_DIM, True, False)
+    kwargs = dict(n_groups=GROUPS, num_heads=HEADS, head_dim=HEAD_DIM, rms_norm_eps=op.norm.eps, chunk_size=8)
+    x = torch.randn(7, HIDDEN, generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        want = module(x[None])[0].numpy()
+    sd = {f"mixer.{k}": v for k, v in module.state_dict().items()}
+    layer = tlayers.MambaMixer2(*args, **kwargs)
+    layer.load_hf_state_dict(sd, prefix="mixer.")
+    with torch.no_grad():
+        out, _, ssm = layer(x)
+    assert testing.compare(out.numpy(), want, "float32").ok
+    jlayer = jlayers.MambaMixer2(*args, **kwargs)
+    jlayer.load_hf_state_dict(sd, prefix="mixer.")
+    jout, _, jssm = nnx.jit(lambda m, x: m(x))(jlayer, jnp.asarray(x.numpy()))
+    assert testing.compare(np.asarray(jout), want, "float32").ok
+    assert testing.compare(np.asarray(jssm), ssm.numpy(), "float32").ok
+    with pytest.raises(ValueError, match="MambaMixer2.load_hf_state_dict: unexpected \\['mixer.out_proj.bias'\\]"):
+        layer.load_hf_state_dict({**sd, "mixer.out_proj.bias": torch.zeros(HIDDEN)}, prefix="mixer.")

@@ -172,6 +172,21 @@ def _kernel_ops(mixer: "MambaMixer2") -> tuple[Any, Any, str | None]:
 
 _MIXER = "mamba_mixer2"
 
+# transformers' Mamba2Mixer / BambaMixer / NemotronHMamba2Mixer state-dict names -> the op's weight
+# arguments (conv1d.weight is stored [C, 1, K]: the loaders drop the middle dim).
+HF_PARAMETER_NAMES = {
+    "in_proj.weight": "in_proj_weight",
+    "in_proj.bias": "in_proj_bias",
+    "conv1d.weight": "conv_weight",
+    "conv1d.bias": "conv_bias",
+    "dt_bias": "dt_bias",
+    "A_log": "A_log",
+    "D": "D",
+    "norm.weight": "norm_weight",
+    "out_proj.weight": "out_proj_weight",
+    "out_proj.bias": "out_proj_bias",
+}
+
 
 @CustomOp.register("mamba_mixer2")
 class MambaMixer2(CustomOp):
@@ -254,6 +269,23 @@ class MambaMixer2(CustomOp):
     def ssm_state_shape(self) -> tuple[int, int, int]:
         """One sequence's SSD state ``[H, P, N]``."""
         return (self.num_heads, self.head_dim, self.ssm_state_size)
+
+    def parameter_shapes(self) -> dict[str, tuple[int, ...]]:
+        """The weight arguments this mixer takes (name -> shape; absent optional ones left out),
+        the layers' parameters. ``HF_PARAMETER_NAMES`` maps transformers' state-dict names to them."""
+        shapes = {
+            "in_proj_weight": (self.projection_size, self.hidden_size),
+            "in_proj_bias": (self.projection_size,) if self.use_bias else None,
+            "conv_weight": (self.conv_dim, self.conv_kernel_size),
+            "conv_bias": (self.conv_dim,) if self.use_conv_bias else None,
+            "dt_bias": (self.num_heads,),
+            "A_log": (self.num_heads,),
+            "D": (self.num_heads,),
+            "norm_weight": (self.intermediate_size,) if self.use_rms_norm else None,
+            "out_proj_weight": (self.hidden_size, self.intermediate_size),
+            "out_proj_bias": (self.hidden_size,) if self.use_bias else None,
+        }
+        return {name: shape for name, shape in shapes.items() if shape is not None}
 
     def _batches(self, hidden_states, conv_state, ssm_state, cu_seqlens, state_indices, has_initial_state):
         conv = ssm_batch(_MIXER, hidden_states, cu_seqlens, state_indices, has_initial_state, conv_state,
