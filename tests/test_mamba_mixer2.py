@@ -374,3 +374,78 @@ def test_mixer_layers_load_transformers_state_dict():
     assert testing.compare(np.asarray(jssm), ssm.numpy(), "float32").ok
     with pytest.raises(ValueError, match="MambaMixer2.load_hf_state_dict: unexpected \\['mixer.out_proj.bias'\\]"):
         layer.load_hf_state_dict({**sd, "mixer.out_proj.bias": torch.zeros(HIDDEN)}, prefix="mixer.")
+
+
+class _StandInConv:
+    """A stand-in for the causal_conv1d op (its module is another branch's): the reference through
+    the interface's signature, so the mixer's platform body is checked before the kernels merge."""
+
+    def __init__(self, dim, kernel_size, activation="silu"):
+        self.activation = activation
+
+    def __call__(self, x, weight, bias=None, conv_state=None, cu_seqlens=None, state_indices=None,
+                 has_initial_state=None):
+        from dualop.backends import array_namespace
+        from dualop.kernels import ssm_math
+        from dualop.ops.ssm_batch import ssm_batch
+
+        xp = array_namespace(x)
+        b = ssm_batch("causal_conv1d", x, cu_seqlens, state_indices, has_initial_state, conv_state, "conv_state",
+                      (x.shape[1], weight.shape[1] - 1))
+        return ssm_math.causal_conv1d_reference(xp, x, weight, bias, b.state, b.cu_seqlens, b.state_indices,
+                                                b.has_initial_state, self.activation)
+
+
+class _StandInSSD:
+    """A stand-in for the ssd_chunk_scan op (see ``_StandInConv``)."""
+
+    def __init__(self, num_heads, head_dim, state_size, n_groups=1, chunk_size=256, delta_softplus=True,
+                 dt_limit=(0.0, float("inf"))):
+        self.shape, self.softplus, self.dt_limit = (num_heads, head_dim, state_size), delta_softplus, dt_limit
+
+    def __call__(self, x, dt, A, B, C, D=None, z=None, dt_bias=None, ssm_state=None, cu_seqlens=None,
+                 state_indices=None, has_initial_state=None):
+        from dualop.backends import array_namespace
+        from dualop.kernels import ssm_math
+        from dualop.ops.ssm_batch import ssm_batch
+
+        xp = array_namespace(x)
+        b = ssm_batch("ssd_chunk_scan", x, cu_seqlens, state_indices, has_initial_state, ssm_state, "ssm_state",
+                      self.shape)
+        return ssm_math.ssd_reference(xp, x, dt, A, B, C, D, z, dt_bias, b.state, b.cu_seqlens, b.state_indices,
+                                      b.has_initial_state, self.softplus, self.dt_limit)
+
+
+def test_mixer_platform_body_with_stand_in_kernel_ops(monkeypatch):
+    """The platform methods' one body (vendor GEMMs, the kernel ops, the gated-norm kernel), run as
+    forward_cpu with the kernel ops stood in by their references, equals forward_native on the
+    check case's inputs, caches (a padding slot, a fresh and a continued sequence) included;
+    without the modules the methods decline with the reason."""
+    torch = importlib.import_module("torch")
+    import types
+
+    from dualop.ops import MambaMixer2, mamba_mixer2
+
+    op = MambaMixer2(**mamba_mixer2._CASE_MIXER)
+    assert "the kernel ops are missing" in op.declines("forward_cpu", "torch")
+    monkeypatch.setitem(sys.modules, "dualop.ops.causal_conv1d", types.SimpleNamespace(CausalConv1d=_StandInConv))
+    monkeypatch.setitem(sys.modules, "dualop.ops.ssd", types.SimpleNamespace(SSDChunkScan=_StandInSSD))
+    op = MambaMixer2(**mamba_mixer2._CASE_MIXER)
+    assert op.declines("forward_cpu", "torch") is None
+    rng = np.random.default_rng(5)
+    args = mamba_mixer2.mixer_case_inputs(op, 12, rng, (5, 1, 6))
+    for dtype in ("float32", "bfloat16"):
+        t_args = [testing.to_frontend(a, "torch", dtype) for a in args]
+        ws = t_args[1:11]
+        slots = 4
+        caches = [torch.randn(slots, *op.conv_state_shape), torch.randn(slots, *op.ssm_state_shape)]
+        meta = dict(cu_seqlens=t_args[13], state_indices=torch.tensor([3, -1, 0]),
+                    has_initial_state=torch.tensor([True, False, False]))
+        want_caches = [c.clone() for c in caches]
+        want, _, _ = op.forward_native(t_args[0], *ws, *want_caches, **meta)
+        got, _, _ = op.forward_cpu(t_args[0], *ws, *caches, **meta)
+        cmp = testing.compare(got.float().numpy(), want.float().numpy(), dtype)
+        assert cmp.ok, (dtype, cmp)
+        for c, w in zip(caches, want_caches):
+            assert testing.compare(c.numpy(), w.numpy(), "float32").ok
+        assert torch.count_nonzero(got[5]) == 0  # the padding sequence's token

@@ -369,9 +369,7 @@ class MambaMixer2(CustomOp):
         return self._zero_padding(xp, out, conv_b), conv_out, ssm_out
 
     def declines(self, method: str, frontend: str) -> str | None:
-        if self._missing is not None:
-            return self._missing
-        return cpu_declines(method, frontend)
+        return cpu_declines(method, frontend) or self._missing
 
     def _forward_platform(self, method, hidden_states, in_proj_weight, conv_weight, conv_bias, dt_bias, A_log, D,
                           norm_weight, out_proj_weight, in_proj_bias, out_proj_bias, conv_state, ssm_state, cu_seqlens,
@@ -415,18 +413,53 @@ class MambaMixer2(CustomOp):
         return tuple(values.get(name) for name in self._ARGUMENTS)
 
 
+# The mixer's check config: hidden 16, 4 heads of 4 in 2 groups of state 8, kernel 4.
+_CASE_MIXER = dict(hidden_size=16, ssm_state_size=8, conv_kernel_size=4, intermediate_size=16, use_conv_bias=True,
+                   use_bias=False, n_groups=2, num_heads=4, head_dim=4, chunk_size=8)
+
+
+def mixer_case_inputs(op: MambaMixer2, num_tokens: int, rng, lengths: tuple[int, ...] | None = None) -> tuple:
+    """Random weights and ``num_tokens`` packed tokens for ``op`` (float32 numpy; ``cu_seqlens``
+    pinned int32 when ``lengths`` splits them into sequences), no caches."""
+    import numpy as np
+
+    from dualop.testing import Pinned, normal
+
+    shapes = op.parameter_shapes()
+    w = {name: normal(shape, rng, 0.3) for name, shape in shapes.items()}
+    w["A_log"] = np.log(rng.uniform(0.1, 1.0, shapes["A_log"])).astype(np.float32)
+    if "norm_weight" in w:
+        w["norm_weight"] = 1.0 + w["norm_weight"]
+    cu = None if lengths is None else Pinned(np.cumsum((0,) + tuple(lengths)).astype(np.int32), "int32")
+    return (normal((num_tokens, op.hidden_size), rng), w["in_proj_weight"], w["conv_weight"], w.get("conv_bias"),
+            w["dt_bias"], w["A_log"], w["D"], w.get("norm_weight"), w["out_proj_weight"], w.get("in_proj_bias"),
+            w.get("out_proj_bias"), None, None, cu)
+
+
 def check_cases():
-    """``dualop check`` cases: Mamba-2 / Bamba with one group (hidden off the lane grid) and
-    Nemotron-H-like groups (lane-aligned and not), one rank."""
+    """``dualop check`` cases: the gated norm with Mamba-2 / Bamba's one group (hidden off the lane
+    grid) and Nemotron-H-like groups (lane-aligned and not), one rank; the mixer over one token,
+    one sequence and three packed sequences (T <= 12: the native body loops over tokens)."""
     from dualop.testing import OpCase, normal
 
     def inputs(shape, rng):
         return (normal(shape, rng, 3.0), normal(shape, rng, 2.0), 1.0 + 0.5 * normal(shape[-1:], rng))
 
+    def mixer_inputs(shape, rng):
+        lengths = {1: (1,), 7: (7,), 12: (5, 1, 6)}[shape[0]]
+        return mixer_case_inputs(MambaMixer2(**_CASE_MIXER), shape[0], rng, lengths)
+
     name = "mixer2_gated_rms_norm"
     groups_of = {200: 5, 256: 2, 136: 1}
+    # The mixer's cells check its kernel path, which needs the causal_conv1d / ssd_chunk_scan ops:
+    # without them (a build before issue 12's other parts) it has no case (tests/test_mamba_mixer2.py
+    # still checks its native body).
+    mixer = [OpCase(_MIXER, _MIXER, lambda s: MambaMixer2(**_CASE_MIXER), mixer_inputs, ((1, 16), (7, 16), (12, 16)))]
+    if _kernel_ops(MambaMixer2(**_CASE_MIXER))[2] is not None:
+        mixer = []
     return [
         OpCase(name, name, lambda s: Mixer2RMSNormGated(s[-1], 1), inputs, ((0, 136), (1, 200), (2, 3, 136))),
         OpCase(name, f"{name}[groups]", lambda s: Mixer2RMSNormGated(s[-1], groups_of[s[-1]]), inputs,
                ((1, 256), (5, 200))),
+        *mixer,
     ]
