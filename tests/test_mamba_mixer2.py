@@ -72,6 +72,33 @@ def test_gated_norm_matches_transformers(module, cls, n_groups, dtype):
     assert cmp.ok, cmp
 
 
+def test_cast_before_weight_kernels_round_as_native():
+    """The rms_norm_gated kernels' cast_before_weight flag (what the mixers' norm runs): in bfloat16
+    the CPU path, the Triton kernel and the Pallas kernel (interpreted) give forward_native's bits
+    (at most 1% of elements a summation-order ulp apart), where the weight-then-cast rounding
+    differs in many elements (so the tolerance table, 2 ulp, alone could not tell them apart)."""
+    torch = importlib.import_module("torch")
+    jnp = importlib.import_module("jax.numpy")
+    from dualop.kernels.cuda.rms_norm_gated import rms_norm_gated as triton_kernel
+    from dualop.kernels.pallas.rms_norm_gated import rms_norm_gated as pallas_kernel
+    from dualop.ops import RMSNormGated
+
+    x, gate, w = _norm_inputs(256, rows=16)
+    xt, gt, wt = (torch.from_numpy(a).bfloat16() for a in (x, gate, w))
+    want = RMSNormGated(256, 1e-6, group_size=64, cast_before_weight=True).forward_native(xt, wt, gt).float().numpy()
+    for flag in (True, False):
+        kw = dict(eps=1e-6, group_size=64, cast_before_weight=flag)
+        got = {
+            "cpu": RMSNormGated(256, 1e-6, group_size=64, cast_before_weight=flag).forward_cpu(xt, wt, gt),
+            "triton": triton_kernel(xt, wt, gt, **kw),
+            "pallas": pallas_kernel(*(jnp.asarray(a, jnp.bfloat16) for a in (x, w, gate)), interpret=True, **kw),
+        }
+        for name, out in got.items():
+            out = np.asarray(out.float() if hasattr(out, "float") else out.astype(jnp.float32))
+            differ = float(np.mean(out != want))
+            assert (differ <= 0.01) if flag else (differ >= 0.1), (name, flag, differ)
+
+
 def test_gated_norm_without_rms_norm_is_the_gate_alone():
     torch = importlib.import_module("torch")
     from dualop.ops import Mixer2RMSNormGated
