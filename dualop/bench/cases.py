@@ -936,6 +936,7 @@ def _jax_mixer2(op):
     return op.forward_native
 
 
-CASES = (*CASES, *(BenchCase(f"mamba_mixer2[{mode}]", "mamba_mixer2", _mixer2_op, _mixer2_inputs(mode), _mixer2_cost(mode),
+CASES = (*CASES, *(BenchCase(f"mamba_mixer2[{mode}]", "mamba_mixer2", _mixer2_op, _mixer2_inputs(mode),
+                             _mixer2_cost(mode),
                              _transformers_mixer2, _jax_mixer2, default=False, matrix=True)
                    for mode in _MIXER2_MODES))

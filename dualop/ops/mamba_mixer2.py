@@ -1,9 +1,10 @@
 """The Mamba-2 mixer of the reference serving engine (Mamba-2, Bamba, Nemotron-H, Falcon-H1, Zamba2):
 its gated output norm ``mixer2_gated_rms_norm`` and the whole mixer ``mamba_mixer2``.
 
-Both run per tensor-parallel rank, as the engine's layers do: ``tp`` (a
-``dualop.parallel.TensorParallel``; default the current group) gives the rank's share of the
-heads and the collectives the math needs.
+The norm runs per tensor-parallel rank as the engine's does (``tp``, a
+``dualop.parallel.TensorParallel``; default the current group, with the collectives its groups
+need); the mixer runs on one rank (the interface's signature has no ``tp``; the engine's head /
+group sharding of its weights is not here yet).
 """
 
 from __future__ import annotations
