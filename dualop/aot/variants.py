@@ -612,3 +612,44 @@ def _mamba_mixer_inputs(shape: tuple[int, ...]) -> tuple:
 
 
 SERVING_INPUTS["mamba_mixer"] = _mamba_mixer_inputs
+
+
+# --- issue 12, the Mamba-2 mixer (mamba_mixer2 module) ------------------------------------------------
+# mixer2_gated_rms_norm: Nemotron-H-8B's mixer output (intermediate 8192, 8 groups; one group for
+# Mamba-2 / Bamba), an 8192-token prefill and a 64-sequence decode step.
+SERVING_SHAPES["mixer2_gated_rms_norm"] = ((8192, 8192), (64, 8192))
+
+
+def _mixer2_norm_op(shape: tuple[int, ...]):
+    from dualop.ops import Mixer2RMSNormGated
+
+    return Mixer2RMSNormGated(shape[-1], 8)
+
+
+_SERVING_MAKE_OP["mixer2_gated_rms_norm[groups]"] = _mixer2_norm_op
+
+# mamba_mixer2: (tokens, sequences) at Nemotron-H-8B's widths (hidden 4096, intermediate 8192,
+# 128 heads of 64 in 8 groups of state 128, kernel 4): an 8192-token prefill of 8 sequences and a
+# 64-sequence decode step, no caches (fresh states).
+SERVING_SHAPES["mamba_mixer2"] = ((8192, 8), (64, 64))
+_NEMOTRON_H_8B_MIXER = dict(hidden_size=4096, ssm_state_size=128, conv_kernel_size=4, intermediate_size=8192,
+                            use_conv_bias=True, use_bias=False, n_groups=8, num_heads=128, head_dim=64)
+
+
+def _mamba_mixer2_op(shape: tuple[int, ...]):
+    from dualop.ops import MambaMixer2
+
+    return MambaMixer2(**_NEMOTRON_H_8B_MIXER)
+
+
+def _mamba_mixer2_inputs(shape: tuple[int, ...]) -> tuple:
+    tokens, seqs = shape
+    op = _mamba_mixer2_op(shape)
+    weights = {name: InputSpec(s, None) for name, s in op.parameter_shapes().items()}
+    return (InputSpec((tokens, op.hidden_size), None), weights["in_proj_weight"], weights["conv_weight"],
+            weights.get("conv_bias"), weights["dt_bias"], weights["A_log"], weights["D"], weights.get("norm_weight"),
+            weights["out_proj_weight"], None, None, None, None, InputSpec((seqs + 1,), "int32"))
+
+
+SERVING_INPUTS["mamba_mixer2"] = _mamba_mixer2_inputs
+_SERVING_MAKE_OP["mamba_mixer2"] = _mamba_mixer2_op

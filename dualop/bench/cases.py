@@ -1087,3 +1087,108 @@ CASES = (*CASES, *(BenchCase(f"mamba_mixer[{kind}]", "mamba_mixer", _mamba_mixer
                              _transformers_mamba, _jax_mamba, default=False, shape_of=_mamba_shape(kind),
                              matrix=True)
                    for kind in _MAMBA_SEQS))
+
+
+# --- mamba_mixer2: the Mamba-2 mixer (issue 12) -------------------------------------------------------
+# The bench size is (tokens, hidden): the mixer has intermediate 2 x hidden in heads of 64, 8 groups
+# (1 when the heads do not split into 8), state 128, kernel 4 (Nemotron-H-8B at hidden 4096). Three
+# cases: the tokens as a prefill of one sequence, of eight equal ones, and as a decode step (one
+# token per sequence); the issue's sizes are ``1024x4096`` for the prefills and ``64x4096`` for the
+# decode step. Every sequence starts from a fresh state (no cache given: the op returns the final
+# states). Peers: transformers'
+# Mamba-2 torch path (its causal_conv1d_fn and mamba2_chunk_scan fallbacks and MambaRMSNormGated,
+# equal-length sequences as one batch), torch.compile of the native body (the bench's own), and for
+# jax the native body under jit (a lax.scan over tokens). Not run by default (the native body loops
+# over tokens in Python for torch): ``--ops mamba_mixer2 --sizes 1024x256``.
+_MIXER2_MODES = ("prefill", "prefill8seq", "decode")
+
+
+def _mixer2_seqs(mode: str, tokens: int) -> int:
+    return {"prefill": 1, "prefill8seq": 8, "decode": tokens}[mode]
+
+
+def _mixer2_op(hidden: int):
+    from dualop.ops import MambaMixer2
+
+    heads = 2 * hidden // 64
+    return MambaMixer2(hidden, 128, 4, 2 * hidden, True, False, n_groups=8 if heads % 8 == 0 else 1,
+                       num_heads=heads, head_dim=64)
+
+
+def _mixer2_inputs(mode: str):
+    def make(shape, rng):
+        from dualop.ops.mamba_mixer2 import mixer_case_inputs
+
+        tokens, seqs = shape[0], _mixer2_seqs(mode, shape[0])
+        if tokens % seqs:
+            raise ValueError(f"mamba_mixer2[{mode}]: {tokens} tokens do not split into {seqs} equal sequences")
+        return mixer_case_inputs(_mixer2_op(shape[-1]), tokens, rng, (tokens // seqs,) * seqs)
+
+    return make
+
+
+def _mixer2_cost(mode: str):
+    """The GEMMs, the conv, the scan (about 6 flops per state element per token) and the norm; bytes:
+    the weights, x and out, and each sequence's final states written in float32."""
+
+    def cost(op, shape, itemsize) -> KernelCost:
+        return _mixer2_call_cost(op, shape, itemsize, _mixer2_seqs(mode, shape[0]))
+
+    return cost
+
+
+def _mixer2_call_cost(op, shape, itemsize, seqs: int) -> KernelCost:
+    tokens, hidden = shape
+    inter, heads = op.intermediate_size, op.num_heads
+    states = op.num_heads * op.head_dim * op.ssm_state_size + op.conv_dim * (op.conv_kernel_size - 1)
+    flops = (2 * tokens * hidden * (op.projection_size + inter) + 2 * tokens * op.conv_dim * op.conv_kernel_size
+             + 6 * tokens * heads * op.head_dim * op.ssm_state_size + 6 * tokens * inter)
+    weights = sum(math.prod(s) for s in op.parameter_shapes().values())
+    return KernelCost(flops=flops, transcendentals=tokens * (op.conv_dim + 2 * heads + inter),
+                      bytes_accessed=(weights + 2 * tokens * hidden) * itemsize + 4 * seqs * states)
+
+
+def _transformers_mixer2(op):
+    """transformers' Mamba-2 torch path (its causal_conv1d_fn and mamba2_chunk_scan fallbacks, its
+    MambaRMSNormGated) over the batch's equal-length sequences, returning what the op returns (out,
+    the conv states, the SSD states in float32). The conv and the scan run on float32 copies and
+    their outputs are cast to x's dtype, where the engine's kernels round them (transformers' own
+    16-bit path keeps the scan in float32 through the norm and rounds elsewhere, so its 16-bit
+    results differ from the engine's by more than the tolerance table)."""
+    import torch
+    import torch.nn.functional as F
+    from transformers.models.mamba2 import modeling_mamba2 as hf
+
+    inter, conv_dim, heads = op.intermediate_size, op.conv_dim, op.num_heads
+    gn, k = op.n_groups * op.ssm_state_size, op.conv_kernel_size
+    norm = hf.MambaRMSNormGated(inter, inter // op.n_groups, op.norm.eps)
+
+    def run(x, w_in, w_conv, b_conv, dt_bias, a_log, d, w_norm, w_out, b_in, b_out, conv_state, ssm_state, cu):
+        seqs, f32 = cu.shape[0] - 1, torch.float32
+        length = x.shape[0] // seqs
+        z, xbc, dt = F.linear(x, w_in, b_in).view(seqs, length, -1).split([inter, conv_dim, heads], dim=-1)
+        xbc = xbc.transpose(1, 2).float()
+        conv_out = F.pad(xbc, (max(0, k - 1 - length), 0))[..., -(k - 1):]
+        bias = None if b_conv is None else b_conv.float()
+        xbc = hf.causal_conv1d_fn(xbc, w_conv.float(), bias, activation=op.activation).to(x.dtype).transpose(1, 2)
+        xs, b, c = (t.float() for t in xbc.split([inter, gn, gn], dim=-1))
+        y, final = hf.mamba2_chunk_scan(
+            xs.reshape(seqs, length, heads, op.head_dim), dt.float(), -torch.exp(a_log.float()),
+            b.reshape(seqs, length, op.n_groups, -1), c.reshape(seqs, length, op.n_groups, -1),
+            chunk_size=op.chunk_size, D=d.to(f32), dt_bias=dt_bias.to(f32), dt_softplus=True,
+            dt_limit=op.time_step_limit, return_final_states=True)
+        norm.weight.data = w_norm
+        y = norm(y.reshape(seqs, length, inter).to(x.dtype), z)
+        return F.linear(y, w_out, b_out).reshape(x.shape[0], -1), conv_out, final.float()
+
+    return run
+
+
+def _jax_mixer2(op):
+    return op.forward_native
+
+
+CASES = (*CASES, *(BenchCase(f"mamba_mixer2[{mode}]", "mamba_mixer2", _mixer2_op, _mixer2_inputs(mode),
+                             _mixer2_cost(mode),
+                             _transformers_mixer2, _jax_mixer2, default=False, matrix=True)
+                   for mode in _MIXER2_MODES))

@@ -797,3 +797,54 @@ class MambaMixer(nnx.Module):
 
 
 __all__.append("MambaMixer")
+
+
+# --- issue 12: the Mamba-2 mixer -----------------------------------------------------------------------
+
+
+class MambaMixer2(nnx.Module):
+    """Twin of ``dualop.torch.layers.MambaMixer2``: the op's weight arguments as ``nnx.Param``s
+    (zeros, ``A_log = log(1..H)``, ``D`` and ``norm_weight`` ones), ``load_hf_state_dict`` for a
+    transformers Mamba-2 mixer's state dict (torch, numpy or jax values), ``__call__(hidden_states,
+    conv_state=None, ssm_state=None, cu_seqlens=None, state_indices=None, has_initial_state=None)
+    -> (out, conv_state, ssm_state)`` (new caches: jax arrays are immutable)."""
+
+    def __init__(self, *args: Any, dtype: Any = None, **kwargs: Any) -> None:
+        self.op = ops.MambaMixer2(*args, **kwargs)
+        dtype = dtype or jnp.float32
+        for name, shape in self.op.parameter_shapes().items():
+            if name == "A_log":
+                value = jnp.log(jnp.arange(1, shape[0] + 1, dtype=jnp.float32))
+            else:
+                value = jnp.ones(shape) if name in ("D", "norm_weight") else jnp.zeros(shape)
+            setattr(self, name, nnx.Param(value.astype(dtype)))
+
+    def load_hf_state_dict(self, state_dict: Any, prefix: str = "") -> None:
+        """As the torch layer's: every parameter from ``prefix + <transformers name>``."""
+        from dualop.ops.mamba_mixer2 import HF_PARAMETER_NAMES
+
+        names = self.op.parameter_shapes()
+        wanted = {prefix + hf: ours for hf, ours in HF_PARAMETER_NAMES.items() if ours in names}
+        given = {k for k in state_dict if k.startswith(prefix)}
+        if missing := sorted(set(wanted) - given):
+            raise ValueError(f"MambaMixer2.load_hf_state_dict: missing {missing}")
+        if extra := sorted(given - set(wanted)):
+            raise ValueError(f"MambaMixer2.load_hf_state_dict: unexpected {extra} (bias flags of the config?)")
+        for key, name in wanted.items():
+            param = getattr(self, name)
+            value = _as_jax(state_dict[key], param.dtype)
+            value = value[:, 0] if name == "conv_weight" and value.ndim == 3 else value
+            if tuple(value.shape) != tuple(param.shape):
+                raise ValueError(f"MambaMixer2.load_hf_state_dict: {key!r} has shape {tuple(value.shape)}; "
+                                 f"expected {tuple(param.shape)}")
+            param[...] = value
+
+    def __call__(self, hidden_states, conv_state=None, ssm_state=None, cu_seqlens=None, state_indices=None,
+                 has_initial_state=None):
+        p = {name: getattr(self, name)[...] for name in self.op.parameter_shapes()}
+        return self.op(hidden_states, p["in_proj_weight"], p["conv_weight"], p.get("conv_bias"), p["dt_bias"],
+                       p["A_log"], p["D"], p.get("norm_weight"), p["out_proj_weight"], p.get("in_proj_bias"),
+                       p.get("out_proj_bias"), conv_state, ssm_state, cu_seqlens, state_indices, has_initial_state)
+
+
+__all__ += ["MambaMixer2"]

@@ -25,6 +25,8 @@ from dualop.ops.embedding import *  # noqa: F403
 from dualop.ops.logits_processor import *  # noqa: F403
 from dualop.ops.conv import *  # noqa: F403
 from dualop.ops import conv, embedding, linear, logits_processor
+from dualop.ops.mamba_mixer2 import *  # noqa: F403
+from dualop.ops import mamba_mixer2
 
 # Ops that hold no parameters: the layer modules wrap each as-is (dualop.torch/jax.layers).
 PARAMETERLESS_OPS = (
@@ -50,6 +52,7 @@ __all__ = [
     *embedding.__all__,
     *logits_processor.__all__,
     *conv.__all__,
+    *mamba_mixer2.__all__,
 ]
 
 # --- issue 12: state-space ops (causal conv) ---

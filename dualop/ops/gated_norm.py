@@ -34,7 +34,8 @@ class RMSNormGated(CustomOp):
     1. if ``z`` is given and not ``norm_before_gate``: ``x = x * silu(z)``;
     2. per group of ``group_size`` consecutive features (``None``: the whole last dim):
        ``x = x * rsqrt(mean(x**2 over the group) + eps)``;
-    3. ``x = x * weight``;
+    3. ``x = x * weight`` (with ``cast_before_weight``, the Mamba-2 mixers' ``weight * x.to(dtype)``:
+       ``x`` is first rounded to ``x``'s dtype, and the product rounded again at the end);
     4. if ``z`` is given and ``norm_before_gate``: ``x = x * silu(z)``.
 
     ``weight`` is an argument, not state, so one op object serves every layer of a model.
@@ -46,6 +47,7 @@ class RMSNormGated(CustomOp):
         eps: float = 1e-5,
         group_size: int | None = None,
         norm_before_gate: bool = False,
+        cast_before_weight: bool = False,
         *,
         enforce_enable: bool = False,
     ) -> None:
@@ -63,10 +65,13 @@ class RMSNormGated(CustomOp):
                 )
         if not isinstance(norm_before_gate, bool):
             raise TypeError(f"rms_norm_gated: norm_before_gate must be a bool, got {norm_before_gate!r}")
+        if not isinstance(cast_before_weight, bool):
+            raise TypeError(f"rms_norm_gated: cast_before_weight must be a bool, got {cast_before_weight!r}")
         self.hidden_size = hidden_size
         self.eps = float(eps)
         self.group_size = group_size
         self.norm_before_gate = norm_before_gate
+        self.cast_before_weight = cast_before_weight
 
     @property
     def _group(self) -> int:
@@ -77,6 +82,7 @@ class RMSNormGated(CustomOp):
         return (
             f"hidden_size={self.hidden_size}, eps={self.eps}, group_size={self.group_size}, "
             f"norm_before_gate={self.norm_before_gate}"
+            + (", cast_before_weight=True" if self.cast_before_weight else "")
         )
 
     def check_inputs(self, x: Any, weight: Any = None, z: Any = None) -> None:
@@ -106,7 +112,10 @@ class RMSNormGated(CustomOp):
         if group != self.hidden_size:
             h = h.reshape(*shape[:-1], self.hidden_size // group, group)
         h = h * xp.rsqrt(xp.mean(h * h, axis=-1, keepdims=True) + self.eps)
-        h = h.reshape(shape) * xp.astype(weight, f32)
+        h = h.reshape(shape)
+        if self.cast_before_weight:
+            h = xp.astype(xp.astype(h, x.dtype), f32)
+        h = h * xp.astype(weight, f32)
         if gate is not None and self.norm_before_gate:
             h = h * gate
         return xp.astype(h, x.dtype)
@@ -129,7 +138,10 @@ class RMSNormGated(CustomOp):
             if not self.norm_before_gate:
                 h = h * gate
         h = F.rms_norm(h.reshape(*shape[:-1], self.hidden_size // group, group), (group,), eps=self.eps)
-        h = h.reshape(shape).mul_(weight)  # h is this call's own float32 tensor
+        h = h.reshape(shape)
+        if self.cast_before_weight and x.dtype != torch.float32:
+            h = h.to(x.dtype).to(torch.float32)
+        h = h.mul_(weight)  # h is this call's own float32 tensor
         if gate is not None and self.norm_before_gate:
             h.mul_(gate)
         return h.to(x.dtype)
@@ -138,12 +150,14 @@ class RMSNormGated(CustomOp):
         return call_triton(
             frontend_of(x), _TRITON_RMS_NORM_GATED, x, weight, z,
             eps=self.eps, group_size=self._group, norm_before_gate=self.norm_before_gate,
+            cast_before_weight=self.cast_before_weight,
         )
 
     def forward_tpu(self, x: Any, weight: Any, z: Any = None) -> Any:
         return call_pallas(
             frontend_of(x), _PALLAS_RMS_NORM_GATED, x, weight, z,
             eps=self.eps, group_size=self._group, norm_before_gate=self.norm_before_gate,
+            cast_before_weight=self.cast_before_weight,
             native=self.forward_native,
         )
 

@@ -624,3 +624,63 @@ class MambaMixer(nn.Module):
 
 
 __all__ += ["MambaMixer"]
+
+
+# --- issue 12: the Mamba-2 mixer -----------------------------------------------------------------------
+
+
+class MambaMixer2(nn.Module):
+    """Layer over :class:`dualop.ops.MambaMixer2` (the constructor's arguments, plus ``dtype``).
+
+    Parameters named like the op's weight arguments (``in_proj_weight``, ``conv_weight`` [C, K],
+    ``dt_bias``, ``A_log``, ``D``, ``norm_weight``, ``out_proj_weight``, the optional biases); they
+    start at zeros except ``A_log = log(1..H)``, ``D`` and ``norm_weight`` at ones: load a
+    checkpoint with ``load_hf_state_dict`` (transformers' ``Mamba2Mixer`` names).
+    ``forward(hidden_states [T, hidden], conv_state=None, ssm_state=None, cu_seqlens=None,
+    state_indices=None, has_initial_state=None) -> (out, conv_state, ssm_state)``."""
+
+    def __init__(self, *args: Any, dtype: torch.dtype | None = None, **kwargs: Any) -> None:
+        super().__init__()
+        self.op = ops.MambaMixer2(*args, **kwargs)
+        for name, shape in self.op.parameter_shapes().items():
+            value = torch.zeros(shape, dtype=dtype)
+            if name == "A_log":
+                value = torch.log(torch.arange(1, shape[0] + 1, dtype=torch.float32)).to(value.dtype)
+            elif name in ("D", "norm_weight"):
+                value.fill_(1.0)
+            self.register_parameter(name, nn.Parameter(value))
+
+    def load_hf_state_dict(self, state_dict: Any, prefix: str = "") -> None:
+        """Copy a transformers Mamba-2 mixer's state dict (``prefix + "in_proj.weight"``, ...) into
+        the parameters, in their dtype; every parameter must be there, and nothing unexpected."""
+        from dualop.ops.mamba_mixer2 import HF_PARAMETER_NAMES
+
+        wanted = {prefix + hf: ours for hf, ours in HF_PARAMETER_NAMES.items() if hasattr(self, ours)}
+        given = {k for k in state_dict if k.startswith(prefix)}
+        if missing := sorted(set(wanted) - given):
+            raise ValueError(f"MambaMixer2.load_hf_state_dict: missing {missing}")
+        if extra := sorted(given - set(wanted)):
+            raise ValueError(f"MambaMixer2.load_hf_state_dict: unexpected {extra} (bias flags of the config?)")
+        with torch.no_grad():
+            for key, name in wanted.items():
+                param, value = getattr(self, name), state_dict[key]
+                value = value[:, 0] if name == "conv_weight" and value.ndim == 3 else value
+                if tuple(value.shape) != tuple(param.shape):
+                    raise ValueError(f"MambaMixer2.load_hf_state_dict: {key!r} has shape {tuple(value.shape)}; "
+                                     f"expected {tuple(param.shape)}")
+                param.copy_(value)
+
+    def forward(self, hidden_states: torch.Tensor, conv_state: torch.Tensor | None = None,
+                ssm_state: torch.Tensor | None = None, cu_seqlens: torch.Tensor | None = None,
+                state_indices: torch.Tensor | None = None, has_initial_state: torch.Tensor | None = None):
+        params = {name: getattr(self, name) for name in self.op.parameter_shapes()}
+        return self.op(hidden_states, params["in_proj_weight"], params["conv_weight"], params.get("conv_bias"),
+                       params["dt_bias"], params["A_log"], params["D"], params.get("norm_weight"),
+                       params["out_proj_weight"], params.get("in_proj_bias"), params.get("out_proj_bias"),
+                       conv_state, ssm_state, cu_seqlens, state_indices, has_initial_state)
+
+    def extra_repr(self) -> str:
+        return self.op.extra_repr()
+
+
+__all__ += ["MambaMixer2"]

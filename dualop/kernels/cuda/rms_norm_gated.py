@@ -2,7 +2,9 @@
 
 Same contract as ``kernels/pallas/rms_norm_gated.py``: in float32, x*silu(z) first unless
 ``norm_before_gate``; each group of ``group_size`` features scaled by rsqrt(mean(x**2) + eps);
-times weight; times silu(z) last if ``norm_before_gate``; one cast, through ``cast_out``.
+times weight; times silu(z) last if ``norm_before_gate``; one cast, through ``cast_out``. With
+``CAST_BEFORE_WEIGHT`` (the Mamba-2 mixers' ``weight * x.to(dtype)``) the normalised value is cast
+to the output type before the weight multiplies it.
 
 Groups up to ``MAX_SINGLE_PASS`` features are held in registers in one pass; wider groups take two
 passes over memory (sum of squares, then normalise), recomputing the gated input from x and z so
@@ -38,12 +40,20 @@ def _gated_input(x_base, z_base, cols, mask, HAS_Z: tl.constexpr, NORM_BEFORE_GA
 
 
 @triton.jit
+def _weighted(y, w, out_ptr, CAST_BEFORE_WEIGHT: tl.constexpr, EXACT_BF16: tl.constexpr):
+    """``y * w`` in float32, with ``y`` first rounded to the output type when asked."""
+    if CAST_BEFORE_WEIGHT:
+        y = cast_out(y, out_ptr, EXACT_BF16).to(tl.float32)
+    return y * w
+
+
+@triton.jit
 def _rms_norm_gated_kernel(
     x_ptr, w_ptr, z_ptr, out_ptr,
     x_row_stride, z_row_stride, out_row_stride,
     group_size, eps,
     HAS_Z: tl.constexpr, NORM_BEFORE_GATE: tl.constexpr, BLOCK: tl.constexpr, N_CHUNKS: tl.constexpr,
-    EXACT_BF16: tl.constexpr,
+    EXACT_BF16: tl.constexpr, CAST_BEFORE_WEIGHT: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     start = tl.program_id(1).to(tl.int64) * group_size
@@ -57,7 +67,7 @@ def _rms_norm_gated_kernel(
         x, gate = _gated_input(x_base, z_base, cols, mask, HAS_Z, NORM_BEFORE_GATE)
         inv_rms = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / group_size + eps)
         w = tl.load(w_base + cols, mask=mask, other=0.0).to(tl.float32)
-        y = x * inv_rms * w
+        y = _weighted(x * inv_rms, w, out_ptr, CAST_BEFORE_WEIGHT, EXACT_BF16)
         if HAS_Z and NORM_BEFORE_GATE:
             y = y * gate
         tl.store(o_base + cols, cast_out(y, out_ptr, EXACT_BF16), mask=mask)
@@ -74,7 +84,7 @@ def _rms_norm_gated_kernel(
             mask = cols < group_size
             x, gate = _gated_input(x_base, z_base, cols, mask, HAS_Z, NORM_BEFORE_GATE)
             w = tl.load(w_base + cols, mask=mask, other=0.0).to(tl.float32)
-            y = x * inv_rms * w
+            y = _weighted(x * inv_rms, w, out_ptr, CAST_BEFORE_WEIGHT, EXACT_BF16)
             if HAS_Z and NORM_BEFORE_GATE:
                 y = y * gate
             tl.store(o_base + cols, cast_out(y, out_ptr, EXACT_BF16), mask=mask)
@@ -88,6 +98,7 @@ def rms_norm_gated(
     eps: float = 1e-5,
     group_size: int | None = None,
     norm_before_gate: bool = False,
+    cast_before_weight: bool = False,
 ) -> torch.Tensor:
     """Gated group RMSNorm over the last dim of ``x``; returns a new tensor shaped like ``x``."""
     shape, hidden = x.shape, x.shape[-1]
@@ -108,6 +119,7 @@ def rms_norm_gated(
             group, float(eps),
             HAS_Z=z is not None, NORM_BEFORE_GATE=bool(norm_before_gate),
             BLOCK=block, N_CHUNKS=triton.cdiv(group, block), EXACT_BF16=needs_exact_bf16(x.dtype),
+            CAST_BEFORE_WEIGHT=bool(cast_before_weight),
             num_warps=min(max(block // 256, 1), 16),
         )
     return out.reshape(shape)

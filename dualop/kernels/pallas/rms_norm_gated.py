@@ -2,7 +2,9 @@
 
 In float32, cast once at the end: with a gate ``z`` and not ``norm_before_gate``, x = x*silu(z);
 then every group of ``group_size`` consecutive features is scaled by rsqrt(mean(x**2) + eps);
-then times weight; with a gate and ``norm_before_gate``, times silu(z).
+then times weight; with a gate and ``norm_before_gate``, times silu(z). With
+``cast_before_weight`` (the Mamba-2 mixers' norm: ``weight * x.to(dtype)``) the normalised value is
+rounded to the output dtype before the weight multiplies it (then rounded again).
 ``rms_norm_gated_reference`` beside the kernel is the plain-jnp statement of it.
 
 Layout: ``x`` (and ``z``) viewed as (rows, hidden), tiled as (row block, column block) from the TPU
@@ -46,7 +48,7 @@ _LANES = 128
 
 
 def rms_norm_gated_reference(x, weight, z=None, *, eps: float = 1e-5, group_size: int | None = None,
-                             norm_before_gate: bool = False):
+                             norm_before_gate: bool = False, cast_before_weight: bool = False):
     """The plain jax.numpy statement of the kernel (used by tests and docs)."""
     shape = x.shape
     hidden = shape[-1]
@@ -59,7 +61,10 @@ def rms_norm_gated_reference(x, weight, z=None, *, eps: float = 1e-5, group_size
             h = h * gate
     h = h.reshape(*shape[:-1], hidden // group, group)
     h = h * jax.lax.rsqrt(jnp.mean(h * h, axis=-1, keepdims=True) + eps)
-    h = h.reshape(shape) * weight.astype(jnp.float32)
+    h = h.reshape(shape)
+    if cast_before_weight:
+        h = h.astype(x.dtype).astype(jnp.float32)
+    h = h * weight.astype(jnp.float32)
     if gate is not None and norm_before_gate:
         h = h * gate
     return h.astype(x.dtype)
@@ -121,7 +126,8 @@ def _inv_rms(h, *, eps: float, group: int, hidden: int, col0):
                                preferred_element_type=jnp.float32)
 
 
-def _kernel(*refs, eps: float, group: int, hidden: int, has_z: bool, norm_before_gate: bool):
+def _kernel(*refs, eps: float, group: int, hidden: int, has_z: bool, norm_before_gate: bool,
+            cast_before_weight: bool):
     if has_z:
         x_ref, z_ref, w_ref, o_ref = refs
     else:
@@ -134,13 +140,16 @@ def _kernel(*refs, eps: float, group: int, hidden: int, has_z: bool, norm_before
         if not norm_before_gate:
             h = h * gate
     col0 = pl.program_id(1) * h.shape[-1]
-    y = h * _inv_rms(h, eps=eps, group=group, hidden=hidden, col0=col0) * w_ref[...].astype(jnp.float32)
+    y = h * _inv_rms(h, eps=eps, group=group, hidden=hidden, col0=col0)
+    if cast_before_weight:
+        y = y.astype(o_ref.dtype).astype(jnp.float32)
+    y = y * w_ref[...].astype(jnp.float32)
     if has_z and norm_before_gate:
         y = y * gate
     o_ref[...] = y.astype(o_ref.dtype)
 
 
-@tpu_jit(static_argnames=("eps", "group_size", "norm_before_gate", "interpret", "block_rows"))
+@tpu_jit(static_argnames=("eps", "group_size", "norm_before_gate", "cast_before_weight", "interpret", "block_rows"))
 def rms_norm_gated(
     x: jax.Array,
     weight: jax.Array,
@@ -149,6 +158,7 @@ def rms_norm_gated(
     eps: float = 1e-5,
     group_size: int | None = None,
     norm_before_gate: bool = False,
+    cast_before_weight: bool = False,
     interpret=False,
     block_rows: int | None = None,
 ):
@@ -161,12 +171,14 @@ def rms_norm_gated(
     group = hidden if group_size is None else int(group_size)
     if group <= 0 or hidden % group:
         raise ValueError(f"rms_norm_gated: group_size={group_size} must divide the last dim {hidden}")
-    call = _build(float(eps), group, bool(norm_before_gate), interpret, block_rows, z is not None)
+    call = _build(float(eps), group, bool(norm_before_gate), bool(cast_before_weight), interpret, block_rows,
+                  z is not None)
     return call(x, z, weight) if z is not None else call(x, weight)
 
 
 @functools.lru_cache(maxsize=None)
-def _build(eps: float, group: int, norm_before_gate: bool, interpret, block_rows: int | None, has_z: bool):
+def _build(eps: float, group: int, norm_before_gate: bool, cast_before_weight: bool, interpret,
+           block_rows: int | None, has_z: bool):
     def call(x, *rest):
         z = rest[0] if has_z else None
         weight = rest[-1]
@@ -193,7 +205,8 @@ def _build(eps: float, group: int, norm_before_gate: bool, interpret, block_rows
         in_specs.append(pl.BlockSpec((1, bc), lambda i, j: (0, j)))
         operands.append(weight.reshape(1, hidden))
         kernel = functools.partial(
-            _kernel, eps=eps, group=group, hidden=hidden, has_z=has_z, norm_before_gate=norm_before_gate
+            _kernel, eps=eps, group=group, hidden=hidden, has_z=has_z, norm_before_gate=norm_before_gate,
+            cast_before_weight=cast_before_weight,
         )
         out = pl.pallas_call(
             kernel,
