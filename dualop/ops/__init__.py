@@ -51,3 +51,9 @@ __all__ = [
     *logits_processor.__all__,
     *conv.__all__,
 ]
+
+# issue 12: PLaMo 2's Mamba mixer
+from dualop.ops.plamo2 import *  # noqa: F403,E402
+from dualop.ops import plamo2  # noqa: E402
+
+__all__ += plamo2.__all__
