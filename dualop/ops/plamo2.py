@@ -89,6 +89,30 @@ def _vendor_gemm(x: Any, weight: Any) -> Any:
     return F.linear(x, weight.to(x.dtype))
 
 
+# The checkpoint's key of each weight argument (PLaMo 2's own names, as the engine's loader reads
+# them: it renames the norms and A_log to its modules but loads the same tensors).
+CHECKPOINT_KEYS = {
+    "in_proj_weight": "in_proj.weight", "conv_weight": "conv1d.weight", "bcdt_proj_weight": "bcdt_proj.weight",
+    "dt_proj_weight": "dt_proj.weight", "dt_bias": "dt_bias", "A_log": "A_log", "D": "D",
+    "dt_norm_weight": "dt_norm_weight", "B_norm_weight": "B_norm_weight", "C_norm_weight": "C_norm_weight",
+    "out_proj_weight": "out_proj.weight",
+}
+
+
+def in_proj_from_checkpoint(weight: Any, num_heads: int) -> Any:
+    """The checkpoint's ``in_proj.weight`` ``[2I, Hd]`` (per head: P gate rows, then P x rows) in
+    the op's order (all gate rows, then all x rows), as the engine's loader reorders it. Works on
+    torch, numpy and jax arrays."""
+    rows, hidden = weight.shape
+    return weight.reshape(num_heads, 2, rows // (2 * num_heads), hidden).swapaxes(0, 1).reshape(rows, hidden)
+
+
+def in_proj_to_checkpoint(weight: Any, num_heads: int) -> Any:
+    """The inverse of ``in_proj_from_checkpoint``: the op's order back to the checkpoint's."""
+    rows, hidden = weight.shape
+    return weight.reshape(2, num_heads, rows // (2 * num_heads), hidden).swapaxes(0, 1).reshape(rows, hidden)
+
+
 @CustomOp.register(_OP)
 class Plamo2MambaMixer(CustomOp):
     """PLaMo 2's Mamba-2 mixer over packed sequences with conv and SSM state caches (see the module
