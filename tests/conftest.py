@@ -94,6 +94,20 @@ NATIVE_CASES = {
                                   ("torchax", "tpu"), ("jax", "cpu"), ("jax", "cuda"))},
 }
 
+# issue 12, plamo2_mamba_mixer: its platform body composes the kernel ops causal_conv1d and
+# ssd_chunk_scan; while either is not installed every cell declines to the native body, saying so.
+def _plamo2_native_cases() -> dict:
+    from dualop.ops.plamo2 import _missing_kernel_ops
+
+    missing = _missing_kernel_ops()
+    if not missing:
+        return {}
+    return {("plamo2_mamba_mixer", fe, pf): f"the kernel ops it composes are not installed ({', '.join(missing)})"
+            for fe, pf, _ in KERNEL_CELLS}
+
+
+NATIVE_CASES.update(_plamo2_native_cases())
+
 # Kernel cells that decline one dtype at run time, because the native body is the faster path there:
 # {(label, frontend, platform, dtype): (a part of) the reason the cell must report}.
 NATIVE_DTYPE_CASES = {
