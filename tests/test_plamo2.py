@@ -382,6 +382,9 @@ def test_platform_methods_decline_while_the_kernel_ops_are_missing():
             assert why is not None and "not installed" in why and missing[0] in why
         else:
             assert why is None
+    if missing:  # called directly (dualop compile does), the body declines the call likewise
+        with pytest.raises(NotImplementedError, match="not installed"):
+            op._forward_kernels(*_frontend_args(CHECK_SHAPES[1], "torch"))
     assert op.declines("forward_cpu", "jax") is not None
     assert "jax-triton" in op.declines("forward_cuda", "jax")
 

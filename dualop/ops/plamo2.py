@@ -274,8 +274,12 @@ class Plamo2MambaMixer(CustomOp):
 
     def _kernel_ops(self) -> tuple[Any, Any]:
         """This mixer's ``CausalConv1d`` and ``SSDChunkScan`` instances (made on first use and
-        imported lazily, so this module loads without them)."""
+        imported lazily, so this module loads without them). Called directly (``dualop compile``
+        does) while they are missing, it declines the call with the same reason as ``declines``."""
         if self._kernel_op_instances is None:
+            missing = _missing_kernel_ops()
+            if missing:
+                raise NotImplementedError(f"{_OP}: the kernel ops it composes are not installed ({', '.join(missing)})")
             from dualop.ops.causal_conv1d import CausalConv1d
             from dualop.ops.ssd import SSDChunkScan
 
