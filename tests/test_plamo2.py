@@ -122,75 +122,31 @@ def test_native_without_caches_returns_fresh_float32_states():
 # --- (b) transformers' Mamba-2 functions in PLaMo 2's wiring --------------------------------------
 
 
-def _hf_plamo2(args, shape, conv_state, ssm_state, decode: bool):
-    """Sequences of equal length as a batch ``[b, L, Hd]``, from the given (cloned) states."""
-    import torch.nn.functional as F
-    from transformers.models.mamba2 import modeling_mamba2 as m2
-
-    h, w_in, w_conv, w_bcdt, w_dt, dt_bias, a_log, d, w_dtn, w_bn, w_cn, w_out = args
-    _, _, _, heads, head_dim, n, _ = shape
-    inner = heads * head_dim
-    batch, length = h.shape[:2]
-    proj = F.linear(h, w_in)
-    gate, x = proj[..., :inner], proj[..., inner:]
-    a = -torch.exp(a_log.float())
-    if decode:
-        xc = m2.causal_conv1d_update(x.transpose(1, 2), conv_state, w_conv, None, activation="silu").transpose(1, 2)
-    else:
-        full = torch.cat([conv_state, x.transpose(1, 2)], dim=2)
-        xc = m2.causal_conv1d_fn(full, w_conv, None, activation="silu")[:, :, -length:].transpose(1, 2)
-        conv_state.copy_(full[:, :, -(w_conv.shape[1] - 1):])
-    bcdt = F.linear(xc, w_bcdt)
-    bv = F.rms_norm(bcdt[..., :n], (n,), w_bn, EPS)
-    cv = F.rms_norm(bcdt[..., n:2 * n], (n,), w_cn, EPS)
-    dt = F.linear(F.rms_norm(bcdt[..., 2 * n:], (bcdt.shape[-1] - 2 * n,), w_dtn, EPS), w_dt)
-    if decode:
-        y = m2.mamba2_selective_state_update(
-            ssm_state, xc[:, 0].reshape(batch, heads, head_dim), dt[:, 0, :, None].expand(-1, -1, head_dim),
-            a[:, None, None].expand(-1, head_dim, n), bv[:, 0, None], cv[:, 0, None],
-            D=d[:, None].expand(-1, head_dim), dt_bias=dt_bias[:, None].expand(-1, head_dim), dt_softplus=True,
-            z=gate[:, 0].reshape(batch, heads, head_dim))
-        y = y.reshape(batch, 1, inner)
-    else:
-        y, final = m2.mamba2_chunk_scan(
-            xc.reshape(batch, length, heads, head_dim), dt, a, bv[:, :, None], cv[:, :, None], chunk_size=4, D=d,
-            dt_bias=dt_bias, initial_states=ssm_state, dt_softplus=True, return_final_states=True)
-        ssm_state.copy_(final)
-        y = y.reshape(batch, length, inner) * F.silu(gate)
-    return F.linear(y, w_out), conv_state, ssm_state
-
-
 def test_native_matches_transformers_mamba2_functions():
     """Two sequences of 11 tokens continuing from their cached states (slots 2 and 0), then one
-    decode step each: outputs and both caches against the transformers composition."""
+    decode step each: outputs and both caches against the transformers composition (the bench's
+    peer, ``dualop.bench.cases._torch_transformers_plamo2``: chunked scan with chunk 4, then
+    transformers' single-step update functions)."""
+    from dualop.bench.cases import _torch_transformers_plamo2
+
     shape = (22, 2, 24, 3, 8, 8, 8)
     length = 11
-    args = [torch.from_numpy(np.asarray(a)) for a in _numpy_args(shape, seed=3)[:12]]
+    weights = [torch.from_numpy(np.asarray(a)) for a in _numpy_args(shape, seed=3)[:12]]
     rng = np.random.default_rng(4)
     conv_cache = torch.from_numpy(testing.normal((3, 24, 3), rng))
     ssm_cache = torch.from_numpy(testing.normal((3, 3, 8, 8), rng, 0.5))
-    slots = torch.tensor([2, 0], dtype=torch.int32)
+    hf_conv, hf_ssm = conv_cache.clone(), ssm_cache.clone()
+    meta = (torch.tensor([0, length, 2 * length], dtype=torch.int32), torch.tensor([2, 0], dtype=torch.int32),
+            torch.tensor([True, True]))
     op = _op(shape)
-    hf_conv, hf_ssm = conv_cache[slots.long()].clone(), ssm_cache[slots.long()].clone()
-
-    h = args[0]
-    w = list(args[1:])
-    w[1] = w[1]  # conv weight [I, K]
-    hf_out, hf_conv, hf_ssm = _hf_plamo2([h.reshape(2, length, -1), *w], shape, hf_conv, hf_ssm, decode=False)
-    cu = torch.tensor([0, length, 2 * length], dtype=torch.int32)
-    out, conv_cache, ssm_cache = op.forward_native(h, *w, conv_cache, ssm_cache, cu, slots,
-                                                   torch.tensor([True, True]))
-    np.testing.assert_allclose(out.numpy(), hf_out.reshape(2 * length, -1).numpy(), rtol=1e-4, atol=1e-5)
-    np.testing.assert_allclose(conv_cache[slots.long()].numpy(), hf_conv.numpy(), rtol=1e-6, atol=1e-6)
-    np.testing.assert_allclose(ssm_cache[slots.long()].numpy(), hf_ssm.numpy(), rtol=1e-4, atol=1e-5)
-
+    hf = _torch_transformers_plamo2(op)
     step = torch.from_numpy(testing.normal((2, 24), rng))
-    hf_out, hf_conv, hf_ssm = _hf_plamo2([step[:, None], *w], shape, hf_conv, hf_ssm, decode=True)
-    out, conv_cache, ssm_cache = op.forward_native(step, *w, conv_cache, ssm_cache, torch.tensor([0, 1, 2]).int(),
-                                                   slots, torch.tensor([True, True]))
-    np.testing.assert_allclose(out.numpy(), hf_out[:, 0].numpy(), rtol=1e-4, atol=1e-5)
-    np.testing.assert_allclose(conv_cache[slots.long()].numpy(), hf_conv.numpy(), rtol=1e-6, atol=1e-6)
-    np.testing.assert_allclose(ssm_cache[slots.long()].numpy(), hf_ssm.numpy(), rtol=1e-4, atol=1e-5)
+    for h, cu in ((weights[0], meta[0]), (step, torch.tensor([0, 1, 2], dtype=torch.int32))):
+        want, hf_conv, hf_ssm = hf(h, *weights[1:], hf_conv, hf_ssm, cu, *meta[1:])
+        got, conv_cache, ssm_cache = op.forward_native(h, *weights[1:], conv_cache, ssm_cache, cu, *meta[1:])
+        np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-4, atol=1e-5)
+        np.testing.assert_allclose(conv_cache.numpy(), hf_conv.numpy(), rtol=1e-6, atol=1e-6)
+        np.testing.assert_allclose(ssm_cache.numpy(), hf_ssm.numpy(), rtol=1e-4, atol=1e-5)
 
 
 # --- serving: continuity, padding ---------------------------------------------------------------------

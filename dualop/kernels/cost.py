@@ -204,3 +204,23 @@ def embedding_gather_cost(tokens: int, dim: int, itemsize: int) -> KernelCost:
     """Vocabulary embedding lookup: read the ids (int32) and one weight row per token, write the
     ``[tokens, dim]`` output (the roofline minimum: every token's row fetched, none cached)."""
     return KernelCost(flops=0, transcendentals=0, bytes_accessed=2 * tokens * dim * itemsize + 4 * tokens)
+
+
+def plamo2_mamba_mixer_cost(tokens: int, seqs: int, hidden: int, heads: int, head_dim: int, state: int, rank: int,
+                            conv_kernel: int, itemsize: int) -> KernelCost:
+    """PLaMo 2's Mamba mixer, one call: read the tokens and every weight once, write the output,
+    read and write each sequence's conv and SSM state slots; flops of the four projections, the
+    depthwise conv and the SSD recurrence (decay, input, output per state element); per token one
+    exp and one softplus per head and two sigmoids (conv, gate) per channel."""
+    inner = heads * head_dim
+    weights = (2 * inner * hidden + inner * conv_kernel + (2 * state + rank) * inner + heads * rank + 3 * heads
+               + rank + 2 * state + hidden * inner)
+    states = seqs * (inner * (conv_kernel - 1) + heads * head_dim * state)
+    matmul = 2 * tokens * (2 * inner * hidden + (2 * state + rank) * inner + rank * heads + inner * hidden)
+    scan = tokens * heads * head_dim * state * 5
+    return KernelCost(flops=matmul + 2 * tokens * inner * conv_kernel + scan,
+                      transcendentals=tokens * (2 * heads + 2 * inner),
+                      bytes_accessed=(2 * tokens * hidden + weights + 2 * states) * itemsize)
+
+
+__all__ += ["plamo2_mamba_mixer_cost"]
