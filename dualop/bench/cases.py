@@ -1003,7 +1003,8 @@ def _jax_plamo2(op):
         gf = gate.astype(f32).reshape(batch, length, heads, head_dim)
         y = (ys + d.astype(f32)[:, None] * xh) * jax.nn.silu(gf)
         out = mm(y.reshape(tokens, inner).astype(dtype), w_out)
-        conv_cache = conv_cache.at[state_indices].set(full[:, -(width - 1):].transpose(0, 2, 1).astype(conv_cache.dtype))
+        last_inputs = full[:, -(width - 1):].transpose(0, 2, 1)
+        conv_cache = conv_cache.at[state_indices].set(last_inputs.astype(conv_cache.dtype))
         ssm_cache = ssm_cache.at[state_indices].set(final.astype(ssm_cache.dtype))
         return out, conv_cache, ssm_cache
 
