@@ -68,9 +68,9 @@ def test_native_expectations_name_real_cases():
 @pytest.mark.parametrize("case", list({c.op: c for c in CASES}.values()), ids=lambda c: c.op)
 def test_rocm_runs_the_triton_kernel(case):
     result = check._run_cell(case, "torch", "rocm", "float32", seed=1)
-    no_kernel = NATIVE_CASES.get((case.label, "torch", "cuda"))
-    if no_kernel is not None:  # the CUDA cell has no kernel for this case: ROCm says the same
-        assert result.method == "forward_native" and no_kernel in result.detail, result.detail
+    reason = NATIVE_CASES.get((case.label, "torch", "cuda"))
+    if reason is not None:  # no CUDA kernel for this case: ROCm reports the same reason
+        assert (result.status, result.method) == ("native", "forward_native") and reason in result.detail, result.detail
         return
     assert result.method == "forward_cuda", result.detail
     assert result.status == "pass", result.detail
@@ -83,9 +83,6 @@ SPATIAL_OPS = ("conv2d", "conv3d")
 
 # Cases whose shape tuple is (tokens, vocab, org_vocab, dim), not an input's shape: zero and one token.
 TOKEN_TABLE_OPS = ("vocab_parallel_embedding",)
-# Cases whose shape tuple describes a packed batch of sequences (tokens, sequences, widths...): every
-# sequence has a token, so no zero-token shape (their tests check one token, one and several sequences).
-PACKED_SEQUENCE_OPS = ("mamba_mixer",)
 
 
 def test_token_table_cases_cover_zero_and_one_token():
@@ -93,18 +90,20 @@ def test_token_table_cases_cover_zero_and_one_token():
         assert {0, 1} <= {s[0] for s in case.shapes}, case.label
 
 
-# Cases whose shape tuple is (tokens, dim, sequences) of a packed serving batch (issue 12's
-# state-space ops): a single token, a decode step (T == B) and a multi-sequence prefill.
-PACKED_SEQUENCE_OPS = ("causal_conv1d", "short_conv")
+# Cases whose shape tuple is (tokens, sequences, widths...) of a packed serving batch (issue 12's
+# state-space ops): every sequence has a token (no zero-token batch), so they cover a single token,
+# a decode step (T == B) and a multi-sequence prefill instead, at a width off the 128-lane multiple.
+PACKED_SEQUENCE_OPS = ("causal_conv1d", "short_conv", "selective_scan", "ssd_chunk_scan", "mamba_mixer",
+                       "mamba_mixer2", "plamo2_mamba_mixer")
 
 
 def test_packed_sequence_cases_cover_one_token_decode_and_prefill():
     for case in (c for c in CASES if c.op in PACKED_SEQUENCE_OPS):
-        shapes = case.shapes
-        assert (1, 1) in {(s[0], s[2]) for s in shapes}, case.label
-        assert any(s[0] == s[2] > 1 for s in shapes), case.label
-        assert any(s[0] > s[2] > 1 for s in shapes), case.label
-        assert any(s[1] % 128 for s in shapes), case.label
+        batches = {(s[0], s[1]) for s in case.shapes}
+        assert (1, 1) in batches, case.label
+        assert any(t == b > 1 for t, b in batches), case.label
+        assert any(t > b > 1 for t, b in batches), case.label
+        assert any(any(d % 128 for d in s[2:]) for s in case.shapes), case.label
 
 
 def test_cells_cover_zero_one_ragged_and_3d_shapes():

@@ -653,3 +653,35 @@ def _mamba_mixer2_inputs(shape: tuple[int, ...]) -> tuple:
 
 SERVING_INPUTS["mamba_mixer2"] = _mamba_mixer2_inputs
 _SERVING_MAKE_OP["mamba_mixer2"] = _mamba_mixer2_op
+
+
+# --- plamo2_mamba_mixer: (tokens, sequences, hidden, heads, head_dim, state, time-step rank) ------
+# The check cases' shape layout (so the case's make_op builds the serving op too, with the SSD chunk
+# of 256): PLaMo 2-8B-like widths (hidden 4096, 64 Mamba heads of 128, d_state 64, conv 4, rank
+# max(64, 4096 // 16) = 256); a 1024-token prefill of one and of eight sequences and a 64-sequence
+# decode step, over a 256-slot state cache.
+SERVING_SHAPES["plamo2_mamba_mixer"] = tuple((tokens, seqs, 4096, 64, 128, 64, 256)
+                                             for tokens, seqs in ((1024, 1), (1024, 8), (64, 64)))
+_PLAMO2_SLOTS, _PLAMO2_CONV = 256, 4
+
+
+def _plamo2_mamba_mixer_inputs(shape: tuple[int, ...]) -> tuple:
+    tokens, seqs, hidden, heads, head_dim, state, rank = shape
+    inner = heads * head_dim
+    weights = ((2 * inner, hidden), (inner, _PLAMO2_CONV), (2 * state + rank, inner), (heads, rank), (heads,),
+               (heads,), (heads,), (rank,), (state,), (state,), (hidden, inner))
+    return (InputSpec((tokens, hidden), None), *(InputSpec(w, None) for w in weights),
+            InputSpec((_PLAMO2_SLOTS, inner, _PLAMO2_CONV - 1), None),
+            InputSpec((_PLAMO2_SLOTS, heads, head_dim, state), None), InputSpec((seqs + 1,), "int32"),
+            InputSpec((seqs,), "int32"), InputSpec((seqs,), "bool"))
+
+
+def _plamo2_mamba_mixer_op(shape: tuple[int, ...]):
+    from dualop.ops import Plamo2MambaMixer
+
+    _, _, hidden, heads, head_dim, state, rank = shape
+    return Plamo2MambaMixer(hidden, state, _PLAMO2_CONV, heads, head_dim, time_step_rank=rank, chunk_size=256)
+
+
+SERVING_INPUTS["plamo2_mamba_mixer"] = _plamo2_mamba_mixer_inputs
+_SERVING_MAKE_OP["plamo2_mamba_mixer"] = _plamo2_mamba_mixer_op

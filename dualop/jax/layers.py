@@ -848,3 +848,73 @@ class MambaMixer2(nnx.Module):
 
 
 __all__ += ["MambaMixer2"]
+
+
+# --- issue 12: PLaMo 2's Mamba mixer ------------------------------------------------------------
+
+
+class Plamo2MambaMixer(nnx.Module):
+    """Twin of ``dualop.torch.layers.Plamo2MambaMixer`` (same constructor, ``params_dtype`` a jax
+    dtype and ``rngs`` for the projections' init, default ``nnx.Rngs(0)``); ``__call__(hidden_states,
+    conv_state=None, ssm_state=None, cu_seqlens=None, state_indices=None, has_initial_state=None)``
+    -> ``(out, conv_state, ssm_state)`` (new caches: jax arrays are immutable; donate the old ones
+    under ``jit``). The weights are ``nnx.Param``s named as the op's arguments, in its layout
+    (``in_proj_weight`` gate rows then x rows, ``conv_weight`` ``[I, K]``); ``load_state_dict``
+    takes a PLaMo 2 checkpoint's mixer weights (torch, numpy or jax values) under their own keys."""
+
+    def __init__(self, hidden_size: int, ssm_state_size: int, conv_kernel_size: int, num_heads: int, head_dim: int,
+                 time_step_rank: int | None = None, rms_norm_eps: float = 1e-6, chunk_size: int = 256,
+                 params_dtype: Any = None, *, rngs: nnx.Rngs | None = None) -> None:
+        import jax
+
+        self.op = ops.Plamo2MambaMixer(hidden_size, ssm_state_size, conv_kernel_size, num_heads, head_dim,
+                                       time_step_rank, rms_norm_eps, chunk_size)
+        dtype = params_dtype or jnp.float32
+        rngs = rngs if rngs is not None else nnx.Rngs(0)
+        i, n, r, h, k = self.op.intermediate_size, ssm_state_size, self.op.time_step_rank, num_heads, conv_kernel_size
+
+        def uniform(shape, fan_in):
+            bound = 1 / fan_in ** 0.5
+            return nnx.Param(jax.random.uniform(rngs.params(), shape, jnp.float32, -bound, bound).astype(dtype))
+
+        def const(value):
+            return nnx.Param(jnp.asarray(value, jnp.float32).astype(dtype))
+
+        self.in_proj_weight = uniform((2 * i, hidden_size), hidden_size)
+        self.conv_weight = uniform((i, k), k)
+        self.bcdt_proj_weight = uniform((2 * n + r, i), i)
+        self.dt_proj_weight = uniform((h, r), r)
+        self.dt_bias = const(jnp.ones(h))
+        self.A_log = const(jnp.log(jnp.arange(1, h + 1, dtype=jnp.float32)))
+        self.D = const(jnp.ones(h))
+        self.dt_norm_weight = const(jnp.ones(r))
+        self.B_norm_weight = const(jnp.ones(n))
+        self.C_norm_weight = const(jnp.ones(n))
+        self.out_proj_weight = uniform((hidden_size, i), i)
+
+    def __call__(self, hidden_states, conv_state=None, ssm_state=None, cu_seqlens=None, state_indices=None,
+                 has_initial_state=None):
+        weights = (getattr(self, name)[...] for name in ops.plamo2.CHECKPOINT_KEYS)
+        return self.op(hidden_states, *weights, conv_state, ssm_state, cu_seqlens, state_indices, has_initial_state)
+
+    def load_state_dict(self, state_dict: Any, prefix: str = "") -> None:
+        """Load a PLaMo 2 checkpoint's mixer weights (keys ``prefix + in_proj.weight``, ...): every
+        weight must be there, with the checkpoint's shape; ``in_proj.weight`` is reordered from the
+        checkpoint's per-head interleaving as the engine's loader does."""
+        layer = type(self).__name__
+        for name, key in ops.plamo2.CHECKPOINT_KEYS.items():
+            param, value = getattr(self, name), state_dict.get(prefix + key)
+            if value is None:
+                raise ValueError(f"{layer}.load_state_dict: '{prefix + key}' is missing")
+            value = _as_jax(value, param.dtype)
+            if name == "conv_weight" and value.ndim == 3 and value.shape[1] == 1:
+                value = value[:, 0, :]  # the checkpoint's depthwise Conv1d weight [I, 1, K]
+            if tuple(value.shape) != tuple(param.shape):
+                raise ValueError(f"{layer}.load_state_dict: '{prefix + key}' has shape {tuple(value.shape)}; expected "
+                                 f"{tuple(param.shape)}")
+            if name == "in_proj_weight":
+                value = ops.plamo2.in_proj_from_checkpoint(value, self.op.num_heads)
+            param[...] = value
+
+
+__all__.append("Plamo2MambaMixer")

@@ -214,3 +214,23 @@ def causal_conv1d_cost(tokens: int, dim: int, seqs: int, kernel_size: int, items
     states = 2 * seqs * dim * (kernel_size - 1) * 4
     return KernelCost(flops=2 * kernel_size * n, transcendentals=n if silu else 0,
                       bytes_accessed=2 * n * itemsize + states + (kernel_size + 1) * dim * 4)
+
+
+def plamo2_mamba_mixer_cost(tokens: int, seqs: int, hidden: int, heads: int, head_dim: int, state: int, rank: int,
+                            conv_kernel: int, itemsize: int) -> KernelCost:
+    """PLaMo 2's Mamba mixer, one call: read the tokens and every weight once, write the output,
+    read and write each sequence's conv and SSM state slots; flops of the four projections, the
+    depthwise conv and the SSD recurrence (decay, input, output per state element); per token one
+    exp and one softplus per head and two sigmoids (conv, gate) per channel."""
+    inner = heads * head_dim
+    weights = (2 * inner * hidden + inner * conv_kernel + (2 * state + rank) * inner + heads * rank + 3 * heads
+               + rank + 2 * state + hidden * inner)
+    states = seqs * (inner * (conv_kernel - 1) + heads * head_dim * state)
+    matmul = 2 * tokens * (2 * inner * hidden + (2 * state + rank) * inner + rank * heads + inner * hidden)
+    scan = tokens * heads * head_dim * state * 5
+    return KernelCost(flops=matmul + 2 * tokens * inner * conv_kernel + scan,
+                      transcendentals=tokens * (2 * heads + 2 * inner),
+                      bytes_accessed=(2 * tokens * hidden + weights + 2 * states) * itemsize)
+
+
+__all__ += ["plamo2_mamba_mixer_cost"]

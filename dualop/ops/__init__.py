@@ -70,3 +70,9 @@ from dualop.ops.mamba_mixer import *  # noqa: F403,E402
 from dualop.ops import mamba_mixer  # noqa: E402
 
 __all__ += mamba_mixer.__all__
+
+# issue 12: PLaMo 2's Mamba mixer
+from dualop.ops.plamo2 import *  # noqa: F403,E402
+from dualop.ops import plamo2  # noqa: E402
+
+__all__ += plamo2.__all__

@@ -684,3 +684,72 @@ class MambaMixer2(nn.Module):
 
 
 __all__ += ["MambaMixer2"]
+
+
+# --- issue 12: PLaMo 2's Mamba mixer ------------------------------------------------------------
+
+
+class Plamo2MambaMixer(nn.Module):
+    """``Plamo2MambaMixer(hidden_size, ssm_state_size, conv_kernel_size, num_heads, head_dim,
+    time_step_rank=None, rms_norm_eps=1e-6, chunk_size=256, params_dtype=None)``;
+    ``forward(hidden_states [T, Hd], conv_state=None, ssm_state=None, cu_seqlens=None,
+    state_indices=None, has_initial_state=None)`` -> ``(out [T, Hd], conv_state, ssm_state)``.
+
+    Owns the weights under the PLaMo 2 checkpoint's names (``in_proj``, ``conv1d`` with its
+    ``[I, 1, K]`` weight, ``bcdt_proj``, ``dt_proj``, ``dt_bias``, ``A_log``, ``D``,
+    ``dt_norm_weight``, ``B_norm_weight``, ``C_norm_weight``, ``out_proj``), so ``load_state_dict``
+    takes a checkpoint's mixer weights as they are. ``in_proj.weight`` is kept in the op's order
+    (gate rows, then x rows): a load hook reorders the checkpoint's per-head interleaving as the
+    engine's loader does, and ``state_dict`` gives the checkpoint's order back. Holds no cache: the
+    caller passes the caches and the batch metadata, as to the op (``dualop.ops.plamo2``).
+    Initialised with A = -(1..H), D = 1, dt_bias = 1 and unit norm weights."""
+
+    op_class: type = ops.Plamo2MambaMixer
+
+    def __init__(self, hidden_size: int, ssm_state_size: int, conv_kernel_size: int, num_heads: int, head_dim: int,
+                 time_step_rank: int | None = None, rms_norm_eps: float = 1e-6, chunk_size: int = 256,
+                 params_dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        self.op = self.op_class(hidden_size, ssm_state_size, conv_kernel_size, num_heads, head_dim, time_step_rank,
+                                rms_norm_eps, chunk_size)
+        i, n, r, h = self.op.intermediate_size, ssm_state_size, self.op.time_step_rank, num_heads
+        kw = {"dtype": params_dtype}
+        self.in_proj = nn.Linear(hidden_size, 2 * i, bias=False, **kw)
+        self.conv1d = nn.Conv1d(i, i, conv_kernel_size, groups=i, bias=False, **kw)
+        self.bcdt_proj = nn.Linear(i, 2 * n + r, bias=False, **kw)
+        self.dt_proj = nn.Linear(r, h, bias=False, **kw)
+        self.dt_bias = nn.Parameter(torch.ones(h, **kw))
+        self.A_log = nn.Parameter(torch.log(torch.arange(1, h + 1, dtype=torch.float32)).to(
+            params_dtype or torch.get_default_dtype()))
+        self.D = nn.Parameter(torch.ones(h, **kw))
+        self.dt_norm_weight = nn.Parameter(torch.ones(r, **kw))
+        self.B_norm_weight = nn.Parameter(torch.ones(n, **kw))
+        self.C_norm_weight = nn.Parameter(torch.ones(n, **kw))
+        self.out_proj = nn.Linear(i, hidden_size, bias=False, **kw)
+        self.register_load_state_dict_pre_hook(self._in_proj_from_checkpoint)
+        self.register_state_dict_post_hook(self._in_proj_to_checkpoint)
+
+    @staticmethod
+    def _in_proj_from_checkpoint(module, state_dict, prefix, *_) -> None:
+        key = prefix + "in_proj.weight"  # a wrong shape is left to load_state_dict's own error
+        if key in state_dict and tuple(state_dict[key].shape) == tuple(module.in_proj.weight.shape):
+            state_dict[key] = ops.plamo2.in_proj_from_checkpoint(state_dict[key], module.op.num_heads)
+
+    @staticmethod
+    def _in_proj_to_checkpoint(module, state_dict, prefix, *_) -> None:
+        key = prefix + "in_proj.weight"
+        state_dict[key] = ops.plamo2.in_proj_to_checkpoint(state_dict[key], module.op.num_heads)
+
+    def forward(self, hidden_states: torch.Tensor, conv_state: torch.Tensor | None = None,
+                ssm_state: torch.Tensor | None = None, cu_seqlens: torch.Tensor | None = None,
+                state_indices: torch.Tensor | None = None, has_initial_state: torch.Tensor | None = None):
+        return self.op(hidden_states, self.in_proj.weight, self.conv1d.weight[:, 0, :], self.bcdt_proj.weight,
+                       self.dt_proj.weight, self.dt_bias, self.A_log, self.D, self.dt_norm_weight, self.B_norm_weight,
+                       self.C_norm_weight, self.out_proj.weight, conv_state, ssm_state, cu_seqlens, state_indices,
+                       has_initial_state)
+
+    def extra_repr(self) -> str:
+        return self.op.extra_repr()
+
+
+__all__ += ["Plamo2MambaMixer"]

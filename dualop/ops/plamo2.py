@@ -1,0 +1,372 @@
+"""PLaMo 2's Mamba mixer: ``Plamo2MambaMixer`` (registered ``plamo2_mamba_mixer``), the reference
+engine's ``Plamo2MambaMixer`` math with its weights as explicit arguments and the two state caches
+of ``mamba_mixer2`` (``conv_state [S, I, K - 1]``, ``ssm_state [S, H, P, N]``) as the serving batch
+of ``dualop.ops.ssm_batch`` describes.
+
+``op = Plamo2MambaMixer(hidden_size, ssm_state_size, conv_kernel_size, num_heads, head_dim,
+time_step_rank=None, rms_norm_eps=1e-6, chunk_size=256)`` (``I = num_heads * head_dim``; the
+time-step rank defaults to the engine's ``max(64, hidden_size // 16)``);
+``out, conv_state, ssm_state = op(hidden_states [T, Hd], in_proj_weight [2I, Hd], conv_weight [I, K],
+bcdt_proj_weight [2N + R, I], dt_proj_weight [H, R], dt_bias [H], A_log [H], D [H],
+dt_norm_weight [R], B_norm_weight [N], C_norm_weight [N], out_proj_weight [Hd, I], conv_state=None,
+ssm_state=None, cu_seqlens=None, state_indices=None, has_initial_state=None)``.
+
+The math, per packed token (the sequences of ``cu_seqlens`` never mix):
+
+1. ``gate, x = in_proj(h)``: the first I rows of ``in_proj_weight`` give the gate, the next I give x
+   (the engine's merged order; the checkpoint interleaves them per head, which the layers'
+   ``load_state_dict`` undoes);
+2. ``x = silu(causal_conv1d(x))`` (no bias) over each sequence, continuing from its ``conv_state``;
+3. ``B, C, t = bcdt_proj(x)`` split ``[N, N, R]``; each RMS-normalised over its last dim times its
+   weight (``B_norm_weight``, ``C_norm_weight``, ``dt_norm_weight``; eps ``rms_norm_eps``);
+4. ``dt = dt_proj(t)`` (``[H]`` per token; ``dt_bias`` and the softplus are the scan's);
+5. ``y = ssd(x [T, H, P], dt, A = -exp(A_log), B, C [T, 1, N] (one group), D, z = gate)``
+   continuing from its ``ssm_state`` slot (``y ⊙ silu(gate)`` inside; no output norm);
+6. ``out = out_proj(y)``.
+
+Rounding (``forward_native``): each matmul multiplies float32 operands at full precision and rounds
+once to ``hidden_states``' dtype, as a vendor GEMM with float32 accumulation does; the conv and the
+scan compute in float32 and round their outputs once (``dualop.kernels.ssm_math``); the norms are
+the engine's RMSNorm (normalised in float32, rounded, then times the weight). A padding sequence
+(slot -1) gives zero outputs and writes neither state.
+
+The platform methods (``forward_cpu``/``forward_cuda``/``forward_tpu``, one body) run the
+projections with the vendor matmul (``F.linear``; XLA's dot for jax) and call the kernel ops
+``CausalConv1d`` (``dualop.ops.causal_conv1d``) and ``SSDChunkScan`` (``dualop.ops.ssd``), which
+dispatch to their own kernels. They decline (at resolution, with the reason) while those modules
+are not installed.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import Any
+
+from dualop.backends import array_namespace
+from dualop.custom_op import CustomOp
+from dualop.kernels import ssm_math
+from dualop.kernels.norm_math import NormSpec, rms_normalize
+from dualop.ops._checks import check_array, check_optional_like, cpu_declines
+from dualop.ops.ssm_batch import SSMBatch, ssm_batch
+from dualop.platforms import family_of, frontend_of
+
+__all__ = ["Plamo2MambaMixer"]
+
+_OP = "plamo2_mamba_mixer"
+# The kernel ops the platform methods compose (module, class).
+_KERNEL_OPS = (("dualop.ops.causal_conv1d", "CausalConv1d"), ("dualop.ops.ssd", "SSDChunkScan"))
+# The weight arguments in call order (all required: PLaMo 2 has no optional parameter).
+_WEIGHTS = ("in_proj_weight", "conv_weight", "bcdt_proj_weight", "dt_proj_weight", "dt_bias", "A_log", "D",
+            "dt_norm_weight", "B_norm_weight", "C_norm_weight", "out_proj_weight")
+
+
+def _positive_int(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{_OP}: {name} must be a positive int, got {value!r}")
+    return value
+
+
+def _missing_kernel_ops() -> list[str]:
+    """The kernel-op modules the platform body needs that are not importable here."""
+    return [module for module, _ in _KERNEL_OPS if importlib.util.find_spec(module) is None]
+
+
+def _native_gemm(xp, x: Any, weight: Any) -> Any:
+    """``x @ weight.T``: float32 operands at full precision, one rounding to x's dtype."""
+    y = xp.einsum("tk,nk->tn", xp.astype(x, xp.float32), xp.astype(weight, xp.float32))
+    return xp.astype(y, x.dtype)
+
+
+def _vendor_gemm(x: Any, weight: Any) -> Any:
+    """``x @ weight.T`` with the platform's own GEMM: ``F.linear`` for torch tensors (torch_xla and
+    torchax lower it to XLA's dot), XLA's dot for jax arrays (float32 accumulation, one rounding)."""
+    if family_of(frontend_of(x)) == "jax":
+        from dualop.kernels.xla_linear import linear
+
+        return linear(x, weight.astype(x.dtype), None)
+    import torch.nn.functional as F
+
+    return F.linear(x, weight.to(x.dtype))
+
+
+# The checkpoint's key of each weight argument (PLaMo 2's own names, as the engine's loader reads
+# them: it renames the norms and A_log to its modules but loads the same tensors).
+CHECKPOINT_KEYS = {
+    "in_proj_weight": "in_proj.weight", "conv_weight": "conv1d.weight", "bcdt_proj_weight": "bcdt_proj.weight",
+    "dt_proj_weight": "dt_proj.weight", "dt_bias": "dt_bias", "A_log": "A_log", "D": "D",
+    "dt_norm_weight": "dt_norm_weight", "B_norm_weight": "B_norm_weight", "C_norm_weight": "C_norm_weight",
+    "out_proj_weight": "out_proj.weight",
+}
+
+
+def in_proj_from_checkpoint(weight: Any, num_heads: int) -> Any:
+    """The checkpoint's ``in_proj.weight`` ``[2I, Hd]`` (per head: P gate rows, then P x rows) in
+    the op's order (all gate rows, then all x rows), as the engine's loader reorders it. Works on
+    torch, numpy and jax arrays."""
+    rows, hidden = weight.shape
+    return weight.reshape(num_heads, 2, rows // (2 * num_heads), hidden).swapaxes(0, 1).reshape(rows, hidden)
+
+
+def in_proj_to_checkpoint(weight: Any, num_heads: int) -> Any:
+    """The inverse of ``in_proj_from_checkpoint``: the op's order back to the checkpoint's."""
+    rows, hidden = weight.shape
+    return weight.reshape(2, num_heads, rows // (2 * num_heads), hidden).swapaxes(0, 1).reshape(rows, hidden)
+
+
+@CustomOp.register(_OP)
+class Plamo2MambaMixer(CustomOp):
+    """PLaMo 2's Mamba-2 mixer over packed sequences with conv and SSM state caches (see the module
+    docstring for the call, the math and where it rounds)."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        ssm_state_size: int,
+        conv_kernel_size: int,
+        num_heads: int,
+        head_dim: int,
+        time_step_rank: int | None = None,
+        rms_norm_eps: float = 1e-6,
+        chunk_size: int = 256,
+        *,
+        enforce_enable: bool = False,
+    ) -> None:
+        super().__init__(enforce_enable=enforce_enable)
+        self.hidden_size = _positive_int("hidden_size", hidden_size)
+        self.ssm_state_size = _positive_int("ssm_state_size", ssm_state_size)
+        self.conv_kernel_size = _positive_int("conv_kernel_size", conv_kernel_size)
+        self.num_heads = _positive_int("num_heads", num_heads)
+        self.head_dim = _positive_int("head_dim", head_dim)
+        if time_step_rank is None:
+            time_step_rank = max(64, hidden_size // 16)  # the engine's rule
+        self.time_step_rank = _positive_int("time_step_rank", time_step_rank)
+        self.chunk_size = _positive_int("chunk_size", chunk_size)
+        if isinstance(rms_norm_eps, bool) or not isinstance(rms_norm_eps, (int, float)) or not rms_norm_eps >= 0:
+            raise ValueError(f"{_OP}: rms_norm_eps must be a non-negative float, got {rms_norm_eps!r}")
+        self.rms_norm_eps = float(rms_norm_eps)
+        self.intermediate_size = self.num_heads * self.head_dim
+        self.norm_spec = NormSpec(eps=self.rms_norm_eps)
+        self._kernel_op_instances: tuple[Any, Any] | None = None
+
+    # -- shapes and checks ---------------------------------------------------------------------------
+
+    @property
+    def conv_state_shape(self) -> tuple[int, int]:
+        """One slot of the conv cache: the last ``K - 1`` conv inputs of each of the I channels
+        (the engine's Mamba-2 layout with no B/C groups in the conv)."""
+        return (self.intermediate_size, self.conv_kernel_size - 1)
+
+    @property
+    def ssm_state_shape(self) -> tuple[int, int, int]:
+        """One slot of the SSM cache: ``[H, P, N]``."""
+        return (self.num_heads, self.head_dim, self.ssm_state_size)
+
+    def weight_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Each weight argument's shape, in call order."""
+        i, hd, k, r, n, h = (self.intermediate_size, self.hidden_size, self.conv_kernel_size, self.time_step_rank,
+                             self.ssm_state_size, self.num_heads)
+        return {
+            "in_proj_weight": (2 * i, hd), "conv_weight": (i, k), "bcdt_proj_weight": (2 * n + r, i),
+            "dt_proj_weight": (h, r), "dt_bias": (h,), "A_log": (h,), "D": (h,), "dt_norm_weight": (r,),
+            "B_norm_weight": (n,), "C_norm_weight": (n,), "out_proj_weight": (hd, i),
+        }
+
+    def _batches(self, hidden_states, conv_state, ssm_state, cu_seqlens, state_indices,
+                 has_initial_state) -> tuple[SSMBatch, SSMBatch]:
+        """Both caches validated against the layer and against each other: one serving batch."""
+        if (conv_state is None) != (ssm_state is None):
+            given, missing = ("conv_state", "ssm_state") if ssm_state is None else ("ssm_state", "conv_state")
+            raise ValueError(f"{_OP}: argument '{given}' is given but '{missing}' is None; pass both caches or "
+                             f"neither")
+        conv = ssm_batch(_OP, hidden_states, cu_seqlens, state_indices, has_initial_state, conv_state,
+                         "conv_state", self.conv_state_shape)
+        ssm = ssm_batch(_OP, hidden_states, cu_seqlens, state_indices, has_initial_state, ssm_state,
+                        "ssm_state", self.ssm_state_shape)
+        if conv_state is not None and conv_state.shape[0] != ssm_state.shape[0]:
+            raise ValueError(f"{_OP}: argument 'ssm_state' has {ssm_state.shape[0]} slots but 'conv_state' has "
+                             f"{conv_state.shape[0]}; expected one slot count for both caches")
+        return conv, ssm
+
+    def check_inputs(self, hidden_states: Any, in_proj_weight: Any = None, conv_weight: Any = None,
+                     bcdt_proj_weight: Any = None, dt_proj_weight: Any = None, dt_bias: Any = None,
+                     A_log: Any = None, D: Any = None, dt_norm_weight: Any = None, B_norm_weight: Any = None,
+                     C_norm_weight: Any = None, out_proj_weight: Any = None, conv_state: Any = None,
+                     ssm_state: Any = None, cu_seqlens: Any = None, state_indices: Any = None,
+                     has_initial_state: Any = None) -> None:
+        fe = check_array(_OP, "hidden_states", hidden_states, min_ndim=2)
+        if hidden_states.ndim != 2 or hidden_states.shape[1] != self.hidden_size:
+            raise ValueError(f"{_OP}: argument 'hidden_states' has shape {tuple(hidden_states.shape)}; expected "
+                             f"[tokens, hidden_size={self.hidden_size}]")
+        given = dict(zip(_WEIGHTS, (in_proj_weight, conv_weight, bcdt_proj_weight, dt_proj_weight, dt_bias, A_log, D,
+                                    dt_norm_weight, B_norm_weight, C_norm_weight, out_proj_weight)))
+        for name, shape in self.weight_shapes().items():
+            if given[name] is None:
+                raise ValueError(f"{_OP}: argument '{name}' is required (shape {shape})")
+            check_optional_like(_OP, name, given[name], "hidden_states", hidden_states, fe, shape=shape)
+        self._batches(hidden_states, conv_state, ssm_state, cu_seqlens, state_indices, has_initial_state)
+        for name, cache in (("conv_state", conv_state), ("ssm_state", ssm_state)):
+            if cache is not None:  # the same device as the tokens (the shape was checked above)
+                check_optional_like(_OP, name, cache, "hidden_states", hidden_states, fe, shape=tuple(cache.shape))
+
+    # -- the shared steps ----------------------------------------------------------------------------
+
+    def _ssm_parameters(self, xp, gemm, x, bcdt_proj_weight, dt_proj_weight, dt_norm_weight, B_norm_weight,
+                        C_norm_weight):
+        """Steps 3 and 4: ``bcdt_proj``, the split ``[N, N, R]``, the three norms, ``dt_proj``."""
+        n = self.ssm_state_size
+        bcdt = gemm(x, bcdt_proj_weight)
+        b, c, t = bcdt[:, :n], bcdt[:, n:2 * n], bcdt[:, 2 * n:]
+
+        def norm(v, weight):
+            return rms_normalize(xp, xp.astype(v, xp.float32), weight, self.norm_spec, v.dtype)
+
+        b, c, t = norm(b, B_norm_weight), norm(c, C_norm_weight), norm(t, dt_norm_weight)
+        return b, c, gemm(t, dt_proj_weight)
+
+    def _heads(self, v: Any) -> Any:
+        """``[T, I]`` -> ``[T, H, P]`` (head h owns channels ``h·P : (h + 1)·P``)."""
+        return v.reshape(v.shape[0], self.num_heads, self.head_dim)
+
+    # -- the native body -----------------------------------------------------------------------------
+
+    def forward_native(self, hidden_states: Any, in_proj_weight: Any, conv_weight: Any, bcdt_proj_weight: Any,
+                       dt_proj_weight: Any, dt_bias: Any, A_log: Any, D: Any, dt_norm_weight: Any,
+                       B_norm_weight: Any, C_norm_weight: Any, out_proj_weight: Any, conv_state: Any = None,
+                       ssm_state: Any = None, cu_seqlens: Any = None, state_indices: Any = None,
+                       has_initial_state: Any = None) -> tuple[Any, Any, Any]:
+        """The references of ``dualop.kernels.ssm_math`` composed with float32 matmuls and the
+        norms (nothing of dualop's kernels runs: see the module docstring for where it rounds)."""
+        xp = array_namespace(hidden_states)
+        conv_b, ssm_b = self._batches(hidden_states, conv_state, ssm_state, cu_seqlens, state_indices,
+                                      has_initial_state)
+
+        def gemm(v, w):
+            return _native_gemm(xp, v, w)
+
+        i, tokens = self.intermediate_size, hidden_states.shape[0]
+        projected = gemm(hidden_states, in_proj_weight)
+        gate, x = projected[:, :i], projected[:, i:]
+        x, new_conv = ssm_math.causal_conv1d_reference(
+            xp, x, conv_weight, None, conv_b.state, conv_b.cu_seqlens, conv_b.state_indices,
+            conv_b.has_initial_state, "silu")
+        b, c, dt = self._ssm_parameters(xp, gemm, x, bcdt_proj_weight, dt_proj_weight, dt_norm_weight,
+                                        B_norm_weight, C_norm_weight)
+        a = -xp.exp(xp.astype(A_log, xp.float32))
+        y, new_ssm = ssm_math.ssd_reference(
+            xp, self._heads(x), dt, a, b[:, None, :], c[:, None, :], D, self._heads(gate), dt_bias, ssm_b.state,
+            ssm_b.cu_seqlens, ssm_b.state_indices, ssm_b.has_initial_state, delta_softplus=True)
+        return gemm(y.reshape(tokens, i), out_proj_weight), new_conv, new_ssm
+
+    # -- the platform body ---------------------------------------------------------------------------
+
+    def declines(self, method: str, frontend: str) -> str | None:
+        """The platform body composes the kernel ops: it declines where they are not installed, for
+        jax arrays on a GPU (no Triton launch for jax) and, as every op, ``forward_cpu`` for arrays
+        other than torch's."""
+        why = cpu_declines(method, frontend)
+        if why is None and method == "forward_cuda" and family_of(frontend) == "jax":
+            why = "the kernel ops' Triton kernels take torch tensors (jax arrays would need jax-triton)"
+        if why is None and method in ("forward_cpu", "forward_cuda", "forward_tpu"):
+            missing = _missing_kernel_ops()
+            if missing:
+                why = f"the kernel ops it composes are not installed ({', '.join(missing)})"
+        return why
+
+    def _kernel_ops(self) -> tuple[Any, Any]:
+        """This mixer's ``CausalConv1d`` and ``SSDChunkScan`` instances (made on first use and
+        imported lazily, so this module loads without them). Called directly (``dualop compile``
+        does) while they are missing, it declines the call with the same reason as ``declines``."""
+        if self._kernel_op_instances is None:
+            missing = _missing_kernel_ops()
+            if missing:
+                raise NotImplementedError(f"{_OP}: the kernel ops it composes are not installed ({', '.join(missing)})")
+            from dualop.ops.causal_conv1d import CausalConv1d
+            from dualop.ops.ssd import SSDChunkScan
+
+            conv = CausalConv1d(self.intermediate_size, self.conv_kernel_size, activation="silu",
+                                enforce_enable=self.enforce_enable)
+            scan = SSDChunkScan(self.num_heads, self.head_dim, self.ssm_state_size, n_groups=1,
+                                chunk_size=self.chunk_size, delta_softplus=True,
+                                enforce_enable=self.enforce_enable)
+            self._kernel_op_instances = (conv, scan)
+        return self._kernel_op_instances
+
+    def _forward_kernels(self, hidden_states, in_proj_weight, conv_weight, bcdt_proj_weight, dt_proj_weight, dt_bias,
+                         A_log, D, dt_norm_weight, B_norm_weight, C_norm_weight, out_proj_weight, conv_state=None,
+                         ssm_state=None, cu_seqlens=None, state_indices=None, has_initial_state=None):
+        """Vendor matmuls around the kernel ops (each dispatches to its own kernel; decode, T == B,
+        takes their step kernels). Not run on this branch yet: the kernel ops live on theirs."""
+        xp = array_namespace(hidden_states)
+        conv_op, scan_op = self._kernel_ops()
+        i, tokens = self.intermediate_size, hidden_states.shape[0]
+        projected = _vendor_gemm(hidden_states, in_proj_weight)
+        gate, x = projected[:, :i], projected[:, i:]
+        x, new_conv = conv_op(x, conv_weight, None, conv_state, cu_seqlens, state_indices, has_initial_state)
+        b, c, dt = self._ssm_parameters(xp, _vendor_gemm, x, bcdt_proj_weight, dt_proj_weight, dt_norm_weight,
+                                        B_norm_weight, C_norm_weight)
+        a = -xp.exp(xp.astype(A_log, xp.float32))
+        y, new_ssm = scan_op(self._heads(x), dt, a, b[:, None, :], c[:, None, :], D, self._heads(gate), dt_bias,
+                             ssm_state, cu_seqlens, state_indices, has_initial_state)
+        return _vendor_gemm(y.reshape(tokens, i), out_proj_weight), new_conv, new_ssm
+
+    def forward_cpu(self, *args: Any, **kwargs: Any) -> tuple[Any, Any, Any]:
+        """torch on the CPU: ``F.linear`` and the kernel ops' CPU kernels."""
+        return self._forward_kernels(*args, **kwargs)
+
+    def forward_cuda(self, *args: Any, **kwargs: Any) -> tuple[Any, Any, Any]:
+        """torch on a GPU: cuBLAS through ``F.linear`` and the kernel ops' Triton kernels."""
+        return self._forward_kernels(*args, **kwargs)
+
+    def forward_tpu(self, *args: Any, **kwargs: Any) -> tuple[Any, Any, Any]:
+        """On a TPU: XLA's dot and the kernel ops' Pallas kernels (reached through their bridges)."""
+        return self._forward_kernels(*args, **kwargs)
+
+    def extra_repr(self) -> str:
+        return (f"hidden_size={self.hidden_size}, num_heads={self.num_heads}, head_dim={self.head_dim}, "
+                f"ssm_state_size={self.ssm_state_size}, conv_kernel_size={self.conv_kernel_size}, "
+                f"time_step_rank={self.time_step_rank}, chunk_size={self.chunk_size}")
+
+
+# The widths of the check cases' shapes ``(tokens, sequences, hidden, heads, head_dim, state, rank)``
+# (conv kernel 4): a single token, packed prefill, a decode step (one token per sequence).
+CHECK_SHAPES = ((1, 1, 16, 2, 8, 4, 8), (9, 3, 24, 3, 8, 8, 8), (16, 16, 32, 4, 8, 8, 16), (37, 4, 40, 4, 16, 16, 8))
+
+
+def check_case_inputs(shape: tuple[int, ...], rng: Any) -> tuple:
+    """One packed batch for ``shape`` (see ``CHECK_SHAPES``): sequences of random lengths in shuffled
+    slots of caches with one spare slot (random contents), one sequence continuing from its cached
+    state, and (with two or more) one padding sequence. Weights at PLaMo 2-like scales."""
+    import numpy as np
+
+    from dualop.testing import Pinned, normal
+
+    tokens, seqs, hidden, heads, head_dim, state, rank = shape
+    inner, kernel = heads * head_dim, 4
+    cuts = np.sort(rng.choice(np.arange(1, tokens), seqs - 1, replace=False)) if seqs > 1 else []
+    cu = np.array([0, *cuts, tokens], np.int32)
+    slots = rng.permutation(seqs + 1)[:seqs].astype(np.int32)
+    if seqs > 1:
+        slots[rng.integers(seqs)] = -1
+    init = np.zeros(seqs, bool)
+    init[rng.integers(seqs)] = True
+    return (
+        normal((tokens, hidden), rng), normal((2 * inner, hidden), rng, hidden ** -0.5),
+        normal((inner, kernel), rng, 0.5), normal((2 * state + rank, inner), rng, inner ** -0.5),
+        normal((heads, rank), rng, rank ** -0.5), normal((heads,), rng, 0.5) - 1.0,
+        np.log(np.arange(1, heads + 1, dtype=np.float32)) + 0.1 * normal((heads,), rng),
+        1 + 0.1 * normal((heads,), rng), 1 + 0.2 * normal((rank,), rng), 1 + 0.2 * normal((state,), rng),
+        1 + 0.2 * normal((state,), rng), normal((hidden, inner), rng, inner ** -0.5),
+        normal((seqs + 1, inner, kernel - 1), rng), normal((seqs + 1, heads, head_dim, state), rng, 0.5),
+        Pinned(cu, "int32"), Pinned(slots, "int32"), Pinned(init, "bool"),
+    )
+
+
+def check_cases():
+    """Small packed batches of ``CHECK_SHAPES`` (``check_case_inputs``)."""
+    from dualop.testing import OpCase
+
+    def make_op(shape):
+        _, _, hidden, heads, head_dim, state, rank = shape
+        return Plamo2MambaMixer(hidden, state, 4, heads, head_dim, time_step_rank=rank, chunk_size=8)
+
+    return [OpCase(_OP, _OP, make_op, check_case_inputs, CHECK_SHAPES)]
