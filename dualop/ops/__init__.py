@@ -25,6 +25,8 @@ from dualop.ops.embedding import *  # noqa: F403
 from dualop.ops.logits_processor import *  # noqa: F403
 from dualop.ops.conv import *  # noqa: F403
 from dualop.ops import conv, embedding, linear, logits_processor
+from dualop.ops.selective_scan import *  # noqa: F403
+from dualop.ops import selective_scan
 
 # Ops that hold no parameters: the layer modules wrap each as-is (dualop.torch/jax.layers).
 PARAMETERLESS_OPS = (
@@ -50,4 +52,5 @@ __all__ = [
     *embedding.__all__,
     *logits_processor.__all__,
     *conv.__all__,
+    *selective_scan.__all__,
 ]
