@@ -177,7 +177,9 @@ def to_frontend(a: Any, frontend: str, dtype: str) -> Any:
         return jnp.asarray(a).astype(dtype)
     import torch
 
-    t = torch.from_numpy(np.ascontiguousarray(a)).to(_torch_dtype(dtype))
+    # a copy: from_numpy shares the array's memory, and an op that updates an input in place
+    # (a state cache) would otherwise change the numpy input that later calls are built from
+    t = torch.from_numpy(np.array(a, order="C")).to(_torch_dtype(dtype))
     if frontend == "torch":
         return t
     if frontend == "torch_xla":

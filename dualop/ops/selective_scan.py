@@ -123,7 +123,8 @@ class SelectiveScan(CustomOp):
     def forward_cuda(self, x: Any, dt: Any, A: Any, B: Any, C: Any, D: Any = None, z: Any = None,
                      dt_bias: Any = None, ssm_state: Any = None, cu_seqlens: Any = None, state_indices: Any = None,
                      has_initial_state: Any = None) -> tuple[Any, Any]:
-        decline_if_recording(_OP, x, dt, A, B, C, D, z, dt_bias, ssm_state)
+        if frontend_of(x) == "torch":  # the Triton kernels have no backward either
+            decline_if_recording(_OP, x, dt, A, B, C, D, z, dt_bias, ssm_state)
         batch = self._batch(x, cu_seqlens, state_indices, has_initial_state, ssm_state)
         return call_triton(frontend_of(x), _TRITON_SELECTIVE_SCAN, x, dt, A, B, C, D, z, dt_bias, batch.state,
                            batch.cu_seqlens, batch.state_indices, batch.has_initial_state,
@@ -176,9 +177,10 @@ def make_scan_inputs(shape, rng, *, seq_lens=None, slots=None, has_initial=None,
     )
 
 
-# Check shapes (T, I, N, B): a prefill of one sequence, packed prefills (one with a padding
-# sequence), and a decode batch (T == B, the step kernels); small, for the interpreters.
-CHECK_SHAPES = ((9, 24, 4, 1), (20, 40, 8, 3), (6, 136, 16, 6))
+# Check shapes (T, I, N, B): a packed prefill with a padding sequence and a decode batch (T == B,
+# the step kernels); small and few, for the interpreters (one long prefill per kernel runs in
+# tests/test_selective_scan.py).
+CHECK_SHAPES = ((20, 40, 8, 3), (6, 136, 16, 6))
 
 
 def check_cases():
@@ -186,6 +188,6 @@ def check_cases():
     from dualop.testing import OpCase
 
     def make_inputs(shape, rng):
-        return make_scan_inputs(shape, rng, padding=(1,) if shape[3] == 3 else ())
+        return make_scan_inputs(shape, rng, padding=(1,))
 
     return [OpCase(_OP, _OP, lambda s: SelectiveScan(s[1], s[2]), make_inputs, CHECK_SHAPES)]
