@@ -77,10 +77,12 @@ def _scan_kernel(x_ptr, dt_ptr, z_ptr, a_ptr, b_ptr, c_ptr, d_ptr, bias_ptr, sta
     else:
         start = tl.load(cu_ptr + seq).to(tl.int64)
         end = tl.load(cu_ptr + seq + 1).to(tl.int64)
-        for t in range(start, end):
+        t = start
+        while t < end:  # a while loop: Triton 3.5's interpreter cannot range() over loaded bounds
             h = _token(h, t, i, n, i_mask, n_mask, x_ptr, dt_ptr, z_ptr, b_ptr, c_ptr, y_ptr, a, d_skip, bias,
                        keep, stride_x, stride_dt, stride_z, stride_b, stride_c, stride_y,
                        HAS_Z, SOFTPLUS, EXACT_BF16)
+            t += 1
     tl.store(state_ptr + s_off, cast_out(h, state_ptr, EXACT_BF16_STATE), mask=hn_mask & ((zeros + keep.to(tl.int32)) > 0))
 
 

@@ -14,14 +14,13 @@ namespace dualop {
 constexpr int64_t kScanBlock = 8;      // channels per work item
 constexpr int64_t kScanMaxState = 256; // widest N the on-stack state holds
 
-DUALOP_INLINE float softplus_f32(float v) { return v > 20.0f ? v : std::log1p(std::exp(v)); }
-
+// delta: the step sizes [T, I] in float32, dt_bias and softplus already applied (by the wrapper).
 template <class T>
-static void scan_rows(const T* __restrict x, const T* __restrict dt, const T* __restrict z,
+static void scan_rows(const T* __restrict x, const float* __restrict delta, const T* __restrict z,
                       const float* __restrict A, const float* __restrict B, const float* __restrict C,
-                      const float* __restrict D, const float* __restrict dt_bias, const float* __restrict init,
-                      float* __restrict finals, const int32_t* __restrict cu, const uint8_t* __restrict keep,
-                      T* __restrict y, int64_t dim, int64_t n, int64_t seqs, bool softplus, int threads) {
+                      const float* __restrict D, const float* __restrict init, float* __restrict finals,
+                      const int32_t* __restrict cu, const uint8_t* __restrict keep, T* __restrict y, int64_t dim,
+                      int64_t n, int64_t seqs, int threads) {
   const int64_t blocks = (dim + kScanBlock - 1) / kScanBlock;
 #pragma omp parallel for collapse(2) schedule(dynamic, 1) num_threads(threads)
   for (int64_t s = 0; s < seqs; ++s) {
@@ -42,8 +41,7 @@ static void scan_rows(const T* __restrict x, const T* __restrict dt, const T* __
         const float* __restrict ct = C + t * n;
         for (int64_t c = 0; c < width; ++c) {
           const int64_t i = i0 + c;
-          float d = to_f32(dt[t * dim + i]) + (dt_bias ? dt_bias[i] : 0.0f);
-          if (softplus) d = softplus_f32(d);
+          const float d = delta[t * dim + i];
           const float xv = to_f32(x[t * dim + i]);
           const float u = d * xv;
           const float* __restrict ai = A + i * n;
@@ -58,7 +56,7 @@ static void scan_rows(const T* __restrict x, const T* __restrict dt, const T* __
           float out = acc + (D ? D[i] * xv : 0.0f);
           if (z) {
             const float zv = to_f32(z[t * dim + i]);
-            out *= zv / (1.0f + std::exp(-zv));
+            out *= zv * sigmoid_f32(zv);
           }
           y[t * dim + i] = from_f32<T>(out);
         }
@@ -71,18 +69,18 @@ static void scan_rows(const T* __restrict x, const T* __restrict dt, const T* __
 
 }  // namespace dualop
 
-// dtype: 0 float32, 1 bfloat16, 2 float16 (x, dt, z, y); A, B, C, D, dt_bias, init, finals float32.
+// dtype: 0 float32, 1 bfloat16, 2 float16 (x, z, y); delta, A, B, C, D, init, finals float32.
 // Returns 0, -1 for an unknown dtype, -2 for a state wider than the kernel holds.
-extern "C" int dualop_selective_scan(int dtype, const void* x, const void* dt, const void* z, const float* A,
-                                     const float* B, const float* C, const float* D, const float* dt_bias,
-                                     const float* init, float* finals, const int32_t* cu, const uint8_t* keep,
-                                     void* y, int64_t dim, int64_t n, int64_t seqs, int softplus, int threads) {
+extern "C" int dualop_selective_scan(int dtype, const void* x, const float* delta, const void* z, const float* A,
+                                     const float* B, const float* C, const float* D, const float* init,
+                                     float* finals, const int32_t* cu, const uint8_t* keep, void* y, int64_t dim,
+                                     int64_t n, int64_t seqs, int threads) {
   using namespace dualop;
   if (n > kScanMaxState) return -2;
   switch (dtype) {
 #define DUALOP_SCAN(T)                                                                                      \
-  scan_rows<T>(static_cast<const T*>(x), static_cast<const T*>(dt), static_cast<const T*>(z), A, B, C, D, \
-               dt_bias, init, finals, cu, keep, static_cast<T*>(y), dim, n, seqs, softplus != 0, threads); \
+  scan_rows<T>(static_cast<const T*>(x), delta, static_cast<const T*>(z), A, B, C, D, init, finals, cu, keep, \
+               static_cast<T*>(y), dim, n, seqs, threads);                                                 \
   return 0;
     case 0: DUALOP_SCAN(float)
     case 1: DUALOP_SCAN(bf16)
