@@ -685,3 +685,21 @@ def _plamo2_mamba_mixer_op(shape: tuple[int, ...]):
 
 SERVING_INPUTS["plamo2_mamba_mixer"] = _plamo2_mamba_mixer_inputs
 _SERVING_MAKE_OP["plamo2_mamba_mixer"] = _plamo2_mamba_mixer_op
+
+
+# --- selective_scan: (tokens, I, N, sequences) --------------------------------------------------
+# Falcon-Mamba-7B / Jamba's Mamba-1 layer (I 8192, N 16): a prefill of 8192 tokens packed as 8
+# sequences and a decode step of 64 sequences; a float32 state cache of 2 slots per sequence.
+SERVING_SHAPES["selective_scan"] = ((8192, 8192, 16, 8), (64, 8192, 16, 64))
+
+
+def _selective_scan_inputs(shape: tuple[int, ...]) -> tuple:
+    tokens, dim, n, seqs = shape
+    rows, states = InputSpec((tokens, dim), None), InputSpec((tokens, n), None)
+    channel = InputSpec((dim,), None)
+    return (rows, rows, InputSpec((dim, n), "float32"), states, states, channel, rows, channel,
+            InputSpec((2 * seqs, dim, n), "float32"), InputSpec((seqs + 1,), "int32"), InputSpec((seqs,), "int32"),
+            InputSpec((seqs,), "bool"))
+
+
+SERVING_INPUTS["selective_scan"] = _selective_scan_inputs

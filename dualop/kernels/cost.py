@@ -234,3 +234,18 @@ def plamo2_mamba_mixer_cost(tokens: int, seqs: int, hidden: int, heads: int, hea
 
 
 __all__ += ["plamo2_mamba_mixer_cost"]
+
+
+def selective_scan_cost(tokens: int, dim: int, state_size: int, seqs: int, itemsize: int,
+                        has_z: bool = True) -> KernelCost:
+    """Mamba-1's selective scan: read x, dt (and z) ``[T, I]``, B and C ``[T, N]``, A ``[I, N]``, each
+    sequence's initial state and write its final state (float32 ``[I, N]``), write y; per (token,
+    channel, state) one exp and about five flops (the decay product, the input term, the C sum)."""
+    rows = tokens * dim
+    states = seqs * dim * state_size * 4 * 2
+    reads = rows * itemsize * (3 if has_z else 2) + 2 * tokens * state_size * itemsize + dim * state_size * 4
+    return KernelCost(flops=5 * rows * state_size + 6 * rows, transcendentals=rows * state_size + rows * (2 if has_z else 1),
+                      bytes_accessed=reads + rows * itemsize + states)
+
+
+__all__ += ["selective_scan_cost"]

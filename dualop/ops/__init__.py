@@ -76,3 +76,9 @@ from dualop.ops.plamo2 import *  # noqa: F403,E402
 from dualop.ops import plamo2  # noqa: E402
 
 __all__ += plamo2.__all__
+
+# issue 12: Mamba-1's selective scan
+from dualop.ops.selective_scan import *  # noqa: F403,E402
+from dualop.ops import selective_scan  # noqa: E402
+
+__all__ += selective_scan.__all__

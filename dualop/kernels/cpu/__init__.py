@@ -29,7 +29,8 @@ from pathlib import Path
 
 __all__ = ["KernelUnavailable", "load", "library_path", "DTYPE_CODES"]
 
-_SOURCES = ("rms_norm.cc", "gated_activation.cc", "ragged_paged_attention.cc", "rotary.cc", "moe.cc", "embedding.cc")
+_SOURCES = ("rms_norm.cc", "gated_activation.cc", "ragged_paged_attention.cc", "rotary.cc", "moe.cc", "embedding.cc",
+            "selective_scan.cc")
 _HEADERS = ("common.h",)
 # -fno-trapping-math lets GCC if-convert (and so vectorise) the branch-free selects; results are
 # unchanged (it only assumes no floating-point trap handler is installed). No -ffast-math: NaN,
@@ -119,6 +120,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.dualop_grouped_topk.restype = i32
     lib.dualop_vocab_embedding.argtypes = [i32, p, p, i64, p, i64, i64, i64, i64, i64, i64, i64, i32, i64]
     lib.dualop_vocab_embedding.restype = i32
+    lib.dualop_selective_scan.argtypes = [i32, p, p, p, p, p, p, p, p, p, p, p, p, i64, i64, i64, i32]
+    lib.dualop_selective_scan.restype = i32
 
 
 def load() -> ctypes.CDLL:

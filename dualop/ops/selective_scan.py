@@ -1,0 +1,208 @@
+"""Mamba-1's selective scan over packed sequences with a state cache: ``SelectiveScan``
+(registered ``selective_scan``), the engine's ``selective_scan_fn`` / ``selective_state_update``.
+
+``op = SelectiveScan(dim, state_size, delta_softplus=True)``;
+``y, ssm_state = op(x, dt, A, B, C, D=None, z=None, dt_bias=None, ssm_state=None, cu_seqlens=None,
+state_indices=None, has_initial_state=None)``.
+
+- ``x``, ``dt``, ``z``: ``[T, I]`` (I = ``dim``), float32/bfloat16/float16, one dtype.
+- ``A``: ``[I, N]`` float32 (N = ``state_size``; ``-exp(A_log)``); ``B``, ``C``: ``[T, N]``, x's dtype
+  or float32; ``D``, ``dt_bias``: ``[I]``, any float dtype.
+- ``ssm_state``: the cache ``[S, I, N]``; ``cu_seqlens`` / ``state_indices`` / ``has_initial_state``:
+  the serving batch (``dualop/ops/ssm_batch.py``; decode is T == B, one token per sequence).
+
+The math (``ssm_math.selective_scan_reference``, the native body): with ``Δ = dt + dt_bias`` (then
+softplus), ``h_t = exp(Δ_t A) ⊙ h_{t-1} + (Δ_t x_t) ⊗ B_t``, ``y_t = h_t C_t + D ⊙ x_t``, times
+``silu(z_t)`` when z is given; float32 throughout, y in x's dtype, states in the cache's dtype.
+torch updates the cache in place and returns it; jax returns a new one.
+
+Kernels: Pallas (``kernels/pallas/selective_scan.py``: a chunked sequential scan, the state in
+VMEM), Triton (``kernels/cuda/selective_scan.py``: one program per channel block and sequence),
+and on the torch CPU a C++ kernel (``kernels/cpu/csrc/selective_scan.cc``: OpenMP over channel
+blocks, the state of a block in registers/L1 across a sequence). Each has a prefill kernel and a
+decode step kernel (T == B).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from dualop.backends.torch.triton_launch import call_triton
+from dualop.backends.xla.pallas_bridge import call_pallas
+from dualop.custom_op import CustomOp
+from dualop.kernels import ssm_math
+from dualop.backends import array_namespace
+from dualop.kernels.registry import KernelRef
+from dualop.ops._checks import check_array, check_optional_like, cpu_declines, decline_if_recording, dtype_name
+from dualop.ops.ssm_batch import SSMBatch, ssm_batch
+from dualop.platforms import family_of, frontend_of
+
+__all__ = ["SelectiveScan"]
+
+_OP = "selective_scan"
+_PALLAS_SELECTIVE_SCAN = KernelRef("dualop.kernels.pallas.selective_scan", "selective_scan")
+_TRITON_SELECTIVE_SCAN = KernelRef("dualop.kernels.cuda.selective_scan", "selective_scan")
+_F32 = frozenset({"float32"})
+
+
+def _is_fake(x: Any) -> bool:
+    """A torch FakeTensor (the fake kernel's input under torch.compile and opcheck)."""
+    if frontend_of(x) != "torch":
+        return False
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return isinstance(x, FakeTensor)
+
+
+def _positive_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
+@CustomOp.register("selective_scan")
+class SelectiveScan(CustomOp):
+    """Mamba-1's selective scan with serving state (see the module docstring)."""
+
+    def __init__(self, dim: int, state_size: int, delta_softplus: bool = True, *, enforce_enable: bool = False) -> None:
+        super().__init__(enforce_enable=enforce_enable)
+        if not _positive_int(dim):
+            raise ValueError(f"{_OP}: dim must be a positive int, got {dim!r}")
+        if not _positive_int(state_size):
+            raise ValueError(f"{_OP}: state_size must be a positive int, got {state_size!r}")
+        if not isinstance(delta_softplus, bool):
+            raise TypeError(f"{_OP}: delta_softplus must be a bool, got {delta_softplus!r}")
+        self.dim = dim
+        self.state_size = state_size
+        self.delta_softplus = delta_softplus
+
+    def extra_repr(self) -> str:
+        return f"dim={self.dim}, state_size={self.state_size}, delta_softplus={self.delta_softplus}"
+
+    def _batch(self, x, cu_seqlens, state_indices, has_initial_state, ssm_state) -> SSMBatch:
+        return ssm_batch(_OP, x, cu_seqlens, state_indices, has_initial_state, ssm_state, "ssm_state",
+                         (self.dim, self.state_size))
+
+    def check_inputs(self, x: Any, dt: Any, A: Any, B: Any, C: Any, D: Any = None, z: Any = None,
+                     dt_bias: Any = None, ssm_state: Any = None, cu_seqlens: Any = None, state_indices: Any = None,
+                     has_initial_state: Any = None) -> None:
+        fe = check_array(_OP, "x", x, min_ndim=2)
+        tokens, dim, n = x.shape[0], self.dim, self.state_size
+        if x.ndim != 2 or x.shape[1] != dim:
+            raise ValueError(f"{_OP}: argument 'x' has shape {tuple(x.shape)}; expected [tokens, {dim}]")
+        for name, value in (("dt", dt), ("A", A), ("B", B), ("C", C)):
+            if value is None:
+                raise ValueError(f"{_OP}: argument '{name}' is required")
+        check_optional_like(_OP, "dt", dt, "x", x, fe, same_dtype=True)
+        check_optional_like(_OP, "A", A, "x", x, fe, shape=(dim, n), dtypes=_F32)
+        for name, value in (("B", B), ("C", C)):
+            check_optional_like(_OP, name, value, "x", x, fe, shape=(tokens, n))
+            if dtype_name(value) not in (dtype_name(x), "float32"):
+                raise TypeError(f"{_OP}: argument '{name}' has dtype {dtype_name(value)}; expected "
+                                f"{dtype_name(x)} (the dtype of 'x') or float32")
+        check_optional_like(_OP, "D", D, "x", x, fe, shape=(dim,))
+        check_optional_like(_OP, "z", z, "x", x, fe, same_dtype=True)
+        check_optional_like(_OP, "dt_bias", dt_bias, "x", x, fe, shape=(dim,))
+        if ssm_state is not None:
+            # device and frontend here; its shape [slots, I, N] and dtype in ssm_batch
+            check_optional_like(_OP, "ssm_state", ssm_state, "x", x, fe, shape=tuple(ssm_state.shape))
+        self._batch(x, cu_seqlens, state_indices, has_initial_state, ssm_state)
+
+    def forward_native(self, x: Any, dt: Any, A: Any, B: Any, C: Any, D: Any = None, z: Any = None,
+                       dt_bias: Any = None, ssm_state: Any = None, cu_seqlens: Any = None, state_indices: Any = None,
+                       has_initial_state: Any = None) -> tuple[Any, Any]:
+        xp = array_namespace(x)
+        batch = self._batch(x, cu_seqlens, state_indices, has_initial_state, ssm_state)
+        if _is_fake(x):  # torch.compile's fake kernel: shapes only (the token loop reads values)
+            return xp.astype(x * 0, x.dtype), batch.state
+        return ssm_math.selective_scan_reference(
+            xp, x, dt, A, B, C, D, z, dt_bias, batch.state, batch.cu_seqlens, batch.state_indices,
+            batch.has_initial_state, self.delta_softplus)
+
+    def declines(self, method: str, frontend: str) -> str | None:
+        return cpu_declines(method, frontend)
+
+    def forward_cpu(self, x: Any, dt: Any, A: Any, B: Any, C: Any, D: Any = None, z: Any = None,
+                    dt_bias: Any = None, ssm_state: Any = None, cu_seqlens: Any = None, state_indices: Any = None,
+                    has_initial_state: Any = None) -> tuple[Any, Any]:
+        """torch on the CPU: the C++ kernel (no backward: declines while autograd records)."""
+        from dualop.kernels.cpu.selective_scan import selective_scan
+
+        decline_if_recording(_OP, x, dt, A, B, C, D, z, dt_bias, ssm_state)
+        batch = self._batch(x, cu_seqlens, state_indices, has_initial_state, ssm_state)
+        return selective_scan(x, dt, A, B, C, D, z, dt_bias, batch.state, batch.cu_seqlens, batch.state_indices,
+                              batch.has_initial_state, delta_softplus=self.delta_softplus)
+
+    def forward_cuda(self, x: Any, dt: Any, A: Any, B: Any, C: Any, D: Any = None, z: Any = None,
+                     dt_bias: Any = None, ssm_state: Any = None, cu_seqlens: Any = None, state_indices: Any = None,
+                     has_initial_state: Any = None) -> tuple[Any, Any]:
+        if frontend_of(x) == "torch":  # the Triton kernels have no backward either
+            decline_if_recording(_OP, x, dt, A, B, C, D, z, dt_bias, ssm_state)
+        batch = self._batch(x, cu_seqlens, state_indices, has_initial_state, ssm_state)
+        return call_triton(frontend_of(x), _TRITON_SELECTIVE_SCAN, x, dt, A, B, C, D, z, dt_bias, batch.state,
+                           batch.cu_seqlens, batch.state_indices, batch.has_initial_state,
+                           delta_softplus=self.delta_softplus, decode=batch.decode)
+
+    def forward_tpu(self, x: Any, dt: Any, A: Any, B: Any, C: Any, D: Any = None, z: Any = None,
+                    dt_bias: Any = None, ssm_state: Any = None, cu_seqlens: Any = None, state_indices: Any = None,
+                    has_initial_state: Any = None) -> tuple[Any, Any]:
+        """The Pallas kernels; torch frontends get the new cache written back into ``ssm_state``
+        (``copy_``), so torch callers see the update in place on every device."""
+        fe = frontend_of(x)
+        batch = self._batch(x, cu_seqlens, state_indices, has_initial_state, ssm_state)
+        y, state = call_pallas(fe, _PALLAS_SELECTIVE_SCAN, x, dt, A, B, C, D, z, dt_bias, batch.state,
+                               batch.cu_seqlens, batch.state_indices, batch.has_initial_state,
+                               native=self.forward_native, delta_softplus=self.delta_softplus, decode=batch.decode)
+        if ssm_state is not None and family_of(fe) == "torch":
+            ssm_state.copy_(state)
+            return y, ssm_state
+        return y, state
+
+
+def make_scan_inputs(shape, rng, *, seq_lens=None, slots=None, has_initial=None, padding=(), cache=True):
+    """Numpy inputs of one selective-scan call: ``shape = (T, I, N, B)`` (B sequences of random
+    lengths summing to T unless ``seq_lens``), a cache of ``B + 2`` slots holding random states,
+    the sequences in shuffled slots, ``has_initial`` (default alternating) and sequences listed in
+    ``padding`` given slot -1. A is ``-exp`` of small logs; dt around softplus' knee. Without
+    ``cache``: no cache and no ``has_initial_state`` (fresh states returned), slots ``0 .. B-1``."""
+    import numpy as np
+
+    from dualop.testing import Pinned, normal
+
+    tokens, dim, n, num_seqs = shape
+    if seq_lens is None:
+        cuts = np.sort(rng.choice(np.arange(1, tokens), num_seqs - 1, replace=False)) if num_seqs > 1 else []
+        seq_lens = np.diff(np.concatenate([[0], cuts, [tokens]]))
+    cu = np.concatenate([[0], np.cumsum(seq_lens)]).astype(np.int32)
+    slot_count = num_seqs + 2 if cache else num_seqs
+    if slots is None:
+        slots = rng.permutation(slot_count)[:num_seqs]
+    slots = np.asarray(slots, np.int32).copy()
+    for b in padding:
+        slots[b] = -1
+    if has_initial is None:
+        has_initial = np.arange(num_seqs) % 2 == 0
+    a = -np.exp(rng.uniform(-1.0, 1.0, (dim, n))).astype(np.float32)
+    return (
+        normal((tokens, dim), rng), normal((tokens, dim), rng, 0.5) - 1.0, Pinned(a, "float32"),
+        normal((tokens, n), rng), normal((tokens, n), rng), normal((dim,), rng), normal((tokens, dim), rng),
+        normal((dim,), rng, 0.5), normal((slot_count, dim, n), rng, 0.5) if cache else None, Pinned(cu, "int32"),
+        Pinned(slots, "int32"), Pinned(np.asarray(has_initial, bool), "bool") if cache else None,
+    )
+
+
+# Check shapes (T, I, N, B): a packed prefill with a padding sequence and a decode batch (T == B,
+# the step kernels); small and few, for the interpreters (one long prefill per kernel runs in
+# tests/test_selective_scan.py).
+CHECK_SHAPES = ((12, 40, 8, 3), (4, 24, 4, 4))
+
+
+def check_cases():
+    """The serving call with every optional input (D, z, dt_bias, the packed batch with a padding
+    sequence) but the cache: the fresh final states are returned. The cache is updated in place on
+    torch, which the torch.library op (tests/test_torch_library.py's opcheck) cannot declare yet
+    for an op that also returns outputs; the cache paths are tested in tests/test_selective_scan.py."""
+    from dualop.testing import OpCase
+
+    def make_inputs(shape, rng):
+        return make_scan_inputs(shape, rng, padding=(1,), cache=False)
+
+    return [OpCase(_OP, _OP, lambda s: SelectiveScan(s[1], s[2]), make_inputs, CHECK_SHAPES)]
