@@ -259,17 +259,11 @@ def _dualop_targets(graphs) -> list[str]:
     return names
 
 
-# Ops whose native body cannot be traced whole by Dynamo (issue 12's state-space ops: the torch
-# token loop of ssm_math.scan_packed reads its metadata with .tolist(), a graph break), so with the
-# op disabled a fullgraph compile fails. Known gap, to be closed in ssm_math (a traceable scan).
-NATIVE_BODY_GRAPH_BREAKS = ("causal_conv1d", "short_conv")
 
 
 @pytest.mark.parametrize("custom_ops", [["all"], ["none"]])
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.label)
-def test_compiled_case_is_the_opaque_op_exactly_when_enabled(case, custom_ops, request):
-    if custom_ops == ["none"] and case.op in NATIVE_BODY_GRAPH_BREAKS:
-        request.applymarker(pytest.mark.xfail(reason="the native body's token loop is a graph break", strict=True))
+def test_compiled_case_is_the_opaque_op_exactly_when_enabled(case, custom_ops):
     op, args = _inputs(case)
     _, eager_args = _inputs(case)  # its own inputs: an in-place op must not compare with itself
     with set_config(OpsConfig(custom_ops)):
