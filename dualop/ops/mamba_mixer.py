@@ -40,7 +40,7 @@ modules are not installed.
 from __future__ import annotations
 
 import importlib.util
-from typing import Any
+from typing import Any, ClassVar
 
 from dualop.backends import array_namespace
 from dualop.custom_op import CustomOp
@@ -98,6 +98,10 @@ def _vendor_gemm(x: Any, weight: Any, bias: Any = None) -> Any:
 class MambaMixer(CustomOp):
     """The Mamba-1 mixer over packed sequences with conv and SSM state caches (see the module
     docstring for the call, the math and where it rounds)."""
+
+    # torch updates the given caches in place (torch.library declares them; backends/torch/library.py)
+    mutates_args: ClassVar[tuple[str, ...]] = ("conv_state", "ssm_state")
+    mutated_results: ClassVar[tuple[str | None, ...]] = (None, "conv_state", "ssm_state")
 
     def __init__(
         self,

@@ -9,7 +9,7 @@ group sharding of its weights is not here yet).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 from dualop.backends import array_namespace
 from dualop.custom_op import CustomOp
@@ -212,6 +212,10 @@ class MambaMixer2(CustomOp):
     methods run the vendor GEMM (``replicated_linear``'s paths) and the ``causal_conv1d`` /
     ``ssd_chunk_scan`` / gated-norm ops, which dispatch to their own kernels.
     """
+
+    # torch updates the given caches in place (torch.library declares them; backends/torch/library.py)
+    mutates_args: ClassVar[tuple[str, ...]] = ("conv_state", "ssm_state")
+    mutated_results: ClassVar[tuple[str | None, ...]] = (None, "conv_state", "ssm_state")
 
     def __init__(self, hidden_size: int, ssm_state_size: int, conv_kernel_size: int, intermediate_size: int,
                  use_conv_bias: bool, use_bias: bool, n_groups: int = 1, num_heads: int = 128, head_dim: int = 64,

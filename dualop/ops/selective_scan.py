@@ -25,7 +25,7 @@ decode step kernel (T == B).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 from dualop.backends.torch.triton_launch import call_triton
 from dualop.backends.xla.pallas_bridge import call_pallas
@@ -61,6 +61,10 @@ def _positive_int(value: Any) -> bool:
 @CustomOp.register("selective_scan")
 class SelectiveScan(CustomOp):
     """Mamba-1's selective scan with serving state (see the module docstring)."""
+
+    # torch updates the given cache in place (torch.library declares it; backends/torch/library.py)
+    mutates_args: ClassVar[tuple[str, ...]] = ("ssm_state",)
+    mutated_results: ClassVar[tuple[str | None, ...]] = (None, "ssm_state")
 
     def __init__(self, dim: int, state_size: int, delta_softplus: bool = True, *, enforce_enable: bool = False) -> None:
         super().__init__(enforce_enable=enforce_enable)
