@@ -177,7 +177,9 @@ def to_frontend(a: Any, frontend: str, dtype: str) -> Any:
         return jnp.asarray(a).astype(dtype)
     import torch
 
-    t = torch.from_numpy(np.ascontiguousarray(a)).to(_torch_dtype(dtype))
+    # A copy even in the numpy array's own dtype: an op that updates an input in place (a state
+    # cache) must not change the numpy inputs the native body is then run on.
+    t = torch.from_numpy(np.ascontiguousarray(a)).to(_torch_dtype(dtype), copy=True)
     if frontend == "torch":
         return t
     if frontend == "torch_xla":

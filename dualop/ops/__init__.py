@@ -51,3 +51,9 @@ __all__ = [
     *logits_processor.__all__,
     *conv.__all__,
 ]
+
+# --- issue 12: state-space ops (SSD chunk scan) ---
+from dualop.ops.ssd import *  # noqa: F403,E402
+from dualop.ops import ssd  # noqa: E402
+
+__all__ += [*ssd.__all__]
