@@ -16,7 +16,7 @@ import torch
 from dualop.backends import array_namespace
 from dualop.kernels import ssm_math
 
-__all__ = ["ssd_chunk_scan"]
+__all__ = ["ssd_chunk_scan", "finish"]
 
 
 def _decode(x, delta, a, bh, ch, init):
@@ -94,10 +94,18 @@ def ssd_chunk_scan(x, dt, A, B, C, D, z, dt_bias, ssm_state, cu_seqlens, state_i
         cu = cu_seqlens.tolist()
         y, finals = _prefill(xf, delta, a, bf, cf, init, cu, max(1, int(chunk_size)))
         seq = torch.repeat_interleave(torch.arange(num_seqs), torch.diff(cu_seqlens.to(torch.int64)))
+    return finish(x, y, D, z, ssm_state, state_indices, seq, finals)
+
+
+def finish(x, y, D, z, ssm_state, state_indices, seq, finals):
+    """The elementwise tail every torch path shares (here and the Triton kernels): ``y + D x``,
+    times ``silu(z)``, padding sequences' rows zeroed, cast to x's dtype; the final states written
+    into the cache (in place)."""
+    f32 = torch.float32
     if D is not None:
         d = D.to(f32)
-        y.addcmul_(d[:, None] if d.ndim == 1 else d, xf)
+        y.addcmul_(d[:, None] if d.ndim == 1 else d, x.to(f32))
     if z is not None:
         y.mul_(torch.nn.functional.silu(z.to(f32)))
     y.mul_((state_indices >= 0)[seq][:, None, None])
-    return y.to(x.dtype), ssm_math.store_states(xp, ssm_state, state_indices, finals)
+    return y.to(x.dtype), ssm_math.store_states(array_namespace(x), ssm_state, state_indices, finals)
