@@ -156,18 +156,18 @@ def _prefill(x, delta, a, bmat, cmat, init, cu, seq, num_seqs: int, chunk: int, 
     def tok(h, c, *_):
         return (h, c, 0)
 
-    def row(h, c, *_):
-        return (h, 0, c)
+    def group_tok(h, c, *_):  # lax.div: jnp's floor division lowers through sign, which asks the device
+        return (jax.lax.div(h, per_group), c, 0)
 
     in_specs = [
-        pl.BlockSpec((1, chunk), lambda h, c, *_: (0, c)),
+        pl.BlockSpec((None, 1, chunk), lambda h, c, *_: (c, 0, 0)),  # rows [chunks, 1, L]: whole last dims
         pl.BlockSpec((chunk, 1), lambda h, c, *_: (c, 0)),
-        pl.BlockSpec((None, 1, chunk), row),
+        pl.BlockSpec((None, None, 1, chunk), lambda h, c, *_: (h, c, 0, 0)),
         pl.BlockSpec((None, chunk, 1), tok),
         pl.BlockSpec((None, chunk, 1), tok),
         pl.BlockSpec((None, chunk, head_dim), tok),
-        pl.BlockSpec((None, chunk, state), lambda h, c, *_: (h // per_group, c, 0)),
-        pl.BlockSpec((None, chunk, state), lambda h, c, *_: (h // per_group, c, 0)),
+        pl.BlockSpec((None, chunk, state), group_tok),
+        pl.BlockSpec((None, chunk, state), group_tok),
         pl.BlockSpec((None, num_seqs, head_dim, state), lambda h, c, *_: (h, 0, 0, 0)),
     ]
     out_specs = [
@@ -189,7 +189,7 @@ def _prefill(x, delta, a, bmat, cmat, init, cu, seq, num_seqs: int, chunk: int, 
         cost_estimate=cost_estimate(ssd_cost(tokens, heads, head_dim, state, groups, num_seqs, chunk, isz)),
         interpret=interpret,
         name="dualop_ssd_chunk_scan",
-    )(cu, lo, hi, seq_p[None, :], seq_p[:, None], cum[:, None, :], cum[:, :, None],
+    )(cu, lo, hi, seq_p.reshape(chunks, 1, chunk), seq_p[:, None], cum.reshape(heads, chunks, 1, chunk), cum[:, :, None],
       delta_p.T[:, :, None], x_t, b_t, c_t, init_t)
     return y_t.transpose(1, 0, 2)[:tokens], fin_t.transpose(1, 0, 2, 3)
 
