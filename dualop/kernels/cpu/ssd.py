@@ -40,10 +40,13 @@ def _prefill(x, delta, a, bmat, cmat, init, cu: list[int], chunk: int):
     for c0 in range(0, tokens, chunk):
         c1 = min(c0 + chunk, tokens)
         length = c1 - c0
-        cum = torch.cumsum(dA[c0:c1], dim=0).T.contiguous()  # [H, L]
+        da = dA[c0:c1].T.contiguous()  # [H, L]
         s_ids = seq_of[c0:c1]
         same = (s_ids[:, None] == s_ids[None, :]).tril()
-        seg = torch.where(same, cum[:, :, None] - cum[:, None, :], float("-inf")).exp_()  # [H, L, L]
+        # seg[t, s]: Δ·A summed over (s, t] as partial sums from s (a cumsum down each column), not
+        # a difference of running sums, whose rounding grows with the chunk's whole decay
+        seg = torch.cumsum(da[:, :, None].expand(heads, length, length).tril(-1), dim=1)
+        seg = torch.where(same, seg, float("-inf")).exp_()  # [H, L, L]
         cb = torch.einsum("tgn,sgn->gts", cmat[c0:c1], bmat[c0:c1])  # [G, L, L]
         w = seg.view(groups, per_group, length, length).mul_(cb[:, None])
         y_c = torch.matmul(w.view(heads, length, length), xd[c0:c1].transpose(0, 1))  # [H, L, P]
@@ -53,15 +56,15 @@ def _prefill(x, delta, a, bmat, cmat, init, cu: list[int], chunk: int):
             start, end = cu[seq], cu[seq + 1]
             first, last = max(start - c0, 0), min(end, c1) - c0 - 1
             h_in = carry if start < c0 else init[seq]  # [H, P, N]
-            before = cum[:, first - 1:first] if first > 0 else torch.zeros_like(cum[:, :1])
             rows = slice(first, last + 1)
-            enter = torch.exp(cum[:, rows] - before)  # [H, l]
+            from_first = torch.cumsum(da[:, rows], dim=1)  # Δ·A over [first, t]
+            enter = torch.exp(from_first)  # [H, l]
             h_g = h_in.view(groups, per_group, head_dim, -1)
             y_c[:, rows] += (torch.einsum("gln,gkpn->gklp", c_g[:, rows], h_g).reshape(heads, -1, head_dim)
                              * enter[:, :, None])
-            to_last = torch.exp(cum[:, last:last + 1] - cum[:, rows])  # [H, l]
+            to_last = torch.exp(torch.cumsum(da[:, rows].flip(1), dim=1).flip(1) - da[:, rows])  # over (s, last]
             xw = (xd[c0:c1][rows].transpose(0, 1) * to_last[:, :, None]).view(groups, per_group, -1, head_dim)
-            h_out = (torch.exp(cum[:, last] - before[:, 0])[:, None, None] * h_in
+            h_out = (torch.exp(from_first[:, -1])[:, None, None] * h_in
                      + torch.einsum("gklp,gln->gkpn", xw, b_g[:, rows]).reshape(heads, head_dim, -1))
             if end <= c1:
                 finals[seq] = h_out

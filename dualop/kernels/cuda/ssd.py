@@ -33,13 +33,7 @@ MAX_CHUNK = 64  # tokens per chunk tile (an [L, L] float32 block in registers)
 
 
 @triton.jit
-def _at(cum, lanes, k):
-    """``cum[k]`` as a scalar (0 when k is outside the chunk)."""
-    return tl.sum(tl.where(lanes == k, cum, 0.0), axis=0)
-
-
-@triton.jit
-def _sequence_terms(step, hi, y, carry, c0, cum, lanes, seq, cm, bm, xd, cu_ptr, init_ptr, fin_ptr,
+def _sequence_terms(step, hi, y, carry, c0, da, lanes, seq, cm, bm, xd, cu_ptr, init_ptr, fin_ptr,
                     head, p_offs, n_offs, pn_mask, s_stride_b, s_stride_h, s_stride_p,
                     L: tl.constexpr, PRECISION: tl.constexpr):
     """Sequence ``step``'s share of one chunk: its entering state's output rows and its state at its
@@ -51,17 +45,20 @@ def _sequence_terms(step, hi, y, carry, c0, cum, lanes, seq, cm, bm, xd, cu_ptr,
     end = tl.load(cu_ptr + j + 1)
     first = tl.maximum(start - c0, 0)
     last = tl.minimum(end - c0, L) - 1
-    before = _at(cum, lanes, first - 1)
-    at_last = _at(cum, lanes, last)
+    # rows t: Δ·A over [first, t]; rows s: Δ·A over (s, last]; all of it: over [first, last]
+    r = lanes[None, :]
+    from_first = tl.sum(tl.where((r >= first) & (r <= lanes[:, None]), da[None, :], 0.0), axis=1)
+    to_last = tl.sum(tl.where((r > lanes[:, None]) & (r <= last), da[None, :], 0.0), axis=1)
+    total = tl.sum(tl.where((lanes >= first) & (lanes <= last), da, 0.0), axis=0)
     active = (n_offs[None, :] * 0 + step) <= hi  # [1, N_PAD]
     state_off = j.to(tl.int64) * s_stride_b + head * s_stride_h + p_offs[:, None] * s_stride_p + n_offs[None, :]
     init = tl.load(init_ptr + state_off, mask=pn_mask & active, other=0.0)
     h_in = tl.where(start < c0, carry, init)  # [BLOCK_P, N_PAD]
     mine = (seq == j) & ((seq * 0 + step) <= hi)
-    enter = tl.exp(tl.where(mine, cum - before, float("-inf")))
+    enter = tl.exp(tl.where(mine, from_first, float("-inf")))
     y += enter[:, None] * tl.dot(cm, tl.trans(h_in), input_precision=PRECISION)
-    to_last = tl.exp(tl.where(mine, at_last - cum, float("-inf")))
-    h_out = tl.exp(at_last - before) * h_in + tl.dot(tl.trans(xd * to_last[:, None]), bm, input_precision=PRECISION)
+    weight = tl.exp(tl.where(mine, to_last, float("-inf")))
+    h_out = tl.exp(total) * h_in + tl.dot(tl.trans(xd * weight[:, None]), bm, input_precision=PRECISION)
     ends = (n_offs[None, :] * 0 + end) <= c0 + L
     tl.store(fin_ptr + state_off, h_out, mask=pn_mask & active & ends)
     carry = tl.where(active & ((n_offs[None, :] * 0 + end) > c0 + L), h_out, carry)
@@ -93,7 +90,7 @@ def _chunk_scan_kernel(
         t64 = t.to(tl.int64)
         seq = tl.load(seq_ptr + t, mask=t_mask, other=-1)
         dlt = tl.load(delta_ptr + t64 * d_stride_t + head, mask=t_mask, other=0.0)
-        cum = tl.cumsum(tl.load(da_ptr + t64 * d_stride_t + head, mask=t_mask, other=0.0), axis=0)
+        da = tl.load(da_ptr + t64 * d_stride_t + head, mask=t_mask, other=0.0)
         x = tl.load(x_ptr + t64[:, None] * x_stride_t + head * x_stride_h + p_offs[None, :],
                     mask=t_mask[:, None] & p_mask[None, :], other=0.0).to(tl.float32)
         bc_off = t64[:, None] * bc_stride_t + group * bc_stride_g + n_offs[None, :]
@@ -101,20 +98,25 @@ def _chunk_scan_kernel(
         bm = tl.load(b_ptr + bc_off, mask=bc_mask, other=0.0).to(tl.float32)
         cm = tl.load(c_ptr + bc_off, mask=bc_mask, other=0.0).to(tl.float32)
         xd = x * dlt[:, None]
+        # seg[t, s]: Δ·A summed over (s, t] directly (a float32 product with a 0/1 matrix), not a
+        # difference of running sums, whose rounding grows with the chunk's whole decay
+        da_upto = tl.where(lanes[None, :] <= lanes[:, None], da[None, :], 0.0)
+        strict = tl.where(lanes[None, :] < lanes[:, None], 1.0, 0.0)
+        seg = tl.dot(da_upto, strict, input_precision="ieee")
         same = (seq[:, None] == seq[None, :]) & (lanes[:, None] >= lanes[None, :])
-        decay = tl.exp(tl.where(same, cum[:, None] - cum[None, :], float("-inf")))
+        decay = tl.exp(tl.where(same, seg, float("-inf")))
         cb = tl.dot(cm, tl.trans(bm), input_precision=PRECISION)
         y = tl.dot(cb * decay, xd, input_precision=PRECISION)
         lo = tl.load(lo_ptr + c)
         hi = tl.load(hi_ptr + c)
         if RUNTIME_LOOP:
             for j in range(lo, hi + 1):
-                y, carry = _sequence_terms(j, hi, y, carry, c0, cum, lanes, seq, cm, bm, xd, cu_ptr, init_ptr,
+                y, carry = _sequence_terms(j, hi, y, carry, c0, da, lanes, seq, cm, bm, xd, cu_ptr, init_ptr,
                                            fin_ptr, head, p_offs, n_offs, pn_mask, s_stride_b, s_stride_h,
                                            s_stride_p, L, PRECISION)
         else:
             for k in range(MAX_SEQS):
-                y, carry = _sequence_terms(lo + k, hi, y, carry, c0, cum, lanes, seq, cm, bm, xd,
+                y, carry = _sequence_terms(lo + k, hi, y, carry, c0, da, lanes, seq, cm, bm, xd,
                                            cu_ptr, init_ptr, fin_ptr, head, p_offs, n_offs, pn_mask, s_stride_b,
                                            s_stride_h, s_stride_p, L, PRECISION)
         tl.store(y_ptr + t64[:, None] * x_stride_t + head * x_stride_h + p_offs[None, :], y,

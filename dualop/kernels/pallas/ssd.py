@@ -5,15 +5,16 @@ dtype, the cache updated through ``store_states``).
 Prefill (the state-space-duality chunked form, Mamba-2 paper section 6): the packed tokens are cut
 into chunks of ``chunk_size``; the grid is (heads, chunks), heads ``parallel``, chunks in order
 (``arbitrary``) with the carried state ``[P, N]`` of the head in VMEM scratch. Per chunk, with
-``cum`` the chunk-local cumulative sum of ``Δ·A``:
+``seg[t, s]`` the sum of ``Δ·A`` over tokens ``(s, t]`` (summed directly, one matmul with a 0/1
+matrix: a difference of running sums would round with the chunk's whole decay):
 
 - within the chunk, all sequences at once on the MXU: ``y = ((C Bᵀ) ⊙ L) (Δ ⊙ x)`` where the
-  segment mask ``L[t, s] = exp(cum_t - cum_s)`` for ``s <= t`` in the same sequence, else 0 (a
+  segment mask ``L[t, s] = exp(seg[t, s])`` for ``s <= t`` in the same sequence, else 0 (a
   sequence boundary inside the chunk resets the state);
 - per sequence touching the chunk (a loop over its ``[lo, hi]`` range, read from SMEM): the state
   it enters the chunk with (the carried state, or its initial state when it starts here) adds
-  ``exp(cum_t - cum_before) C_t h_in`` to its rows, and its state at its last token in the chunk,
-  ``exp(cum_e - cum_before) h_in + (Δ x ⊙ exp(cum_e - cum))ᵀ B`` (one matmul), is written to its
+  ``exp(Δ·A over [first, t]) C_t h_in`` to its rows, and its state at its last token ``e`` in the
+  chunk, ``exp(Δ·A over [first, e]) h_in + (Δ x ⊙ exp(Δ·A over (s, e]))ᵀ B`` (one matmul), is written to its
   final state when it ends here, else carried into the next chunk.
 
 Initial and final states of the B sequences of one head stay resident in VMEM (``[B, P, N]``
@@ -38,7 +39,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from dualop.kernels import ssm_math
 from dualop.kernels.cost import KernelCost
-from dualop.kernels.pallas.common import compiler_params, cost_estimate, tpu_jit
+from dualop.kernels.pallas.common import compiler_params, cost_estimate, rowwise_batching, tpu_jit
 from dualop.backends import array_namespace
 
 __all__ = ["ssd_chunk_scan", "SSDBlocks", "ssd_blocks"]
@@ -72,7 +73,7 @@ def ssd_cost(tokens: int, heads: int, head_dim: int, state: int, groups: int, se
 
 
 def _chunk_kernel(cu_ref, lo_ref, hi_ref,  # scalar prefetch (SMEM)
-                  seq_row_ref, seq_col_ref, cum_row_ref, cum_col_ref, dlt_ref, x_ref, b_ref, c_ref, init_ref,
+                  seq_row_ref, seq_col_ref, da_ref, dlt_ref, x_ref, b_ref, c_ref, init_ref,
                   y_ref, fin_ref, carry_ref, *, chunk: int):
     c = pl.program_id(1)
     c0 = c * chunk
@@ -80,37 +81,41 @@ def _chunk_kernel(cu_ref, lo_ref, hi_ref,  # scalar prefetch (SMEM)
     x = x_ref[...].astype(jnp.float32)  # [L, P]
     bm = b_ref[...].astype(jnp.float32)  # [L, N]
     cm = c_ref[...].astype(jnp.float32)
-    cum_r, cum_c = cum_row_ref[...], cum_col_ref[...]  # [1, L], [L, 1]
+    da = da_ref[...]  # Δ·A of the chunk's tokens, a [1, L] row
     seq_r, seq_c = seq_row_ref[...], seq_col_ref[...]
     xd = x * dlt_ref[...]  # Δ_s x_s
 
-    # Within the chunk: the segment-masked C Bᵀ times Δ x.
+    # The segment sums seg[t, s] = sum of Δ·A over (s, t], summed directly (one matmul of the
+    # masked row with a 0/1 matrix), not as a difference of running sums, whose rounding grows
+    # with the chunk's total decay.
     row = jax.lax.broadcasted_iota(jnp.int32, (chunk, chunk), 0)
     col = jax.lax.broadcasted_iota(jnp.int32, (chunk, chunk), 1)
+    da_upto = jnp.where(col <= row, da, 0.0)  # [t, r]: Δ·A_r for r <= t
+    seg = jnp.dot(da_upto, (col < row).astype(jnp.float32), precision=hi_prec,
+                  preferred_element_type=jnp.float32)  # [t, s]: sum over s < r <= t
+    # Within the chunk: the segment-masked C Bᵀ times Δ x.
     same = (seq_c == seq_r) & (row >= col)
-    decay = jnp.exp(jnp.where(same, cum_c - cum_r, -jnp.inf))
+    decay = jnp.exp(jnp.where(same, seg, -jnp.inf))
     cb = jax.lax.dot_general(cm, bm, (((1,), (1,)), ((), ())), precision=hi_prec,
                              preferred_element_type=jnp.float32)
     y = jnp.dot(cb * decay, xd, precision=hi_prec, preferred_element_type=jnp.float32)
-
-    lanes = jax.lax.broadcasted_iota(jnp.int32, (1, chunk), 1)
-
-    def at(k):  # cum at chunk position k as a [1, 1] value (0 before the chunk)
-        return jnp.sum(jnp.where(lanes == k, cum_r, 0.0), axis=1, keepdims=True)
 
     def per_sequence(j, y):
         start, end = cu_ref[j], cu_ref[j + 1]
         first = jnp.maximum(start - c0, 0)
         last = jnp.minimum(end - c0, chunk) - 1
-        before, at_last = at(first - 1), at(last)
         h_in = jnp.where(start < c0, carry_ref[...], init_ref[j])
         mine = seq_c == j  # [L, 1]
-        enter = jnp.exp(jnp.where(mine, cum_c - before, -jnp.inf))
+        # rows t: Δ·A over [first, t]; rows s: Δ·A over (s, last]; all of it: over [first, last]
+        from_first = jnp.sum(jnp.where((col >= first) & (col <= row), da, 0.0), axis=1, keepdims=True)
+        to_last = jnp.sum(jnp.where((col > row) & (col <= last), da, 0.0), axis=1, keepdims=True)
+        total = jnp.sum(jnp.where((col[:1] >= first) & (col[:1] <= last), da, 0.0), axis=1, keepdims=True)
+        enter = jnp.exp(jnp.where(mine, from_first, -jnp.inf))
         y = y + enter * jax.lax.dot_general(cm, h_in, (((1,), (1,)), ((), ())), precision=hi_prec,
                                             preferred_element_type=jnp.float32)
-        to_last = jnp.exp(jnp.where(mine, at_last - cum_c, -jnp.inf))
-        h_out = jnp.exp(at_last - before) * h_in + jax.lax.dot_general(
-            xd * to_last, bm, (((0,), (0,)), ((), ())), precision=hi_prec, preferred_element_type=jnp.float32)
+        weight = jnp.exp(jnp.where(mine, to_last, -jnp.inf))
+        h_out = jnp.exp(total) * h_in + jax.lax.dot_general(
+            xd * weight, bm, (((0,), (0,)), ((), ())), precision=hi_prec, preferred_element_type=jnp.float32)
 
         @pl.when(end <= c0 + chunk)
         def _():
@@ -144,7 +149,7 @@ def _prefill(x, delta, a, bmat, cmat, init, cu, seq, num_seqs: int, chunk: int, 
     pad = padded - tokens
     seq_p = jnp.pad(seq, (0, pad), constant_values=num_seqs)
     delta_p = jnp.pad(delta, ((0, pad), (0, 0)))  # padding tokens: Δ = 0, no decay, no input
-    cum = jnp.cumsum((delta_p * a).reshape(chunks, chunk, heads), axis=1).reshape(padded, heads).T  # [H, Tp]
+    d_a = (delta_p * a).T  # [H, Tp]
     x_t = jnp.pad(x, ((0, pad), (0, 0), (0, 0))).transpose(1, 0, 2)  # [H, Tp, P]
     b_t = jnp.pad(bmat, ((0, pad), (0, 0), (0, 0))).transpose(1, 0, 2)  # [G, Tp, N]
     c_t = jnp.pad(cmat, ((0, pad), (0, 0), (0, 0))).transpose(1, 0, 2)
@@ -163,7 +168,6 @@ def _prefill(x, delta, a, bmat, cmat, init, cu, seq, num_seqs: int, chunk: int, 
         pl.BlockSpec((None, 1, chunk), lambda h, c, *_: (c, 0, 0)),  # rows [chunks, 1, L]: whole last dims
         pl.BlockSpec((chunk, 1), lambda h, c, *_: (c, 0)),
         pl.BlockSpec((None, None, 1, chunk), lambda h, c, *_: (h, c, 0, 0)),
-        pl.BlockSpec((None, chunk, 1), tok),
         pl.BlockSpec((None, chunk, 1), tok),
         pl.BlockSpec((None, chunk, head_dim), tok),
         pl.BlockSpec((None, chunk, state), group_tok),
@@ -189,7 +193,7 @@ def _prefill(x, delta, a, bmat, cmat, init, cu, seq, num_seqs: int, chunk: int, 
         cost_estimate=cost_estimate(ssd_cost(tokens, heads, head_dim, state, groups, num_seqs, chunk, isz)),
         interpret=interpret,
         name="dualop_ssd_chunk_scan",
-    )(cu, lo, hi, seq_p.reshape(chunks, 1, chunk), seq_p[:, None], cum.reshape(heads, chunks, 1, chunk), cum[:, :, None],
+    )(cu, lo, hi, seq_p.reshape(chunks, 1, chunk), seq_p[:, None], d_a.reshape(heads, chunks, 1, chunk),
       delta_p.T[:, :, None], x_t, b_t, c_t, init_t)
     return y_t.transpose(1, 0, 2)[:tokens], fin_t.transpose(1, 0, 2, 3)
 
@@ -228,7 +232,22 @@ def ssd_chunk_scan(x, dt, A, B, C, D, z, dt_bias, ssm_state, cu_seqlens, state_i
                    chunk_size: int = 256, delta_softplus: bool = True,
                    dt_limit: tuple[float, float] = (0.0, float("inf")), interpret=False):
     """``(y [T, H, P] in x's dtype, ssm_state)`` of ``ssm_math.ssd_reference`` for validated,
-    complete serving metadata (``SSMBatch``); the decode kernel when T == B, else the chunked one."""
+    complete serving metadata (``SSMBatch``); the decode kernel when T == B, else the chunked one.
+    Under ``vmap`` (independent serving batches) the batch is mapped with ``lax.map``, one kernel
+    call per batch item."""
+    arrays = (x, dt, A, B, C, D, z, dt_bias, ssm_state, cu_seqlens, state_indices, has_initial_state)
+    present = tuple(a is not None for a in arrays)
+    static = dict(chunk_size=chunk_size, delta_softplus=delta_softplus, dt_limit=dt_limit, interpret=interpret)
+
+    def call(*given):
+        it = iter(given)
+        return _ssd_chunk_scan(*(next(it) if p else None for p in present), **static)
+
+    return rowwise_batching(call, 0)(*(a for a in arrays if a is not None))
+
+
+def _ssd_chunk_scan(x, dt, A, B, C, D, z, dt_bias, ssm_state, cu_seqlens, state_indices, has_initial_state, *,
+                    chunk_size, delta_softplus, dt_limit, interpret):
     xp = array_namespace(x)
     tokens, heads, _ = x.shape
     num_seqs = state_indices.shape[0]
