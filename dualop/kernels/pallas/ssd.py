@@ -38,7 +38,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from dualop.kernels import ssm_math
-from dualop.kernels.cost import KernelCost
+from dualop.kernels.cost import KernelCost, ssd_chunk_scan_cost
 from dualop.kernels.pallas.common import compiler_params, cost_estimate, rowwise_batching, tpu_jit
 from dualop.backends import array_namespace
 
@@ -59,17 +59,6 @@ def ssd_blocks(num_tokens: int, heads: int, chunk_size: int) -> SSDBlocks:
     chunk = min(int(chunk_size), max(8, -(-num_tokens // 8) * 8))
     chunk = max(8, chunk // 8 * 8)
     return SSDBlocks(chunk=chunk, decode_heads=8 if heads % 8 == 0 else heads)
-
-
-def ssd_cost(tokens: int, heads: int, head_dim: int, state: int, groups: int, seqs: int, chunk: int,
-             itemsize: int) -> KernelCost:
-    """The chunked form's matmuls (C Bᵀ, its product with x, and per sequence the entering state's
-    output and the chunk-end state: ``2 T H (L (N + P) + 2 P N)`` flops), the exps of the masks,
-    and x, B, C, dt, y, the initial and final states moved once."""
-    flops = 2 * tokens * heads * (chunk * (state + head_dim) + 2 * head_dim * state)
-    moved = (2 * tokens * heads * head_dim * itemsize + 2 * tokens * groups * state * itemsize
-             + tokens * heads * 4 + 2 * seqs * heads * head_dim * state * 4)
-    return KernelCost(flops=flops, transcendentals=tokens * heads * (chunk + 2), bytes_accessed=moved)
 
 
 def _chunk_kernel(cu_ref, lo_ref, hi_ref,  # scalar prefetch (SMEM)
@@ -190,7 +179,7 @@ def _prefill(x, delta, a, bmat, cmat, init, cu, seq, num_seqs: int, chunk: int, 
         out_shape=[jax.ShapeDtypeStruct((heads, padded, head_dim), jnp.float32),
                    jax.ShapeDtypeStruct((heads, num_seqs, head_dim, state), jnp.float32)],
         compiler_params=compiler_params(2, vmem_bytes=vmem, semantics=("parallel", "arbitrary")),
-        cost_estimate=cost_estimate(ssd_cost(tokens, heads, head_dim, state, groups, num_seqs, chunk, isz)),
+        cost_estimate=cost_estimate(ssd_chunk_scan_cost(tokens, heads, head_dim, state, groups, num_seqs, chunk, isz)),
         interpret=interpret,
         name="dualop_ssd_chunk_scan",
     )(cu, lo, hi, seq_p.reshape(chunks, 1, chunk), seq_p[:, None], d_a.reshape(heads, chunks, 1, chunk),
