@@ -66,6 +66,53 @@ def _sequence_terms(step, hi, y, carry, c0, da, lanes, seq, cm, bm, xd, cu_ptr, 
 
 
 @triton.jit
+def _chunk_step(c, carry, x_ptr, delta_ptr, da_ptr, b_ptr, c_ptr, seq_ptr, lo_ptr, hi_ptr, cu_ptr, init_ptr,
+                y_ptr, fin_ptr,
+                num_tokens, head, group, p_offs, n_offs, lanes, p_mask, n_mask, pn_mask,
+                x_stride_t, x_stride_h, bc_stride_t, bc_stride_g, d_stride_t, s_stride_b, s_stride_h, s_stride_p,
+                L: tl.constexpr, MAX_SEQS: tl.constexpr, RUNTIME_LOOP: tl.constexpr, PRECISION: tl.constexpr):
+    """One chunk: its outputs, the final states of the sequences ending in it; returns the carry."""
+    c0 = c * L
+    t = c0 + lanes
+    t_mask = t < num_tokens
+    t64 = t.to(tl.int64)
+    seq = tl.load(seq_ptr + t, mask=t_mask, other=-1)
+    dlt = tl.load(delta_ptr + t64 * d_stride_t + head, mask=t_mask, other=0.0)
+    da = tl.load(da_ptr + t64 * d_stride_t + head, mask=t_mask, other=0.0)
+    x = tl.load(x_ptr + t64[:, None] * x_stride_t + head * x_stride_h + p_offs[None, :],
+                mask=t_mask[:, None] & p_mask[None, :], other=0.0).to(tl.float32)
+    bc_off = t64[:, None] * bc_stride_t + group * bc_stride_g + n_offs[None, :]
+    bc_mask = t_mask[:, None] & n_mask[None, :]
+    bm = tl.load(b_ptr + bc_off, mask=bc_mask, other=0.0).to(tl.float32)
+    cm = tl.load(c_ptr + bc_off, mask=bc_mask, other=0.0).to(tl.float32)
+    xd = x * dlt[:, None]
+    # seg[t, s]: Δ·A summed over (s, t] directly (a float32 product with a 0/1 matrix), not a
+    # difference of running sums, whose rounding grows with the chunk's whole decay
+    da_upto = tl.where(lanes[None, :] <= lanes[:, None], da[None, :], 0.0)
+    strict = tl.where(lanes[None, :] < lanes[:, None], 1.0, 0.0)
+    seg = tl.dot(da_upto, strict, input_precision="ieee")
+    same = (seq[:, None] == seq[None, :]) & (lanes[:, None] >= lanes[None, :])
+    decay = tl.exp(tl.where(same, seg, float("-inf")))
+    cb = tl.dot(cm, tl.trans(bm), input_precision=PRECISION)
+    y = tl.dot(cb * decay, xd, input_precision=PRECISION)
+    lo = tl.load(lo_ptr + c)
+    hi = tl.load(hi_ptr + c)
+    if RUNTIME_LOOP:
+        for j in range(lo, hi + 1):
+            y, carry = _sequence_terms(j, hi, y, carry, c0, da, lanes, seq, cm, bm, xd, cu_ptr, init_ptr,
+                                       fin_ptr, head, p_offs, n_offs, pn_mask, s_stride_b, s_stride_h,
+                                       s_stride_p, L, PRECISION)
+    else:
+        for k in range(MAX_SEQS):
+            y, carry = _sequence_terms(lo + k, hi, y, carry, c0, da, lanes, seq, cm, bm, xd,
+                                       cu_ptr, init_ptr, fin_ptr, head, p_offs, n_offs, pn_mask, s_stride_b,
+                                       s_stride_h, s_stride_p, L, PRECISION)
+    tl.store(y_ptr + t64[:, None] * x_stride_t + head * x_stride_h + p_offs[None, :], y,
+             mask=t_mask[:, None] & p_mask[None, :])
+    return carry
+
+
+@triton.jit
 def _chunk_scan_kernel(
     x_ptr, delta_ptr, da_ptr, b_ptr, c_ptr, seq_ptr, lo_ptr, hi_ptr, cu_ptr, init_ptr, y_ptr, fin_ptr,
     num_tokens, heads_per_group, num_chunks,
@@ -82,45 +129,18 @@ def _chunk_scan_kernel(
     pn_mask = p_mask[:, None] & n_mask[None, :]
     group = head // heads_per_group
     carry = tl.zeros([BLOCK_P, N_PAD], dtype=tl.float32)
-    n_loop = num_chunks if RUNTIME_LOOP else NUM_CHUNKS
-    for c in range(n_loop):
-        c0 = c * L
-        t = c0 + lanes
-        t_mask = t < num_tokens
-        t64 = t.to(tl.int64)
-        seq = tl.load(seq_ptr + t, mask=t_mask, other=-1)
-        dlt = tl.load(delta_ptr + t64 * d_stride_t + head, mask=t_mask, other=0.0)
-        da = tl.load(da_ptr + t64 * d_stride_t + head, mask=t_mask, other=0.0)
-        x = tl.load(x_ptr + t64[:, None] * x_stride_t + head * x_stride_h + p_offs[None, :],
-                    mask=t_mask[:, None] & p_mask[None, :], other=0.0).to(tl.float32)
-        bc_off = t64[:, None] * bc_stride_t + group * bc_stride_g + n_offs[None, :]
-        bc_mask = t_mask[:, None] & n_mask[None, :]
-        bm = tl.load(b_ptr + bc_off, mask=bc_mask, other=0.0).to(tl.float32)
-        cm = tl.load(c_ptr + bc_off, mask=bc_mask, other=0.0).to(tl.float32)
-        xd = x * dlt[:, None]
-        # seg[t, s]: Δ·A summed over (s, t] directly (a float32 product with a 0/1 matrix), not a
-        # difference of running sums, whose rounding grows with the chunk's whole decay
-        da_upto = tl.where(lanes[None, :] <= lanes[:, None], da[None, :], 0.0)
-        strict = tl.where(lanes[None, :] < lanes[:, None], 1.0, 0.0)
-        seg = tl.dot(da_upto, strict, input_precision="ieee")
-        same = (seq[:, None] == seq[None, :]) & (lanes[:, None] >= lanes[None, :])
-        decay = tl.exp(tl.where(same, seg, float("-inf")))
-        cb = tl.dot(cm, tl.trans(bm), input_precision=PRECISION)
-        y = tl.dot(cb * decay, xd, input_precision=PRECISION)
-        lo = tl.load(lo_ptr + c)
-        hi = tl.load(hi_ptr + c)
-        if RUNTIME_LOOP:
-            for j in range(lo, hi + 1):
-                y, carry = _sequence_terms(j, hi, y, carry, c0, da, lanes, seq, cm, bm, xd, cu_ptr, init_ptr,
-                                           fin_ptr, head, p_offs, n_offs, pn_mask, s_stride_b, s_stride_h,
-                                           s_stride_p, L, PRECISION)
-        else:
-            for k in range(MAX_SEQS):
-                y, carry = _sequence_terms(lo + k, hi, y, carry, c0, da, lanes, seq, cm, bm, xd,
-                                           cu_ptr, init_ptr, fin_ptr, head, p_offs, n_offs, pn_mask, s_stride_b,
-                                           s_stride_h, s_stride_p, L, PRECISION)
-        tl.store(y_ptr + t64[:, None] * x_stride_t + head * x_stride_h + p_offs[None, :], y,
-                 mask=t_mask[:, None] & p_mask[None, :])
+    if RUNTIME_LOOP:
+        for c in range(num_chunks):
+            carry = _chunk_step(c, carry, x_ptr, delta_ptr, da_ptr, b_ptr, c_ptr, seq_ptr, lo_ptr, hi_ptr, cu_ptr, init_ptr, y_ptr, fin_ptr,
+                                   num_tokens, head, group, p_offs, n_offs, lanes, p_mask, n_mask, pn_mask,
+                                   x_stride_t, x_stride_h, bc_stride_t, bc_stride_g, d_stride_t, s_stride_b, s_stride_h, s_stride_p,
+                                   L, MAX_SEQS, RUNTIME_LOOP, PRECISION)
+    else:
+        for c in range(NUM_CHUNKS):
+            carry = _chunk_step(c, carry, x_ptr, delta_ptr, da_ptr, b_ptr, c_ptr, seq_ptr, lo_ptr, hi_ptr, cu_ptr, init_ptr, y_ptr, fin_ptr,
+                                   num_tokens, head, group, p_offs, n_offs, lanes, p_mask, n_mask, pn_mask,
+                                   x_stride_t, x_stride_h, bc_stride_t, bc_stride_g, d_stride_t, s_stride_b, s_stride_h, s_stride_p,
+                                   L, MAX_SEQS, RUNTIME_LOOP, PRECISION)
 
 
 @triton.jit
