@@ -86,8 +86,22 @@ def test_token_table_cases_cover_zero_and_one_token():
         assert {0, 1} <= {s[0] for s in case.shapes}, case.label
 
 
+# Cases whose shape tuple is (tokens, dim, sequences) of a packed serving batch (issue 12's
+# state-space ops): a single token, a decode step (T == B) and a multi-sequence prefill.
+PACKED_SEQUENCE_OPS = ("causal_conv1d", "short_conv")
+
+
+def test_packed_sequence_cases_cover_one_token_decode_and_prefill():
+    for case in (c for c in CASES if c.op in PACKED_SEQUENCE_OPS):
+        shapes = case.shapes
+        assert (1, 1) in {(s[0], s[2]) for s in shapes}, case.label
+        assert any(s[0] == s[2] > 1 for s in shapes), case.label
+        assert any(s[0] > s[2] > 1 for s in shapes), case.label
+        assert any(s[1] % 128 for s in shapes), case.label
+
+
 def test_cells_cover_zero_one_ragged_and_3d_shapes():
-    for case in (c for c in CASES if c.op not in SPATIAL_OPS + TOKEN_TABLE_OPS):
+    for case in (c for c in CASES if c.op not in SPATIAL_OPS + TOKEN_TABLE_OPS + PACKED_SEQUENCE_OPS):
         shapes = case.shapes
         assert any(math.prod(s) == 0 for s in shapes), case.label  # nothing to do: no launch
         assert any(math.prod(s[:-1]) == 1 for s in shapes), case.label  # a single token
@@ -156,3 +170,8 @@ def test_jax_ops_dispatch_under_jit_and_vmap(platform, method):
     assert methods == {("rms_norm", method), ("silu_and_mul", method)}
     for got, want in ((got_norm, norm.forward_native(x, w)), (got_silu, silu.forward_native(x))):
         assert testing.compare(np.asarray(got), np.asarray(want), "float32").ok
+
+
+# Issue 12's SSD scan: its cases are packed serving batches too, shaped (tokens, heads, sequences,
+# head_dim, state, groups).
+PACKED_SEQUENCE_OPS += ("ssd_chunk_scan",)
