@@ -703,3 +703,31 @@ def _selective_scan_inputs(shape: tuple[int, ...]) -> tuple:
 
 
 SERVING_INPUTS["selective_scan"] = _selective_scan_inputs
+
+
+# --- ssd_chunk_scan: (tokens, heads, sequences, head_dim, state, groups) --------------------------
+# Nemotron-H-8B's Mamba-2 scan (128 heads of 64, 8 groups of state 128, chunks of 256): a 1024-token
+# prefill of one and of eight sequences and a 64-sequence decode step, over a float32 cache of
+# 2B + 1 slots; and one group of state 128 under 64 heads of 128 (a Falcon-H1-like layout) at prefill.
+SERVING_SHAPES["ssd_chunk_scan"] = (
+    (1024, 128, 1, 64, 128, 8), (1024, 128, 8, 64, 128, 8), (64, 128, 64, 64, 128, 8), (1024, 64, 8, 128, 128, 1),
+)
+
+
+def _ssd_inputs(shape: tuple[int, ...]) -> tuple:
+    tokens, heads, seqs, head_dim, state, groups = shape
+    x = InputSpec((tokens, heads, head_dim), None)
+    bc = InputSpec((tokens, groups, state), None)
+    return (x, InputSpec((tokens, heads), None), InputSpec((heads,), "float32"), bc, bc, InputSpec((heads,), None), x,
+            InputSpec((heads,), None), InputSpec((2 * seqs + 1, heads, head_dim, state), "float32"),
+            InputSpec((seqs + 1,), "int32"), InputSpec((seqs,), "int32"), InputSpec((seqs,), "bool"))
+
+
+def _ssd_op(shape: tuple[int, ...]):
+    from dualop.ops import SSDChunkScan
+
+    return SSDChunkScan(shape[1], shape[3], shape[4], shape[5], chunk_size=256)
+
+
+SERVING_INPUTS["ssd_chunk_scan"] = _ssd_inputs
+_SERVING_MAKE_OP["ssd_chunk_scan"] = _ssd_op

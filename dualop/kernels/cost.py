@@ -249,3 +249,15 @@ def selective_scan_cost(tokens: int, dim: int, state_size: int, seqs: int, items
 
 
 __all__ += ["selective_scan_cost"]
+
+
+def ssd_chunk_scan_cost(tokens: int, heads: int, head_dim: int, state: int, groups: int, seqs: int, chunk: int,
+                        itemsize: int) -> KernelCost:
+    """Mamba-2's chunked SSD scan: per token and head the matmuls C Bᵀ and its product with x over
+    the chunk, the segment sums (a chunk-wide product), and per sequence the entering state's
+    output and the chunk-end state (``2 T H (L (N + P + L) + 2 P N)`` flops); the exps of the
+    masks; x, z, y, B, C, dt moved once and each sequence's initial and final float32 state."""
+    flops = 2 * tokens * heads * (chunk * (state + head_dim + chunk) + 2 * head_dim * state)
+    moved = (3 * tokens * heads * head_dim * itemsize + 2 * tokens * groups * state * itemsize
+             + tokens * heads * itemsize + 2 * seqs * heads * head_dim * state * 4)
+    return KernelCost(flops=flops, transcendentals=tokens * heads * (chunk + 2), bytes_accessed=moved)

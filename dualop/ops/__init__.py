@@ -82,3 +82,9 @@ from dualop.ops.selective_scan import *  # noqa: F403,E402
 from dualop.ops import selective_scan  # noqa: E402
 
 __all__ += selective_scan.__all__
+
+# --- issue 12: state-space ops (SSD chunk scan) ---
+from dualop.ops.ssd import *  # noqa: F403,E402
+from dualop.ops import ssd  # noqa: E402
+
+__all__ += [*ssd.__all__]

@@ -1,0 +1,114 @@
+"""Mamba-2's SSD scan (``ssd_chunk_scan``) on the torch CPU: the chunked state-space-duality form as
+batched matmuls (ATen's GEMMs do the work), the same algorithm as the Pallas kernel
+(``kernels/pallas/ssd.py``: segment-masked ``C Bᵀ`` within a chunk, each sequence's entering state
+and its state at its last token in the chunk, the carried state between chunks), and an
+elementwise step for decode (T == B). float32 compute; y in x's dtype; the cache updated in place
+(``ssm_math.store_states``).
+
+The sequence boundaries are host values here (the CPU reads ``cu_seqlens``), so each sequence's
+entering/leaving terms touch only its own rows of the chunk.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dualop.backends import array_namespace
+from dualop.kernels import ssm_math
+
+__all__ = ["ssd_chunk_scan", "finish"]
+
+
+def _decode(x, delta, a, bh, ch, init):
+    """One token per sequence: ``h = exp(Δ A) h0 + Δ x ⊗ B``, ``y = h C``."""
+    h = torch.exp(delta * a)[:, :, None, None] * init + (delta[:, :, None] * x)[..., None] * bh[:, :, None, :]
+    return torch.einsum("bhpn,bhn->bhp", h, ch), h
+
+
+def _prefill(x, delta, a, bmat, cmat, init, cu: list[int], chunk: int):
+    """y ``[T, H, P]`` and final states ``[B, H, P, N]`` (float32) of the chunked scan."""
+    tokens, heads, head_dim = x.shape
+    groups = bmat.shape[1]
+    per_group = heads // groups
+    finals = torch.empty_like(init)
+    y = torch.empty_like(x)
+    xd = x * delta[:, :, None]  # Δ_s x_s
+    dA = delta * a
+    seq_of = torch.repeat_interleave(torch.arange(len(cu) - 1), torch.tensor(cu[1:]) - torch.tensor(cu[:-1]))
+    carry = None
+    seq = 0
+    for c0 in range(0, tokens, chunk):
+        c1 = min(c0 + chunk, tokens)
+        length = c1 - c0
+        da = dA[c0:c1].T.contiguous()  # [H, L]
+        s_ids = seq_of[c0:c1]
+        same = (s_ids[:, None] == s_ids[None, :]).tril()
+        # seg[t, s]: Δ·A summed over (s, t] as partial sums from s (a cumsum down each column), not
+        # a difference of running sums, whose rounding grows with the chunk's whole decay
+        seg = torch.cumsum(da[:, :, None].expand(heads, length, length).tril(-1), dim=1)
+        seg = torch.where(same, seg, float("-inf")).exp_()  # [H, L, L]
+        cb = torch.einsum("tgn,sgn->gts", cmat[c0:c1], bmat[c0:c1])  # [G, L, L]
+        w = seg.view(groups, per_group, length, length).mul_(cb[:, None])
+        y_c = torch.matmul(w.view(heads, length, length), xd[c0:c1].transpose(0, 1))  # [H, L, P]
+        c_g = cmat[c0:c1].transpose(0, 1)  # [G, L, N]
+        b_g = bmat[c0:c1].transpose(0, 1)
+        while seq < len(cu) - 1 and cu[seq] < c1:
+            start, end = cu[seq], cu[seq + 1]
+            first, last = max(start - c0, 0), min(end, c1) - c0 - 1
+            h_in = carry if start < c0 else init[seq]  # [H, P, N]
+            rows = slice(first, last + 1)
+            from_first = torch.cumsum(da[:, rows], dim=1)  # Δ·A over [first, t]
+            enter = torch.exp(from_first)  # [H, l]
+            h_g = h_in.view(groups, per_group, head_dim, -1)
+            y_c[:, rows] += (torch.einsum("gln,gkpn->gklp", c_g[:, rows], h_g).reshape(heads, -1, head_dim)
+                             * enter[:, :, None])
+            to_last = torch.exp(torch.cumsum(da[:, rows].flip(1), dim=1).flip(1) - da[:, rows])  # over (s, last]
+            xw = (xd[c0:c1][rows].transpose(0, 1) * to_last[:, :, None]).view(groups, per_group, -1, head_dim)
+            h_out = (torch.exp(from_first[:, -1])[:, None, None] * h_in
+                     + torch.einsum("gklp,gln->gkpn", xw, b_g[:, rows]).reshape(heads, head_dim, -1))
+            if end <= c1:
+                finals[seq] = h_out
+                seq += 1
+            else:
+                carry = h_out
+                break
+        y[c0:c1] = y_c.transpose(0, 1)
+    return y, finals
+
+
+def ssd_chunk_scan(x, dt, A, B, C, D, z, dt_bias, ssm_state, cu_seqlens, state_indices, has_initial_state, *,
+                   chunk_size: int = 256, delta_softplus: bool = True,
+                   dt_limit: tuple[float, float] = (0.0, float("inf"))):
+    """``(y [T, H, P] in x's dtype, ssm_state)`` of ``ssm_math.ssd_reference`` for validated,
+    complete serving metadata; the cache is updated in place."""
+    xp = array_namespace(x)
+    tokens, heads, _ = x.shape
+    num_seqs = state_indices.shape[0]
+    f32 = torch.float32
+    delta = ssm_math.process_dt(xp, dt, dt_bias, delta_softplus, dt_limit)
+    a = A.to(f32)
+    init = ssm_math.initial_states(xp, ssm_state, state_indices, has_initial_state)
+    xf, bf, cf = x.to(f32), B.to(f32), C.to(f32)
+    if tokens == num_seqs:
+        head_group = torch.arange(heads) // (heads // B.shape[1])
+        y, finals = _decode(xf, delta, a, bf[:, head_group], cf[:, head_group], init)
+        seq = torch.arange(tokens)
+    else:
+        cu = cu_seqlens.tolist()
+        y, finals = _prefill(xf, delta, a, bf, cf, init, cu, max(1, int(chunk_size)))
+        seq = torch.repeat_interleave(torch.arange(num_seqs), torch.diff(cu_seqlens.to(torch.int64)))
+    return finish(x, y, D, z, ssm_state, state_indices, seq, finals)
+
+
+def finish(x, y, D, z, ssm_state, state_indices, seq, finals):
+    """The elementwise tail every torch path shares (here and the Triton kernels): ``y + D x``,
+    times ``silu(z)``, padding sequences' rows zeroed, cast to x's dtype; the final states written
+    into the cache (in place)."""
+    f32 = torch.float32
+    if D is not None:
+        d = D.to(f32)
+        y.addcmul_(d[:, None] if d.ndim == 1 else d, x.to(f32))
+    if z is not None:
+        y.mul_(torch.nn.functional.silu(z.to(f32)))
+    y.mul_((state_indices >= 0)[seq][:, None, None])
+    return y.to(x.dtype), ssm_math.store_states(array_namespace(x), ssm_state, state_indices, finals)
