@@ -94,18 +94,6 @@ NATIVE_CASES = {
                                   ("torchax", "tpu"), ("jax", "cpu"), ("jax", "cuda"))},
 }
 
-# issue 12, mamba_mixer: its platform body composes the kernel ops causal_conv1d and selective_scan;
-# while their modules are not installed (a branch without them) every kernel cell declines to the
-# native body, saying so. With them installed the cells must run the kernels (nothing added here).
-from dualop.ops.mamba_mixer import _missing_kernel_ops as _mamba_mixer_missing  # noqa: E402
-
-if _mamba_mixer_missing():
-    NATIVE_CASES.update({
-        (label, frontend, platform): "the kernel ops it composes are not installed"
-        for label in ("mamba_mixer", "mamba_mixer[jamba]", "mamba_mixer[falcon_mamba,bias]")
-        for frontend, platform, _ in KERNEL_CELLS
-    })
-
 # Kernel cells that decline one dtype at run time, because the native body is the faster path there:
 # {(label, frontend, platform, dtype): (a part of) the reason the cell must report}.
 NATIVE_DTYPE_CASES = {

@@ -3,8 +3,8 @@ mixers (prefill of one and several packed sequences, each run through transforme
 the cache against transformers' cached path), state continuity, padding slots, bad input, the jax
 layer under jit, gradients of the native body.
 
-The platform methods compose the kernel ops causal_conv1d and selective_scan; on a branch without
-them they decline, and ``test_platform_methods_decline_without_the_kernel_ops`` checks they say so.
+The platform methods compose the kernel ops causal_conv1d and selective_scan: their cells run in
+tests/test_cells.py.
 """
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ import pytest
 import torch
 
 from dualop import ops
-from dualop.ops.mamba_mixer import _missing_kernel_ops
 
 HIDDEN, STATE, KERNEL, INNER, RANK = 16, 4, 4, 32, 3
 SEQ_LENS = (5, 1, 7)
@@ -274,23 +273,6 @@ def test_jamba_norm_weights_come_together():
     weights[-1] = None
     with pytest.raises(ValueError, match="mamba_mixer: argument 'c_norm_weight' is None but 'dt_norm_weight'"):
         op(torch.zeros(2, HIDDEN), *weights)
-
-
-@pytest.mark.skipif(not _missing_kernel_ops(), reason="the kernel ops are installed: their tests cover this path")
-def test_platform_methods_decline_without_the_kernel_ops():
-    """While causal_conv1d / selective_scan are not installed the platform body cannot run: every
-    platform method says so and the native body runs (an honest cell, no silent pass)."""
-    op = ops.MambaMixer(HIDDEN, STATE, KERNEL, INNER, RANK)
-    for method in ("forward_cuda", "forward_tpu"):
-        assert "kernel ops it composes are not installed" in op.declines(method, "torch")
-    assert "kernel ops it composes are not installed" in op.declines("forward_cpu", "torch")
-    assert "no CPU kernel for jax arrays" in op.declines("forward_cpu", "jax")
-    from dualop.config import OpsConfig, set_config
-
-    with set_config(OpsConfig(custom_ops=("all",))):
-        op(torch.zeros(2, HIDDEN), *_op_weights(seed=0))
-        method, reason = op.last_run("torch", "cpu")
-    assert method == "forward_native" and "dualop.ops.causal_conv1d" in reason
 
 
 def test_native_gradients_match_transformers():

@@ -451,15 +451,12 @@ class _StandInSSD:
 def test_mixer_platform_body_with_stand_in_kernel_ops(monkeypatch):
     """The platform methods' one body (vendor GEMMs, the kernel ops, the gated-norm kernel), run as
     forward_cpu with the kernel ops stood in by their references, equals forward_native on the
-    check case's inputs, caches (a padding slot, a fresh and a continued sequence) included;
-    without the modules the methods decline with the reason."""
+    check case's inputs, caches (a padding slot, a fresh and a continued sequence) included."""
     torch = importlib.import_module("torch")
     import types
 
     from dualop.ops import MambaMixer2, mamba_mixer2
 
-    op = MambaMixer2(**mamba_mixer2._CASE_MIXER)
-    assert "the kernel ops are missing" in op.declines("forward_cpu", "torch")
     monkeypatch.setitem(sys.modules, "dualop.ops.causal_conv1d", types.SimpleNamespace(CausalConv1d=_StandInConv))
     monkeypatch.setitem(sys.modules, "dualop.ops.ssd", types.SimpleNamespace(SSDChunkScan=_StandInSSD))
     op = MambaMixer2(**mamba_mixer2._CASE_MIXER)

@@ -12,9 +12,9 @@ transformers' ``Mamba2Mixer`` itself calls (``causal_conv1d_fn``/``causal_conv1d
 ``torch.nn.functional.rms_norm``/``linear`` in the engine's order. The chunked scan (chunk 4 over 11
 tokens) is a different algorithm from the op's token loop.
 
-The platform methods compose the kernel ops causal_conv1d and ssd_chunk_scan; on a branch without
-them they decline (``test_platform_methods_decline_while_the_kernel_ops_are_missing``); their wiring
-is checked against forward_native with the kernel ops replaced by the references.
+The platform methods compose the kernel ops causal_conv1d and ssd_chunk_scan (their cells run in
+tests/test_cells.py); their wiring is also checked against forward_native with the kernel ops
+replaced by the references.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from dualop import ops, testing
-from dualop.ops.plamo2 import (CHECK_SHAPES, Plamo2MambaMixer, _missing_kernel_ops, check_case_inputs,
+from dualop.ops.plamo2 import (CHECK_SHAPES, Plamo2MambaMixer, check_case_inputs,
                                in_proj_from_checkpoint, in_proj_to_checkpoint)
 
 EPS = 1e-6
@@ -328,19 +328,11 @@ def test_grad_of_native_jax_matches_torch_autograd():
 # --- the platform body --------------------------------------------------------------------------------------
 
 
-def test_platform_methods_decline_while_the_kernel_ops_are_missing():
+def test_platform_methods_decline_only_where_no_kernel_serves():
     op = _op(CHECK_SHAPES[1])
-    missing = _missing_kernel_ops()
     for method, frontend in (("forward_cpu", "torch"), ("forward_cuda", "torch"), ("forward_tpu", "jax"),
                              ("forward_tpu", "torch_xla")):
-        why = op.declines(method, frontend)
-        if missing:
-            assert why is not None and "not installed" in why and missing[0] in why
-        else:
-            assert why is None
-    if missing:  # called directly (dualop compile does), the body declines the call likewise
-        with pytest.raises(NotImplementedError, match="not installed"):
-            op._forward_kernels(*_frontend_args(CHECK_SHAPES[1], "torch"))
+        assert op.declines(method, frontend) is None
     assert op.declines("forward_cpu", "jax") is not None
     assert "jax-triton" in op.declines("forward_cuda", "jax")
 

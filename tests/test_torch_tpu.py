@@ -82,23 +82,11 @@ def _bridge_nodes(gm) -> list:
     return [n for n in gm.graph.nodes if n.op == "call_function" and str(n.target).startswith("dualop.pallas_")]
 
 
-def _without_the_kernel_ops(case):
-    """issue 12, mamba_mixer: while the kernel ops it composes are not installed it runs its native
-    body, whose torch scan reads the sequence layout's values (``ssm_math.scan_packed``), which fake
-    tensors cannot give: a known failure here until those ops are merged (strict: it must fail)."""
-    from dualop.ops.mamba_mixer import _missing_kernel_ops
-
-    if case.op == "mamba_mixer" and _missing_kernel_ops():
-        return pytest.param(case, id=case.label, marks=pytest.mark.xfail(
-            strict=True, reason="native body on fake tensors: scan_packed reads values (kernel ops not installed)"))
-    return case
-
-
 # mamba_mixer with its kernel ops: in_proj, x_proj, dt_proj, out_proj (XLA's dot) and the two kernels.
 KERNEL_LAUNCHES["mamba_mixer"] = 6
 
 
-@pytest.mark.parametrize("case", [_without_the_kernel_ops(c) for c in CASES], ids=[c.label for c in CASES])
+@pytest.mark.parametrize("case", CASES, ids=[c.label for c in CASES])
 def test_every_op_case_reaches_a_registered_pallas_op_on_tpu_tensors(tpu_device, case):
     """Per shape and dtype: the op, called on fake tpu tensors, resolves to forward_tpu (no
     fallback), its trace holds exactly one ``dualop::pallas_*`` op, and the shapes and dtypes that

@@ -33,13 +33,11 @@ rounds between steps, and in bfloat16 the steps round where the engine's do. A p
 The platform methods (``forward_cpu``/``forward_cuda``/``forward_tpu``, one body) run the
 projections with the vendor matmul (``F.linear``; XLA's dot for jax) and call the kernel ops
 ``CausalConv1d`` (``dualop.ops.causal_conv1d``) and ``SelectiveScan`` (``dualop.ops.selective_scan``),
-which dispatch to their own kernels. They decline (at resolution, with the reason) while those
-modules are not installed.
+which dispatch to their own kernels.
 """
 
 from __future__ import annotations
 
-import importlib.util
 from typing import Any, ClassVar
 
 from dualop.backends import array_namespace
@@ -47,25 +45,20 @@ from dualop.custom_op import CustomOp
 from dualop.kernels import ssm_math
 from dualop.kernels.norm_math import NormSpec, rms_normalize
 from dualop.ops._checks import check_array, check_optional_like, cpu_declines
+from dualop.ops.causal_conv1d import CausalConv1d
+from dualop.ops.selective_scan import SelectiveScan
 from dualop.ops.ssm_batch import SSMBatch, ssm_batch
 from dualop.platforms import family_of, frontend_of
 
 __all__ = ["MambaMixer"]
 
 _OP = "mamba_mixer"
-# The kernel ops the platform methods compose (module, class).
-_KERNEL_OPS = (("dualop.ops.causal_conv1d", "CausalConv1d"), ("dualop.ops.selective_scan", "SelectiveScan"))
 
 
 def _positive_int(name: str, value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise ValueError(f"{_OP}: {name} must be a positive int, got {value!r}")
     return value
-
-
-def _missing_kernel_ops() -> list[str]:
-    """The kernel-op modules the platform body needs that are not importable here."""
-    return [module for module, _ in _KERNEL_OPS if importlib.util.find_spec(module) is None]
 
 
 def _native_gemm(xp, x: Any, weight: Any, bias: Any = None) -> Any:
@@ -275,25 +268,16 @@ class MambaMixer(CustomOp):
     # -- the platform body ---------------------------------------------------------------------------
 
     def declines(self, method: str, frontend: str) -> str | None:
-        """The platform body composes the kernel ops: it declines where they are not installed, for
-        jax arrays on a GPU (no Triton launch for jax) and, as every op, ``forward_cpu`` for arrays
-        other than torch's."""
+        """The platform body composes the kernel ops: it declines for jax arrays on a GPU (no Triton
+        launch for jax) and, as every op, ``forward_cpu`` for arrays other than torch's."""
         why = cpu_declines(method, frontend)
         if why is None and method == "forward_cuda" and family_of(frontend) == "jax":
             why = "the kernel ops' Triton kernels take torch tensors (jax arrays would need jax-triton)"
-        if why is None and method in ("forward_cpu", "forward_cuda", "forward_tpu"):
-            missing = _missing_kernel_ops()
-            if missing:
-                why = f"the kernel ops it composes are not installed ({', '.join(missing)})"
         return why
 
     def _kernel_ops(self) -> tuple[Any, Any]:
-        """This mixer's ``CausalConv1d`` and ``SelectiveScan`` instances (made on first use: imported
-        lazily, so the module loads without them)."""
+        """This mixer's ``CausalConv1d`` and ``SelectiveScan`` instances (made on first use)."""
         if self._kernel_op_instances is None:
-            from dualop.ops.causal_conv1d import CausalConv1d
-            from dualop.ops.selective_scan import SelectiveScan
-
             conv = CausalConv1d(self.intermediate_size, self.conv_kernel_size, activation=self.activation,
                                 enforce_enable=self.enforce_enable)
             scan = SelectiveScan(self.intermediate_size, self.ssm_state_size, delta_softplus=True,
@@ -306,7 +290,7 @@ class MambaMixer(CustomOp):
                          dt_norm_weight=None, b_norm_weight=None, c_norm_weight=None, conv_state=None, ssm_state=None,
                          cu_seqlens=None, state_indices=None, has_initial_state=None):
         """Vendor matmuls around the kernel ops (each dispatches to its own kernel; decode, T == B,
-        takes their step kernels). Not yet run on this branch: see the module docstring."""
+        takes their step kernels)."""
         xp = array_namespace(hidden_states)
         conv_op, scan_op = self._kernel_ops()
         i = self.intermediate_size

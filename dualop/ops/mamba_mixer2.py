@@ -157,18 +157,15 @@ class Mixer2RMSNormGated(CustomOp):
         return self._norm.forward_tpu(x, weight, gate)
 
 
-def _kernel_ops(mixer: "MambaMixer2") -> tuple[Any, Any, str | None]:
-    """The mixer's kernel ops ``(CausalConv1d, SSDChunkScan, None)``, or ``(None, None, why)`` while
-    their modules (issue 12's other parts) are missing from this build."""
-    try:
-        from dualop.ops.causal_conv1d import CausalConv1d
-        from dualop.ops.ssd import SSDChunkScan
-    except ImportError as err:
-        return None, None, f"the kernel ops are missing ({err}): causal_conv1d and ssd_chunk_scan run only natively"
+def _kernel_ops(mixer: "MambaMixer2") -> tuple[Any, Any]:
+    """The mixer's kernel ops ``(CausalConv1d, SSDChunkScan)``."""
+    from dualop.ops.causal_conv1d import CausalConv1d
+    from dualop.ops.ssd import SSDChunkScan
+
     conv = CausalConv1d(mixer.conv_dim, mixer.conv_kernel_size, activation=mixer.activation)
     ssd = SSDChunkScan(mixer.num_heads, mixer.head_dim, mixer.ssm_state_size, n_groups=mixer.n_groups,
                        chunk_size=mixer.chunk_size, delta_softplus=True, dt_limit=mixer.time_step_limit)
-    return conv, ssd, None
+    return conv, ssd
 
 
 _MIXER = "mamba_mixer2"
@@ -258,7 +255,7 @@ class MambaMixer2(CustomOp):
                                         tp=one, enforce_enable=True)
         self.out_proj = ReplicatedLinear(intermediate_size, hidden_size, bias=self.use_bias, return_bias=False,
                                          tp=one, enforce_enable=True)
-        self._conv, self._ssd, self._missing = _kernel_ops(self)
+        self._conv, self._ssd = _kernel_ops(self)
 
     def extra_repr(self) -> str:
         return (f"hidden_size={self.hidden_size}, intermediate_size={self.intermediate_size}, "
@@ -374,7 +371,7 @@ class MambaMixer2(CustomOp):
         return self._zero_padding(xp, out, conv_b), conv_out, ssm_out
 
     def declines(self, method: str, frontend: str) -> str | None:
-        return cpu_declines(method, frontend) or self._missing
+        return cpu_declines(method, frontend)
 
     def _forward_platform(self, method, hidden_states, in_proj_weight, conv_weight, conv_bias, dt_bias, A_log, D,
                           norm_weight, out_proj_weight, in_proj_bias, out_proj_bias, conv_state, ssm_state, cu_seqlens,
@@ -456,12 +453,7 @@ def check_cases():
 
     name = "mixer2_gated_rms_norm"
     groups_of = {200: 5, 256: 2, 136: 1}
-    # The mixer's cells check its kernel path, which needs the causal_conv1d / ssd_chunk_scan ops:
-    # without them (a build before issue 12's other parts) it has no case (tests/test_mamba_mixer2.py
-    # still checks its native body).
     mixer = [OpCase(_MIXER, _MIXER, lambda s: MambaMixer2(**_CASE_MIXER), mixer_inputs, ((1, 16), (7, 16), (12, 16)))]
-    if _kernel_ops(MambaMixer2(**_CASE_MIXER))[2] is not None:
-        mixer = []
     return [
         OpCase(name, name, lambda s: Mixer2RMSNormGated(s[-1], 1), inputs, ((0, 136), (1, 200), (2, 3, 136))),
         OpCase(name, f"{name}[groups]", lambda s: Mixer2RMSNormGated(s[-1], groups_of[s[-1]]), inputs,

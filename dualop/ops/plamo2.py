@@ -33,13 +33,11 @@ the engine's RMSNorm (normalised in float32, rounded, then times the weight). A 
 The platform methods (``forward_cpu``/``forward_cuda``/``forward_tpu``, one body) run the
 projections with the vendor matmul (``F.linear``; XLA's dot for jax) and call the kernel ops
 ``CausalConv1d`` (``dualop.ops.causal_conv1d``) and ``SSDChunkScan`` (``dualop.ops.ssd``), which
-dispatch to their own kernels. They decline (at resolution, with the reason) while those modules
-are not installed.
+dispatch to their own kernels.
 """
 
 from __future__ import annotations
 
-import importlib.util
 from typing import Any, ClassVar
 
 from dualop.backends import array_namespace
@@ -47,14 +45,14 @@ from dualop.custom_op import CustomOp
 from dualop.kernels import ssm_math
 from dualop.kernels.norm_math import NormSpec, rms_normalize
 from dualop.ops._checks import check_array, check_optional_like, cpu_declines
+from dualop.ops.causal_conv1d import CausalConv1d
+from dualop.ops.ssd import SSDChunkScan
 from dualop.ops.ssm_batch import SSMBatch, ssm_batch
 from dualop.platforms import family_of, frontend_of
 
 __all__ = ["Plamo2MambaMixer"]
 
 _OP = "plamo2_mamba_mixer"
-# The kernel ops the platform methods compose (module, class).
-_KERNEL_OPS = (("dualop.ops.causal_conv1d", "CausalConv1d"), ("dualop.ops.ssd", "SSDChunkScan"))
 # The weight arguments in call order (all required: PLaMo 2 has no optional parameter).
 _WEIGHTS = ("in_proj_weight", "conv_weight", "bcdt_proj_weight", "dt_proj_weight", "dt_bias", "A_log", "D",
             "dt_norm_weight", "B_norm_weight", "C_norm_weight", "out_proj_weight")
@@ -64,11 +62,6 @@ def _positive_int(name: str, value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise ValueError(f"{_OP}: {name} must be a positive int, got {value!r}")
     return value
-
-
-def _missing_kernel_ops() -> list[str]:
-    """The kernel-op modules the platform body needs that are not importable here."""
-    return [module for module, _ in _KERNEL_OPS if importlib.util.find_spec(module) is None]
 
 
 def _native_gemm(xp, x: Any, weight: Any) -> Any:
@@ -264,29 +257,16 @@ class Plamo2MambaMixer(CustomOp):
     # -- the platform body ---------------------------------------------------------------------------
 
     def declines(self, method: str, frontend: str) -> str | None:
-        """The platform body composes the kernel ops: it declines where they are not installed, for
-        jax arrays on a GPU (no Triton launch for jax) and, as every op, ``forward_cpu`` for arrays
-        other than torch's."""
+        """The platform body composes the kernel ops: it declines for jax arrays on a GPU (no Triton
+        launch for jax) and, as every op, ``forward_cpu`` for arrays other than torch's."""
         why = cpu_declines(method, frontend)
         if why is None and method == "forward_cuda" and family_of(frontend) == "jax":
             why = "the kernel ops' Triton kernels take torch tensors (jax arrays would need jax-triton)"
-        if why is None and method in ("forward_cpu", "forward_cuda", "forward_tpu"):
-            missing = _missing_kernel_ops()
-            if missing:
-                why = f"the kernel ops it composes are not installed ({', '.join(missing)})"
         return why
 
     def _kernel_ops(self) -> tuple[Any, Any]:
-        """This mixer's ``CausalConv1d`` and ``SSDChunkScan`` instances (made on first use and
-        imported lazily, so this module loads without them). Called directly (``dualop compile``
-        does) while they are missing, it declines the call with the same reason as ``declines``."""
+        """This mixer's ``CausalConv1d`` and ``SSDChunkScan`` instances (made on first use)."""
         if self._kernel_op_instances is None:
-            missing = _missing_kernel_ops()
-            if missing:
-                raise NotImplementedError(f"{_OP}: the kernel ops it composes are not installed ({', '.join(missing)})")
-            from dualop.ops.causal_conv1d import CausalConv1d
-            from dualop.ops.ssd import SSDChunkScan
-
             conv = CausalConv1d(self.intermediate_size, self.conv_kernel_size, activation="silu",
                                 enforce_enable=self.enforce_enable)
             scan = SSDChunkScan(self.num_heads, self.head_dim, self.ssm_state_size, n_groups=1,
@@ -299,7 +279,7 @@ class Plamo2MambaMixer(CustomOp):
                          A_log, D, dt_norm_weight, B_norm_weight, C_norm_weight, out_proj_weight, conv_state=None,
                          ssm_state=None, cu_seqlens=None, state_indices=None, has_initial_state=None):
         """Vendor matmuls around the kernel ops (each dispatches to its own kernel; decode, T == B,
-        takes their step kernels). Not run on this branch yet: the kernel ops live on theirs."""
+        takes their step kernels)."""
         xp = array_namespace(hidden_states)
         conv_op, scan_op = self._kernel_ops()
         i, tokens = self.intermediate_size, hidden_states.shape[0]
