@@ -19,8 +19,8 @@ from dualop.ops.selective_scan import make_scan_inputs
 
 # kernel -> (frontend, method)
 KERNELS = {"cpu": ("torch", "forward_cpu"), "triton": ("torch", "forward_cuda"), "pallas": ("jax", "forward_tpu")}
-PREFILL = (20, 40, 8, 3)  # (T, I, N, B): three packed sequences, the second padding
-DECODE = (6, 136, 16, 6)  # one token per sequence: the step kernels
+PREFILL = (20, 3, 40, 8)  # (T, B, I, N): three packed sequences, the second padding
+DECODE = (6, 6, 136, 16)  # one token per sequence: the step kernels
 
 
 def _inputs(shape, frontend, dtype, seed=0, **kw):
@@ -47,7 +47,7 @@ def _assert_close(got, want, dtype, what):
 def _check(kernel, shape, dtype, **kw):
     frontend = KERNELS[kernel][0]
     args = _inputs(shape, frontend, dtype, **kw)
-    op = SelectiveScan(shape[1], shape[2])
+    op = SelectiveScan(shape[2], shape[3])
     (y, cache), (y_ref, cache_ref) = _run(kernel, op, args)
     _assert_close(y, y_ref, dtype, f"{kernel} y")
     _assert_close(cache, cache_ref, dtype, f"{kernel} cache")
@@ -72,7 +72,7 @@ def test_kernel_matches_native(kernel, dtype):
 def test_long_prefill_across_chunks(kernel):
     """T = 1024 in float32, four sequences whose boundaries fall inside the Pallas kernel's
     256-token chunks (one sequence spans three chunks, one has a single token)."""
-    _check(kernel, (1024, 8, 4, 4), "float32", seq_lens=[300, 1, 450, 273], has_initial=[True, False, True, True])
+    _check(kernel, (1024, 4, 8, 4), "float32", seq_lens=[300, 1, 450, 273], has_initial=[True, False, True, True])
 
 
 @pytest.mark.parametrize("kernel", list(KERNELS))
@@ -81,7 +81,7 @@ def test_state_continuity(kernel):
     four decode steps, each from the state the previous call cached."""
     frontend, method = KERNELS[kernel]
     tokens, dim, n = 4, 24, 4
-    x, dt, a, b, c, d, z, bias, cache, *_ = _inputs((tokens, dim, n, 1), frontend, "float32", seed=3)
+    x, dt, a, b, c, d, z, bias, cache, *_ = _inputs((tokens, 1, dim, n), frontend, "float32", seed=3)
     op = SelectiveScan(dim, n)
     call = getattr(op, method)
     xp_cat = torch.cat if frontend == "torch" else jnp.concatenate
@@ -139,7 +139,7 @@ def test_bad_input(case):
     make, match, error = BAD[case]
     args = make(_inputs(PREFILL, "torch", "bfloat16"))
     with pytest.raises(error, match=f"selective_scan: .*{match}|selective_scan: {match}"):
-        SelectiveScan(PREFILL[1], PREFILL[2])(*args)
+        SelectiveScan(PREFILL[2], PREFILL[3])(*args)
 
 
 def test_bad_constructor():
@@ -150,9 +150,9 @@ def test_bad_constructor():
 def test_jax_native_jit_vmap_grad():
     """jit == eager; vmap over two independent calls (no cache: fresh states) == each call; the
     gradient of sum(y) wrt x matches a central finite difference along a random direction."""
-    shape = (5, 16, 4, 2)
+    shape = (5, 2, 16, 4)
     args = _inputs(shape, "jax", "float32", seed=5)
-    op = SelectiveScan(shape[1], shape[2])
+    op = SelectiveScan(shape[2], shape[3])
     y, state = op.forward_native(*args)
     y_jit, state_jit = jax.jit(op.forward_native)(*args)
     np.testing.assert_allclose(y_jit, y, rtol=1e-5, atol=1e-6)

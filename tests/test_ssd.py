@@ -20,7 +20,7 @@ INTEGER_ARGS = 3  # the last three arguments: cu_seqlens, state_indices, has_ini
 
 def _inputs(tokens, heads, seqs, head_dim, state, groups, seed, **kw):
     """Plain numpy arrays (the check case's generator, Pinned unwrapped)."""
-    arrays = make_ssd_inputs((tokens, heads, seqs, head_dim, state, groups), np.random.default_rng(seed), **kw)
+    arrays = make_ssd_inputs((tokens, seqs, heads, head_dim, state, groups), np.random.default_rng(seed), **kw)
     return tuple(a.array if isinstance(a, testing.Pinned) else a for a in arrays)
 
 

@@ -1408,7 +1408,7 @@ def _scan_inputs(shape, rng):
     tokens, seqs, dim = shape
     lens = np.full(seqs, tokens // seqs)
     lens[-1] += tokens - lens.sum()
-    return make_scan_inputs((tokens, dim, SCAN_STATE, seqs), rng, seq_lens=lens, slots=np.arange(seqs),
+    return make_scan_inputs((tokens, seqs, dim, SCAN_STATE), rng, seq_lens=lens, slots=np.arange(seqs),
                             has_initial=np.zeros(seqs, bool))
 
 
@@ -1501,7 +1501,7 @@ def _ssd_op(_dim: int):
 
 def _ssd_shape(size: tuple[int, ...]) -> tuple[int, ...]:
     w = SSD_BENCH_WIDTHS
-    return (size[0], w["heads"], size[1], w["head_dim"], w["state"], w["groups"])
+    return (size[0], size[1], w["heads"], w["head_dim"], w["state"], w["groups"])
 
 
 def _ssd_bench_inputs(shape, rng):
@@ -1512,7 +1512,7 @@ def _ssd_bench_inputs(shape, rng):
     from dualop.ops.ssd import make_ssd_inputs
     from dualop.testing import Pinned
 
-    tokens, seqs = shape[0], shape[2]
+    tokens, seqs = shape[0], shape[1]
     arrays = list(make_ssd_inputs(shape, rng, padding=False))
     arrays[6] = None  # no z gate (transformers' scan has none)
     arrays[9] = Pinned(np.arange(0, tokens + 1, tokens // seqs, dtype=np.int32), "int32")
@@ -1522,7 +1522,7 @@ def _ssd_bench_inputs(shape, rng):
 
 
 def _ssd_cost(op, shape, itemsize) -> KernelCost:
-    tokens, heads, seqs, head_dim, state, groups = shape
+    tokens, seqs, heads, head_dim, state, groups = shape
     return cost_model.ssd_chunk_scan_cost(tokens, heads, head_dim, state, groups, seqs,
                                           min(op.chunk_size, tokens), itemsize)
 

@@ -159,7 +159,7 @@ class CausalConv1d(CustomOp):
 # 128-lane grid; a packed prefill of new and continued sequences, some shorter than the window's
 # history (K - 1 = 3). Three shapes keep the interpreted cells quick; T 1024 with T blocks
 # splitting sequences runs once per kernel in tests/test_causal_conv1d.py.
-CHECK_SHAPES = ((1, 128, 1), (5, 136, 5), (21, 128, 4))
+CHECK_SHAPES = ((1, 1, 128), (5, 5, 136), (21, 4, 128))  # (tokens, sequences, dim)
 CHECK_KERNEL_SIZE = 4
 
 
@@ -189,7 +189,7 @@ def check_cases():
 
     def inputs(with_bias: bool):
         def make(shape, rng):
-            tokens, dim, sequences = shape
+            tokens, sequences, dim = shape
             cu, slots, init, num_slots = packed_batch(tokens, sequences, rng)
             return (
                 normal((tokens, dim), rng), 0.5 * normal((dim, CHECK_KERNEL_SIZE), rng),
@@ -200,7 +200,7 @@ def check_cases():
         return make
 
     return [
-        OpCase(OP, OP, lambda s: CausalConv1d(s[1], CHECK_KERNEL_SIZE), inputs(True), CHECK_SHAPES),
-        OpCase(OP, f"{OP}[no_act,no_bias]", lambda s: CausalConv1d(s[1], CHECK_KERNEL_SIZE, activation=None),
+        OpCase(OP, OP, lambda s: CausalConv1d(s[2], CHECK_KERNEL_SIZE), inputs(True), CHECK_SHAPES),
+        OpCase(OP, f"{OP}[no_act,no_bias]", lambda s: CausalConv1d(s[2], CHECK_KERNEL_SIZE, activation=None),
                inputs(False), CHECK_SHAPES),
     ]

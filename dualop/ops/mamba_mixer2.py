@@ -441,22 +441,24 @@ def mixer_case_inputs(op: MambaMixer2, num_tokens: int, rng, lengths: tuple[int,
 def check_cases():
     """``dualop check`` cases: the gated norm with Mamba-2 / Bamba's one group (hidden off the lane
     grid) and Nemotron-H-like groups (lane-aligned and not), one rank; the mixer over one token,
-    one sequence and three packed sequences (T <= 12: the native body loops over tokens)."""
+    a decode step of four sequences and three packed sequences (T <= 12: the native body loops over
+    tokens); shapes ``(tokens, sequences, hidden)``."""
     from dualop.testing import OpCase, normal
 
     def inputs(shape, rng):
         return (normal(shape, rng, 3.0), normal(shape, rng, 2.0), 1.0 + 0.5 * normal(shape[-1:], rng))
 
-    def mixer_inputs(shape, rng):
-        lengths = {1: (1,), 7: (7,), 12: (5, 1, 6)}[shape[0]]
+    def mixer_inputs(shape, rng):  # (tokens, sequences, hidden)
+        lengths = {(1, 1): (1,), (4, 4): (1, 1, 1, 1), (12, 3): (5, 1, 6)}[shape[:2]]
         return mixer_case_inputs(MambaMixer2(**_CASE_MIXER), shape[0], rng, lengths)
 
     name = "mixer2_gated_rms_norm"
     groups_of = {200: 5, 256: 2, 136: 1}
-    mixer = [OpCase(_MIXER, _MIXER, lambda s: MambaMixer2(**_CASE_MIXER), mixer_inputs, ((1, 16), (7, 16), (12, 16)))]
+    mixer = [OpCase(_MIXER, _MIXER, lambda s: MambaMixer2(**_CASE_MIXER), mixer_inputs,
+                    ((1, 1, 16), (4, 4, 16), (12, 3, 16)))]
     return [
         OpCase(name, name, lambda s: Mixer2RMSNormGated(s[-1], 1), inputs, ((0, 136), (1, 200), (2, 3, 136))),
         OpCase(name, f"{name}[groups]", lambda s: Mixer2RMSNormGated(s[-1], groups_of[s[-1]]), inputs,
-               ((1, 256), (5, 200))),
+               ((0, 256), (1, 256), (5, 200), (2, 3, 200))),
         *mixer,
     ]

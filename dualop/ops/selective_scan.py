@@ -162,7 +162,7 @@ class SelectiveScan(CustomOp):
 
 
 def make_scan_inputs(shape, rng, *, seq_lens=None, slots=None, has_initial=None, padding=(), cache=True):
-    """Numpy inputs of one selective-scan call: ``shape = (T, I, N, B)`` (B sequences of random
+    """Numpy inputs of one selective-scan call: ``shape = (T, B, I, N)`` (B sequences of random
     lengths summing to T unless ``seq_lens``), a cache of ``B + 2`` slots holding random states,
     the sequences in shuffled slots, ``has_initial`` (default alternating) and sequences listed in
     ``padding`` given slot -1. A is ``-exp`` of small logs; dt around softplus' knee. Without
@@ -171,7 +171,7 @@ def make_scan_inputs(shape, rng, *, seq_lens=None, slots=None, has_initial=None,
 
     from dualop.testing import Pinned, normal
 
-    tokens, dim, n, num_seqs = shape
+    tokens, num_seqs, dim, n = shape
     if seq_lens is None:
         cuts = np.sort(rng.choice(np.arange(1, tokens), num_seqs - 1, replace=False)) if num_seqs > 1 else []
         seq_lens = np.diff(np.concatenate([[0], cuts, [tokens]]))
@@ -193,10 +193,10 @@ def make_scan_inputs(shape, rng, *, seq_lens=None, slots=None, has_initial=None,
     )
 
 
-# Check shapes (T, I, N, B): a packed prefill with a padding sequence and a decode batch (T == B,
-# the step kernels); small and few, for the interpreters (one long prefill per kernel runs in
-# tests/test_selective_scan.py).
-CHECK_SHAPES = ((12, 40, 8, 3), (4, 24, 4, 4))
+# Check shapes (T, B, I, N): one token, a packed prefill with a padding sequence and a decode batch
+# (T == B, the step kernels); small and few, for the interpreters (one long prefill per kernel runs
+# in tests/test_selective_scan.py).
+CHECK_SHAPES = ((1, 1, 24, 4), (12, 3, 40, 8), (4, 4, 24, 4))
 
 
 def check_cases():
@@ -207,6 +207,6 @@ def check_cases():
     from dualop.testing import OpCase
 
     def make_inputs(shape, rng):
-        return make_scan_inputs(shape, rng, padding=(1,), cache=False)
+        return make_scan_inputs(shape, rng, padding=(1,) if shape[1] > 1 else (), cache=False)
 
-    return [OpCase(_OP, _OP, lambda s: SelectiveScan(s[1], s[2]), make_inputs, CHECK_SHAPES)]
+    return [OpCase(_OP, _OP, lambda s: SelectiveScan(s[2], s[3]), make_inputs, CHECK_SHAPES)]

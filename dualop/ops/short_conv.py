@@ -158,7 +158,7 @@ class ShortConv(CustomOp):
 
 # (tokens, hidden, sequences) at LFM2's conv_L_cache = 3: one token, a decode step with a padding
 # slot, a packed prefill (one sequence shorter than the 2-input history).
-CHECK_SHAPES = ((1, 16, 1), (4, 24, 4), (17, 16, 3))
+CHECK_SHAPES = ((1, 1, 16), (4, 4, 24), (17, 3, 16))  # (tokens, sequences, hidden)
 CHECK_KERNEL = 3
 
 
@@ -167,7 +167,7 @@ def check_cases():
 
     def inputs(with_bias: bool):
         def make(shape, rng):
-            tokens, hd, seqs = shape
+            tokens, seqs, hd = shape
             cu, slots, init, num_slots = packed_batch(tokens, seqs, rng)
             scale = hd ** -0.5
             bias = lambda n: normal((n,), rng, 0.5) if with_bias else None  # noqa: E731
@@ -178,6 +178,6 @@ def check_cases():
         return make
 
     return [
-        OpCase(OP, OP, lambda s: ShortConv(s[1], CHECK_KERNEL), inputs(False), CHECK_SHAPES),
-        OpCase(OP, f"{OP}[bias]", lambda s: ShortConv(s[1], CHECK_KERNEL, bias=True), inputs(True), CHECK_SHAPES),
+        OpCase(OP, OP, lambda s: ShortConv(s[2], CHECK_KERNEL), inputs(False), CHECK_SHAPES),
+        OpCase(OP, f"{OP}[bias]", lambda s: ShortConv(s[2], CHECK_KERNEL, bias=True), inputs(True), CHECK_SHAPES),
     ]

@@ -178,13 +178,13 @@ def packed_batch(tokens: int, sequences: int, rng, *, padding: bool = True):
 
 
 def make_ssd_inputs(shape: tuple[int, ...], rng, *, per_channel_d: bool = False, padding: bool = True) -> tuple:
-    """Numpy inputs for a ``(tokens, heads, sequences, head_dim, state, groups)`` serving batch:
+    """Numpy inputs for a ``(tokens, sequences, heads, head_dim, state, groups)`` serving batch:
     moderate step sizes, decays ``A`` in [-2, -0.5], a cache of ``2B + 1`` slots."""
     import numpy as np
 
     from dualop.testing import Pinned, normal
 
-    tokens, heads, sequences, head_dim, state, groups = shape
+    tokens, sequences, heads, head_dim, state, groups = shape
     cu, slots, init, num_slots = packed_batch(tokens, sequences, rng, padding=padding)
     a = -rng.uniform(0.5, 2.0, heads).astype(np.float32)
     return (
@@ -196,9 +196,9 @@ def make_ssd_inputs(shape: tuple[int, ...], rng, *, per_channel_d: bool = False,
     )
 
 
-# (tokens, heads, sequences, head_dim, state, groups): one token; a decode step (T == B) with a
+# (tokens, sequences, heads, head_dim, state, groups): one token; a decode step (T == B) with a
 # padding slot; packed prefills whose sequences the 8-token chunks of the check op split.
-CHECK_SHAPES = ((1, 2, 1, 8, 8, 1), (5, 4, 5, 8, 16, 2), (29, 4, 3, 16, 8, 2))
+CHECK_SHAPES = ((1, 1, 2, 8, 8, 1), (5, 5, 4, 8, 16, 2), (29, 3, 4, 16, 8, 2))
 CHECK_CHUNK = 8
 
 
@@ -208,6 +208,6 @@ def check_cases():
     from dualop.testing import OpCase
 
     def make_op(shape):
-        return SSDChunkScan(shape[1], shape[3], shape[4], shape[5], chunk_size=CHECK_CHUNK, dt_limit=(0.0, 4.0))
+        return SSDChunkScan(shape[2], shape[3], shape[4], shape[5], chunk_size=CHECK_CHUNK, dt_limit=(0.0, 4.0))
 
     return [OpCase(OP, OP, make_op, make_ssd_inputs, CHECK_SHAPES)]
