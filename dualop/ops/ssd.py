@@ -12,7 +12,7 @@ kernels compute it in the chunked state-space-duality form (matmuls within chunk
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 from dualop.backends import array_namespace
 from dualop.backends.torch.triton_launch import call_triton
@@ -43,6 +43,10 @@ class SSDChunkScan(CustomOp):
     ``A`` is the per-head decay (``-exp(A_log)``, float32); ``Δ = dt + dt_bias``, softplus'd when
     ``delta_softplus``, clamped to ``dt_limit``; head ``h`` reads B and C of group ``h // (H / G)``.
     """
+
+    # torch updates the given cache in place (torch.library declares it; backends/torch/library.py)
+    mutates_args: ClassVar[tuple[str, ...]] = ("ssm_state",)
+    mutated_results: ClassVar[tuple[str | None, ...]] = (None, "ssm_state")
 
     def __init__(self, num_heads: int, head_dim: int, state_size: int, n_groups: int = 1, chunk_size: int = 256,
                  delta_softplus: bool = True, dt_limit: tuple[float, float] = (0.0, float("inf")), *,
