@@ -20,7 +20,7 @@ from dualop.backends.xla.pallas_bridge import call_pallas
 from dualop.custom_op import CustomOp
 from dualop.kernels import ssm_math
 from dualop.kernels.registry import KernelRef
-from dualop.ops._checks import check_array, check_optional_like, cpu_declines
+from dualop.ops._checks import check_array, check_optional_like, cpu_declines, decline_if_recording
 from dualop.ops.ssm_batch import SSMBatch, ssm_batch
 from dualop.platforms import family_of, frontend_of
 
@@ -130,7 +130,10 @@ class SSDChunkScan(CustomOp):
     def forward_cpu(self, x: Any, dt: Any, A: Any, B: Any, C: Any, D: Any = None, z: Any = None,
                     dt_bias: Any = None, ssm_state: Any = None, cu_seqlens: Any = None, state_indices: Any = None,
                     has_initial_state: Any = None) -> tuple[Any, Any]:
-        """torch on the CPU: the chunked form as batched torch matmuls (``kernels/cpu/ssd.py``)."""
+        """torch on the CPU: the chunked form as batched torch matmuls (``kernels/cpu/ssd.py``);
+        while autograd records, the native recurrence runs (its gradients are the reference's: the
+        chunked form's differ by more than the 16-bit tolerance)."""
+        decline_if_recording(OP, x, dt, A, B, C, D, z, dt_bias)
         args = self._kernel_args(x, dt, A, B, C, D, z, dt_bias, ssm_state, cu_seqlens, state_indices,
                                  has_initial_state)
         return _CPU_SSD.resolve()(*args, **self._static)
