@@ -85,16 +85,16 @@ def scan_packed(xp, step: Callable, per_token: tuple, initial: Any, layout: tupl
         return ys, finals
     import torch
 
+    # Selects on the metadata tensors, not Python branches on their values: torch.compile traces
+    # this loop (the native body under custom_ops="none") without reading data.
     finals = initial.clone()
-    seq_l, first_l, last_l = seq.tolist(), is_first.tolist(), is_last.tolist()
-    h, ys = None, []
+    h, ys = torch.zeros_like(initial[0]), []
     for t in range(num_tokens):
-        if first_l[t]:
-            h = initial[seq_l[t]]
+        s = seq[t:t + 1]  # a one-element index tensor (an int index would read its value)
+        h = torch.where(is_first[t], initial.index_select(0, s)[0], h)
         h, y = step(h, *(a[t] for a in per_token))
         ys.append(y)
-        if last_l[t]:
-            finals[seq_l[t]] = h
+        finals.index_copy_(0, s, torch.where(is_last[t], h, finals.index_select(0, s)[0])[None])
     if not ys:
         return None, finals
     return torch.stack(ys), finals

@@ -96,7 +96,7 @@ def ssm_batch(op: str, x: Any, cu_seqlens: Any, state_indices: Any, has_initial_
     num_tokens = int(x.shape[0])
     if cu_seqlens is None:
         num_seqs = 1
-        cu = xp.asarray([0, num_tokens], like=x, dtype=xp.int32)
+        cu = xp.arange(2, like=x, dtype=xp.int32) * num_tokens  # [0, T], made on x's device (no host copy)
     else:
         _check_index_array(op, "cu_seqlens", cu_seqlens, fe, _INDEX_DTYPES, None)
         num_seqs = int(cu_seqlens.shape[0]) - 1
@@ -149,7 +149,7 @@ def ssm_batch(op: str, x: Any, cu_seqlens: Any, state_indices: Any, has_initial_
                 raise ValueError(f"{op}: argument 'state_indices' gives two sequences the same slot")
 
     if has_initial_state is None:
-        init = xp.asarray([state_given] * num_seqs, like=x, dtype=xp.bool_)
+        init = xp.arange(num_seqs, like=x, dtype=xp.int32) >= (0 if state_given else num_seqs)  # all True / all False
     else:
         _check_index_array(op, "has_initial_state", has_initial_state, fe, ("bool",), num_seqs)
         init = has_initial_state

@@ -203,9 +203,6 @@ def bincount(x: torch.Tensor, length: int) -> torch.Tensor:
 
 
 # --- state-space serving batches (ops/ssm_batch.py) --------------------------------------------
-bool_ = torch.bool
-
-
 def zeros(shape, like: torch.Tensor, dtype=None) -> torch.Tensor:
     """Zeros of ``shape`` on ``like``'s device (``like``'s dtype unless ``dtype`` says otherwise)."""
     return torch.zeros(tuple(shape), dtype=dtype if dtype is not None else like.dtype, device=like.device)

@@ -182,9 +182,6 @@ def bincount(x: jax.Array, length: int) -> jax.Array:
 
 
 # --- state-space serving batches (ops/ssm_batch.py) --------------------------------------------
-bool_ = jnp.bool_
-
-
 def zeros(shape, like: jax.Array, dtype=None) -> jax.Array:
     """Zeros of ``shape`` (``like``'s dtype unless ``dtype`` says otherwise)."""
     return jnp.zeros(tuple(shape), dtype=dtype if dtype is not None else like.dtype)
