@@ -289,7 +289,7 @@ class _ConvNd(CustomOp):
         rows = x.reshape(split).permute(0, *range(2, 2 + 2 * n, 2), 1, *range(3, 3 + 2 * n, 2))
         rows = rows.reshape(items * patches, self.patch_size)
         y = rows @ w.t() if bias is None else torch.addmm(bias, rows, w.t())
-        return y.view(items, patches, self.out_channels).transpose(1, 2).reshape(items, self.out_channels, *outs)
+        return y.view(items, patches, self.out_channels).transpose(1, 2).contiguous().view(items, self.out_channels, *outs)
 
     def forward_cpu(self, x: Any, weight: Any, bias: Any = None) -> Any:
         return self._patch_embed(x, weight, bias, on_cpu=True)
