@@ -105,8 +105,9 @@ def _classify(x: Any) -> str | None:
     return None
 
 
-# torch device types that make a torch.Tensor another frontend's (the bridges differ).
-_FRONTEND_OF_DEVICE = {"xla": "torch_xla", "tpu": "torch_tpu"}
+# torch device types that make a torch.Tensor another frontend's (the bridges differ). "jax" is torchax
+# tensors that are not torchax.tensor.Tensor instances: the views torchax hands out for slices.
+_FRONTEND_OF_DEVICE = {"xla": "torch_xla", "tpu": "torch_tpu", "jax": "torchax"}
 
 
 def frontend_of(x: Any) -> str | None:
