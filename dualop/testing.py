@@ -93,7 +93,15 @@ def compare(got: np.ndarray, want: np.ndarray, dtype: str) -> Comparison:
 
 
 def _ensure_pjrt_device() -> None:
-    """torch_xla needs PJRT_DEVICE; with no TPU attached, use its CPU client."""
+    """torch_xla needs PJRT_DEVICE; with no TPU attached, use its CPU client. Its lazy graphs are
+    compiled whole, and XLA's default excess precision then skips the bfloat16 roundings the ops
+    spell out, so forward_native (the reference a kernel is checked against) would round where its
+    fusions fall: the checks turn that off (``--xla_allow_excess_precision=false``) unless
+    ``XLA_FLAGS`` already sets it. (Seen: a mixer's native body 1-2 bf16 ulp away from itself run op
+    by op, outside the table at small outputs.)"""
+    flags = os.environ.get("XLA_FLAGS", "")
+    if "xla_allow_excess_precision" not in flags:
+        os.environ["XLA_FLAGS"] = f"{flags} --xla_allow_excess_precision=false".strip()
     if "PJRT_DEVICE" not in os.environ:
         from dualop.platforms import tpu_attached
 
