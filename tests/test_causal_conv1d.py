@@ -12,14 +12,14 @@ import torch
 
 from dualop import OpsConfig, override_platform, set_config, testing
 from dualop.ops import CausalConv1d
-from dualop.ops.causal_conv1d import packed_batch
+from dualop.ops.ssm_batch import random_serving_batch
 
 K = 4
 
 
 def _inputs(tokens, dim, seqs, seed, *, padding=True, bias=True):
     rng = np.random.default_rng(seed)
-    cu, slots, init, num_slots = packed_batch(tokens, seqs, rng, padding=padding)
+    cu, slots, init, num_slots = random_serving_batch(tokens, seqs, rng, padding=padding)
     x = rng.standard_normal((tokens, dim)).astype(np.float32)
     w = (0.5 * rng.standard_normal((dim, K))).astype(np.float32)
     b = rng.standard_normal(dim).astype(np.float32) if bias else None

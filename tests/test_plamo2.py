@@ -19,6 +19,8 @@ replaced by the references.
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import pytest
 import torch
@@ -378,7 +380,8 @@ def test_platform_body_wiring_matches_native(frontend):
     shape = CHECK_SHAPES[3] if frontend == "torch" else CHECK_SHAPES[1]
     op = _op(shape)
     op._kernel_op_instances = (_ReferenceConv(op), _ReferenceSSD(op))
-    native, platform = op.forward_native, op._forward_kernels
+    method = "forward_cpu" if frontend == "torch" else "forward_tpu"
+    native, platform = op.forward_native, functools.partial(op._forward_kernels, method)
     if frontend == "jax":
         import jax
 

@@ -82,13 +82,13 @@ def _bridge_nodes(gm) -> list:
     return [n for n in gm.graph.nodes if n.op == "call_function" and str(n.target).startswith("dualop.pallas_")]
 
 
-# mamba_mixer with its kernel ops: in_proj, x_proj, dt_proj, out_proj (XLA's dot) and the two kernels.
+# The mixers: each projection is the linear op's XLA dot (dualop.ops._mixer), then the kernel ops.
+# mamba_mixer: in_proj, x_proj, dt_proj, out_proj, the conv and the selective scan.
 KERNEL_LAUNCHES["mamba_mixer"] = 6
-# mamba_mixer2: in_proj and out_proj (ReplicatedLinear's XLA dot), the conv, the SSD scan and the gated norm.
+# mamba_mixer2: in_proj, out_proj, the conv, the SSD scan and the gated norm.
 KERNEL_LAUNCHES["mamba_mixer2"] = 5
-# plamo2_mamba_mixer: the conv and the SSD scan (its projections run as torch matmuls on the device:
-# to be brought to the other mixers' rule, issue 12).
-KERNEL_LAUNCHES["plamo2_mamba_mixer"] = 2
+# plamo2_mamba_mixer: in_proj, bcdt_proj, dt_proj, out_proj, the conv and the SSD scan.
+KERNEL_LAUNCHES["plamo2_mamba_mixer"] = 6
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.label for c in CASES])

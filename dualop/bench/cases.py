@@ -859,11 +859,11 @@ def _conv_sequences(split: str, tokens: int) -> int:
 
 def _causal_conv1d_inputs(split: str):
     def make(shape, rng):
-        from dualop.ops.causal_conv1d import packed_batch
+        from dualop.ops.ssm_batch import random_serving_batch
         from dualop.testing import Pinned
 
         tokens, dim = shape
-        cu, slots, _, num_slots = packed_batch(tokens, _conv_sequences(split, tokens), rng, padding=False)
+        cu, slots, _, num_slots = random_serving_batch(tokens, _conv_sequences(split, tokens), rng, padding=False)
         return (rng.standard_normal((tokens, dim), dtype=np.float32),
                 0.5 * rng.standard_normal((dim, _CONV_WIDTH), dtype=np.float32),
                 rng.standard_normal(dim, dtype=np.float32),

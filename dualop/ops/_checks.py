@@ -13,7 +13,7 @@ from dualop.platforms import family_of, frontend_of
 
 __all__ = [
     "FLOAT_DTYPES", "dtype_name", "check_array", "check_optional_like", "records_grad", "cpu_declines",
-    "decline_if_recording", "concrete_values",
+    "decline_if_recording", "concrete_values", "check_positive_int",
 ]
 
 # The floating dtypes every dualop kernel takes.
@@ -23,6 +23,15 @@ FLOAT_DTYPES = frozenset({"float32", "bfloat16", "float16"})
 def dtype_name(x: Any) -> str:
     """``float32``, ``bfloat16``, ... for a torch or jax array."""
     return str(x.dtype).removeprefix("torch.")
+
+
+def check_positive_int(op: str, name: str, value: Any) -> int:
+    """A constructor's size argument: a positive int (numpy ints too, bools not)."""
+    import numpy as np
+
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value <= 0:
+        raise ValueError(f"{op}: {name} must be a positive int, got {value!r}")
+    return int(value)
 
 
 def _describe(x: Any) -> str:

@@ -34,8 +34,8 @@ from dualop.backends.xla.pallas_bridge import call_pallas
 from dualop.custom_op import CustomOp
 from dualop.kernels import ssm_math
 from dualop.kernels.registry import KernelRef
-from dualop.ops._checks import check_array, check_optional_like, cpu_declines
-from dualop.ops.ssm_batch import SSMBatch, ssm_batch
+from dualop.ops._checks import check_array, check_optional_like, check_positive_int, cpu_declines
+from dualop.ops.ssm_batch import SSMBatch, random_serving_batch, ssm_batch
 from dualop.platforms import family_of, frontend_of
 
 __all__ = ["CausalConv1d"]
@@ -53,10 +53,6 @@ def _torch_float32():
     return torch.float32
 
 
-def _positive_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value > 0
-
-
 @CustomOp.register(OP)
 class CausalConv1d(CustomOp):
     """Depthwise causal conv1d with a per-sequence conv state (see the module docstring)."""
@@ -69,9 +65,8 @@ class CausalConv1d(CustomOp):
     def __init__(self, dim: int, kernel_size: int, activation: str | None = "silu", *,
                  enforce_enable: bool = False) -> None:
         super().__init__(enforce_enable=enforce_enable)
-        if not _positive_int(dim):
-            raise ValueError(f"{OP}: dim must be a positive int, got {dim!r}")
-        if not _positive_int(kernel_size) or kernel_size < 2:
+        check_positive_int(OP, "dim", dim)
+        if check_positive_int(OP, "kernel_size", kernel_size) < 2:
             raise ValueError(f"{OP}: kernel_size must be an int >= 2, got {kernel_size!r}")
         if activation not in _ACTIVATIONS:
             raise ValueError(f"{OP}: activation must be 'silu' or None, got {activation!r}")
@@ -163,25 +158,6 @@ CHECK_SHAPES = ((1, 1, 128), (5, 5, 136), (21, 4, 128))  # (tokens, sequences, d
 CHECK_KERNEL_SIZE = 4
 
 
-def packed_batch(tokens: int, sequences: int, rng, *, padding: bool = True):
-    """Random serving metadata for ``sequences`` sequences over ``tokens`` tokens (numpy): int32
-    ``cu_seqlens`` (every sequence non-empty), ``state_indices`` (distinct slots out of
-    ``2 * sequences + 1``, one padding -1 when ``padding`` and B > 1) and ``has_initial_state``."""
-    import numpy as np
-
-    if sequences == tokens:
-        lengths = np.ones(sequences, np.int64)
-    else:
-        cuts = np.sort(rng.choice(np.arange(1, tokens), sequences - 1, replace=False))
-        lengths = np.diff(np.concatenate([[0], cuts, [tokens]]))
-    cu = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
-    slots = rng.permutation(2 * sequences + 1)[:sequences].astype(np.int32)
-    if padding and sequences > 1:
-        slots[rng.integers(sequences)] = -1
-    init = rng.random(sequences) < 0.6
-    return cu, slots, init, 2 * sequences + 1
-
-
 def check_cases():
     """Serving batches over a cache of ``2B + 1`` slots (untouched slots must stay as they were):
     with bias and SiLU (Mamba), and without either (LFM2's ShortConv)."""
@@ -190,7 +166,7 @@ def check_cases():
     def inputs(with_bias: bool):
         def make(shape, rng):
             tokens, sequences, dim = shape
-            cu, slots, init, num_slots = packed_batch(tokens, sequences, rng)
+            cu, slots, init, num_slots = random_serving_batch(tokens, sequences, rng)
             return (
                 normal((tokens, dim), rng), 0.5 * normal((dim, CHECK_KERNEL_SIZE), rng),
                 normal((dim,), rng) if with_bias else None, normal((num_slots, dim, CHECK_KERNEL_SIZE - 1), rng),

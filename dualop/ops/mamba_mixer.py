@@ -31,7 +31,7 @@ rounds between steps, and in bfloat16 the steps round where the engine's do. A p
 (slot -1) gives zero outputs (``out_proj_bias`` included) and writes neither state.
 
 The platform methods (``forward_cpu``/``forward_cuda``/``forward_tpu``, one body) run the
-projections with the vendor matmul (``F.linear``; XLA's dot for jax) and call the kernel ops
+projections with the linear op's vendor GEMM (``dualop.ops._mixer``) and call the kernel ops
 ``CausalConv1d`` (``dualop.ops.causal_conv1d``) and ``SelectiveScan`` (``dualop.ops.selective_scan``),
 which dispatch to their own kernels.
 """
@@ -44,47 +44,16 @@ from dualop.backends import array_namespace
 from dualop.custom_op import CustomOp
 from dualop.kernels import ssm_math
 from dualop.kernels.norm_math import NormSpec, rms_normalize
-from dualop.ops._checks import check_array, check_optional_like, cpu_declines
+from dualop.ops._checks import check_array, check_optional_like, check_positive_int, cpu_declines
+from dualop.ops._mixer import project, projection
 from dualop.ops.causal_conv1d import CausalConv1d
 from dualop.ops.selective_scan import SelectiveScan
 from dualop.ops.ssm_batch import SSMBatch, ssm_batch
-from dualop.platforms import family_of, frontend_of
+from dualop.platforms import family_of
 
 __all__ = ["MambaMixer"]
 
 _OP = "mamba_mixer"
-
-
-def _positive_int(name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"{_OP}: {name} must be a positive int, got {value!r}")
-    return value
-
-
-def _native_gemm(xp, x: Any, weight: Any, bias: Any = None) -> Any:
-    """``x @ weight.T (+ bias)``: float32 operands at full precision, one rounding to x's dtype."""
-    y = xp.einsum("tk,nk->tn", xp.astype(x, xp.float32), xp.astype(weight, xp.float32))
-    if bias is not None:
-        y = y + xp.astype(bias, xp.float32)
-    return xp.astype(y, x.dtype)
-
-
-def _vendor_gemm(x: Any, weight: Any, bias: Any = None) -> Any:
-    """``x @ weight.T (+ bias)`` with the platform's own GEMM, as the linear ops run it: ``F.linear``
-    for torch tensors on the CPU and GPUs, XLA's dot (``kernels/xla_linear``: float32 accumulation,
-    one rounding to x's dtype) through the Pallas bridge for jax arrays and torch_xla / torchax /
-    torch_tpu tensors. The weight is cast to x's dtype first."""
-    from dualop.ops.linear import _XLA_LINEAR, _native_gemm as linear_native
-
-    fe = frontend_of(x)
-    if family_of(fe) == "jax" or fe != "torch":
-        from dualop.backends.xla.pallas_bridge import call_pallas
-
-        weight = weight.astype(x.dtype) if family_of(fe) == "jax" else weight.to(x.dtype)
-        return call_pallas(fe, _XLA_LINEAR, x, weight, bias, native=linear_native)
-    import torch.nn.functional as F
-
-    return F.linear(x, weight.to(x.dtype), None if bias is None else bias.to(x.dtype))
 
 
 @CustomOp.register(_OP)
@@ -112,11 +81,11 @@ class MambaMixer(CustomOp):
         enforce_enable: bool = False,
     ) -> None:
         super().__init__(enforce_enable=enforce_enable)
-        self.hidden_size = _positive_int("hidden_size", hidden_size)
-        self.ssm_state_size = _positive_int("ssm_state_size", ssm_state_size)
-        self.conv_kernel_size = _positive_int("conv_kernel_size", conv_kernel_size)
-        self.intermediate_size = _positive_int("intermediate_size", intermediate_size)
-        self.time_step_rank = _positive_int("time_step_rank", time_step_rank)
+        self.hidden_size = check_positive_int(_OP, "hidden_size", hidden_size)
+        self.ssm_state_size = check_positive_int(_OP, "ssm_state_size", ssm_state_size)
+        self.conv_kernel_size = check_positive_int(_OP, "conv_kernel_size", conv_kernel_size)
+        self.intermediate_size = check_positive_int(_OP, "intermediate_size", intermediate_size)
+        self.time_step_rank = check_positive_int(_OP, "time_step_rank", time_step_rank)
         if activation not in ("silu", None):
             raise ValueError(f"{_OP}: activation must be 'silu' or None, got {activation!r}")
         if isinstance(rms_norm_eps, bool) or not isinstance(rms_norm_eps, (int, float)) or not rms_norm_eps >= 0:
@@ -126,6 +95,12 @@ class MambaMixer(CustomOp):
         self.activation = activation
         self.norm_spec = NormSpec(eps=self.rms_norm_eps)
         self._kernel_op_instances: tuple[Any, Any] | None = None
+        i, h, r, n = self.intermediate_size, self.hidden_size, self.time_step_rank, self.ssm_state_size
+        # the projections (dualop.ops._mixer); dt_proj's bias is added inside the scan
+        self.in_proj = projection(h, 2 * i, bias=self.use_bias)
+        self.x_proj = projection(i, r + 2 * n)
+        self.dt_proj = projection(r, i)
+        self.out_proj = projection(i, h, bias=self.use_bias)
 
     # -- shapes and checks ---------------------------------------------------------------------------
 
@@ -213,16 +188,16 @@ class MambaMixer(CustomOp):
     def _norm(self, xp, v: Any, weight: Any) -> Any:
         return rms_normalize(xp, xp.astype(v, xp.float32), weight, self.norm_spec, v.dtype)
 
-    def _dt_b_c(self, xp, gemm, x, x_proj_weight, dt_proj_weight, dt_norm_weight, b_norm_weight, c_norm_weight):
+    def _dt_b_c(self, xp, method, x, x_proj_weight, dt_proj_weight, dt_norm_weight, b_norm_weight, c_norm_weight):
         """Steps 3 and 4: ``x_proj``, the split, the optional norms, ``dt_proj`` (no bias)."""
         r, n = self.time_step_rank, self.ssm_state_size
-        dbc = gemm(x, x_proj_weight)
+        dbc = project(self.x_proj, method, x, x_proj_weight)
         dt, b, c = dbc[:, :r], dbc[:, r:r + n], dbc[:, r + n:]
         if self.use_rms_norm:
             dt = self._norm(xp, dt, dt_norm_weight)
             b = self._norm(xp, b, b_norm_weight)
             c = self._norm(xp, c, c_norm_weight)
-        return gemm(dt, dt_proj_weight), b, c
+        return project(self.dt_proj, method, dt, dt_proj_weight), b, c
 
     @staticmethod
     def _zero_padding_tokens(xp, out: Any, batch: SSMBatch) -> Any:
@@ -244,23 +219,19 @@ class MambaMixer(CustomOp):
         xp = array_namespace(hidden_states)
         conv_b, ssm_b = self._batches(hidden_states, conv_state, ssm_state, cu_seqlens, state_indices,
                                       has_initial_state)
-
-        def gemm(v, w, b=None):
-            return _native_gemm(xp, v, w, b)
-
         i = self.intermediate_size
-        xz = gemm(hidden_states, in_proj_weight, in_proj_bias)
+        xz = project(self.in_proj, "forward_native", hidden_states, in_proj_weight, in_proj_bias)
         x, z = xz[:, :i], xz[:, i:]
         x, new_conv = ssm_math.causal_conv1d_reference(
             xp, x, conv_weight, conv_bias, conv_b.state, conv_b.cu_seqlens, conv_b.state_indices,
             conv_b.has_initial_state, self.activation)
-        dt, b, c = self._dt_b_c(xp, gemm, x, x_proj_weight, dt_proj_weight, dt_norm_weight, b_norm_weight,
-                                c_norm_weight)
+        dt, b, c = self._dt_b_c(xp, "forward_native", x, x_proj_weight, dt_proj_weight, dt_norm_weight,
+                                b_norm_weight, c_norm_weight)
         a = -xp.exp(xp.astype(A_log, xp.float32))
         y, new_ssm = ssm_math.selective_scan_reference(
             xp, x, dt, a, b, c, D, z, dt_proj_bias, ssm_b.state, ssm_b.cu_seqlens, ssm_b.state_indices,
             ssm_b.has_initial_state, delta_softplus=True)
-        out = gemm(y, out_proj_weight, out_proj_bias)
+        out = project(self.out_proj, "forward_native", y, out_proj_weight, out_proj_bias)
         if out_proj_bias is not None:
             out = self._zero_padding_tokens(xp, out, ssm_b)
         return out, new_conv, new_ssm
@@ -285,24 +256,24 @@ class MambaMixer(CustomOp):
             self._kernel_op_instances = (conv, scan)
         return self._kernel_op_instances
 
-    def _forward_kernels(self, hidden_states, in_proj_weight, conv_weight, conv_bias, x_proj_weight, dt_proj_weight,
+    def _forward_kernels(self, method, hidden_states, in_proj_weight, conv_weight, conv_bias, x_proj_weight, dt_proj_weight,
                          dt_proj_bias, A_log, D, out_proj_weight, in_proj_bias=None, out_proj_bias=None,
                          dt_norm_weight=None, b_norm_weight=None, c_norm_weight=None, conv_state=None, ssm_state=None,
                          cu_seqlens=None, state_indices=None, has_initial_state=None):
-        """Vendor matmuls around the kernel ops (each dispatches to its own kernel; decode, T == B,
-        takes their step kernels)."""
+        """The platform ``method``: the projections' vendor GEMMs (``dualop.ops._mixer``) around the
+        kernel ops (each dispatches to its own kernel; decode, T == B, takes their step kernels)."""
         xp = array_namespace(hidden_states)
         conv_op, scan_op = self._kernel_ops()
         i = self.intermediate_size
-        xz = _vendor_gemm(hidden_states, in_proj_weight, in_proj_bias)
+        xz = project(self.in_proj, method, hidden_states, in_proj_weight, in_proj_bias)
         x, z = xz[:, :i], xz[:, i:]
         x, new_conv = conv_op(x, conv_weight, conv_bias, conv_state, cu_seqlens, state_indices, has_initial_state)
-        dt, b, c = self._dt_b_c(xp, _vendor_gemm, x, x_proj_weight, dt_proj_weight, dt_norm_weight, b_norm_weight,
+        dt, b, c = self._dt_b_c(xp, method, x, x_proj_weight, dt_proj_weight, dt_norm_weight, b_norm_weight,
                                 c_norm_weight)
         a = -xp.exp(xp.astype(A_log, xp.float32))
         y, new_ssm = scan_op(x, dt, a, b, c, D, z, dt_proj_bias, ssm_state, cu_seqlens, state_indices,
                              has_initial_state)
-        out = _vendor_gemm(y, out_proj_weight, out_proj_bias)
+        out = project(self.out_proj, method, y, out_proj_weight, out_proj_bias)
         if out_proj_bias is not None:
             _, ssm_b = self._batches(hidden_states, conv_state, ssm_state, cu_seqlens, state_indices,
                                      has_initial_state)
@@ -311,15 +282,15 @@ class MambaMixer(CustomOp):
 
     def forward_cpu(self, *args: Any, **kwargs: Any) -> tuple[Any, Any, Any]:
         """torch on the CPU: ``F.linear`` and the kernel ops' CPU kernels."""
-        return self._forward_kernels(*args, **kwargs)
+        return self._forward_kernels("forward_cpu", *args, **kwargs)
 
     def forward_cuda(self, *args: Any, **kwargs: Any) -> tuple[Any, Any, Any]:
         """torch on a GPU: cuBLAS through ``F.linear`` and the kernel ops' Triton kernels."""
-        return self._forward_kernels(*args, **kwargs)
+        return self._forward_kernels("forward_cuda", *args, **kwargs)
 
     def forward_tpu(self, *args: Any, **kwargs: Any) -> tuple[Any, Any, Any]:
         """On a TPU: XLA's dot and the kernel ops' Pallas kernels (reached through their bridges)."""
-        return self._forward_kernels(*args, **kwargs)
+        return self._forward_kernels("forward_tpu", *args, **kwargs)
 
     def extra_repr(self) -> str:
         return (f"hidden_size={self.hidden_size}, intermediate_size={self.intermediate_size}, "

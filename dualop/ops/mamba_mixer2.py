@@ -14,20 +14,14 @@ from typing import Any, ClassVar
 from dualop.backends import array_namespace
 from dualop.custom_op import CustomOp
 from dualop.kernels import ssm_math
-from dualop.ops._checks import check_array, check_optional_like, cpu_declines
+from dualop.ops._checks import check_array, check_optional_like, check_positive_int, cpu_declines
+from dualop.ops._mixer import project, projection
 from dualop.ops.gated_norm import RMSNormGated
-from dualop.ops.linear import ReplicatedLinear
 from dualop.ops.ssm_batch import ssm_batch
 from dualop.parallel import TensorParallel, current_tensor_parallel, divide
 from dualop.platforms import frontend_of
 
 __all__ = ["Mixer2RMSNormGated", "MambaMixer2"]
-
-
-def _positive_int(op: str, name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"{op}: argument {name!r} must be a positive int, got {value!r}")
-    return value
 
 
 def _check_tp(op: str, tp: Any) -> TensorParallel:
@@ -74,8 +68,8 @@ class Mixer2RMSNormGated(CustomOp):
                  tp: TensorParallel | None = None, *, enforce_enable: bool = False) -> None:
         super().__init__(enforce_enable=enforce_enable)
         op = "mixer2_gated_rms_norm"
-        self.full_hidden_size = _positive_int(op, "full_hidden_size", full_hidden_size)
-        self.full_n_groups = _positive_int(op, "full_n_groups", full_n_groups)
+        self.full_hidden_size = check_positive_int(op, "full_hidden_size", full_hidden_size)
+        self.full_n_groups = check_positive_int(op, "full_n_groups", full_n_groups)
         self.group_size = divide(full_hidden_size, full_n_groups, op=op,
                                  what=f"argument 'full_hidden_size' ({full_hidden_size}) over full_n_groups")
         if not isinstance(use_rms_norm, bool):
@@ -221,14 +215,14 @@ class MambaMixer2(CustomOp):
                  enforce_enable: bool = False) -> None:
         super().__init__(enforce_enable=enforce_enable)
         op = _MIXER
-        self.hidden_size = _positive_int(op, "hidden_size", hidden_size)
-        self.ssm_state_size = _positive_int(op, "ssm_state_size", ssm_state_size)
-        self.conv_kernel_size = _positive_int(op, "conv_kernel_size", conv_kernel_size)
-        self.intermediate_size = _positive_int(op, "intermediate_size", intermediate_size)
-        self.n_groups = _positive_int(op, "n_groups", n_groups)
-        self.num_heads = _positive_int(op, "num_heads", num_heads)
-        self.head_dim = _positive_int(op, "head_dim", head_dim)
-        self.chunk_size = _positive_int(op, "chunk_size", chunk_size)
+        self.hidden_size = check_positive_int(op, "hidden_size", hidden_size)
+        self.ssm_state_size = check_positive_int(op, "ssm_state_size", ssm_state_size)
+        self.conv_kernel_size = check_positive_int(op, "conv_kernel_size", conv_kernel_size)
+        self.intermediate_size = check_positive_int(op, "intermediate_size", intermediate_size)
+        self.n_groups = check_positive_int(op, "n_groups", n_groups)
+        self.num_heads = check_positive_int(op, "num_heads", num_heads)
+        self.head_dim = check_positive_int(op, "head_dim", head_dim)
+        self.chunk_size = check_positive_int(op, "chunk_size", chunk_size)
         if num_heads * head_dim != intermediate_size:
             raise ValueError(f"{op}: num_heads * head_dim = {num_heads} * {head_dim} must equal intermediate_size "
                              f"{intermediate_size}")
@@ -251,10 +245,8 @@ class MambaMixer2(CustomOp):
         one = TensorParallel()
         self.norm = Mixer2RMSNormGated(intermediate_size, n_groups, use_rms_norm=self.use_rms_norm, eps=rms_norm_eps,
                                        tp=one, enforce_enable=True)
-        self.in_proj = ReplicatedLinear(hidden_size, self.projection_size, bias=self.use_bias, return_bias=False,
-                                        tp=one, enforce_enable=True)
-        self.out_proj = ReplicatedLinear(intermediate_size, hidden_size, bias=self.use_bias, return_bias=False,
-                                         tp=one, enforce_enable=True)
+        self.in_proj = projection(hidden_size, self.projection_size, bias=self.use_bias)
+        self.out_proj = projection(intermediate_size, hidden_size, bias=self.use_bias)
         self._conv, self._ssd = _kernel_ops(self)
 
     def extra_repr(self) -> str:
@@ -359,7 +351,7 @@ class MambaMixer2(CustomOp):
         conv_b, ssm_b = self._batches(hidden_states, conv_state, ssm_state, cu_seqlens, state_indices,
                                       has_initial_state)
         meta = (conv_b.cu_seqlens, conv_b.state_indices, conv_b.has_initial_state)
-        z, xbc, dt = self._split(xp, self.in_proj.forward_native(hidden_states, in_proj_weight, in_proj_bias))
+        z, xbc, dt = self._split(xp, project(self.in_proj, "forward_native", hidden_states, in_proj_weight, in_proj_bias))
         xbc, conv_out = ssm_math.causal_conv1d_reference(xp, xbc, conv_weight, conv_bias, conv_b.state, *meta,
                                                          self.activation)
         x, b, c = self._split_xbc(xp, xbc)
@@ -367,7 +359,7 @@ class MambaMixer2(CustomOp):
         y, ssm_out = ssm_math.ssd_reference(xp, x, dt, a, b, c, D, None, dt_bias, ssm_b.state, *meta, True,
                                             self.time_step_limit)
         y = self.norm.forward_native(xp.reshape(y, (y.shape[0], self.intermediate_size)), z, norm_weight)
-        out = self.out_proj.forward_native(y, out_proj_weight, out_proj_bias)
+        out = project(self.out_proj, "forward_native", y, out_proj_weight, out_proj_bias)
         return self._zero_padding(xp, out, conv_b), conv_out, ssm_out
 
     def declines(self, method: str, frontend: str) -> str | None:
@@ -383,7 +375,7 @@ class MambaMixer2(CustomOp):
                                   has_initial_state)
         meta = dict(cu_seqlens=conv_b.cu_seqlens, state_indices=conv_b.state_indices,
                     has_initial_state=conv_b.has_initial_state)
-        projected = getattr(self.in_proj, method)(hidden_states, in_proj_weight, in_proj_bias)
+        projected = project(self.in_proj, method, hidden_states, in_proj_weight, in_proj_bias)
         z, xbc, dt = self._split(xp, projected)
         xbc, conv_out = self._conv(xbc, conv_weight, conv_bias, conv_state=conv_state, **meta)
         x, b, c = self._split_xbc(xp, xbc)
@@ -393,7 +385,7 @@ class MambaMixer2(CustomOp):
         norm = self.norm
         y = getattr(norm, method)(y, z, norm_weight) if norm.declines(method, frontend_of(y)) is None else \
             norm.forward_native(y, z, norm_weight)
-        out = getattr(self.out_proj, method)(y, out_proj_weight, out_proj_bias)
+        out = project(self.out_proj, method, y, out_proj_weight, out_proj_bias)
         return self._zero_padding(xp, out, conv_b), conv_out, ssm_out
 
     def forward_cpu(self, *args, **kwargs):

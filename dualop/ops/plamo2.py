@@ -31,7 +31,7 @@ the engine's RMSNorm (normalised in float32, rounded, then times the weight). A 
 (slot -1) gives zero outputs and writes neither state.
 
 The platform methods (``forward_cpu``/``forward_cuda``/``forward_tpu``, one body) run the
-projections with the vendor matmul (``F.linear``; XLA's dot for jax) and call the kernel ops
+projections with the linear op's vendor GEMM (``dualop.ops._mixer``) and call the kernel ops
 ``CausalConv1d`` (``dualop.ops.causal_conv1d``) and ``SSDChunkScan`` (``dualop.ops.ssd``), which
 dispatch to their own kernels.
 """
@@ -44,11 +44,12 @@ from dualop.backends import array_namespace
 from dualop.custom_op import CustomOp
 from dualop.kernels import ssm_math
 from dualop.kernels.norm_math import NormSpec, rms_normalize
-from dualop.ops._checks import check_array, check_optional_like, cpu_declines
+from dualop.ops._checks import check_array, check_optional_like, check_positive_int, cpu_declines
+from dualop.ops._mixer import project, projection
 from dualop.ops.causal_conv1d import CausalConv1d
 from dualop.ops.ssd import SSDChunkScan
 from dualop.ops.ssm_batch import SSMBatch, ssm_batch
-from dualop.platforms import family_of, frontend_of
+from dualop.platforms import family_of
 
 __all__ = ["Plamo2MambaMixer"]
 
@@ -56,30 +57,6 @@ _OP = "plamo2_mamba_mixer"
 # The weight arguments in call order (all required: PLaMo 2 has no optional parameter).
 _WEIGHTS = ("in_proj_weight", "conv_weight", "bcdt_proj_weight", "dt_proj_weight", "dt_bias", "A_log", "D",
             "dt_norm_weight", "B_norm_weight", "C_norm_weight", "out_proj_weight")
-
-
-def _positive_int(name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"{_OP}: {name} must be a positive int, got {value!r}")
-    return value
-
-
-def _native_gemm(xp, x: Any, weight: Any) -> Any:
-    """``x @ weight.T``: float32 operands at full precision, one rounding to x's dtype."""
-    y = xp.einsum("tk,nk->tn", xp.astype(x, xp.float32), xp.astype(weight, xp.float32))
-    return xp.astype(y, x.dtype)
-
-
-def _vendor_gemm(x: Any, weight: Any) -> Any:
-    """``x @ weight.T`` with the platform's own GEMM: ``F.linear`` for torch tensors (torch_xla and
-    torchax lower it to XLA's dot), XLA's dot for jax arrays (float32 accumulation, one rounding)."""
-    if family_of(frontend_of(x)) == "jax":
-        from dualop.kernels.xla_linear import linear
-
-        return linear(x, weight.astype(x.dtype), None)
-    import torch.nn.functional as F
-
-    return F.linear(x, weight.to(x.dtype))
 
 
 # The checkpoint's key of each weight argument (PLaMo 2's own names, as the engine's loader reads
@@ -129,21 +106,27 @@ class Plamo2MambaMixer(CustomOp):
         enforce_enable: bool = False,
     ) -> None:
         super().__init__(enforce_enable=enforce_enable)
-        self.hidden_size = _positive_int("hidden_size", hidden_size)
-        self.ssm_state_size = _positive_int("ssm_state_size", ssm_state_size)
-        self.conv_kernel_size = _positive_int("conv_kernel_size", conv_kernel_size)
-        self.num_heads = _positive_int("num_heads", num_heads)
-        self.head_dim = _positive_int("head_dim", head_dim)
+        self.hidden_size = check_positive_int(_OP, "hidden_size", hidden_size)
+        self.ssm_state_size = check_positive_int(_OP, "ssm_state_size", ssm_state_size)
+        self.conv_kernel_size = check_positive_int(_OP, "conv_kernel_size", conv_kernel_size)
+        self.num_heads = check_positive_int(_OP, "num_heads", num_heads)
+        self.head_dim = check_positive_int(_OP, "head_dim", head_dim)
         if time_step_rank is None:
             time_step_rank = max(64, hidden_size // 16)  # the engine's rule
-        self.time_step_rank = _positive_int("time_step_rank", time_step_rank)
-        self.chunk_size = _positive_int("chunk_size", chunk_size)
+        self.time_step_rank = check_positive_int(_OP, "time_step_rank", time_step_rank)
+        self.chunk_size = check_positive_int(_OP, "chunk_size", chunk_size)
         if isinstance(rms_norm_eps, bool) or not isinstance(rms_norm_eps, (int, float)) or not rms_norm_eps >= 0:
             raise ValueError(f"{_OP}: rms_norm_eps must be a non-negative float, got {rms_norm_eps!r}")
         self.rms_norm_eps = float(rms_norm_eps)
         self.intermediate_size = self.num_heads * self.head_dim
         self.norm_spec = NormSpec(eps=self.rms_norm_eps)
         self._kernel_op_instances: tuple[Any, Any] | None = None
+        i, h, n, r = self.intermediate_size, self.hidden_size, self.ssm_state_size, self.time_step_rank
+        # the projections (dualop.ops._mixer); PLaMo 2's have no biases (dt_bias is the scan's)
+        self.in_proj = projection(h, 2 * i)
+        self.bcdt_proj = projection(i, 2 * n + r)
+        self.dt_proj = projection(r, self.num_heads)
+        self.out_proj = projection(i, h)
 
     # -- shapes and checks ---------------------------------------------------------------------------
 
@@ -207,18 +190,18 @@ class Plamo2MambaMixer(CustomOp):
 
     # -- the shared steps ----------------------------------------------------------------------------
 
-    def _ssm_parameters(self, xp, gemm, x, bcdt_proj_weight, dt_proj_weight, dt_norm_weight, B_norm_weight,
+    def _ssm_parameters(self, xp, method, x, bcdt_proj_weight, dt_proj_weight, dt_norm_weight, B_norm_weight,
                         C_norm_weight):
         """Steps 3 and 4: ``bcdt_proj``, the split ``[N, N, R]``, the three norms, ``dt_proj``."""
         n = self.ssm_state_size
-        bcdt = gemm(x, bcdt_proj_weight)
+        bcdt = project(self.bcdt_proj, method, x, bcdt_proj_weight)
         b, c, t = bcdt[:, :n], bcdt[:, n:2 * n], bcdt[:, 2 * n:]
 
         def norm(v, weight):
             return rms_normalize(xp, xp.astype(v, xp.float32), weight, self.norm_spec, v.dtype)
 
         b, c, t = norm(b, B_norm_weight), norm(c, C_norm_weight), norm(t, dt_norm_weight)
-        return b, c, gemm(t, dt_proj_weight)
+        return b, c, project(self.dt_proj, method, t, dt_proj_weight)
 
     def _heads(self, v: Any) -> Any:
         """``[T, I]`` -> ``[T, H, P]`` (head h owns channels ``h·P : (h + 1)·P``)."""
@@ -236,23 +219,19 @@ class Plamo2MambaMixer(CustomOp):
         xp = array_namespace(hidden_states)
         conv_b, ssm_b = self._batches(hidden_states, conv_state, ssm_state, cu_seqlens, state_indices,
                                       has_initial_state)
-
-        def gemm(v, w):
-            return _native_gemm(xp, v, w)
-
         i, tokens = self.intermediate_size, hidden_states.shape[0]
-        projected = gemm(hidden_states, in_proj_weight)
+        projected = project(self.in_proj, "forward_native", hidden_states, in_proj_weight)
         gate, x = projected[:, :i], projected[:, i:]
         x, new_conv = ssm_math.causal_conv1d_reference(
             xp, x, conv_weight, None, conv_b.state, conv_b.cu_seqlens, conv_b.state_indices,
             conv_b.has_initial_state, "silu")
-        b, c, dt = self._ssm_parameters(xp, gemm, x, bcdt_proj_weight, dt_proj_weight, dt_norm_weight,
+        b, c, dt = self._ssm_parameters(xp, "forward_native", x, bcdt_proj_weight, dt_proj_weight, dt_norm_weight,
                                         B_norm_weight, C_norm_weight)
         a = -xp.exp(xp.astype(A_log, xp.float32))
         y, new_ssm = ssm_math.ssd_reference(
             xp, self._heads(x), dt, a, b[:, None, :], c[:, None, :], D, self._heads(gate), dt_bias, ssm_b.state,
             ssm_b.cu_seqlens, ssm_b.state_indices, ssm_b.has_initial_state, delta_softplus=True)
-        return gemm(y.reshape(tokens, i), out_proj_weight), new_conv, new_ssm
+        return project(self.out_proj, "forward_native", y.reshape(tokens, i), out_proj_weight), new_conv, new_ssm
 
     # -- the platform body ---------------------------------------------------------------------------
 
@@ -275,35 +254,35 @@ class Plamo2MambaMixer(CustomOp):
             self._kernel_op_instances = (conv, scan)
         return self._kernel_op_instances
 
-    def _forward_kernels(self, hidden_states, in_proj_weight, conv_weight, bcdt_proj_weight, dt_proj_weight, dt_bias,
+    def _forward_kernels(self, method, hidden_states, in_proj_weight, conv_weight, bcdt_proj_weight, dt_proj_weight, dt_bias,
                          A_log, D, dt_norm_weight, B_norm_weight, C_norm_weight, out_proj_weight, conv_state=None,
                          ssm_state=None, cu_seqlens=None, state_indices=None, has_initial_state=None):
-        """Vendor matmuls around the kernel ops (each dispatches to its own kernel; decode, T == B,
-        takes their step kernels)."""
+        """The platform ``method``: the projections' vendor GEMMs (``dualop.ops._mixer``) around the
+        kernel ops (each dispatches to its own kernel; decode, T == B, takes their step kernels)."""
         xp = array_namespace(hidden_states)
         conv_op, scan_op = self._kernel_ops()
         i, tokens = self.intermediate_size, hidden_states.shape[0]
-        projected = _vendor_gemm(hidden_states, in_proj_weight)
+        projected = project(self.in_proj, method, hidden_states, in_proj_weight)
         gate, x = projected[:, :i], projected[:, i:]
         x, new_conv = conv_op(x, conv_weight, None, conv_state, cu_seqlens, state_indices, has_initial_state)
-        b, c, dt = self._ssm_parameters(xp, _vendor_gemm, x, bcdt_proj_weight, dt_proj_weight, dt_norm_weight,
+        b, c, dt = self._ssm_parameters(xp, method, x, bcdt_proj_weight, dt_proj_weight, dt_norm_weight,
                                         B_norm_weight, C_norm_weight)
         a = -xp.exp(xp.astype(A_log, xp.float32))
         y, new_ssm = scan_op(self._heads(x), dt, a, b[:, None, :], c[:, None, :], D, self._heads(gate), dt_bias,
                              ssm_state, cu_seqlens, state_indices, has_initial_state)
-        return _vendor_gemm(y.reshape(tokens, i), out_proj_weight), new_conv, new_ssm
+        return project(self.out_proj, method, y.reshape(tokens, i), out_proj_weight), new_conv, new_ssm
 
     def forward_cpu(self, *args: Any, **kwargs: Any) -> tuple[Any, Any, Any]:
         """torch on the CPU: ``F.linear`` and the kernel ops' CPU kernels."""
-        return self._forward_kernels(*args, **kwargs)
+        return self._forward_kernels("forward_cpu", *args, **kwargs)
 
     def forward_cuda(self, *args: Any, **kwargs: Any) -> tuple[Any, Any, Any]:
         """torch on a GPU: cuBLAS through ``F.linear`` and the kernel ops' Triton kernels."""
-        return self._forward_kernels(*args, **kwargs)
+        return self._forward_kernels("forward_cuda", *args, **kwargs)
 
     def forward_tpu(self, *args: Any, **kwargs: Any) -> tuple[Any, Any, Any]:
         """On a TPU: XLA's dot and the kernel ops' Pallas kernels (reached through their bridges)."""
-        return self._forward_kernels(*args, **kwargs)
+        return self._forward_kernels("forward_tpu", *args, **kwargs)
 
     def extra_repr(self) -> str:
         return (f"hidden_size={self.hidden_size}, num_heads={self.num_heads}, head_dim={self.head_dim}, "

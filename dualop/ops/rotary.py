@@ -23,7 +23,9 @@ from dualop.backends.xla.pallas_bridge import call_pallas
 from dualop.custom_op import CustomOp
 from dualop.kernels.registry import KernelRef
 from dualop.kernels.rope_math import rotate
-from dualop.ops._checks import check_array, concrete_values, cpu_declines, decline_if_recording, dtype_name
+from dualop.ops._checks import (
+    check_array, check_positive_int, concrete_values, cpu_declines, decline_if_recording, dtype_name,
+)
 from dualop.platforms import family_of, frontend_of
 
 __all__ = ["RotaryEmbedding", "ApplyRotaryEmb", "DualChunkRotaryEmbedding"]
@@ -77,12 +79,6 @@ def _is_fake(t: Any) -> bool:
     import torch
 
     return isinstance(t, torch._subclasses.fake_tensor.FakeTensor)
-
-
-def check_positive_int(op: str, name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value <= 0:
-        raise ValueError(f"{op}: {name} must be a positive int, got {value!r}")
-    return int(value)
 
 
 def check_positive_float(op: str, name: str, value: Any) -> float:

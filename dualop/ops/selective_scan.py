@@ -33,7 +33,9 @@ from dualop.custom_op import CustomOp
 from dualop.kernels import ssm_math
 from dualop.backends import array_namespace
 from dualop.kernels.registry import KernelRef
-from dualop.ops._checks import check_array, check_optional_like, cpu_declines, decline_if_recording, dtype_name
+from dualop.ops._checks import (
+    check_array, check_optional_like, check_positive_int, cpu_declines, decline_if_recording, dtype_name,
+)
 from dualop.ops.ssm_batch import SSMBatch, ssm_batch
 from dualop.platforms import family_of, frontend_of
 
@@ -54,10 +56,6 @@ def _is_fake(x: Any) -> bool:
     return isinstance(x, FakeTensor)
 
 
-def _positive_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value > 0
-
-
 @CustomOp.register("selective_scan")
 class SelectiveScan(CustomOp):
     """Mamba-1's selective scan with serving state (see the module docstring)."""
@@ -68,10 +66,8 @@ class SelectiveScan(CustomOp):
 
     def __init__(self, dim: int, state_size: int, delta_softplus: bool = True, *, enforce_enable: bool = False) -> None:
         super().__init__(enforce_enable=enforce_enable)
-        if not _positive_int(dim):
-            raise ValueError(f"{_OP}: dim must be a positive int, got {dim!r}")
-        if not _positive_int(state_size):
-            raise ValueError(f"{_OP}: state_size must be a positive int, got {state_size!r}")
+        check_positive_int(_OP, "dim", dim)
+        check_positive_int(_OP, "state_size", state_size)
         if not isinstance(delta_softplus, bool):
             raise TypeError(f"{_OP}: delta_softplus must be a bool, got {delta_softplus!r}")
         self.dim = dim

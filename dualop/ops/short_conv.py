@@ -27,8 +27,9 @@ from typing import Any, ClassVar
 from dualop.backends import array_namespace
 from dualop.custom_op import CustomOp
 from dualop.kernels import ssm_math
-from dualop.ops._checks import check_array, check_optional_like, cpu_declines
-from dualop.ops.causal_conv1d import CausalConv1d, packed_batch
+from dualop.ops._checks import check_array, check_optional_like, check_positive_int, cpu_declines
+from dualop.ops.causal_conv1d import CausalConv1d
+from dualop.ops.ssm_batch import random_serving_batch
 from dualop.ops.ssm_batch import ssm_batch
 from dualop.platforms import family_of, frontend_of
 
@@ -47,9 +48,8 @@ class ShortConv(CustomOp):
 
     def __init__(self, hidden_size: int, conv_kernel: int, bias: bool = False, *, enforce_enable: bool = False) -> None:
         super().__init__(enforce_enable=enforce_enable)
-        if not isinstance(hidden_size, int) or isinstance(hidden_size, bool) or hidden_size < 1:
-            raise ValueError(f"{OP}: hidden_size must be a positive int, got {hidden_size!r}")
-        if not isinstance(conv_kernel, int) or isinstance(conv_kernel, bool) or conv_kernel < 2:
+        check_positive_int(OP, "hidden_size", hidden_size)
+        if check_positive_int(OP, "conv_kernel", conv_kernel) < 2:
             raise ValueError(f"{OP}: conv_kernel must be an int >= 2, got {conv_kernel!r}")
         if not isinstance(bias, bool):
             raise TypeError(f"{OP}: bias must be a bool, got {bias!r}")
@@ -168,7 +168,7 @@ def check_cases():
     def inputs(with_bias: bool):
         def make(shape, rng):
             tokens, seqs, hd = shape
-            cu, slots, init, num_slots = packed_batch(tokens, seqs, rng)
+            cu, slots, init, num_slots = random_serving_batch(tokens, seqs, rng)
             scale = hd ** -0.5
             bias = lambda n: normal((n,), rng, 0.5) if with_bias else None  # noqa: E731
             return (normal((tokens, hd), rng), normal((3 * hd, hd), rng, scale), normal((hd, CHECK_KERNEL), rng, 0.5),

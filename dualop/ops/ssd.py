@@ -20,8 +20,10 @@ from dualop.backends.xla.pallas_bridge import call_pallas
 from dualop.custom_op import CustomOp
 from dualop.kernels import ssm_math
 from dualop.kernels.registry import KernelRef
-from dualop.ops._checks import check_array, check_optional_like, cpu_declines, decline_if_recording
-from dualop.ops.ssm_batch import SSMBatch, ssm_batch
+from dualop.ops._checks import (
+    check_array, check_optional_like, check_positive_int, cpu_declines, decline_if_recording,
+)
+from dualop.ops.ssm_batch import SSMBatch, random_serving_batch, ssm_batch
 from dualop.platforms import family_of, frontend_of
 
 __all__ = ["SSDChunkScan"]
@@ -30,10 +32,6 @@ OP = "ssd_chunk_scan"
 _PALLAS_SSD = KernelRef("dualop.kernels.pallas.ssd", "ssd_chunk_scan")
 _TRITON_SSD = KernelRef("dualop.kernels.cuda.ssd", "ssd_chunk_scan")
 _CPU_SSD = KernelRef("dualop.kernels.cpu.ssd", "ssd_chunk_scan")
-
-
-def _positive_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value > 0
 
 
 @CustomOp.register(OP)
@@ -54,8 +52,7 @@ class SSDChunkScan(CustomOp):
         super().__init__(enforce_enable=enforce_enable)
         for name, value in (("num_heads", num_heads), ("head_dim", head_dim), ("state_size", state_size),
                             ("n_groups", n_groups), ("chunk_size", chunk_size)):
-            if not _positive_int(value):
-                raise ValueError(f"{OP}: {name} must be a positive int, got {value!r}")
+            check_positive_int(OP, name, value)
         if num_heads % n_groups:
             raise ValueError(f"{OP}: n_groups={n_groups} must divide num_heads={num_heads}")
         if not isinstance(delta_softplus, bool):
@@ -164,26 +161,6 @@ class SSDChunkScan(CustomOp):
         return y, new_state
 
 
-def packed_batch(tokens: int, sequences: int, rng, *, padding: bool = True):
-    """Random serving metadata for ``sequences`` sequences over ``tokens`` tokens (numpy): int32
-    ``cu_seqlens`` (every sequence non-empty), ``state_indices`` (distinct slots out of
-    ``2 * sequences + 1``, one padding -1 when ``padding`` and B > 1), ``has_initial_state`` and the
-    slot count."""
-    import numpy as np
-
-    if sequences == tokens:
-        lengths = np.ones(sequences, np.int64)
-    else:
-        cuts = np.sort(rng.choice(np.arange(1, tokens), sequences - 1, replace=False))
-        lengths = np.diff(np.concatenate([[0], cuts, [tokens]]))
-    cu = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
-    slots = rng.permutation(2 * sequences + 1)[:sequences].astype(np.int32)
-    if padding and sequences > 1:
-        slots[rng.integers(sequences)] = -1
-    init = rng.random(sequences) < 0.6
-    return cu, slots, init, 2 * sequences + 1
-
-
 def make_ssd_inputs(shape: tuple[int, ...], rng, *, per_channel_d: bool = False, padding: bool = True) -> tuple:
     """Numpy inputs for a ``(tokens, sequences, heads, head_dim, state, groups)`` serving batch:
     moderate step sizes, decays ``A`` in [-2, -0.5], a cache of ``2B + 1`` slots."""
@@ -192,7 +169,7 @@ def make_ssd_inputs(shape: tuple[int, ...], rng, *, per_channel_d: bool = False,
     from dualop.testing import Pinned, normal
 
     tokens, sequences, heads, head_dim, state, groups = shape
-    cu, slots, init, num_slots = packed_batch(tokens, sequences, rng, padding=padding)
+    cu, slots, init, num_slots = random_serving_batch(tokens, sequences, rng, padding=padding)
     a = -rng.uniform(0.5, 2.0, heads).astype(np.float32)
     return (
         normal((tokens, heads, head_dim), rng), normal((tokens, heads), rng, 0.5), Pinned(a, "float32"),

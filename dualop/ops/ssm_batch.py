@@ -38,7 +38,7 @@ from dualop.backends import array_namespace
 from dualop.ops._checks import FLOAT_DTYPES, concrete_values, dtype_name
 from dualop.platforms import family_of, frontend_of
 
-__all__ = ["SSMBatch", "ssm_batch"]
+__all__ = ["SSMBatch", "ssm_batch", "random_serving_batch"]
 
 _INDEX_DTYPES = ("int32", "int64")
 
@@ -161,3 +161,21 @@ def ssm_batch(op: str, x: Any, cu_seqlens: Any, state_indices: Any, has_initial_
     if not state_given:
         state = xp.zeros((num_seqs, *state_shape), like=x, dtype=xp.float32)
     return SSMBatch(cu, idx, init, state, num_seqs, num_tokens, state_given)
+
+
+def random_serving_batch(tokens: int, sequences: int, rng, *, padding: bool = True):
+    """Random serving metadata for ``sequences`` sequences over ``tokens`` tokens (numpy): int32
+    ``cu_seqlens`` (every sequence non-empty), ``state_indices`` (distinct slots out of
+    ``2 * sequences + 1``, one padding -1 when ``padding`` and B > 1), ``has_initial_state`` and the
+    slot count. The check cases, tests and bench cases of the state-space ops draw their batches here."""
+    if sequences == tokens:
+        lengths = np.ones(sequences, np.int64)
+    else:
+        cuts = np.sort(rng.choice(np.arange(1, tokens), sequences - 1, replace=False))
+        lengths = np.diff(np.concatenate([[0], cuts, [tokens]]))
+    cu = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+    slots = rng.permutation(2 * sequences + 1)[:sequences].astype(np.int32)
+    if padding and sequences > 1:
+        slots[rng.integers(sequences)] = -1
+    init = rng.random(sequences) < 0.6
+    return cu, slots, init, 2 * sequences + 1
