@@ -67,6 +67,7 @@ def _close(got, want, dtype):
     assert cmp.ok, (cmp.max_abs, cmp.max_rel, cmp.detail)
 
 
+@pytest.mark.reference
 def test_native_matches_float64_numpy():
     arrays = _inputs(23, 12, 4, seed=0)
     want_y, want_cache = _numpy_conv(*arrays)

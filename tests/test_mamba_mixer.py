@@ -275,6 +275,7 @@ def test_jamba_norm_weights_come_together():
         op(torch.zeros(2, HIDDEN), *weights)
 
 
+@pytest.mark.reference
 def test_native_gradients_match_transformers():
     """Gradients of the native body (torch autograd) w.r.t. the tokens and every weight == those of
     transformers' mixer on the same single sequence."""

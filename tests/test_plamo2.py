@@ -98,6 +98,7 @@ def plamo2_numpy(shape, h, w_in, w_conv, w_bcdt, w_dt, dt_bias, a_log, d, w_dtn,
     return out, conv_cache, ssm_cache
 
 
+@pytest.mark.reference
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"T{s[0]}B{s[1]}")
 def test_native_matches_float64_numpy(shape):
     """torch here; jax's native body against the same reference under jit below."""
@@ -124,6 +125,7 @@ def test_native_without_caches_returns_fresh_float32_states():
 # --- (b) transformers' Mamba-2 functions in PLaMo 2's wiring --------------------------------------
 
 
+@pytest.mark.reference
 def test_native_matches_transformers_mamba2_functions():
     """Two sequences of 11 tokens continuing from their cached states (slots 2 and 0), then one
     decode step each: outputs and both caches against the transformers composition (the bench's
@@ -273,6 +275,7 @@ def test_bad_constructor_arguments():
 # --- jax: jit; gradients of the native body ------------------------------------------------------------
 
 
+@pytest.mark.reference
 @pytest.mark.parametrize("shape", (CHECK_SHAPES[2], CHECK_SHAPES[3]), ids=("decode", "prefill"))
 def test_jax_native_under_jit_matches_numpy(shape):
     import jax

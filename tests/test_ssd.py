@@ -73,6 +73,7 @@ def _close(got, want, dtype):
     assert cmp.ok, (cmp.max_abs, cmp.max_rel, cmp.detail)
 
 
+@pytest.mark.reference
 def test_native_matches_float64_numpy():
     arrays = _inputs(23, 4, 4, 6, 5, 2, seed=0, per_channel_d=True)
     want_y, want_cache = _numpy_ssd(*arrays)
