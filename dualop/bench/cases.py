@@ -854,7 +854,7 @@ def _causal_conv1d(dim: int):
 
 
 def _conv_sequences(split: str, tokens: int) -> int:
-    return {"1seq": 1, "8seq": min(8, tokens), "decode": tokens}[split]
+    return {"prefill": 1, "prefill_8seq": min(8, tokens), "decode": tokens}[split]
 
 
 def _causal_conv1d_inputs(split: str):
@@ -908,7 +908,7 @@ def _jax_conv_scan(op):
 CASES = (*CASES, *(
     BenchCase(f"causal_conv1d[{split}]", "causal_conv1d", _causal_conv1d, _causal_conv1d_inputs(split),
               _causal_conv1d_cost(split), _torch_grouped_conv1d, _jax_conv_scan, default=False)
-    for split in ("1seq", "8seq", "decode")))
+    for split in ("prefill", "prefill_8seq", "decode")))
 
 
 # --- issue 12: mamba_mixer, the Mamba-1 mixer at the mixer level -----------------------------------
@@ -1100,11 +1100,11 @@ CASES = (*CASES, *(BenchCase(f"mamba_mixer[{kind}]", "mamba_mixer", _mamba_mixer
 # equal-length sequences as one batch), torch.compile of the native body (the bench's own), and for
 # jax the native body under jit (a lax.scan over tokens). Not run by default (the native body loops
 # over tokens in Python for torch): ``--ops mamba_mixer2 --sizes 1024x256``.
-_MIXER2_MODES = ("prefill", "prefill8seq", "decode")
+_MIXER2_MODES = ("prefill", "prefill_8seq", "decode")
 
 
 def _mixer2_seqs(mode: str, tokens: int) -> int:
-    return {"prefill": 1, "prefill8seq": 8, "decode": tokens}[mode]
+    return {"prefill": 1, "prefill_8seq": 8, "decode": tokens}[mode]
 
 
 def _mixer2_op(hidden: int):
@@ -1368,7 +1368,7 @@ def _jax_plamo2(op):
     return mixer
 
 
-CASES = (*CASES, BenchCase("plamo2_mamba_mixer[8seq]", "plamo2_mamba_mixer", _plamo2, _plamo2_inputs, _plamo2_cost,
+CASES = (*CASES, BenchCase("plamo2_mamba_mixer[prefill_8seq]", "plamo2_mamba_mixer", _plamo2, _plamo2_inputs, _plamo2_cost,
                            _torch_transformers_plamo2, _jax_plamo2, default=False,
                            shape_of=_plamo2_shape(lambda tokens: min(8, tokens)), matrix=True))
 
@@ -1376,7 +1376,7 @@ CASES = (*CASES, BenchCase("plamo2_mamba_mixer[8seq]", "plamo2_mamba_mixer", _pl
 # --- selective_scan: Mamba-1's scan core (issue 12) -------------------------------------------------
 # The bench size (R, I) is R tokens over I channels with N = 16 (Mamba-1's state size; Falcon-Mamba-7B
 # and Jamba have I = 8192, so pass a smaller I on this host, e.g. ``--sizes 1024x512``): a prefill of
-# R tokens as one sequence (``[prefill1]``) or eight equal ones (``[prefill8]``), and a decode step
+# R tokens as one sequence (``[prefill]``) or eight equal ones (``[prefill_8seq]``), and a decode step
 # of R sequences (``[decode]``, ``--sizes 64x512``). Every sequence starts fresh (no initial state)
 # and writes its slot: torch updates the cache in place, and the bench compares each call's output
 # with forward_native's on the same inputs, so repeated calls must not change them. Peers: a
@@ -1385,7 +1385,7 @@ CASES = (*CASES, BenchCase("plamo2_mamba_mixer[8seq]", "plamo2_mamba_mixer", _pl
 # ``lax.scan`` over the packed tokens, and torch.compile of the native body (a Python token loop:
 # slow to compile at long T). Not run by default.
 SCAN_STATE = 16
-_SCAN_SEQS = {"prefill1": 1, "prefill8": 8, "decode": None}
+_SCAN_SEQS = {"prefill": 1, "prefill_8seq": 8, "decode": None}
 
 
 def _scan_shape(kind: str):
