@@ -13,10 +13,12 @@ from __future__ import annotations
 from typing import Any
 
 from dualop.backends import array_namespace
+from dualop.ops._checks import cpu_declines
 from dualop.ops.linear import ReplicatedLinear
 from dualop.parallel import TensorParallel
+from dualop.platforms import family_of
 
-__all__ = ["projection", "project"]
+__all__ = ["projection", "project", "MixerPlatformMethods"]
 
 
 def projection(input_size: int, output_size: int, bias: bool = False) -> ReplicatedLinear:
@@ -34,3 +36,29 @@ def project(linear: ReplicatedLinear, method: str, x: Any, weight: Any, bias: An
         weight = xp.astype(weight, x.dtype)
         bias = None if bias is None else xp.astype(bias, x.dtype)
     return getattr(linear, method)(x, weight, bias)
+
+
+class MixerPlatformMethods:
+    """The platform methods of a mixer whose one platform body is
+    ``_forward_kernels(method, *args, **kwargs)``: the projections' ``method`` around the kernel ops,
+    each of which dispatches to its own kernel."""
+
+    def declines(self, method: str, frontend: str) -> str | None:
+        """As every op, ``forward_cpu`` declines arrays other than torch's; on a GPU the kernel ops'
+        Triton kernels take torch tensors, so jax arrays run the native body."""
+        why = cpu_declines(method, frontend)
+        if why is None and method in ("forward_cuda", "forward_hip") and family_of(frontend) == "jax":
+            why = "the kernel ops' Triton kernels take torch tensors (jax arrays would need jax-triton)"
+        return why
+
+    def forward_cpu(self, *args: Any, **kwargs: Any) -> Any:
+        """torch on the CPU: ``F.linear`` and the kernel ops' CPU kernels."""
+        return self._forward_kernels("forward_cpu", *args, **kwargs)
+
+    def forward_cuda(self, *args: Any, **kwargs: Any) -> Any:
+        """torch on a GPU: cuBLAS through ``F.linear`` and the kernel ops' Triton kernels."""
+        return self._forward_kernels("forward_cuda", *args, **kwargs)
+
+    def forward_tpu(self, *args: Any, **kwargs: Any) -> Any:
+        """On a TPU: XLA's dot and the kernel ops' Pallas kernels (reached through their bridges)."""
+        return self._forward_kernels("forward_tpu", *args, **kwargs)

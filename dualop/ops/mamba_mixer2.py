@@ -15,7 +15,7 @@ from dualop.backends import array_namespace
 from dualop.custom_op import CustomOp
 from dualop.kernels import ssm_math
 from dualop.ops._checks import check_array, check_optional_like, check_positive_int, cpu_declines
-from dualop.ops._mixer import project, projection
+from dualop.ops._mixer import MixerPlatformMethods, project, projection
 from dualop.ops.gated_norm import RMSNormGated
 from dualop.ops.ssm_batch import ssm_batch
 from dualop.parallel import TensorParallel, current_tensor_parallel, divide
@@ -181,7 +181,7 @@ HF_PARAMETER_NAMES = {
 
 
 @CustomOp.register("mamba_mixer2")
-class MambaMixer2(CustomOp):
+class MambaMixer2(MixerPlatformMethods, CustomOp):
     """The engine's MambaMixer2 math on packed sequences with a state cache (one rank).
 
     ``op(hidden_states [T, Hd], in_proj_weight [I + (I + 2GN) + H, Hd], conv_weight [I + 2GN, K],
@@ -363,6 +363,8 @@ class MambaMixer2(CustomOp):
         return self._zero_padding(xp, out, conv_b), conv_out, ssm_out
 
     def declines(self, method: str, frontend: str) -> str | None:
+        """Only ``forward_cpu`` declines (arrays other than torch's): jax arrays on a GPU take the
+        platform body too, whose projections are XLA's dot and whose kernel ops fall back alone."""
         return cpu_declines(method, frontend)
 
     def _forward_platform(self, method, hidden_states, in_proj_weight, conv_weight, conv_bias, dt_bias, A_log, D,
@@ -388,14 +390,8 @@ class MambaMixer2(CustomOp):
         out = project(self.out_proj, method, y, out_proj_weight, out_proj_bias)
         return self._zero_padding(xp, out, conv_b), conv_out, ssm_out
 
-    def forward_cpu(self, *args, **kwargs):
-        return self._forward_platform("forward_cpu", *self._arguments(args, kwargs))
-
-    def forward_cuda(self, *args, **kwargs):
-        return self._forward_platform("forward_cuda", *self._arguments(args, kwargs))
-
-    def forward_tpu(self, *args, **kwargs):
-        return self._forward_platform("forward_tpu", *self._arguments(args, kwargs))
+    def _forward_kernels(self, method, *args, **kwargs):
+        return self._forward_platform(method, *self._arguments(args, kwargs))
 
     _ARGUMENTS = ("hidden_states", "in_proj_weight", "conv_weight", "conv_bias", "dt_bias", "A_log", "D",
                   "norm_weight", "out_proj_weight", "in_proj_bias", "out_proj_bias", "conv_state", "ssm_state",

@@ -44,12 +44,11 @@ from dualop.backends import array_namespace
 from dualop.custom_op import CustomOp
 from dualop.kernels import ssm_math
 from dualop.kernels.norm_math import NormSpec, rms_normalize
-from dualop.ops._checks import check_array, check_optional_like, check_positive_int, cpu_declines
-from dualop.ops._mixer import project, projection
+from dualop.ops._checks import check_array, check_optional_like, check_positive_int
+from dualop.ops._mixer import MixerPlatformMethods, project, projection
 from dualop.ops.causal_conv1d import CausalConv1d
 from dualop.ops.ssd import SSDChunkScan
 from dualop.ops.ssm_batch import SSMBatch, ssm_batch
-from dualop.platforms import family_of
 
 __all__ = ["Plamo2MambaMixer"]
 
@@ -84,7 +83,7 @@ def in_proj_to_checkpoint(weight: Any, num_heads: int) -> Any:
 
 
 @CustomOp.register(_OP)
-class Plamo2MambaMixer(CustomOp):
+class Plamo2MambaMixer(MixerPlatformMethods, CustomOp):
     """PLaMo 2's Mamba-2 mixer over packed sequences with conv and SSM state caches (see the module
     docstring for the call, the math and where it rounds)."""
 
@@ -235,14 +234,6 @@ class Plamo2MambaMixer(CustomOp):
 
     # -- the platform body ---------------------------------------------------------------------------
 
-    def declines(self, method: str, frontend: str) -> str | None:
-        """The platform body composes the kernel ops: it declines for jax arrays on a GPU (no Triton
-        launch for jax) and, as every op, ``forward_cpu`` for arrays other than torch's."""
-        why = cpu_declines(method, frontend)
-        if why is None and method == "forward_cuda" and family_of(frontend) == "jax":
-            why = "the kernel ops' Triton kernels take torch tensors (jax arrays would need jax-triton)"
-        return why
-
     def _kernel_ops(self) -> tuple[Any, Any]:
         """This mixer's ``CausalConv1d`` and ``SSDChunkScan`` instances (made on first use)."""
         if self._kernel_op_instances is None:
@@ -271,18 +262,6 @@ class Plamo2MambaMixer(CustomOp):
         y, new_ssm = scan_op(self._heads(x), dt, a, b[:, None, :], c[:, None, :], D, self._heads(gate), dt_bias,
                              ssm_state, cu_seqlens, state_indices, has_initial_state)
         return project(self.out_proj, method, y.reshape(tokens, i), out_proj_weight), new_conv, new_ssm
-
-    def forward_cpu(self, *args: Any, **kwargs: Any) -> tuple[Any, Any, Any]:
-        """torch on the CPU: ``F.linear`` and the kernel ops' CPU kernels."""
-        return self._forward_kernels("forward_cpu", *args, **kwargs)
-
-    def forward_cuda(self, *args: Any, **kwargs: Any) -> tuple[Any, Any, Any]:
-        """torch on a GPU: cuBLAS through ``F.linear`` and the kernel ops' Triton kernels."""
-        return self._forward_kernels("forward_cuda", *args, **kwargs)
-
-    def forward_tpu(self, *args: Any, **kwargs: Any) -> tuple[Any, Any, Any]:
-        """On a TPU: XLA's dot and the kernel ops' Pallas kernels (reached through their bridges)."""
-        return self._forward_kernels("forward_tpu", *args, **kwargs)
 
     def extra_repr(self) -> str:
         return (f"hidden_size={self.hidden_size}, num_heads={self.num_heads}, head_dim={self.head_dim}, "
