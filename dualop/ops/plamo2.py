@@ -272,6 +272,9 @@ class Plamo2MambaMixer(MixerPlatformMethods, CustomOp):
 # The widths of the check cases' shapes ``(tokens, sequences, hidden, heads, head_dim, state, rank)``
 # (conv kernel 4): a single token, packed prefill, a decode step (one token per sequence).
 CHECK_SHAPES = ((1, 1, 16, 2, 8, 4, 8), (9, 3, 24, 3, 8, 8, 8), (16, 16, 32, 4, 8, 8, 16), (37, 4, 40, 4, 16, 16, 8))
+# The cells' shapes (every cell interprets the conv and SSD kernels per shape): one token, a packed
+# prefill across a chunk boundary (chunk 8), a decode step; tests/test_plamo2.py runs all of the above.
+CHECK_CASE_SHAPES = (CHECK_SHAPES[0], CHECK_SHAPES[1], (6, 6, 32, 4, 8, 8, 16))
 
 
 def check_case_inputs(shape: tuple[int, ...], rng: Any) -> tuple:
@@ -304,11 +307,11 @@ def check_case_inputs(shape: tuple[int, ...], rng: Any) -> tuple:
 
 
 def check_cases():
-    """Small packed batches of ``CHECK_SHAPES`` (``check_case_inputs``)."""
+    """Small packed batches of ``CHECK_CASE_SHAPES`` (``check_case_inputs``)."""
     from dualop.testing import OpCase
 
     def make_op(shape):
         _, _, hidden, heads, head_dim, state, rank = shape
         return Plamo2MambaMixer(hidden, state, 4, heads, head_dim, time_step_rank=rank, chunk_size=8)
 
-    return [OpCase(_OP, _OP, make_op, check_case_inputs, CHECK_SHAPES)]
+    return [OpCase(_OP, _OP, make_op, check_case_inputs, CHECK_CASE_SHAPES)]
