@@ -551,18 +551,18 @@ def _vocab_embedding_inputs(shape: tuple[int, ...]) -> tuple:
 SERVING_INPUTS["vocab_parallel_embedding"] = _vocab_embedding_inputs
 
 
-# --- causal_conv1d: (tokens, dim, sequences) ------------------------------------------------------
+# --- causal_conv1d: (tokens, sequences, dim), as its check shapes ------------------------------------------------------
 # Mamba conv widths at kernel size 4: Falcon-Mamba-7B / Jamba's intermediate 8192 and Nemotron-H-8B's
 # Mamba-2 conv input I + 2GN = 8192 + 2 * 8 * 128; a 1024-token prefill of one and of eight
 # sequences and a 64-sequence decode step, over a 256-slot state cache.
-SERVING_SHAPES["causal_conv1d"] = tuple((tokens, dim, seqs) for dim in (8192, 8192 + 2 * 8 * 128)
+SERVING_SHAPES["causal_conv1d"] = tuple((tokens, seqs, dim) for dim in (8192, 8192 + 2 * 8 * 128)
                                         for tokens, seqs in ((1024, 1), (1024, 8), (64, 64)))
 SERVING_CASES["causal_conv1d"] = ("causal_conv1d",)
 _CONV_SLOTS, _CONV_KERNEL = 256, 4
 
 
 def _causal_conv1d_inputs(shape: tuple[int, ...]) -> tuple:
-    tokens, dim, seqs = shape
+    tokens, seqs, dim = shape
     return (InputSpec((tokens, dim), None), InputSpec((dim, _CONV_KERNEL), None), InputSpec((dim,), None),
             InputSpec((_CONV_SLOTS, dim, _CONV_KERNEL - 1), None), InputSpec((seqs + 1,), "int32"),
             InputSpec((seqs,), "int32"), InputSpec((seqs,), "bool"))
@@ -570,15 +570,15 @@ def _causal_conv1d_inputs(shape: tuple[int, ...]) -> tuple:
 
 SERVING_INPUTS["causal_conv1d"] = _causal_conv1d_inputs
 
-# short_conv: (tokens, hidden, sequences) at LFM2-1.2B's width (hidden 2048, conv_L_cache 3, no
+# short_conv: (tokens, sequences, hidden) at LFM2-1.2B's width (hidden 2048, conv_L_cache 3, no
 # biases): the same prefill and decode batches as causal_conv1d.
-SERVING_SHAPES["short_conv"] = ((1024, 2048, 1), (1024, 2048, 8), (64, 2048, 64))
+SERVING_SHAPES["short_conv"] = ((1024, 1, 2048), (1024, 8, 2048), (64, 64, 2048))
 SERVING_CASES["short_conv"] = ("short_conv",)
 _SHORT_CONV_KERNEL = 3
 
 
 def _short_conv_inputs(shape: tuple[int, ...]) -> tuple:
-    tokens, hidden, seqs = shape
+    tokens, seqs, hidden = shape
     return (InputSpec((tokens, hidden), None), InputSpec((3 * hidden, hidden), None),
             InputSpec((hidden, _SHORT_CONV_KERNEL), None), InputSpec((hidden, hidden), None), None,
             InputSpec((_CONV_SLOTS, hidden, _SHORT_CONV_KERNEL - 1), None), InputSpec((seqs + 1,), "int32"),
@@ -687,14 +687,14 @@ SERVING_INPUTS["plamo2_mamba_mixer"] = _plamo2_mamba_mixer_inputs
 _SERVING_MAKE_OP["plamo2_mamba_mixer"] = _plamo2_mamba_mixer_op
 
 
-# --- selective_scan: (tokens, I, N, sequences) --------------------------------------------------
+# --- selective_scan: (tokens, sequences, I, N), as its check shapes --------------------------------------------------
 # Falcon-Mamba-7B / Jamba's Mamba-1 layer (I 8192, N 16): a prefill of 8192 tokens packed as 8
 # sequences and a decode step of 64 sequences; a float32 state cache of 2 slots per sequence.
-SERVING_SHAPES["selective_scan"] = ((8192, 8192, 16, 8), (64, 8192, 16, 64))
+SERVING_SHAPES["selective_scan"] = ((8192, 8, 8192, 16), (64, 64, 8192, 16))
 
 
 def _selective_scan_inputs(shape: tuple[int, ...]) -> tuple:
-    tokens, dim, n, seqs = shape
+    tokens, seqs, dim, n = shape
     rows, states = InputSpec((tokens, dim), None), InputSpec((tokens, n), None)
     channel = InputSpec((dim,), None)
     return (rows, rows, InputSpec((dim, n), "float32"), states, states, channel, rows, channel,
