@@ -13,13 +13,18 @@ from dualop import OpsConfig, override_platform, set_config, testing
 
 # Ops whose inputs are structured rather than rows of one hidden size (attention over a paged
 # cache: head counts, page tables); their own test files draw their inputs.
-NOT_ROW_WISE = {"ragged_paged_attention", "mamba_mixer"}  # mamba_mixer: packed sequences with state caches
+# The mixers: packed sequences with state caches and a dozen weights (tests/test_mamba_mixer*.py,
+# tests/test_plamo2.py draw theirs).
+NOT_ROW_WISE = {"ragged_paged_attention", "mamba_mixer", "mamba_mixer2", "plamo2_mamba_mixer"}
 CASES = [c for c in testing.cases_for(None) if c.op not in NOT_ROW_WISE]
 # MoE ops: shapes drawn from the case's own (values, dtypes, specials and cells still vary). Their
 # interpreted grouped-matmul kernels compile once per shape (tens of seconds each here); the cell
 # sweep has compiled these shapes already, and tests/test_moe_*.py cover other shapes.
+# The state-space kernel ops (tokens, sequences, widths: a packed batch needs T >= B >= 1) and the
+# convolutions (images, channels, groups) read structured shapes too.
 CASE_SHAPES_ONLY = {"grouped_topk", "fused_moe", "unquantized_fused_moe", "transformers_fused_moe",
-                    "modular_fused_moe"}
+                    "modular_fused_moe", "causal_conv1d", "short_conv", "selective_scan", "ssd_chunk_scan",
+                    "conv2d", "conv3d"}
 CELLS = [("torch", "cpu"), ("torch", "cuda"), ("jax", "tpu")]
 
 
