@@ -153,6 +153,7 @@ EXPECTED_DISAGREEMENTS = {
 } | {("ssd_chunk_scan", "torch-builtin", "bfloat16")}  # transformers' mamba2_chunk_scan on 16-bit inputs
 
 
+@pytest.mark.reference  # the peers are outside implementations: checked once, in 'latest' (6+ min each env)
 def test_every_case_and_peer_agrees_with_forward_native():
     """The peers compute the op's own semantics (rounding of Llama's and Gemma's norms included):
     a peer that disagrees would be an error record."""
