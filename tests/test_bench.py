@@ -150,7 +150,7 @@ def test_torch_compile_records_its_warmup():
 # where): their records there are errors, and must be exactly these.
 EXPECTED_DISAGREEMENTS = {
     (f"mamba_mixer[{kind}]", "torch-builtin", "bfloat16") for kind in ("prefill", "prefill_8seq", "decode")
-} | {("ssd_chunk_scan", "torch-builtin", "bfloat16")}  # transformers' mamba2_chunk_scan on 16-bit inputs
+} | {("ssd_chunk_scan", "torch-builtin", "bfloat16")}
 
 
 @pytest.mark.reference  # the peers are outside implementations: checked once, in 'latest' (6+ min each env)

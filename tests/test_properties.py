@@ -26,6 +26,14 @@ CASE_SHAPES_ONLY = {"grouped_topk", "fused_moe", "unquantized_fused_moe", "trans
                     "modular_fused_moe", "causal_conv1d", "short_conv", "selective_scan", "ssd_chunk_scan",
                     "conv2d", "conv3d"}
 CELLS = [("torch", "cpu"), ("torch", "cuda"), ("jax", "tpu")]
+# Ops whose outputs sum products over an input dim (GEMMs, convolutions, scans, attention): at large
+# magnitudes an output element can be a small difference of large terms, so a kernel and the native
+# body (both as far from float64 as each other: fused_moe at 1e3, ~0.05 at outputs of 2e5) are
+# compared against the output's scale (``testing.compare(normwise=True)``), not element by element.
+CONTRACTIONS = {"column_parallel_linear", "row_parallel_linear", "replicated_linear", "logits_processor",
+                "conv2d", "conv3d", "causal_conv1d", "short_conv", "selective_scan", "ssd_chunk_scan",
+                "mm_encoder_attn", "fused_moe", "unquantized_fused_moe", "transformers_fused_moe",
+                "modular_fused_moe"}
 
 
 @st.composite
@@ -89,5 +97,6 @@ def test_fast_paths_agree_with_native(problem):
             assert g is None and w is None
             continue
         key, _ = testing.tolerance_for(dtype, w)
-        cmp = testing.compare(testing.to_numpy(g), testing.to_numpy(w), key)
+        cmp = testing.compare(testing.to_numpy(g), testing.to_numpy(w), key,
+                              normwise=case.op in CONTRACTIONS and scale > 1.0)
         assert cmp.ok, (case.label, shape, dtype, scale, special, frontend, platform, cmp)

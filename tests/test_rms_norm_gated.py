@@ -206,6 +206,24 @@ def test_pallas_several_row_blocks(interpret, rows, hidden, group_size, gated, n
     _close(got, _np_reference(*f32, **kw), dtype)
 
 
+@pytest.mark.parametrize("group_size", [40, 128, None])
+def test_pallas_non_finite_values_stay_in_their_group(interpret, group_size):
+    """An inf or NaN reaches only its own group, as in the float64 formula: the membership matmul
+    of unaligned groups (40) must not carry inf * 0 = NaN into the other groups."""
+    from dualop.kernels.pallas.rms_norm_gated import rms_norm_gated
+
+    x = _data((3, 640), 23, 3.0)
+    x[0, 45], x[1, 170], x[2, 45], x[2, 300] = np.inf, np.nan, -np.inf, np.nan
+    w = 1.0 + 0.5 * _data((640,), 24, 1.0)
+    got = rms_norm_gated(jnp.asarray(x), jnp.asarray(w), eps=1e-5, group_size=group_size, interpret=interpret)
+    with np.errstate(invalid="ignore", over="ignore"):
+        want = _np_reference(x, w, None, eps=1e-5, group_size=group_size, norm_before_gate=False)
+    got = np.asarray(got, np.float64)
+    assert np.array_equal(np.isnan(got), np.isnan(want))
+    assert np.isnan(want).sum() < want.size  # finite groups stayed finite
+    _close(np.where(np.isnan(got), 0.0, got), np.where(np.isnan(want), 0.0, want), "float32")
+
+
 def test_pallas_cost_estimate_counts_bytes_once():
     from dualop.kernels.pallas.rms_norm_gated import rms_norm_gated_cost
 

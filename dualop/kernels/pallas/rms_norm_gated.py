@@ -19,6 +19,8 @@ size are linear in hidden:
   row when narrower); the per-group sums of squares are one matmul of the squares with the block's
   (columns, groups) 0/1 membership matrix on the MXU, and one more matmul spreads each group's
   scale back over its columns (both at float32 precision; a 0/1 matrix makes the spread exact).
+  A third, single-pass matmul counts each group's infs and NaNs, so a non-finite value only
+  reaches its own group, as in the reference.
   A ragged last column block has its padding masked out of the sums.
 """
 
@@ -81,6 +83,7 @@ def rms_norm_gated_cost(rows: int, hidden: int, group_size: int, itemsize: int, 
 _TARGET_COLS = 2048
 _MAX_ALIGNED_GROUPS = 16
 _MAX_MATMUL_GROUPS = 128
+_NAN_MARK = float(2 ** 24)
 
 
 def column_block(hidden: int, group: int) -> int:
@@ -120,10 +123,23 @@ def _inv_rms(h, *, eps: float, group: int, hidden: int, col0):
     start = jax.lax.broadcasted_iota(jnp.int32, (cols, n), 1) * group
     member = ((c >= start) & (c < start + group)).astype(jnp.float32)
     hi = jax.lax.Precision.HIGHEST
-    sums = jnp.dot(sq, member, precision=hi, preferred_element_type=jnp.float32)  # (rows, groups)
+    # A matmul would carry one group's inf or NaN into every group (inf * 0 = NaN), so the sums
+    # take the finite squares only, and a second matmul counts each group's non-finite squares:
+    # an inf adds 1, a NaN adds 2**24 (both exact in bfloat16, so one default-precision pass; a
+    # group has fewer than 2**24 columns, so the count of infs never reaches the NaN mark).
+    finite = jnp.isfinite(sq)
+    sums = jnp.dot(jnp.where(finite, sq, 0.0), member, precision=hi,
+                   preferred_element_type=jnp.float32)  # (rows, groups)
+    marks = jnp.where(finite, 0.0, jnp.where(jnp.isnan(sq), _NAN_MARK, 1.0))
+    bad = jnp.dot(marks, member, preferred_element_type=jnp.float32)
+    # as rsqrt(mean + eps) itself: a NaN in the group gives NaN, an inf (or an overflowing sum)
+    # gives 0; NaN travels through the spread as -1 (every real scale is >= 0). A NaN sum of
+    # finite squares can only be an overflow inside the MXU's split of float32: also 0.
     inv = jax.lax.rsqrt(sums * (1.0 / group) + eps)
-    return jax.lax.dot_general(inv, member, (((1,), (1,)), ((), ())), precision=hi,
-                               preferred_element_type=jnp.float32)
+    inv = jnp.where(bad >= _NAN_MARK, -1.0, jnp.where((bad > 0.0) | jnp.isnan(inv), 0.0, inv))
+    spread = jax.lax.dot_general(inv, member, (((1,), (1,)), ((), ())), precision=hi,
+                                 preferred_element_type=jnp.float32)
+    return jnp.where(spread < 0.0, jnp.nan, spread)
 
 
 def _kernel(*refs, eps: float, group: int, hidden: int, has_z: bool, norm_before_gate: bool,
