@@ -129,6 +129,7 @@ def _run_cell(case: testing.OpCase, frontend: str, platform: str, dtype: str, se
             # Fresh inputs: an op that updates an argument in place (reshape_and_cache) must be
             # compared with the native body run on the untouched originals, not its own result.
             want = _outputs(op.forward_native(*(testing.to_frontend(a, frontend, dtype) for a in inputs), **case.options))
+            testing.materialize([*got, *want])
             for g, w in zip(got, want, strict=True):
                 if g is None or w is None:  # an output that is None when an optional input is (rope's key)
                     if (g is None) != (w is None) and res.status != "fail":
@@ -163,10 +164,7 @@ def run_check(
     for d in dtypes:
         if d not in testing.DTYPES:
             raise ValueError(f"dualop check: unknown dtype {d!r}; expected one of {list(testing.DTYPES)}")
-    if ops:
-        unknown = [o for o in ops if o not in CustomOp.op_registry]
-        if unknown:
-            raise ValueError(f"dualop check: unknown op(s) {unknown}; registered: {sorted(CustomOp.op_registry)}")
+    testing.check_op_names(ops, "dualop check")
     cells = default_cells(frontends, platforms)
     if any(p in ("cuda", "rocm") for _, p in cells):
         testing.prepare_triton()  # before torch_xla can import triton in compiled mode

@@ -55,13 +55,15 @@ def cmd_report(args: argparse.Namespace) -> int:
     from dualop import get_config, testing
     from dualop.platforms import current_platform, platform_of
 
+    ops = _csv(args.ops) if args.ops else None
+    testing.check_op_names(ops, "dualop report")
     frontends = _available_frontends(_csv(args.frontends) if args.frontends else None)
     if not frontends:
         print("dualop report: no frontend (torch, jax) can be imported here", file=sys.stderr)
         return 2
     rng = np.random.default_rng(0)
     rows = []
-    for case in testing.cases_for(None):
+    for case in testing.cases_for(ops):
         shape = next(s for s in case.shapes if s[0] > 0)
         op = case.make_op(shape)
         for fe in frontends:
@@ -227,6 +229,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(fn=cmd_ops)
 
     s = sub.add_parser("report", help="which method each op case runs per frontend, whether a kernel, and why")
+    s.add_argument("--ops", help="comma-separated registered op names (default: all)")
     s.add_argument("--frontends", help="comma-separated: torch, jax, torch_xla, torchax (default: all importable)")
     s.add_argument("--no-run", action="store_true", help="only resolve; do not call each op on a tiny input")
     s.add_argument("--json", action="store_true", help="print JSON")

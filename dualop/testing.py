@@ -209,6 +209,18 @@ def to_frontend(a: Any, frontend: str, dtype: str) -> Any:
     raise ValueError(f"unknown frontend {frontend!r}")
 
 
+def materialize(values: Any) -> None:
+    """Run the pending lazy work behind ``values`` as one graph before they are read. torch_xla
+    otherwise compiles and runs a graph per tensor read, each holding everything the tensor
+    depends on (a mixer's three outputs: its interpreted kernels compiled three times)."""
+    torch = sys.modules.get("torch")
+    if torch is None or not any(isinstance(v, torch.Tensor) and v.device.type == "xla" for v in values):
+        return
+    import torch_xla
+
+    torch_xla.sync()
+
+
 def to_numpy(x: Any) -> np.ndarray:
     """Any frontend's array -> float32 numpy (float8 and bfloat16 values are exact in float32)."""
     mod = type(x).__module__
@@ -333,6 +345,15 @@ def _build_cases() -> list[OpCase]:
 
 
 CASES: list[OpCase] = []
+
+
+def check_op_names(names: list[str] | None, command: str) -> None:
+    """A command's ``--ops``: every name must be a registered op (``ValueError`` naming the command)."""
+    from dualop.custom_op import CustomOp
+
+    unknown = [n for n in names or () if n not in CustomOp.op_registry]
+    if unknown:
+        raise ValueError(f"{command}: unknown op(s) {unknown}; registered: {sorted(CustomOp.op_registry)}")
 
 
 def cases_for(names: list[str] | None = None) -> Iterator[OpCase]:

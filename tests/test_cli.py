@@ -27,7 +27,8 @@ def test_ops_lists_every_registered_op(capsys):
 
 
 def test_report_under_platform_tpu():
-    proc = _dualop("report", "--json", DUALOP_PLATFORM="tpu")
+    # two ops: every op's TPU path is tests/test_cells.py's; here the platform override reaches report
+    proc = _dualop("report", "--json", "--ops", "rms_norm,silu_and_mul", DUALOP_PLATFORM="tpu")
     assert proc.returncode == 0, proc.stderr
     rows = {(r["case"], r["frontend"]): r for r in json.loads(proc.stdout)}
     assert rows[("rms_norm", "jax")]["method"] == "forward_tpu"
@@ -59,7 +60,7 @@ def test_report_gives_the_reason_for_every_native_run():
 
 
 def test_report_under_custom_ops_none_plus_rms_norm():
-    proc = _dualop("report", DUALOP_CUSTOM_OPS="none,+rms_norm")
+    proc = _dualop("report", "--ops", "rms_norm,silu_and_mul", DUALOP_CUSTOM_OPS="none,+rms_norm")
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
     assert "custom_ops=['none', '+rms_norm']" in lines[0]
@@ -67,6 +68,13 @@ def test_report_under_custom_ops_none_plus_rms_norm():
     silu = [ln for ln in lines if ln.startswith("silu_and_mul ")]
     assert rms and all("forward_cpu" in ln and "config '+rms_norm'" in ln for ln in rms)
     assert silu and all("forward_native" in ln and "config holds 'none'" in ln for ln in silu)
+
+
+def test_report_takes_only_registered_ops():
+    proc = _dualop("report", "--ops", "rms_norm,rms_nrom")
+    assert proc.returncode != 0 and "dualop report: unknown op(s) ['rms_nrom']" in proc.stderr
+    proc = _dualop("report", "--json", "--ops", "rms_norm", "--frontends", "torch")
+    assert {r["op"] for r in json.loads(proc.stdout)} == {"rms_norm"}
 
 
 def test_report_rejects_a_bad_env_config():

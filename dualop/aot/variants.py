@@ -209,12 +209,7 @@ def _serving_specs(case: testing.OpCase, shapes: list, templates: dict, shape: t
 
 def variants_for(ops: list[str] | None, dtypes: list[str]) -> list[Variant]:
     """Every (case, dtype, shape) to build, check shapes first, without duplicates."""
-    from dualop.custom_op import CustomOp
-
-    if ops:
-        unknown = [o for o in ops if o not in CustomOp.op_registry]
-        if unknown:
-            raise ValueError(f"dualop compile: unknown op(s) {unknown}; registered: {sorted(CustomOp.op_registry)}")
+    testing.check_op_names(ops, "dualop compile")
     rng = np.random.default_rng(0)
     variants: dict[tuple, Variant] = {}
     for case in testing.cases_for(ops):
