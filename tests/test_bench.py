@@ -149,8 +149,13 @@ def test_torch_compile_records_its_warmup():
 # Peers that round at other points than the native body in 16-bit dtypes (dualop/bench/cases.py says
 # where): their records there are errors, and must be exactly these.
 EXPECTED_DISAGREEMENTS = {
-    (f"mamba_mixer[{kind}]", "torch-builtin", "bfloat16") for kind in ("prefill", "prefill_8seq", "decode")
+    (f"mamba_mixer[{kind}]", "torch-builtin", "bfloat16") for kind in ("prefill", "decode")
 } | {("ssd_chunk_scan", "torch-builtin", "bfloat16")}
+# The sweep's cases: at its 8 tokens a [prefill_8seq] case is eight one-token sequences, the batch
+# of its op's [decode] case (same peers), so it is left out where that case exists.
+_LABELS = {c.label for c in bench_cases.CASES}
+SWEEP_CASES = [c for c in bench_cases.CASES
+               if not (c.label.endswith("[prefill_8seq]") and c.label.replace("[prefill_8seq]", "[decode]") in _LABELS)]
 
 
 @pytest.mark.reference  # the peers are outside implementations: checked once, in 'latest' (6+ min each env)
@@ -158,13 +163,13 @@ def test_every_case_and_peer_agrees_with_forward_native():
     """The peers compute the op's own semantics (rounding of Llama's and Gemma's norms included):
     a peer that disagrees would be an error record."""
     recs = throughput.run_throughput(
-        list(bench_cases.CASES), [(8, 64)], ["float32", "bfloat16"], FRONTENDS, impls=NO_COMPILE,
+        SWEEP_CASES, [(8, 64)], ["float32", "bfloat16"], FRONTENDS, impls=NO_COMPILE,
         rounds=1, warmup=0, progress=False,
     )
     errors = {(r["op"], r["impl"], r["dtype"]) for r in recs if "error" in r}
     assert errors == EXPECTED_DISAGREEMENTS, [(r["op"], r["impl"], r["error"]) for r in recs if "error" in r]
     peers = {(r["op"], r["impl"]) for r in recs}
-    for case in bench_cases.CASES:
+    for case in SWEEP_CASES:
         assert ((case.label, "torch-builtin") in peers) == (case.torch_builtin is not None)
         if "jax" in FRONTENDS:
             assert (case.label, "jax-handwritten") in peers

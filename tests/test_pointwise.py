@@ -140,6 +140,7 @@ def test_torch_native_matches_transformers(name):
     }[name]
 
 
+@pytest.mark.reference
 @pytest.mark.parametrize("name", OPS)
 def test_jax_native_matches_transformers_and_jax_nn(name):
     jnp = jax.numpy

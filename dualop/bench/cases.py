@@ -911,6 +911,145 @@ CASES = (*CASES, *(
     for split in ("prefill", "prefill_8seq", "decode")))
 
 
+# --- short_conv: LFM2's gated short convolution block (issue 12) -----------------------------------
+# The bench size (tokens, hidden) at LFM2's conv width 3, no biases: ``[prefill_8seq]`` packs the
+# tokens into eight equal sequences, ``[decode]`` is one token per sequence (``64xH``: 64 sequences).
+# Every sequence starts fresh (no initial state; the torch cache is updated in place, so repeated
+# calls compute the same thing). Peers: transformers' Lfm2ShortConv math written out in torch (its
+# slow path: in_proj, chunk into B, C, x, ``B * x``, a depthwise ``F.conv1d`` with ``L - 1`` zeros
+# of padding cut back to the sequence, ``C *``, out_proj) on the equal-length sequences as a batch,
+# in float32 like the op, and the native body under jit for jax.
+_SHORT_CONV_WIDTH = 3
+
+
+def _short_conv(hidden: int):
+    from dualop.ops import ShortConv
+
+    return ShortConv(hidden, _SHORT_CONV_WIDTH)
+
+
+def _short_conv_sequences(split: str, tokens: int) -> int:
+    return {"prefill_8seq": min(8, tokens), "decode": tokens}[split]
+
+
+def _short_conv_inputs(split: str):
+    def make(shape, rng):
+        from dualop.testing import Pinned
+
+        tokens, hidden = shape
+        seqs = _short_conv_sequences(split, tokens)
+        scale = hidden ** -0.5
+        return (rng.standard_normal((tokens, hidden), dtype=np.float32),
+                scale * rng.standard_normal((3 * hidden, hidden), dtype=np.float32),
+                0.5 * rng.standard_normal((hidden, _SHORT_CONV_WIDTH), dtype=np.float32),
+                scale * rng.standard_normal((hidden, hidden), dtype=np.float32),
+                None, np.zeros((seqs, hidden, _SHORT_CONV_WIDTH - 1), np.float32),
+                Pinned(np.arange(0, tokens + 1, tokens // seqs, dtype=np.int32), "int32"),
+                Pinned(np.arange(seqs, dtype=np.int32), "int32"), Pinned(np.zeros(seqs, bool), "bool"))
+
+    return make
+
+
+def _short_conv_cost(split: str):
+    def cost(op, shape, itemsize) -> KernelCost:
+        return cost_model.short_conv_cost(shape[0], shape[1], _short_conv_sequences(split, shape[0]),
+                                          _SHORT_CONV_WIDTH, itemsize)
+
+    return cost
+
+
+def _torch_lfm2_short_conv(op):
+    """transformers' Lfm2ShortConv slow path in float32 over equal-length sequences as a batch."""
+    import torch
+    import torch.nn.functional as F
+
+    width = op.conv_kernel
+
+    def run(h, in_w, conv_w, out_w, conv_bias, conv_state, cu_seqlens, state_indices, has_initial_state):
+        f32 = torch.float32
+        seqs, hidden = state_indices.shape[0], h.shape[1]
+        bcx = F.linear(h.to(f32), in_w.to(f32)).view(seqs, -1, 3 * hidden).transpose(1, 2)  # [B, 3H, L]
+        b, c, x = bcx.chunk(3, dim=1)
+        bx = b * x
+        length = bx.shape[-1]
+        conv = F.conv1d(bx, conv_w.to(f32)[:, None], padding=width - 1, groups=hidden)[..., :length]
+        out = F.linear((c * conv).transpose(1, 2).reshape(-1, hidden), out_w.to(f32))
+        history = F.pad(bx, (width - 1, 0))[..., -(width - 1):]  # the last L - 1 inputs, zeros before
+        conv_state[state_indices.long()] = history.to(conv_state.dtype)
+        return out.to(h.dtype), conv_state
+
+    return run
+
+
+def _jax_short_conv(op):
+    import jax
+
+    return jax.jit(op.forward_native)
+
+
+CASES = (*CASES, *(
+    BenchCase(f"short_conv[{split}]", "short_conv", _short_conv, _short_conv_inputs(split),
+              _short_conv_cost(split), _torch_lfm2_short_conv, _jax_short_conv, default=False, matrix=True)
+    for split in ("prefill_8seq", "decode")))
+
+
+# --- mixer2_gated_rms_norm: the Mamba-2 mixers' output norm (issue 12) -------------------------------
+# The bench size (rows, hidden) in 8 groups (Nemotron-H-8B: hidden 8192 over 8 groups), gate like x,
+# the weight in x's dtype. Peers: transformers' NemotronHRMSNormGated (the weight set to the call's)
+# and the same math in jax.numpy under jit.
+_GATED_NORM_GROUPS = 8
+
+
+def _mixer2_gated_norm(hidden: int):
+    from dualop.ops import Mixer2RMSNormGated
+
+    return Mixer2RMSNormGated(hidden, _GATED_NORM_GROUPS if hidden % _GATED_NORM_GROUPS == 0 else 1)
+
+
+def _mixer2_gated_norm_inputs(shape, rng):
+    rows, hidden = shape
+    return (rng.standard_normal((rows, hidden), dtype=np.float32),
+            rng.standard_normal((rows, hidden), dtype=np.float32),
+            1.0 + 0.1 * rng.standard_normal(hidden, dtype=np.float32))
+
+
+def _mixer2_gated_norm_cost(op, shape, itemsize) -> KernelCost:
+    return cost_model.rms_norm_gated_cost(shape[0], shape[1], op.group_size, itemsize, itemsize, True)
+
+
+def _torch_nemotron_h_gated_norm(op):
+    import torch
+    from transformers.models.nemotron_h.modeling_nemotron_h import NemotronHRMSNormGated
+
+    norm = NemotronHRMSNormGated(op.hidden_size, group_size=op.group_size, eps=op.eps)
+
+    def run(x, gate, weight):
+        with torch.no_grad():
+            norm.weight.data = weight
+            return norm(x, gate)
+
+    return run
+
+
+def _jax_gated_norm(op):
+    import jax
+    import jax.numpy as jnp
+
+    @jax.jit
+    def run(x, gate, weight):
+        h = x.astype(jnp.float32) * jax.nn.silu(gate.astype(jnp.float32))
+        g = h.reshape(*h.shape[:-1], -1, op.group_size)
+        g = g * jax.lax.rsqrt(jnp.mean(g * g, axis=-1, keepdims=True) + op.eps)
+        return weight * g.reshape(h.shape).astype(x.dtype)
+
+    return run
+
+
+CASES = (*CASES, BenchCase("mixer2_gated_rms_norm", "mixer2_gated_rms_norm", _mixer2_gated_norm,
+                           _mixer2_gated_norm_inputs, _mixer2_gated_norm_cost, _torch_nemotron_h_gated_norm,
+                           _jax_gated_norm, default=False))
+
+
 # --- issue 12: mamba_mixer, the Mamba-1 mixer at the mixer level -----------------------------------
 # A Mamba layer of hidden H (I = 2H, N 16, K 4, R = ceil(H / 16), conv bias, no norms) over packed
 # sequences with caches of one slot per sequence: ``--sizes 1024x1024`` is a prefill of 1024 tokens

@@ -236,6 +236,19 @@ def plamo2_mamba_mixer_cost(tokens: int, seqs: int, hidden: int, heads: int, hea
 __all__ += ["plamo2_mamba_mixer_cost"]
 
 
+def short_conv_cost(tokens: int, hidden: int, seqs: int, conv_kernel: int, itemsize: int) -> KernelCost:
+    """LFM2's short conv block, one call: read the tokens and the three weights once, write the
+    output, read and write each sequence's float32 conv state (``L - 1`` values per channel); flops
+    of the two projections (``3H x H`` and ``H x H``), the depthwise conv and the two gates."""
+    weights = (4 * hidden + conv_kernel) * hidden
+    states = 2 * seqs * hidden * (conv_kernel - 1) * 4
+    return KernelCost(flops=2 * tokens * hidden * (4 * hidden + conv_kernel + 1), transcendentals=0,
+                      bytes_accessed=(2 * tokens * hidden + weights) * itemsize + states)
+
+
+__all__ += ["short_conv_cost"]
+
+
 def selective_scan_cost(tokens: int, dim: int, state_size: int, seqs: int, itemsize: int,
                         has_z: bool = True) -> KernelCost:
     """Mamba-1's selective scan: read x, dt (and z) ``[T, I]``, B and C ``[T, N]``, A ``[I, N]``, each
