@@ -20,9 +20,15 @@ __all__ = ["ssd_chunk_scan", "finish"]
 
 
 def _decode(x, delta, a, bh, ch, init):
-    """One token per sequence: ``h = exp(Δ A) h0 + Δ x ⊗ B``, ``y = h C``."""
-    h = torch.exp(delta * a)[:, :, None, None] * init + (delta[:, :, None] * x)[..., None] * bh[:, :, None, :]
-    return torch.einsum("bhpn,bhn->bhp", h, ch), h
+    """One token per sequence: ``h = exp(Δ A) h0 + Δ x ⊗ B``, ``y = h C``. The state is the
+    large operand (``[B, H, P, N]``) and memory-bound: it is updated in place in ``init`` (a fresh
+    gather of the cache) by a scale and one batched rank-1 update, with no ``[B, H, P, N]``
+    temporaries."""
+    seqs, heads, head_dim, n = init.shape
+    h = init.mul_(torch.exp(delta * a)[:, :, None, None]).view(seqs * heads, head_dim, n)
+    h.baddbmm_((delta[:, :, None] * x).reshape(seqs * heads, head_dim, 1), bh.reshape(seqs * heads, 1, n))
+    y = torch.bmm(h, ch.reshape(seqs * heads, n, 1)).view(seqs, heads, head_dim)
+    return y, init
 
 
 def _prefill(x, delta, a, bmat, cmat, init, cu: list[int], chunk: int):
