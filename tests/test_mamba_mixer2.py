@@ -340,10 +340,15 @@ def test_mixer_bad_input():
         op(x, ws[0], ws[1][:, :2], *ws[2:])
     with pytest.raises(ValueError, match="mamba_mixer2: argument 'conv_bias' must be an array"):
         op(x, ws[0], ws[1], None, *ws[3:])
+    conv_cache, ssm_cache = torch.zeros(2, op.conv_dim, KERNEL - 1), torch.zeros(2, HEADS, HEAD_DIM, STATE)
     with pytest.raises(ValueError, match="mamba_mixer2: argument 'ssm_state'"):
-        op(x, *ws, ssm_state=torch.zeros(2, HEADS, HEAD_DIM, STATE + 1))
+        op(x, *ws, conv_state=conv_cache, ssm_state=torch.zeros(2, HEADS, HEAD_DIM, STATE + 1))
     with pytest.raises(ValueError, match="mamba_mixer2: argument 'conv_state'"):
-        op(x, *ws, conv_state=torch.zeros(2, op.conv_dim, KERNEL))
+        op(x, *ws, conv_state=torch.zeros(2, op.conv_dim, KERNEL), ssm_state=ssm_cache)
+    with pytest.raises(ValueError, match="mamba_mixer2: argument 'ssm_state' is given but 'conv_state' is None"):
+        op(x, *ws, ssm_state=ssm_cache)
+    with pytest.raises(ValueError, match="mamba_mixer2: argument 'ssm_state' has 3 slots but 'conv_state' has 2"):
+        op(x, *ws, conv_state=conv_cache, ssm_state=torch.zeros(3, HEADS, HEAD_DIM, STATE))
     with pytest.raises(ValueError, match="mamba_mixer2: argument 'cu_seqlens'"):
         op(x, *ws, cu_seqlens=torch.tensor([0, 3], dtype=torch.int32))
 

@@ -15,10 +15,29 @@ from typing import Any
 from dualop.backends import array_namespace
 from dualop.ops._checks import cpu_declines
 from dualop.ops.linear import ReplicatedLinear
+from dualop.ops.ssm_batch import SSMBatch, ssm_batch
 from dualop.parallel import TensorParallel
 from dualop.platforms import family_of
 
-__all__ = ["projection", "project", "MixerPlatformMethods"]
+__all__ = ["projection", "project", "mixer_batches", "MixerPlatformMethods"]
+
+
+def mixer_batches(op: str, hidden_states: Any, conv_state: Any, ssm_state: Any, cu_seqlens: Any,
+                  state_indices: Any, has_initial_state: Any, conv_state_shape: tuple[int, ...],
+                  ssm_state_shape: tuple[int, ...]) -> tuple[SSMBatch, SSMBatch]:
+    """A mixer's two caches validated against the layer and each other (both or neither, one slot
+    count): the conv's and the scan's serving batches."""
+    if (conv_state is None) != (ssm_state is None):
+        given, missing = ("conv_state", "ssm_state") if ssm_state is None else ("ssm_state", "conv_state")
+        raise ValueError(f"{op}: argument '{given}' is given but '{missing}' is None; pass both caches or neither")
+    conv = ssm_batch(op, hidden_states, cu_seqlens, state_indices, has_initial_state, conv_state, "conv_state",
+                     conv_state_shape)
+    ssm = ssm_batch(op, hidden_states, cu_seqlens, state_indices, has_initial_state, ssm_state, "ssm_state",
+                    ssm_state_shape)
+    if conv_state is not None and conv_state.shape[0] != ssm_state.shape[0]:
+        raise ValueError(f"{op}: argument 'ssm_state' has {ssm_state.shape[0]} slots but 'conv_state' has "
+                         f"{conv_state.shape[0]}; expected one slot count for both caches")
+    return conv, ssm
 
 
 def projection(input_size: int, output_size: int, bias: bool = False) -> ReplicatedLinear:

@@ -45,10 +45,10 @@ from dualop.custom_op import CustomOp
 from dualop.kernels import ssm_math
 from dualop.kernels.norm_math import NormSpec, rms_normalize
 from dualop.ops._checks import check_array, check_optional_like, check_positive_int
-from dualop.ops._mixer import MixerPlatformMethods, project, projection
+from dualop.ops._mixer import MixerPlatformMethods, mixer_batches, project, projection
 from dualop.ops.causal_conv1d import CausalConv1d
 from dualop.ops.selective_scan import SelectiveScan
-from dualop.ops.ssm_batch import SSMBatch, ssm_batch
+from dualop.ops.ssm_batch import SSMBatch
 
 __all__ = ["MambaMixer"]
 
@@ -124,18 +124,8 @@ class MambaMixer(MixerPlatformMethods, CustomOp):
     def _batches(self, hidden_states, conv_state, ssm_state, cu_seqlens, state_indices,
                  has_initial_state) -> tuple[SSMBatch, SSMBatch]:
         """Both caches validated against the layer and against each other: one serving batch."""
-        if (conv_state is None) != (ssm_state is None):
-            given, missing = ("conv_state", "ssm_state") if ssm_state is None else ("ssm_state", "conv_state")
-            raise ValueError(f"{_OP}: argument '{given}' is given but '{missing}' is None; pass both caches or "
-                             f"neither")
-        conv = ssm_batch(_OP, hidden_states, cu_seqlens, state_indices, has_initial_state, conv_state,
-                         "conv_state", self.conv_state_shape)
-        ssm = ssm_batch(_OP, hidden_states, cu_seqlens, state_indices, has_initial_state, ssm_state,
-                        "ssm_state", self.ssm_state_shape)
-        if conv_state is not None and conv_state.shape[0] != ssm_state.shape[0]:
-            raise ValueError(f"{_OP}: argument 'ssm_state' has {ssm_state.shape[0]} slots but 'conv_state' has "
-                             f"{conv_state.shape[0]}; expected one slot count for both caches")
-        return conv, ssm
+        return mixer_batches(_OP, hidden_states, conv_state, ssm_state, cu_seqlens, state_indices,
+                             has_initial_state, self.conv_state_shape, self.ssm_state_shape)
 
     def check_inputs(self, hidden_states: Any, in_proj_weight: Any, conv_weight: Any, conv_bias: Any,
                      x_proj_weight: Any, dt_proj_weight: Any, dt_proj_bias: Any, A_log: Any, D: Any,

@@ -15,9 +15,8 @@ from dualop.backends import array_namespace
 from dualop.custom_op import CustomOp
 from dualop.kernels import ssm_math
 from dualop.ops._checks import check_array, check_optional_like, check_positive_int, cpu_declines
-from dualop.ops._mixer import MixerPlatformMethods, project, projection
+from dualop.ops._mixer import MixerPlatformMethods, mixer_batches, project, projection
 from dualop.ops.gated_norm import RMSNormGated
-from dualop.ops.ssm_batch import ssm_batch
 from dualop.parallel import TensorParallel, current_tensor_parallel, divide
 from dualop.platforms import frontend_of
 
@@ -282,11 +281,8 @@ class MambaMixer2(MixerPlatformMethods, CustomOp):
         return {name: shape for name, shape in shapes.items() if shape is not None}
 
     def _batches(self, hidden_states, conv_state, ssm_state, cu_seqlens, state_indices, has_initial_state):
-        conv = ssm_batch(_MIXER, hidden_states, cu_seqlens, state_indices, has_initial_state, conv_state,
-                         "conv_state", self.conv_state_shape)
-        ssm = ssm_batch(_MIXER, hidden_states, cu_seqlens, state_indices, has_initial_state, ssm_state,
-                        "ssm_state", self.ssm_state_shape)
-        return conv, ssm
+        return mixer_batches(_MIXER, hidden_states, conv_state, ssm_state, cu_seqlens, state_indices,
+                             has_initial_state, self.conv_state_shape, self.ssm_state_shape)
 
     def check_inputs(self, hidden_states: Any, in_proj_weight: Any = None, conv_weight: Any = None,
                      conv_bias: Any = None, dt_bias: Any = None, A_log: Any = None, D: Any = None,
