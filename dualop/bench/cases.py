@@ -853,6 +853,17 @@ def _causal_conv1d(dim: int):
     return CausalConv1d(dim, _CONV_WIDTH)
 
 
+def _fresh_equal_sequences(tokens: int, seqs: int) -> tuple:
+    """Serving metadata of ``seqs`` new sequences of equal length packed in ``tokens`` (slot b for
+    sequence b, no initial state): ``(cu_seqlens, state_indices, has_initial_state)``, pinned."""
+    from dualop.testing import Pinned
+
+    if seqs < 1 or tokens % seqs:
+        raise ValueError(f"bench: {tokens} tokens do not split into {seqs} equal sequences")
+    return (Pinned(np.arange(0, tokens + 1, tokens // seqs, dtype=np.int32), "int32"),
+            Pinned(np.arange(seqs, dtype=np.int32), "int32"), Pinned(np.zeros(seqs, bool), "bool"))
+
+
 def _conv_sequences(split: str, tokens: int) -> int:
     return {"prefill": 1, "prefill_8seq": min(8, tokens), "decode": tokens}[split]
 
@@ -928,31 +939,24 @@ def _short_conv(hidden: int):
     return ShortConv(hidden, _SHORT_CONV_WIDTH)
 
 
-def _short_conv_sequences(split: str, tokens: int) -> int:
-    return {"prefill_8seq": min(8, tokens), "decode": tokens}[split]
-
-
 def _short_conv_inputs(split: str):
     def make(shape, rng):
-        from dualop.testing import Pinned
-
         tokens, hidden = shape
-        seqs = _short_conv_sequences(split, tokens)
+        seqs = _conv_sequences(split, tokens)
         scale = hidden ** -0.5
         return (rng.standard_normal((tokens, hidden), dtype=np.float32),
                 scale * rng.standard_normal((3 * hidden, hidden), dtype=np.float32),
                 0.5 * rng.standard_normal((hidden, _SHORT_CONV_WIDTH), dtype=np.float32),
                 scale * rng.standard_normal((hidden, hidden), dtype=np.float32),
                 None, np.zeros((seqs, hidden, _SHORT_CONV_WIDTH - 1), np.float32),
-                Pinned(np.arange(0, tokens + 1, tokens // seqs, dtype=np.int32), "int32"),
-                Pinned(np.arange(seqs, dtype=np.int32), "int32"), Pinned(np.zeros(seqs, bool), "bool"))
+                *_fresh_equal_sequences(tokens, seqs))
 
     return make
 
 
 def _short_conv_cost(split: str):
     def cost(op, shape, itemsize) -> KernelCost:
-        return cost_model.short_conv_cost(shape[0], shape[1], _short_conv_sequences(split, shape[0]),
+        return cost_model.short_conv_cost(shape[0], shape[1], _conv_sequences(split, shape[0]),
                                           _SHORT_CONV_WIDTH, itemsize)
 
     return cost
@@ -1371,8 +1375,6 @@ def _plamo2_shape(seqs_of: Callable[[int], int]):
 
 
 def _plamo2_inputs(shape, rng):
-    from dualop.testing import Pinned
-
     tokens, seqs, hidden = shape
     heads, head_dim, rank = _plamo2_widths(hidden)
     inner, n = heads * head_dim, PLAMO2_STATE
@@ -1384,8 +1386,7 @@ def _plamo2_inputs(shape, rng):
         1.0 + _normal((rank,), rng, 0.2), 1.0 + _normal((n,), rng, 0.2), 1.0 + _normal((n,), rng, 0.2),
         _normal((hidden, inner), rng, inner ** -0.5),
         np.zeros((seqs, inner, PLAMO2_CONV - 1), np.float32), np.zeros((seqs, heads, head_dim, n), np.float32),
-        Pinned(np.arange(0, tokens + 1, tokens // seqs, dtype=np.int32), "int32"),
-        Pinned(np.arange(seqs, dtype=np.int32), "int32"), Pinned(np.zeros(seqs, bool), "bool"),
+        *_fresh_equal_sequences(tokens, seqs),
     )
 
 
@@ -1654,14 +1655,11 @@ def _ssd_bench_inputs(shape, rng):
     update the cache in place on torch, all compute the same outputs; a cached start costs the
     same work (one more read of each state)."""
     from dualop.ops.ssd import make_ssd_inputs
-    from dualop.testing import Pinned
 
     tokens, seqs = shape[0], shape[1]
     arrays = list(make_ssd_inputs(shape, rng, padding=False))
     arrays[6] = None  # no z gate (transformers' scan has none)
-    arrays[9] = Pinned(np.arange(0, tokens + 1, tokens // seqs, dtype=np.int32), "int32")
-    arrays[10] = Pinned(np.arange(seqs, dtype=np.int32), "int32")
-    arrays[11] = Pinned(np.zeros(seqs, bool), "bool")
+    arrays[9:12] = _fresh_equal_sequences(tokens, seqs)
     return tuple(arrays)
 
 
