@@ -184,6 +184,9 @@ def run_check(
             results.append(CellResult(case.op, case.label, fe, platform, dtype, status,
                                       detail=unavailable.get(fe) or f"{fe} is installed but does not import: {broken[fe]}"))
             continue
+        # thousands of interpreted programs in one process: unmap jax's compiled code before the
+        # mapping limit (testing.release_compiled_code_near_map_limit says why; seen in 'xla')
+        testing.release_compiled_code_near_map_limit()
         try:
             results.append(_run_cell(case, fe, platform, dtype, seed))
         except Exception as err:  # reported as a failing cell, never swallowed
