@@ -79,6 +79,9 @@ KERNEL_OPS_IN_NATIVE_CELLS = {
     # The linear ops run XLA's dot (cuBLAS) on the operands' dtype for jax arrays on GPUs.
     **{(op, "jax", "cuda"): "forward_cuda"
        for op in ("replicated_linear", "column_parallel_linear", "row_parallel_linear")},
+    # ssd_chunk_scan: the chunked form in jax.numpy (kernels/xla_ssd.py) for jax arrays on the CPU and GPUs.
+    **{("ssd_chunk_scan", "jax", platform): method for platform, method in (("cpu", "forward_cpu"),
+                                                                            ("cuda", "forward_cuda"))},
     # conv2d/conv3d: the patch-embedding matmul is the platform path for every frontend (XLA's dot for jax).
     **{(op, "jax", platform): method for op in ("conv2d", "conv3d")
        for platform, method in (("cpu", "forward_cpu"), ("cuda", "forward_cuda"))},

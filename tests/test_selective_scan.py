@@ -110,6 +110,29 @@ def test_state_continuity(kernel):
     _assert_close(step_state, whole_state, "float32", "state after decode")
 
 
+@pytest.mark.parametrize("cache_dtype", ["float32", "float16"])
+def test_cpu_kernel_writes_a_strided_cache_of_another_dtype_in_place(cache_dtype):
+    """The C++ loop reads and writes the cache slots itself: a cache that is a strided view (one
+    layer's half of a wider buffer) in a dtype other than the activations' (bfloat16) is updated
+    in place, as forward_native updates it; the rest of the buffer is left alone."""
+    args = _inputs(PREFILL, "torch", "bfloat16", padding=(1,))
+    slots, dim, n = args[8].shape
+    buffer = torch.randn(slots, dim, 2 * n).to(getattr(torch, cache_dtype))
+    args[8] = buffer[:, :, :n]
+    assert not args[8].is_contiguous()
+    op = SelectiveScan(dim, n)
+    op.check_inputs(*args)
+    reference_args = _copy(args)
+    reference_args[8] = args[8].contiguous()
+    y_ref, cache_ref = op.forward_native(*reference_args)
+    other_half = buffer[:, :, n:].clone()
+    y, cache = op.forward_cpu(*args)
+    assert cache.data_ptr() == buffer.data_ptr() and cache.dtype == buffer.dtype
+    _assert_close(y, y_ref, "bfloat16", "y")
+    _assert_close(buffer[:, :, :n], cache_ref, cache_dtype if cache_dtype != "float32" else "bfloat16", "cache")
+    torch.testing.assert_close(buffer[:, :, n:], other_half, rtol=0, atol=0)
+
+
 def _bad(index, value, match, error=ValueError):
     def make(args):
         args = list(args)

@@ -1,5 +1,6 @@
 """SSDChunkScan (``ssd_chunk_scan``): the op against a float64 numpy recurrence of each sequence
-from its cached state; every kernel (torch CPU, Triton, Pallas prefill and decode) against
+from its cached state; every kernel (torch CPU, Triton, Pallas and the jax.numpy chunked form,
+prefill and decode) against
 forward_native at T = 1024 with chunk boundaries splitting sequences (once per kernel); results
 independent of chunk_size; state continuity (one prefill == a prefill continued == token-by-token
 decode from the cache); padding slots; bad input (H % G != 0 among them); jit / vmap / grad in
@@ -135,9 +136,40 @@ def test_pallas_kernel_long_prefill_and_decode(dtype="float32"):
         _close(got[1], want[1], dtype)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_xla_kernel_long_prefill_and_decode(dtype):
+    """The chunked form in jax.numpy (jax arrays on the CPU and GPUs) under jit: sequences cut into
+    their own 64-token chunks (a 128-token sequence is two, a 1-token tail one), and the decode step."""
+    import jax
+
+    from dualop.kernels import xla_ssd
+
+    op = SSDChunkScan(2, 16, 16, 2)
+    for arrays in (_long_case(), _inputs(64, 2, 64, 16, 16, 2, seed=4)):
+        args = _jax(arrays, dtype)
+        got = jax.jit(lambda *a: xla_ssd.ssd_chunk_scan(*a, chunk_size=256))(*args)
+        want = jax.jit(op.forward_native)(*args)
+        _close(got[0], want[0], dtype)
+        _close(got[1], want[1], dtype)
+
+
+def test_xla_kernel_chunk_table_bound():
+    """The static bound on the logical chunks holds with equality for sequences of one token over
+    a chunk's length, and never undercounts (every sequence's chunks, summed, over random splits)."""
+    from dualop.kernels.xla_ssd import num_chunks
+
+    assert num_chunks(8 * 65, 8, 64) == 16  # eight sequences of 65 tokens: two chunks each
+    assert num_chunks(5, 5, 64) == 5
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        seqs, length = int(rng.integers(1, 9)), int(rng.integers(1, 70))
+        lens = rng.integers(1, 300, seqs)
+        assert sum(-(-n // length) for n in lens) <= num_chunks(int(lens.sum()), seqs, length)
+
+
 # ------------------------------------------------------------------ serving behaviour through the op
 
-PLATFORM_PATHS = [("torch", "cpu"), ("torch", "cuda"), ("jax", "tpu")]
+PLATFORM_PATHS = [("torch", "cpu"), ("torch", "cuda"), ("jax", "tpu"), ("jax", "cpu")]
 
 
 def _op_call(frontend, platform, op, arrays):

@@ -26,6 +26,7 @@ __all__ = [
     "causal_conv1d_reference",
     "selective_scan_reference",
     "ssd_reference",
+    "ssd_output",
     "process_dt",
 ]
 
@@ -207,11 +208,16 @@ def ssd_reference(xp, x, dt, A, B, C, D, z, dt_bias, ssm_state, cu_seqlens, stat
     ys, finals = scan_packed(xp, step, (delta, xf, bh, ch), init, layout)
     if ys is None:
         return _empty_like_tokens(xp, x, (heads, head_dim), x.dtype), ssm_state
+    return ssd_output(xp, ys, x, D, z, state_indices, layout[0]), store_states(xp, ssm_state, state_indices, finals)
+
+
+def ssd_output(xp, ys: Any, x: Any, D: Any, z: Any, state_indices: Any, seq: Any) -> Any:
+    """The SSD scan's elementwise tail on its float32 ``ys`` ``[T, H, P]``: ``+ D x``, times
+    ``silu(z)``, padding sequences' rows zeroed (``seq``: each token's sequence), cast to x's dtype."""
     if D is not None:
         d = xp.astype(D, xp.float32)
-        ys = ys + (d[:, None] if d.ndim == 1 else d) * xf
+        ys = ys + (d[:, None] if d.ndim == 1 else d) * xp.astype(x, xp.float32)
     if z is not None:
         zf = xp.astype(z, xp.float32)
         ys = ys * (zf * xp.sigmoid(zf))
-    y = _zero_padding_rows(xp, ys, state_indices, layout[0])
-    return xp.astype(y, x.dtype), store_states(xp, ssm_state, state_indices, finals)
+    return xp.astype(_zero_padding_rows(xp, ys, state_indices, seq), x.dtype)

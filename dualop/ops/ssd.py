@@ -32,6 +32,7 @@ OP = "ssd_chunk_scan"
 _PALLAS_SSD = KernelRef("dualop.kernels.pallas.ssd", "ssd_chunk_scan")
 _TRITON_SSD = KernelRef("dualop.kernels.cuda.ssd", "ssd_chunk_scan")
 _CPU_SSD = KernelRef("dualop.kernels.cpu.ssd", "ssd_chunk_scan")
+_XLA_SSD = KernelRef("dualop.kernels.xla_ssd", "ssd_chunk_scan")
 
 
 @CustomOp.register(OP)
@@ -113,6 +114,10 @@ class SSDChunkScan(CustomOp):
             batch.has_initial_state, self.delta_softplus, self.dt_limit)
 
     def declines(self, method: str, frontend: str) -> str | None:
+        """jax arrays on the CPU and GPUs take the chunked form in ``jax.numpy`` (``kernels/xla_ssd``);
+        torch_xla and torchax tensors have no CPU path (they reach XLA through the TPU bridge)."""
+        if frontend == "jax" and method in ("forward_cpu", "forward_cuda", "forward_hip"):
+            return None
         return cpu_declines(method, frontend)
 
     def _kernel_args(self, x, dt, A, B, C, D, z, dt_bias, ssm_state, cu_seqlens, state_indices, has_initial_state):
@@ -129,17 +134,24 @@ class SSDChunkScan(CustomOp):
                     has_initial_state: Any = None) -> tuple[Any, Any]:
         """torch on the CPU: the chunked form as batched torch matmuls (``kernels/cpu/ssd.py``);
         while autograd records, the native recurrence runs (its gradients are the reference's: the
-        chunked form's differ by more than the 16-bit tolerance)."""
-        decline_if_recording(OP, x, dt, A, B, C, D, z, dt_bias)
+        chunked form's differ by more than the 16-bit tolerance). jax arrays: the chunked form in
+        ``jax.numpy`` (``kernels/xla_ssd.py``)."""
         args = self._kernel_args(x, dt, A, B, C, D, z, dt_bias, ssm_state, cu_seqlens, state_indices,
                                  has_initial_state)
+        if frontend_of(x) == "jax":
+            return _XLA_SSD.resolve()(*args, **self._static)
+        decline_if_recording(OP, x, dt, A, B, C, D, z, dt_bias)
         return _CPU_SSD.resolve()(*args, **self._static)
 
     def forward_cuda(self, x: Any, dt: Any, A: Any, B: Any, C: Any, D: Any = None, z: Any = None,
                      dt_bias: Any = None, ssm_state: Any = None, cu_seqlens: Any = None, state_indices: Any = None,
                      has_initial_state: Any = None) -> tuple[Any, Any]:
+        """torch on a GPU: the Triton kernels; jax arrays: the chunked form in ``jax.numpy``
+        (``kernels/xla_ssd.py``; a Triton launch would need jax-triton)."""
         args = self._kernel_args(x, dt, A, B, C, D, z, dt_bias, ssm_state, cu_seqlens, state_indices,
                                  has_initial_state)
+        if frontend_of(x) == "jax":
+            return _XLA_SSD.resolve()(*args, **self._static)
         return call_triton(frontend_of(x), _TRITON_SSD, *args, **self._static)
 
     def forward_tpu(self, x: Any, dt: Any, A: Any, B: Any, C: Any, D: Any = None, z: Any = None,

@@ -1,9 +1,10 @@
 """Mamba-1's selective scan on the CPU for torch tensors (kernel: ``csrc/selective_scan.cc``).
 
 The C++ loop runs one (sequence, block of channels) per work item, so the same call serves a
-prefill and a decode step (T == B: one token per item). Here: the float32 side inputs, each
-sequence's initial state gathered from the cache (``ssm_math.initial_states``), and the final
-states written back into the cache in place (``ssm_math.store_states``).
+prefill and a decode step (T == B: one token per item). It reads each sequence's starting state
+from its cache slot and writes the final state back there, in place, in the cache's dtype (at a
+decode step the state is most of the bytes: a gather, select and scatter around the loop were
+half its time). Here: Δ and the float32 side inputs.
 """
 
 from __future__ import annotations
@@ -39,10 +40,13 @@ def selective_scan(x, dt, A, B, C, D, z, dt_bias, state, cu_seqlens, state_indic
     n = A.shape[1]
     if n > MAX_STATE:
         raise NotImplementedError(f"selective_scan: the CPU kernel holds states up to {MAX_STATE} wide, got {n}")
+    state_code = dtype_code(state)
+    if state_code is None:
+        raise NotImplementedError(f"selective_scan: a {state.dtype} state cache on {state.device} has no CPU kernel")
     xp = array_namespace(x)
-    init = ssm_math.initial_states(xp, state, state_indices, has_initial_state).contiguous()
-    finals = torch.empty_like(init)
-    keep = (state_indices >= 0).to(torch.uint8).contiguous()
+    cache = state if state.is_contiguous() else state.contiguous()  # written back below when a copy
+    slots = state_indices.to(torch.int32).contiguous()
+    has_init = has_initial_state.to(torch.uint8).contiguous()
     cu = cu_seqlens.to(torch.int32).contiguous()
     x, dt = x.contiguous(), dt.contiguous()
     z = None if z is None else z.contiguous()
@@ -54,8 +58,11 @@ def selective_scan(x, dt, A, B, C, D, z, dt_bias, state, cu_seqlens, state_indic
     delta = ssm_math.process_dt(xp, dt, dt_bias, delta_softplus).contiguous()
     side = [_f32(t) for t in (A, B, C, D)]  # float32 copies, alive through the call
     status = load().dualop_selective_scan(
-        code, pointer(x), pointer(delta), pointer(z), *map(pointer, side), pointer(init), pointer(finals),
-        pointer(cu), pointer(keep), pointer(y), dim, n, cu.shape[0] - 1, threads_for(tokens * dim * n))
+        code, state_code, pointer(x), pointer(delta), pointer(z), *map(pointer, side), pointer(cache),
+        pointer(slots), pointer(has_init), pointer(cu), pointer(y), dim, n, cu.shape[0] - 1,
+        threads_for(tokens * dim * n))
     if status != 0:
         raise RuntimeError(f"selective_scan: the CPU kernel returned {status}")
-    return y, ssm_math.store_states(xp, state, state_indices, finals)
+    if cache is not state:
+        state.copy_(cache)
+    return y, state
