@@ -138,8 +138,9 @@ def test_pallas_kernel_long_prefill_and_decode(dtype="float32"):
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_xla_kernel_long_prefill_and_decode(dtype):
-    """The chunked form in jax.numpy (jax arrays on the CPU and GPUs) under jit: sequences cut into
-    their own 64-token chunks (a 128-token sequence is two, a 1-token tail one), and the decode step."""
+    """The chunked form in jax.numpy (jax arrays on the CPU and GPUs) under jit: eight sequences of
+    1024 tokens cut into their own chunks of ``MAX_CHUNK`` tokens (partial last chunks), and the
+    decode step."""
     import jax
 
     from dualop.kernels import xla_ssd

@@ -30,10 +30,12 @@ from dualop.kernels import ssm_math
 __all__ = ["ssd_chunk_scan", "MAX_CHUNK", "num_chunks"]
 
 # The longest chunk this path uses (the op's chunk_size when shorter). The per-token work is the
-# masked C Bᵀ, ~L (N + P) per head, plus the state terms, ~2 P N; short chunks also waste less on
-# the sequences' partial last chunks. Measured at 16 heads of 64, state 64: 64 was faster than 128
-# and 256 for one and for eight sequences of a 1024-token prefill.
-MAX_CHUNK = 64
+# masked C Bᵀ, ~L (N + P) per head, plus the state terms, ~2 P N, and XLA:CPU lowers a cumsum to a
+# reduce-window (L² per row: the [L, L] decay sums cost L³ per head and chunk); short chunks also
+# waste less on the sequences' partial last chunks. Measured (16 heads of 64, state 64, a 1024-token
+# prefill as one and as eight sequences): 32 and 64 tie, 16 is 1.1-1.8x slower, 128 1.3-2.2x,
+# 256 3.5-5x.
+MAX_CHUNK = 32
 
 
 def num_chunks(tokens: int, seqs: int, length: int) -> int:

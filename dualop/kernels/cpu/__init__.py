@@ -120,7 +120,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.dualop_grouped_topk.restype = i32
     lib.dualop_vocab_embedding.argtypes = [i32, p, p, i64, p, i64, i64, i64, i64, i64, i64, i64, i32, i64]
     lib.dualop_vocab_embedding.restype = i32
-    lib.dualop_selective_scan.argtypes = [i32, i32, p, p, p, p, p, p, p, p, p, p, p, p, i64, i64, i64, i32]
+    lib.dualop_selective_scan.argtypes = [i32, i32, p, p, p, p, p, p, p, p, p, p, p, p, i64, i64, i64, i64, i32]
     lib.dualop_selective_scan.restype = i32
 
 

@@ -16,7 +16,7 @@ from dualop.kernels import ssm_math
 from dualop.kernels.cpu import load
 from dualop.kernels.cpu.common import dtype_code, pointer, threads_for
 
-__all__ = ["selective_scan", "MAX_STATE"]
+__all__ = ["selective_scan", "scan_channels", "MAX_STATE"]
 
 MAX_STATE = 256  # csrc/selective_scan.cc's kScanMaxState
 
@@ -31,38 +31,45 @@ def selective_scan(x, dt, A, B, C, D, z, dt_bias, state, cu_seqlens, state_indic
                    delta_softplus: bool) -> tuple[Any, Any]:
     """``(y [T, I], state)``: the scan of a validated serving batch; ``state`` (the cache, or the
     fresh zeros of ``ssm_batch``) is updated in place and returned."""
+    if x.shape[0] == 0:
+        return x.new_empty(x.shape), state
+    # Δ by torch's vectorised softplus (the native body's own formula); libm's scalar log1p/exp
+    # per (token, channel) inside the loop measured slower than this one extra pass
+    delta = ssm_math.process_dt(array_namespace(x), dt, dt_bias, delta_softplus)
+    return scan_channels("selective_scan", x, delta, A, B, C, D, z, state, cu_seqlens, state_indices,
+                         has_initial_state)
+
+
+def scan_channels(op: str, x, delta, A, B, C, D, z, state, cu_seqlens, state_indices, has_initial_state) -> tuple[Any, Any]:
+    """The C++ loop over channels with a per-channel state ``[N]``: x, z ``[T, I]``; Δ ``[T, I]``
+    (float32, processed); A ``[I, N]``; B, C ``[T, N]`` or ``[T, G, N]`` (channel i reads group
+    ``i // (I / G)``); D ``[I]``; ``state`` ``[S, I, N]`` in any float dtype, updated in place.
+    ``y = (h C + D x) * silu(z)`` in x's dtype, zero for padding sequences. Also Mamba-2's SSD
+    decode step, its heads' P channels each (``kernels/cpu/ssd.py``)."""
     import torch
 
-    code = dtype_code(x)
-    if code is None:
-        raise NotImplementedError(f"selective_scan: dtype {x.dtype} on {x.device} has no CPU kernel")
+    code, state_code = dtype_code(x), dtype_code(state)
+    if code is None or state_code is None:
+        raise NotImplementedError(f"{op}: x of {x.dtype} and a {state.dtype} state cache on {state.device}: no CPU kernel")
     tokens, dim = x.shape
     n = A.shape[1]
     if n > MAX_STATE:
-        raise NotImplementedError(f"selective_scan: the CPU kernel holds states up to {MAX_STATE} wide, got {n}")
-    state_code = dtype_code(state)
-    if state_code is None:
-        raise NotImplementedError(f"selective_scan: a {state.dtype} state cache on {state.device} has no CPU kernel")
-    xp = array_namespace(x)
+        raise NotImplementedError(f"{op}: the CPU kernel holds states up to {MAX_STATE} wide, got {n}")
+    groups = 1 if B.ndim == 2 else B.shape[1]
     cache = state if state.is_contiguous() else state.contiguous()  # written back below when a copy
     slots = state_indices.to(torch.int32).contiguous()
     has_init = has_initial_state.to(torch.uint8).contiguous()
     cu = cu_seqlens.to(torch.int32).contiguous()
-    x, dt = x.contiguous(), dt.contiguous()
+    x, delta = x.contiguous(), delta.to(torch.float32).contiguous()
     z = None if z is None else z.contiguous()
     y = torch.empty_like(x)
-    if tokens == 0:
-        return y, state
-    # Δ by torch's vectorised softplus (the native body's own formula); libm's scalar log1p/exp
-    # per (token, channel) inside the loop measured slower than this one extra pass
-    delta = ssm_math.process_dt(xp, dt, dt_bias, delta_softplus).contiguous()
     side = [_f32(t) for t in (A, B, C, D)]  # float32 copies, alive through the call
     status = load().dualop_selective_scan(
         code, state_code, pointer(x), pointer(delta), pointer(z), *map(pointer, side), pointer(cache),
-        pointer(slots), pointer(has_init), pointer(cu), pointer(y), dim, n, cu.shape[0] - 1,
+        pointer(slots), pointer(has_init), pointer(cu), pointer(y), dim, n, groups, cu.shape[0] - 1,
         threads_for(tokens * dim * n))
     if status != 0:
-        raise RuntimeError(f"selective_scan: the CPU kernel returned {status}")
+        raise RuntimeError(f"{op}: the CPU scan kernel returned {status}")
     if cache is not state:
         state.copy_(cache)
     return y, state

@@ -1,9 +1,9 @@
 """Mamba-2's SSD scan (``ssd_chunk_scan``) on the torch CPU: the chunked state-space-duality form as
 batched matmuls (ATen's GEMMs do the work), the same algorithm as the Pallas kernel
 (``kernels/pallas/ssd.py``: segment-masked ``C Bᵀ`` within a chunk, each sequence's entering state
-and its state at its last token in the chunk, the carried state between chunks), and an
-elementwise step for decode (T == B). float32 compute; y in x's dtype; the cache updated in place
-(``ssm_math.store_states``).
+and its state at its last token in the chunk, the carried state between chunks), and for decode
+(T == B) the selective scan's C++ loop, one step per sequence over the heads' rows. float32
+compute; y in x's dtype; the cache updated in place.
 
 The sequence boundaries are host values here (the CPU reads ``cu_seqlens``), so each sequence's
 entering/leaving terms touch only its own rows of the chunk.
@@ -15,20 +15,30 @@ import torch
 
 from dualop.backends import array_namespace
 from dualop.kernels import ssm_math
+from dualop.kernels.cpu.selective_scan import scan_channels
 
 __all__ = ["ssd_chunk_scan", "finish"]
 
 
-def _decode(x, delta, a, bh, ch, init):
-    """One token per sequence: ``h = exp(Δ A) h0 + Δ x ⊗ B``, ``y = h C``. The state is the
-    large operand (``[B, H, P, N]``) and memory-bound: it is updated in place in ``init`` (a fresh
-    gather of the cache) by a scale and one batched rank-1 update, with no ``[B, H, P, N]``
-    temporaries."""
-    seqs, heads, head_dim, n = init.shape
-    h = init.mul_(torch.exp(delta * a)[:, :, None, None]).view(seqs * heads, head_dim, n)
-    h.baddbmm_((delta[:, :, None] * x).reshape(seqs * heads, head_dim, 1), bh.reshape(seqs * heads, 1, n))
-    y = torch.bmm(h, ch.reshape(seqs * heads, n, 1)).view(seqs, heads, head_dim)
-    return y, init
+def _decode(x, delta, A, B, C, D, z, ssm_state, cu_seqlens, state_indices, has_initial_state):
+    """One token per sequence (T == B), on selective_scan's C++ loop (``csrc/selective_scan.cc``)
+    with the heads' ``H * P`` rows as its channels: each head's decay ``exp(Δ A)`` and step
+    repeated over its P rows, B and C read per group. The state is the large operand (``[B, H, P,
+    N]``, memory-bound): the loop reads each slot and writes it back in place, once, in the cache's
+    dtype. Returns ``(y [T, H, P] in x's dtype, ssm_state)``."""
+    tokens, heads, head_dim = x.shape
+    channels, n = heads * head_dim, B.shape[2]
+    cache = ssm_state.contiguous()  # the cache itself unless strided; then written back below
+    per_row = torch.repeat_interleave
+    d = None if D is None else (per_row(D.to(torch.float32), head_dim) if D.ndim == 1 else D.reshape(channels))
+    y, _ = scan_channels(
+        "ssd_chunk_scan", x.reshape(tokens, channels), per_row(delta, head_dim, dim=1),
+        per_row(A.to(torch.float32), head_dim)[:, None].expand(channels, n), B, C, d,
+        None if z is None else z.reshape(tokens, channels), cache.view(cache.shape[0], channels, n),
+        cu_seqlens, state_indices, has_initial_state)
+    if cache is not ssm_state:
+        ssm_state.copy_(cache)
+    return y.view(tokens, heads, head_dim), ssm_state
 
 
 def _prefill(x, delta, a, bmat, cmat, init, cu: list[int], chunk: int):
@@ -88,21 +98,16 @@ def ssd_chunk_scan(x, dt, A, B, C, D, z, dt_bias, ssm_state, cu_seqlens, state_i
     """``(y [T, H, P] in x's dtype, ssm_state)`` of ``ssm_math.ssd_reference`` for validated,
     complete serving metadata; the cache is updated in place."""
     xp = array_namespace(x)
-    tokens, heads, _ = x.shape
+    tokens = x.shape[0]
     num_seqs = state_indices.shape[0]
     f32 = torch.float32
     delta = ssm_math.process_dt(xp, dt, dt_bias, delta_softplus, dt_limit)
-    a = A.to(f32)
-    init = ssm_math.initial_states(xp, ssm_state, state_indices, has_initial_state)
-    xf, bf, cf = x.to(f32), B.to(f32), C.to(f32)
     if tokens == num_seqs:
-        head_group = torch.arange(heads) // (heads // B.shape[1])
-        y, finals = _decode(xf, delta, a, bf[:, head_group], cf[:, head_group], init)
-        seq = torch.arange(tokens)
-    else:
-        cu = cu_seqlens.tolist()
-        y, finals = _prefill(xf, delta, a, bf, cf, init, cu, max(1, int(chunk_size)))
-        seq = torch.repeat_interleave(torch.arange(num_seqs), torch.diff(cu_seqlens.to(torch.int64)))
+        return _decode(x, delta, A, B, C, D, z, ssm_state, cu_seqlens, state_indices, has_initial_state)
+    init = ssm_math.initial_states(xp, ssm_state, state_indices, has_initial_state)
+    cu = cu_seqlens.tolist()
+    y, finals = _prefill(x.to(f32), delta, A.to(f32), B.to(f32), C.to(f32), init, cu, max(1, int(chunk_size)))
+    seq = torch.repeat_interleave(torch.arange(num_seqs), torch.diff(cu_seqlens.to(torch.int64)))
     return finish(x, y, D, z, ssm_state, state_indices, seq, finals)
 
 

@@ -18,6 +18,8 @@ constexpr int64_t kScanBlock = 8;      // channels per work item
 constexpr int64_t kScanMaxState = 256; // widest N the on-stack state holds
 
 // delta: the step sizes [T, I] in float32, dt_bias and softplus already applied (by the wrapper).
+// B, C: [T, groups, N]; channel i reads group i / (I / groups) (Mamba-1: one group; Mamba-2's SSD
+// decode step runs here as I = H * P channels, each head's decay and step repeated over its P).
 // cache: [slots, I, N] contiguous, in S; slots[s] is sequence s's slot (-1: padding, skipped);
 // has_init[s] says whether the sequence starts from its slot's state (else from zeros).
 template <class T, class S>
@@ -25,7 +27,8 @@ static void scan_rows(const T* __restrict x, const float* __restrict delta, cons
                       const float* __restrict A, const float* __restrict B, const float* __restrict C,
                       const float* __restrict D, S* __restrict cache, const int32_t* __restrict slots,
                       const uint8_t* __restrict has_init, const int32_t* __restrict cu, T* __restrict y,
-                      int64_t dim, int64_t n, int64_t seqs, int threads) {
+                      int64_t dim, int64_t n, int64_t groups, int64_t seqs, int threads) {
+  const int64_t per_group = dim / groups;
   const int64_t blocks = (dim + kScanBlock - 1) / kScanBlock;
 #pragma omp parallel for collapse(2) schedule(dynamic, 1) num_threads(threads)
   for (int64_t s = 0; s < seqs; ++s) {
@@ -45,10 +48,10 @@ static void scan_rows(const T* __restrict x, const float* __restrict delta, cons
       else
         std::memset(h, 0, sizeof(float) * width * n);
       for (int64_t t = start; t < end; ++t) {
-        const float* __restrict bt = B + t * n;
-        const float* __restrict ct = C + t * n;
         for (int64_t c = 0; c < width; ++c) {
           const int64_t i = i0 + c;
+          const float* __restrict bt = B + (t * groups + i / per_group) * n;
+          const float* __restrict ct = C + (t * groups + i / per_group) * n;
           const float d = delta[t * dim + i];
           const float xv = to_f32(x[t * dim + i]);
           const float u = d * xv;
@@ -78,19 +81,20 @@ static void scan_rows(const T* __restrict x, const float* __restrict delta, cons
 
 // dtype, state_dtype: 0 float32, 1 bfloat16, 2 float16 (dtype: x, z, y; state_dtype: the cache);
 // delta, A, B, C, D float32. Returns 0, -1 for an unknown dtype, -2 for a state wider than the
-// kernel holds.
+// kernel holds, -3 for groups that do not divide the channels.
 extern "C" int dualop_selective_scan(int dtype, int state_dtype, const void* x, const float* delta, const void* z,
                                      const float* A, const float* B, const float* C, const float* D, void* cache,
                                      const int32_t* slots, const uint8_t* has_init, const int32_t* cu, void* y,
-                                     int64_t dim, int64_t n, int64_t seqs, int threads) {
+                                     int64_t dim, int64_t n, int64_t groups, int64_t seqs, int threads) {
   using namespace dualop;
   if (n > kScanMaxState) return -2;
+  if (groups < 1 || dim % groups) return -3;
   if (dtype < 0 || dtype > 2 || state_dtype < 0 || state_dtype > 2) return -1;
   const auto run = [&](auto x_type, auto state_type) {
     using T = decltype(x_type);
     using S = decltype(state_type);
     scan_rows<T, S>(static_cast<const T*>(x), delta, static_cast<const T*>(z), A, B, C, D, static_cast<S*>(cache),
-                    slots, has_init, cu, static_cast<T*>(y), dim, n, seqs, threads);
+                    slots, has_init, cu, static_cast<T*>(y), dim, n, groups, seqs, threads);
   };
   const auto with_state = [&](auto x_type) {
     switch (state_dtype) {
