@@ -9,13 +9,14 @@ from dualop.backends.torch.triton_launch import call_triton
 from dualop.backends.xla.pallas_bridge import call_pallas
 from dualop.custom_op import CustomOp
 from dualop.kernels.registry import KernelRef
-from dualop.ops._checks import check_array, check_optional_like, cpu_declines
+from dualop.ops._checks import check_array, check_optional_like, cpu_declines, decline_if_recording
 from dualop.platforms import frontend_of
 
 __all__ = ["RMSNormGated"]
 
 _PALLAS_RMS_NORM_GATED = KernelRef("dualop.kernels.pallas.rms_norm_gated", "rms_norm_gated")
 _TRITON_RMS_NORM_GATED = KernelRef("dualop.kernels.cuda.rms_norm_gated", "rms_norm_gated")
+_CPU_RMS_NORM_GATED = KernelRef("dualop.kernels.cpu.rms_norm", "rms_norm_gated")
 
 
 def _positive_int(value: Any) -> bool:
@@ -124,27 +125,13 @@ class RMSNormGated(CustomOp):
         return cpu_declines(method, frontend)
 
     def forward_cpu(self, x: Any, weight: Any, z: Any = None) -> Any:
-        """torch on the CPU: a float32 body on torch's fused ``rms_norm`` over a grouped view,
-        multiplying in place on its own temporaries. Its own implementation (not forward_native's
-        formula), checked against forward_native, so it counts as the CPU kernel."""
-        import torch
-        import torch.nn.functional as F
-
-        shape, group = x.shape, self._group
-        h = x.to(torch.float32)
-        gate = None
-        if z is not None:
-            gate = F.silu(z.to(torch.float32))
-            if not self.norm_before_gate:
-                h = h * gate
-        h = F.rms_norm(h.reshape(*shape[:-1], self.hidden_size // group, group), (group,), eps=self.eps)
-        h = h.reshape(shape)
-        if self.cast_before_weight and x.dtype != torch.float32:
-            h = h.to(x.dtype).to(torch.float32)
-        h = h.mul_(weight)  # h is this call's own float32 tensor
-        if gate is not None and self.norm_before_gate:
-            h.mul_(gate)
-        return h.to(x.dtype)
+        """torch on the CPU: one C++ pass over each row (``csrc/rms_norm.cc``); while autograd
+        records, the native body (the kernel has no backward)."""
+        decline_if_recording("rms_norm_gated", x, weight, z)
+        return _CPU_RMS_NORM_GATED.resolve()(
+            x, weight, z, group_size=self._group, eps=self.eps, norm_before_gate=self.norm_before_gate,
+            cast_before_weight=self.cast_before_weight,
+        )
 
     def forward_cuda(self, x: Any, weight: Any, z: Any = None) -> Any:
         return call_triton(

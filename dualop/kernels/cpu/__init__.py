@@ -99,6 +99,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     p, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
     lib.dualop_rms_norm.argtypes = [i32, p, p, p, p, p, i64, i64, f32, i32, i32]
     lib.dualop_rms_norm.restype = i32
+    lib.dualop_rms_norm_gated.argtypes = [i32, p, p, p, p, i64, i64, i64, f32, i32, i32, i32]
+    lib.dualop_rms_norm_gated.restype = i32
     lib.dualop_gated_activation.argtypes = [i32, i32, p, p, i64, i64, i32, i32]
     lib.dualop_gated_activation.restype = i32
     lib.dualop_gated_table.argtypes = [i32, p, p, p, i64, i64, i32, i32]

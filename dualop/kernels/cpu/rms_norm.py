@@ -1,4 +1,4 @@
-"""RMS norm on the CPU for torch tensors (kernel: ``csrc/rms_norm.cc``)."""
+"""RMS norm and the gated group RMS norm on the CPU for torch tensors (kernels: ``csrc/rms_norm.cc``)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from dualop.kernels.cpu import load
 from dualop.kernels.cpu.common import dtype_code, pointer, threads_for
 from dualop.kernels.norm_math import NormSpec
 
-__all__ = ["rms_norm", "supports"]
+__all__ = ["rms_norm", "rms_norm_gated", "supports"]
 
 _NO_WEIGHT, _WEIGHT_AFTER_CAST, _WEIGHT_IN_F32 = 0, 1, 2
 
@@ -65,3 +65,26 @@ def rms_norm(x: Any, weight: Any = None, residual: Any = None, *, spec: NormSpec
         if status != 0:
             raise NotImplementedError(f"dualop_rms_norm returned {status}")
     return out if residual is None else (out, residual_out)
+
+
+def rms_norm_gated(x: Any, weight: Any, z: Any = None, *, group_size: int, eps: float, norm_before_gate: bool,
+                   cast_before_weight: bool) -> Any:
+    """``RMSNormGated``'s formula (``dualop/ops/gated_norm.py``) in one pass over each row: the
+    gate, each group's statistic, the cast, the weight and the output."""
+    import torch
+
+    code = dtype_code(x)
+    if code is None:
+        raise NotImplementedError(f"dtype {x.dtype} on {x.device} has no CPU kernel")
+    hidden = x.shape[-1]
+    x = x.contiguous()
+    z = None if z is None else z.contiguous()
+    w = weight.to(torch.float32).contiguous()
+    out = torch.empty_like(x)
+    if x.numel():
+        status = load().dualop_rms_norm_gated(
+            code, pointer(x), pointer(z), pointer(w), pointer(out), x.numel() // hidden, hidden, group_size, eps,
+            int(norm_before_gate), int(cast_before_weight), threads_for(x.numel()))
+        if status != 0:
+            raise NotImplementedError(f"dualop_rms_norm_gated returned {status}")
+    return out

@@ -140,6 +140,54 @@ static void by_residual(const void* x, const void* residual, const float* weight
     by_weight<T, false>(x, residual, weight, out, residual_out, rows, hidden, eps, weight_mode, threads);
 }
 
+
+// Gated group RMS norm (rms_norm_gated, mixer2_gated_rms_norm; semantics
+// dualop.ops.gated_norm's forward_native): per row, g = silu(z) in float32; h = x * g unless
+// norm_before_gate; each group of `group` values scaled by 1 / sqrt(mean(h^2) + eps); rounded
+// through x's dtype when cast_before_weight; times weight; times g when norm_before_gate. A row's
+// gated values stay in a per-thread buffer between the statistic and the output (one exp each).
+template <class T>
+static void rms_norm_gated_rows(const T* __restrict x, const T* __restrict z, const float* __restrict weight,
+                                T* __restrict out, int64_t rows, int64_t hidden, int64_t group, float eps,
+                                bool norm_before_gate, bool cast_before_weight, int threads) {
+#pragma omp parallel num_threads(threads)
+  {
+    float* __restrict h = new float[hidden];
+    float* __restrict g = new float[hidden];
+#pragma omp for schedule(static)
+    for (int64_t row = 0; row < rows; ++row) {
+      const T* __restrict xr = x + row * hidden;
+      const T* __restrict zr = z ? z + row * hidden : nullptr;
+      T* __restrict orow = out + row * hidden;
+      if (zr) {
+#pragma omp simd
+        for (int64_t i = 0; i < hidden; ++i) {
+          const float zv = to_f32(zr[i]);
+          g[i] = zv * sigmoid_f32(zv);
+        }
+      }
+#pragma omp simd
+      for (int64_t i = 0; i < hidden; ++i) h[i] = zr && !norm_before_gate ? to_f32(xr[i]) * g[i] : to_f32(xr[i]);
+      for (int64_t g0 = 0; g0 < hidden; g0 += group) {
+        float sum_sq = 0.0f;
+#pragma omp simd reduction(+ : sum_sq)
+        for (int64_t i = g0; i < g0 + group; ++i) sum_sq = std::fma(h[i], h[i], sum_sq);
+        const float inv_rms = 1.0f / std::sqrt(sum_sq / static_cast<float>(group) + eps);
+#pragma omp simd
+        for (int64_t i = g0; i < g0 + group; ++i) {
+          float y = h[i] * inv_rms;
+          if (cast_before_weight) y = through<T>(y);
+          y *= weight[i];
+          if (zr && norm_before_gate) y *= g[i];
+          orow[i] = from_f32<T>(y);
+        }
+      }
+    }
+    delete[] h;
+    delete[] g;
+  }
+}
+
 }  // namespace dualop
 
 // dtype: 0 float32, 1 bfloat16, 2 float16. weight: float32 (hidden,) with any offset already added,
@@ -154,4 +202,24 @@ extern "C" int dualop_rms_norm(int dtype, const void* x, const void* residual, c
     case 2: by_residual<f16>(x, residual, weight, out, residual_out, rows, hidden, eps, weight_mode, threads); return 0;
     default: return -1;
   }
+}
+
+// Gated group RMS norm: dtype as above (x, z, out); z may be null; weight float32 (hidden,);
+// group divides hidden. Returns 0, -1 for an unknown dtype, -2 for a group that does not divide.
+extern "C" int dualop_rms_norm_gated(int dtype, const void* x, const void* z, const float* weight, void* out,
+                                     int64_t rows, int64_t hidden, int64_t group, float eps, int norm_before_gate,
+                                     int cast_before_weight, int threads) {
+  using namespace dualop;
+  if (group < 1 || hidden % group) return -2;
+#define DUALOP_GATED(T)                                                                                       \
+  rms_norm_gated_rows<T>(static_cast<const T*>(x), static_cast<const T*>(z), weight, static_cast<T*>(out), rows, \
+                         hidden, group, eps, norm_before_gate != 0, cast_before_weight != 0, threads);         \
+  return 0;
+  switch (dtype) {
+    case 0: DUALOP_GATED(float)
+    case 1: DUALOP_GATED(bf16)
+    case 2: DUALOP_GATED(f16)
+    default: return -1;
+  }
+#undef DUALOP_GATED
 }
