@@ -310,6 +310,10 @@ SERVING_DTYPES: dict[str, tuple[str, ...]] = {
     op: ("bfloat16",) for op in ("fused_moe", "unquantized_fused_moe", "grouped_topk", "transformers_fused_moe",
                                  "modular_fused_moe")
 }
+# The Mamba mixers likewise: a mixer at serving size is its GEMMs around its kernel ops, whose own
+# entries (causal_conv1d, selective_scan, ssd_chunk_scan, mixer2_gated_rms_norm) build the kernels in
+# float32 at serving shapes; a float32 Nemotron-H mixer at 8192 tokens took XLA:TPU over a minute.
+SERVING_DTYPES.update({op: ("bfloat16",) for op in ("mamba_mixer", "mamba_mixer2", "plamo2_mamba_mixer")})
 
 # Ops whose serving shapes are built for these case labels only (one model-shaped op each, not
 # every check variant again at full size).
@@ -318,6 +322,11 @@ SERVING_CASES: dict[str, tuple[str, ...]] = {
     "unquantized_fused_moe": ("unquantized_fused_moe[gelu,expert_map,E8,I128]",),
     "grouped_topk": ("grouped_topk[softmax,k2]",),
 }
+# ragged_paged_attention's serving shapes for two of its three check variants: the scales of
+# [k_scale,v_scale] are two multiplies on the same blocks (its check shapes still build), while the
+# window, soft cap and mask value add code paths; a build at these shapes costs seconds each.
+SERVING_CASES["ragged_paged_attention"] = ("ragged_paged_attention[mixed,gqa2]",
+                                           "ragged_paged_attention[gqa4,window,soft_cap,mask_value]")
 
 
 def _deepseek_like(num_experts: int) -> bool:
@@ -462,7 +471,8 @@ def _linear_op(op_name: str):
 
 SERVING_INPUTS.update({op: _linear_inputs for op in ("replicated_linear", "column_parallel_linear",
                                                      "row_parallel_linear")})
-_SERVING_MAKE_OP.update({label: _linear_op(op) for op, (label,) in SERVING_CASES.items() if op.endswith("_linear")})
+_SERVING_MAKE_OP.update({label: _linear_op(op) for op, labels in SERVING_CASES.items() if op.endswith("_linear")
+                         for label in labels})
 
 
 # --- logits_processor: (tokens, hidden, vocab) ---------------------------------------------------

@@ -19,6 +19,7 @@ differences of running sums. Everything in float32; y in x's dtype; the new cach
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
@@ -119,11 +120,13 @@ def _prefill(xf, delta, a, bmat, cmat, init, cu_seqlens, length: int):
     return y, finals, seq
 
 
+@functools.partial(jax.jit, static_argnames=("chunk_size", "delta_softplus", "dt_limit"))
 def ssd_chunk_scan(x, dt, A, B, C, D, z, dt_bias, ssm_state, cu_seqlens, state_indices, has_initial_state, *,
                    chunk_size: int = 256, delta_softplus: bool = True,
                    dt_limit: tuple[float, float] = (0.0, float("inf"))) -> tuple[Any, Any]:
     """``(y [T, H, P] in x's dtype, new ssm_state)`` of ``ssm_math.ssd_reference`` for complete,
-    validated serving metadata (``ssm_batch``)."""
+    validated serving metadata (``ssm_batch``). Jitted: an eager call is one compiled program per
+    shape, not an operation-by-operation dispatch; inside a caller's ``jit`` it is inlined."""
     xp = array_namespace(x)
     tokens, heads, _ = x.shape
     seqs = state_indices.shape[0]
