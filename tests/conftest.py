@@ -183,7 +183,7 @@ def _mixer_jax_tpu_cell_in_bfloat16(item) -> bool:
     params = getattr(getattr(item, "callspec", None), "params", {})
     case = params.get("case")
     return (item.originalname == "test_cell_matches_native" and getattr(case, "op", None) in MIXER_OPS
-            and params.get("frontend") == "jax" and params.get("platform") == "tpu" and params.get("dtype") == "bfloat16")
+            and (params.get("frontend"), params.get("platform"), params.get("dtype")) == ("jax", "tpu", "bfloat16"))
 
 
 def _opcheck_in_bfloat16(item) -> bool:

@@ -40,7 +40,8 @@ def selective_scan(x, dt, A, B, C, D, z, dt_bias, state, cu_seqlens, state_indic
                          has_initial_state)
 
 
-def scan_channels(op: str, x, delta, A, B, C, D, z, state, cu_seqlens, state_indices, has_initial_state) -> tuple[Any, Any]:
+def scan_channels(op: str, x, delta, A, B, C, D, z, state, cu_seqlens, state_indices,
+                  has_initial_state) -> tuple[Any, Any]:
     """The C++ loop over channels with a per-channel state ``[N]``: x, z ``[T, I]``; Δ ``[T, I]``
     (float32, processed); A ``[I, N]``; B, C ``[T, N]`` or ``[T, G, N]`` (channel i reads group
     ``i // (I / G)``); D ``[I]``; ``state`` ``[S, I, N]`` in any float dtype, updated in place.
@@ -50,7 +51,8 @@ def scan_channels(op: str, x, delta, A, B, C, D, z, state, cu_seqlens, state_ind
 
     code, state_code = dtype_code(x), dtype_code(state)
     if code is None or state_code is None:
-        raise NotImplementedError(f"{op}: x of {x.dtype} and a {state.dtype} state cache on {state.device}: no CPU kernel")
+        raise NotImplementedError(f"{op}: x of {x.dtype} and a {state.dtype} state cache on {state.device}: "
+                                  "no CPU kernel")
     tokens, dim = x.shape
     n = A.shape[1]
     if n > MAX_STATE:

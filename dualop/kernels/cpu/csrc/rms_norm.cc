@@ -4,6 +4,7 @@
 // gets normalised.
 #include <cstddef>
 #include <type_traits>
+#include <vector>
 
 #include "avx2.h"
 #include "common.h"
@@ -152,8 +153,9 @@ static void rms_norm_gated_rows(const T* __restrict x, const T* __restrict z, co
                                 bool norm_before_gate, bool cast_before_weight, int threads) {
 #pragma omp parallel num_threads(threads)
   {
-    float* __restrict h = new float[hidden];
-    float* __restrict g = new float[hidden];
+    std::vector<float> h_buffer(hidden), g_buffer(hidden);
+    float* __restrict h = h_buffer.data();
+    float* __restrict g = g_buffer.data();
 #pragma omp for schedule(static)
     for (int64_t row = 0; row < rows; ++row) {
       const T* __restrict xr = x + row * hidden;
@@ -183,8 +185,6 @@ static void rms_norm_gated_rows(const T* __restrict x, const T* __restrict z, co
         }
       }
     }
-    delete[] h;
-    delete[] g;
   }
 }
 
