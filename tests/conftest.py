@@ -133,11 +133,11 @@ def pytest_collection_modifyitems(config, items):
     jax 0.7's and triton 3.5's interpreters); reference tests (marker ``reference``) compare native
     bodies with outside implementations and run once, in 'latest', and so do the jax/tpu kernel
     cells (``_jax_tpu_cell_covered_by_bridges``); each bridge's cells run one dtype
-    (``BRIDGE_CELL_DTYPE``), opcheck one (``_opcheck_in_bfloat16``). In 'latest' the mixers'
-    jax/tpu cells run float32 (``MIXER_OPS``). The rest are deselected (shown in pytest's summary
+    (``BRIDGE_CELL_DTYPE``), opcheck one (``_opcheck_in_bfloat16``). In 'latest' the jax/tpu
+    cells run one dtype per op (``latest_jax_tpu_dtype``). The rest are deselected (shown in pytest's summary
     as deselected, not skipped)."""
     if TEST_ENV == "latest":
-        once = [item for item in items if _mixer_jax_tpu_cell_in_bfloat16(item)]
+        once = [item for item in items if _jax_tpu_cell_in_its_other_dtype(item)]
     elif TEST_ENV == "xla":
         once = [item for item in items if item.get_closest_marker("reference") or _jax_tpu_cell_covered_by_bridges(item)
                 or _bridge_cell_in_the_other_bridges_dtype(item) or _opcheck_in_bfloat16(item)]
@@ -161,8 +161,7 @@ def _jax_tpu_cell_covered_by_bridges(item) -> bool:
 # both bridges hand the same Pallas programs to the same jax (0.7), so every (program, dtype) is
 # interpreted once per environment, and each bridge still carries every op's arrays and caches
 # (float32 state caches ride in the bfloat16 cells too). torch_xla keeps bfloat16, where its lazy
-# graphs' rounding (excess precision, ``testing._ensure_pjrt_device``) has bitten. Both dtypes of
-# every kernel run on jax/tpu in 'latest'. (The bridged cells were two fifths of the 'xla' run.)
+# graphs' rounding (excess precision, ``testing._ensure_pjrt_device``) has bitten. (The bridged cells were two fifths of the 'xla' run.)
 BRIDGE_CELL_DTYPE = {"torch_xla": "bfloat16", "torchax": "float32"}
 
 
@@ -172,18 +171,29 @@ def _bridge_cell_in_the_other_bridges_dtype(item) -> bool:
     return item.originalname == "test_cell_matches_native" and want is not None and params.get("dtype") != want
 
 
-# The Mamba mixers compose kernel ops that have cells of their own (causal_conv1d, selective_scan,
-# ssd_chunk_scan, mixer2_gated_rms_norm: both dtypes on jax/tpu in 'latest'); a mixer's own jax/tpu
-# cell in 'latest' runs float32, and its bfloat16 Pallas programs run through torch_xla in 'xla'
-# (BRIDGE_CELL_DTYPE). Each mixer cell interprets two or three Pallas kernels per shape.
+# In 'latest' the jax/tpu cells (JAX's TPU interpret mode, jax 0.10) run one dtype per op:
+# bfloat16, the serving dtype, whose packed layouts are where a TPU kernel differs from its float32
+# program. Both dtypes of every Pallas program are interpreted in 'xla' through the bridges
+# (BRIDGE_CELL_DTYPE: torch_xla bfloat16, torchax float32). The Mamba mixers' jax/tpu cells run
+# float32 instead: they compose kernel ops with cells of their own (causal_conv1d, selective_scan,
+# ssd_chunk_scan, mixer2_gated_rms_norm) and interpret two or three Pallas kernels per shape, so
+# their bfloat16 programs run once, through torch_xla. (The jax/tpu cells were 700 s of 'latest'.)
 MIXER_OPS = ("mamba_mixer", "mamba_mixer2", "plamo2_mamba_mixer")
 
 
-def _mixer_jax_tpu_cell_in_bfloat16(item) -> bool:
+def latest_jax_tpu_dtype(op: str) -> str:
+    """The dtype an op's jax/tpu kernel cells run in the 'latest' environment."""
+    return "float32" if op in MIXER_OPS else "bfloat16"
+
+
+def _jax_tpu_cell_in_its_other_dtype(item) -> bool:
     params = getattr(getattr(item, "callspec", None), "params", {})
     case = params.get("case")
-    return (item.originalname == "test_cell_matches_native" and getattr(case, "op", None) in MIXER_OPS
-            and (params.get("frontend"), params.get("platform"), params.get("dtype")) == ("jax", "tpu", "bfloat16"))
+    if item.originalname != "test_cell_matches_native" or (params.get("frontend"), params.get("platform")) != ("jax", "tpu"):
+        return False
+    if (case.label, "jax", "tpu", params.get("dtype")) in NATIVE_DTYPE_CASES:
+        return False  # a run-time decline: the cell checks that it says so
+    return params.get("dtype") != latest_jax_tpu_dtype(case.op)
 
 
 def _opcheck_in_bfloat16(item) -> bool:
