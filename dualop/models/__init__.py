@@ -1,0 +1,73 @@
+"""Whole models from dualop's ops, in both frontends: ``from_pretrained(path, frontend, dtype, tp)``.
+
+A model is one forward written against dualop's ops (``dualop.models.<family>``), the parameters
+read from a local transformers checkpoint directory (``config.json`` + safetensors) and a serving
+loop over a paged KV cache (``dualop.models.engine``)::
+
+    model = dualop.models.from_pretrained("/path/to/checkpoint", frontend="jax")
+    logits = model.logits([1, 2, 3])               # [3, vocab], a jax array
+    tokens = model.generate([[1, 2, 3], [4, 5]], max_new_tokens=16)   # greedy, continuous batching
+
+Importing this package imports neither torch nor jax; ``from_pretrained`` imports the frontend's.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any
+
+from dualop.models.checkpoint import Checkpoint, CheckpointError
+from dualop.models.engine import CausalLM, ServingConfig, StepStats
+
+__all__ = ["from_pretrained", "ARCHITECTURES", "CausalLM", "ServingConfig", "StepStats", "CheckpointError"]
+
+# architecture (config.json's "architectures"[0]) -> "module:class"
+ARCHITECTURES: dict[str, str] = {
+    "LlamaForCausalLM": "dualop.models.llama:LlamaForCausalLM",
+    "Qwen2ForCausalLM": "dualop.models.llama:LlamaForCausalLM",
+    "Qwen3ForCausalLM": "dualop.models.llama:LlamaForCausalLM",
+    "Qwen3MoeForCausalLM": "dualop.models.llama:Qwen3MoeForCausalLM",
+}
+
+_DTYPES = ("float32", "bfloat16", "float16")
+
+
+def _dtype_name(dtype: Any, config: dict[str, Any]) -> str:
+    if dtype is None:
+        dtype = config.get("dtype") or config.get("torch_dtype") or "float32"
+    name = str(dtype).replace("torch.", "")
+    if name not in _DTYPES:
+        raise ValueError(f"from_pretrained: dtype must be one of {', '.join(_DTYPES)} (or None: the config's), "
+                         f"got {dtype!r}")
+    return name
+
+
+def from_pretrained(path: str | os.PathLike, frontend: str = "torch", dtype: Any = None, tp: int = 1, *,
+                    max_model_len: int = 512, max_num_seqs: int = 8, max_num_batched_tokens: int = 256,
+                    page_size: int = 16, progress: Callable[[str], None] | None = None) -> CausalLM:
+    """The model in the checkpoint directory ``path``, built from dualop ops in ``frontend``
+    ("torch" or "jax"), its parameters in ``dtype`` (None: the config's), sharded over ``tp``
+    ranks (torch: call in each of ``tp`` processes of an initialised torch.distributed group;
+    jax: a mesh over the first ``tp`` devices). ``max_model_len``, ``max_num_seqs``,
+    ``max_num_batched_tokens`` and ``page_size`` size the caches and the batch (``ServingConfig``).
+    ``progress(name)`` is called after each parameter is loaded.
+
+    Errors (``ValueError``, nothing loaded): an architecture not in ``ARCHITECTURES``, a missing
+    tensor or one of the wrong shape (``CheckpointError`` lists them), a bad option."""
+    import importlib
+
+    from dualop.models.frontends import make_frontend
+
+    ckpt = Checkpoint(path)
+    arch = (ckpt.config.get("architectures") or ["?"])[0]
+    target = ARCHITECTURES.get(arch)
+    if target is None:
+        raise ValueError(f"from_pretrained: architecture {arch!r} (config.json of {ckpt.path!r}) is not supported; "
+                         f"supported: {', '.join(sorted(ARCHITECTURES))}")
+    serving = ServingConfig(max_model_len, max_num_seqs, max_num_batched_tokens, page_size)
+    dtype_name = _dtype_name(dtype, ckpt.config)
+    fe = make_frontend(frontend, tp)
+    module, cls = target.split(":")
+    model_class = getattr(importlib.import_module(module), cls)
+    return model_class(ckpt, fe, dtype_name, serving, progress)

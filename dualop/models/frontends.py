@@ -1,0 +1,244 @@
+"""The two frontends a model runs in: where its arrays live and how a step runs.
+
+A model's forward is written once (``dualop.models.<family>``) against dualop's ops and the array
+namespace; a ``Frontend`` supplies the rest:
+
+- ``TorchFrontend``: torch tensors on the CPU (or the device given); one process per rank, the
+  ranks' collectives through ``torch.distributed`` (``GroupTensorParallel``); a step runs eagerly
+  under ``torch.inference_mode``, the caches updated in place.
+- ``JaxFrontend``: jax arrays; one program per step shape under ``jax.jit`` with the caches
+  donated; at tp > 1 the whole step runs under ``shard_map`` over a one-axis mesh
+  (``AxisTensorParallel``), each parameter one global array sharded rank-major, so every op sees
+  its rank's shard and makes its own collectives, as on the torch ranks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from dualop.models.params import Param, _concat
+from dualop.parallel import TensorParallel
+
+__all__ = ["CacheSpec", "Frontend", "TorchFrontend", "JaxFrontend", "make_frontend"]
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheSpec:
+    """One cache array of a model: its per-rank ``shape`` and ``dtype`` ("float32"/"bfloat16"/...),
+    and the dim its ranks' parts are laid side by side on (None: every rank holds the same)."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    split_dim: int | None = None
+
+
+class Frontend:
+    """The array plumbing of one frontend (see the module docstring)."""
+
+    name: str
+    framework: str  # safetensors' name for it
+    tp: TensorParallel
+    tp_size: int
+
+    def cast(self, x: Any, dtype: str) -> Any:
+        raise NotImplementedError
+
+    def place(self, parts: Sequence[Any], split_dim: int | None) -> Any:
+        raise NotImplementedError
+
+    def load_params(self, params: Sequence[Param], get: Callable[[str], Any], dtype: str,
+                    keep_float32: Callable[[str], bool] = lambda name: False,
+                    progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+        """Every parameter, built from the checkpoint (``get``) and cast to ``dtype`` (float32 for
+        the names ``keep_float32`` picks), as this frontend holds it."""
+        out = {}
+        for p in params:
+            ranks = self.local_ranks()
+            parts = [self.cast(p.build(get, rank), "float32" if keep_float32(p.name) else dtype) for rank in ranks]
+            out[p.name] = self.place(parts, p.split_dim)
+            if progress is not None:
+                progress(p.name)
+        return out
+
+    def local_ranks(self) -> list[int]:
+        raise NotImplementedError
+
+    def int_array(self, value: np.ndarray) -> Any:
+        raise NotImplementedError
+
+    def zeros(self, spec: CacheSpec) -> Any:
+        raise NotImplementedError
+
+    def compile(self, step: Callable, param_splits: dict[str, int | None], cache_specs: Sequence[CacheSpec]) -> Callable:
+        """``step(params, batch, caches) -> (out, caches)`` as this frontend runs it."""
+        raise NotImplementedError
+
+    def to_numpy(self, x: Any) -> np.ndarray:
+        raise NotImplementedError
+
+    def argmax(self, logits: Any) -> list[int]:
+        raise NotImplementedError
+
+
+_TORCH_DTYPES = ("float32", "bfloat16", "float16")
+
+
+class TorchFrontend(Frontend):
+    name, framework = "torch", "pt"
+
+    def __init__(self, tp: int = 1, device: Any = "cpu") -> None:
+        import torch
+
+        from dualop.parallel import TensorParallel
+
+        self.torch, self.device = torch, torch.device(device)
+        if tp == 1:
+            self.tp = TensorParallel()
+        else:
+            import torch.distributed as dist
+
+            from dualop.torch.parallel import GroupTensorParallel
+
+            if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() != tp:
+                have = dist.get_world_size() if dist.is_available() and dist.is_initialized() else "none"
+                raise ValueError(f"from_pretrained: frontend='torch' with tp={tp} runs one process per rank: "
+                                 f"initialise torch.distributed with world size {tp} first (world size now: {have}; "
+                                 "see dualop.torch.parallel.init_tensor_parallel_group)")
+            self.tp = GroupTensorParallel()
+        self.tp_size = tp
+
+    def local_ranks(self) -> list[int]:
+        return [int(self.tp.rank)]
+
+    def cast(self, x: Any, dtype: str) -> Any:
+        return x.to(device=self.device, dtype=getattr(self.torch, dtype)).contiguous()
+
+    def place(self, parts: Sequence[Any], split_dim: int | None) -> Any:
+        return parts[0]
+
+    def int_array(self, value: np.ndarray) -> Any:
+        return self.torch.from_numpy(np.ascontiguousarray(value, dtype=np.int32)).to(self.device)
+
+    def zeros(self, spec: CacheSpec) -> Any:
+        return self.torch.zeros(spec.shape, dtype=getattr(self.torch, spec.dtype), device=self.device)
+
+    def compile(self, step: Callable, param_splits: dict[str, int | None], cache_specs: Sequence[CacheSpec]) -> Callable:
+        torch = self.torch
+
+        def run(params, batch, caches):
+            with torch.inference_mode():
+                return step(params, batch, caches)
+
+        return run
+
+    def to_numpy(self, x: Any) -> np.ndarray:
+        return x.detach().float().cpu().numpy()
+
+    def argmax(self, logits: Any) -> list[int]:
+        return logits.argmax(-1).tolist()
+
+
+class JaxFrontend(Frontend):
+    name, framework = "jax", "flax"
+
+    def __init__(self, tp: int = 1, devices: Any = None, axis: str = "tp") -> None:
+        import jax
+
+        self.jax, self.axis, self.tp_size = jax, axis, tp
+        if tp == 1:
+            self.mesh = None
+            self.tp = TensorParallel()
+        else:
+            from dualop.jax.parallel import AxisTensorParallel, tensor_parallel_mesh
+
+            self.mesh = tensor_parallel_mesh(tp, devices, axis)
+            self.tp = AxisTensorParallel(axis, tp)
+
+    def local_ranks(self) -> list[int]:
+        return list(range(self.tp_size))
+
+    def cast(self, x: Any, dtype: str) -> Any:
+        import jax.numpy as jnp
+
+        return jnp.asarray(x).astype(dtype)
+
+    def _spec(self, ndim: int, split_dim: int | None):
+        from jax.sharding import PartitionSpec
+
+        if split_dim is None or self.tp_size == 1:
+            return PartitionSpec()
+        parts = [None] * ndim
+        parts[split_dim] = self.axis
+        return PartitionSpec(*parts)
+
+    def place(self, parts: Sequence[Any], split_dim: int | None) -> Any:
+        value = parts[0] if split_dim is None else _concat(parts, split_dim)
+        if self.mesh is None:
+            return value
+        from jax.sharding import NamedSharding
+
+        return self.jax.device_put(value, NamedSharding(self.mesh, self._spec(value.ndim, split_dim)))
+
+    def int_array(self, value: np.ndarray) -> Any:
+        import jax.numpy as jnp
+
+        return jnp.asarray(np.asarray(value, dtype=np.int32))
+
+    def zeros(self, spec: CacheSpec) -> Any:
+        import jax.numpy as jnp
+
+        shape = list(spec.shape)
+        if spec.split_dim is not None:
+            shape[spec.split_dim] *= self.tp_size
+        return self.place([jnp.zeros(tuple(shape), spec.dtype)], None if spec.split_dim is None else spec.split_dim) \
+            if self.mesh is not None else jnp.zeros(tuple(shape), spec.dtype)
+
+    def compile(self, step: Callable, param_splits: dict[str, int | None], cache_specs: Sequence[CacheSpec]) -> Callable:
+        jax = self.jax
+        if self.mesh is None:
+            return jax.jit(step, donate_argnums=(2,))
+        from jax.sharding import PartitionSpec
+
+        from dualop.jax.parallel import shard_map
+
+        def specs_of(params):
+            return {name: self._spec(value.ndim, param_splits[name]) for name, value in params.items()}
+
+        cache_out = [self._spec(len(c.shape), c.split_dim) for c in cache_specs]
+        compiled: dict[Any, Callable] = {}
+
+        def run(params, batch, caches):
+            key = tuple(sorted(batch))
+            fn = compiled.get(key)
+            if fn is None:
+                in_specs = (specs_of(params), {k: PartitionSpec() for k in batch}, cache_out)
+                fn = jax.jit(shard_map(step, mesh=self.mesh, in_specs=in_specs, out_specs=(PartitionSpec(), cache_out)),
+                             donate_argnums=(2,))
+                compiled[key] = fn
+            return fn(params, batch, caches)
+
+        return run
+
+    def to_numpy(self, x: Any) -> np.ndarray:
+        return np.asarray(x.astype("float32"))
+
+    def argmax(self, logits: Any) -> list[int]:
+        import jax.numpy as jnp
+
+        return np.asarray(jnp.argmax(logits, axis=-1)).tolist()
+
+
+def make_frontend(frontend: str, tp: int) -> Frontend:
+    if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
+        raise ValueError(f"from_pretrained: tp must be a positive int, got {tp!r}")
+    if frontend == "torch":
+        return TorchFrontend(tp)
+    if frontend == "jax":
+        return JaxFrontend(tp)
+    raise ValueError(f"from_pretrained: frontend must be 'torch' or 'jax', got {frontend!r}")
+
