@@ -207,8 +207,9 @@ class CausalLM:
     def _check_tokens(self, what: str, ids: Sequence[int]) -> list[int]:
         out = []
         for token in ids:
-            value = int(token)
-            if value != token or not 0 <= value < self.vocab_size:
+            is_int = isinstance(token, (int, np.integer)) and not isinstance(token, bool)
+            value = int(token) if is_int else -1
+            if not 0 <= value < self.vocab_size:
                 raise ValueError(f"{self.architectures[0]}: {what} holds token id {token!r}; expected ints in "
                                  f"[0, {self.vocab_size})")
             out.append(value)
@@ -219,16 +220,18 @@ class CausalLM:
     def logits(self, input_ids: Any) -> Any:
         """``[T, vocab]`` logits of one sequence (a list of ints or a 1-D array), no cache kept,
         in the frontend's array type and the model's dtype."""
-        ids = self._check_tokens("input_ids", np.asarray(input_ids).reshape(-1).tolist()
-                                 if not isinstance(input_ids, list) else input_ids)
-        if np.asarray(input_ids).ndim > 1:
-            raise ValueError(f"{self.architectures[0]}.logits: input_ids must be one sequence (1-D), got shape "
-                             f"{tuple(np.asarray(input_ids).shape)}")
+        name = self.architectures[0]
+        if isinstance(input_ids, (str, bytes)):
+            raise TypeError(f"{name}.logits: input_ids must be a list of ints or a 1-D integer array, got a string")
+        flat = np.asarray(input_ids.tolist() if hasattr(input_ids, "tolist") else input_ids, dtype=object)
+        if flat.ndim != 1:
+            raise ValueError(f"{name}.logits: input_ids must be one sequence (1-D), got shape {flat.shape}")
+        ids = self._check_tokens("input_ids", flat.tolist())
         if not ids:
-            raise ValueError(f"{self.architectures[0]}.logits: input_ids is empty")
+            raise ValueError(f"{name}.logits: input_ids is empty")
         limit = self.serving.max_model_len
         if len(ids) > limit:
-            raise ValueError(f"{self.architectures[0]}.logits: {len(ids)} tokens exceed max_model_len={limit} "
+            raise ValueError(f"{name}.logits: {len(ids)} tokens exceed max_model_len={limit} "
                              "(the KV cache's length per sequence; pass a larger max_model_len to from_pretrained)")
         seq = _Sequence(0, ids, len(ids), 0, slot=0, pages=list(range(-(-len(ids) // self.serving.page_size))))
         logits = self._run([(seq, len(ids))], list(range(len(ids))))

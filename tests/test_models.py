@@ -1,0 +1,313 @@
+"""Whole models from dualop ops (``dualop.models``) against Hugging Face transformers.
+
+Each family is a tiny random-initialised transformers model saved with ``save_pretrained`` into a
+temporary directory, loaded by ``dualop.models.from_pretrained`` in both frontends, and compared
+with transformers' own forward and greedy ``generate`` on the same ids (the references nobody
+here wrote). The generation runs with small batching limits so the loop really mixes chunked
+prefill with decode and a waiting prompt takes a finished one's slot.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+from dualop import testing
+
+torch = pytest.importorskip("torch", reason="the transformers references need torch")
+transformers = pytest.importorskip("transformers", reason="the references are transformers' models")
+
+import dualop.models as dm  # noqa: E402
+
+FRONTENDS = ("torch", "jax")
+PROMPTS = [[1, 2, 3, 4, 5], list(range(12, 26)), [30, 31, 32]]
+IDS = [3, 5, 7, 11, 13, 17, 19, 23, 29, 31, 37, 41]
+# Small limits: 2 sequences at a time, 8 tokens a step: the long prompt is prefilled in chunks beside
+# the first one's decode steps, and the third prompt waits for a slot and is prefilled beside a decode.
+SERVING = dict(max_model_len=64, max_num_seqs=2, max_num_batched_tokens=8, page_size=4)
+LOGITS_RTOL = 1e-4  # float32: max |dualop - transformers| / max |transformers|
+
+
+def _common(**kw):
+    return dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=128, **kw)
+
+
+# family -> (config class, model class, config kwargs)
+FAMILIES = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM",
+              _common(rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                    "high_freq_factor": 4.0, "original_max_position_embeddings": 16})),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", _common(tie_word_embeddings=True)),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", _common(head_dim=32)),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
+                  _common(head_dim=16, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2,
+                          norm_topk_prob=True, mlp_only_layers=[1])),
+}
+
+
+def save_tiny(family: str, path: str, seed: int = 0, dtype=None):
+    """A random-initialised transformers model of ``family`` saved at ``path``; returns it (eval)."""
+    config_cls, model_cls, kwargs = FAMILIES[family]
+    torch.manual_seed(seed)
+    config = getattr(transformers, config_cls)(**kwargs)
+    model = getattr(transformers, model_cls)(config).eval()
+    if dtype is not None:
+        model = model.to(dtype)
+    model.save_pretrained(path)
+    return model
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """{family: (path, the transformers model)}, saved once per module."""
+    root = tmp_path_factory.mktemp("models")
+    return {family: (str(root / family), save_tiny(family, str(root / family))) for family in FAMILIES}
+
+
+def hf_logits(model, ids) -> np.ndarray:
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0].float().numpy()
+
+
+def hf_generate(model, prompts, max_new_tokens=16) -> list[list[int]]:
+    """transformers' greedy generation, one prompt at a time (no padding in the reference)."""
+    out = []
+    with torch.no_grad():
+        for prompt in prompts:
+            ids = model.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False,
+                                 pad_token_id=0)
+            out.append(ids[0, len(prompt):].tolist())
+    return out
+
+
+def rel_err(got, want) -> float:
+    return float(np.abs(got - want).max() / np.abs(want).max())
+
+
+@pytest.mark.reference
+@pytest.mark.parametrize("frontend", FRONTENDS)
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_float32_logits_and_greedy_tokens_match_transformers(checkpoints, family, frontend):
+    path, hf = checkpoints[family]
+    model = dm.from_pretrained(path, frontend=frontend, **SERVING)
+    logits = model.logits(IDS)
+    assert type(logits).__module__.split(".")[0] in ("torch", "jax", "jaxlib")
+    assert tuple(logits.shape) == (len(IDS), hf.config.vocab_size)
+    err = rel_err(testing.to_numpy(logits), hf_logits(hf, IDS))
+    assert err < LOGITS_RTOL, f"{family}/{frontend}: logits differ from transformers by {err:.2e} (relative)"
+    assert model.generate(PROMPTS, 16) == hf_generate(hf, PROMPTS)
+    stats = model.last_step_stats
+    assert any(s.prefill_tokens and s.tokens > s.prefill_tokens for s in stats), "no step mixed prefill and decode"
+    assert max(s.tokens for s in stats) <= SERVING["max_num_batched_tokens"]
+
+
+@pytest.mark.reference
+@pytest.mark.parametrize("frontend", FRONTENDS)
+def test_bfloat16_logits_match_transformers(tmp_path, frontend):
+    """bfloat16 weights and activations on both sides: the logits (after the final norm and the LM
+    head) within the tolerance table's bfloat16 row, normwise: |d| <= 1e-5 + 1.6e-2 * max|ref|."""
+    hf = save_tiny("llama", str(tmp_path), seed=1, dtype=torch.bfloat16)
+    model = dm.from_pretrained(str(tmp_path), frontend=frontend, **SERVING)
+    assert model.dtype == "bfloat16"  # the config's dtype
+    got = model.logits(IDS)
+    assert str(got.dtype).endswith("bfloat16")
+    cmp = testing.compare(testing.to_numpy(got), hf_logits(hf, IDS), "bfloat16", normwise=True)
+    assert cmp.ok, f"max abs {cmp.max_abs}"
+
+
+def _kernel_methods() -> dict[str, set[str]]:
+    """{op: methods} that ran, from dualop's dispatch report."""
+    from dualop.custom_op import dispatch_report
+
+    out: dict[str, set[str]] = {}
+    for row in dispatch_report():
+        out.setdefault(str(row["op"]), set()).add(row["method"])
+    return out
+
+
+# (frontend, platform): the ops that must have run their platform kernel in the whole model.
+KERNEL_RUNS = {
+    ("jax", "tpu"): ("forward_tpu", ("ragged_paged_attention", "reshape_and_cache", "rms_norm", "silu_and_mul",
+                                     "rotary_embedding", "vocab_parallel_embedding")),
+    ("torch", "cuda"): ("forward_cuda", ("ragged_paged_attention", "reshape_and_cache", "rms_norm", "silu_and_mul",
+                                         "rotary_embedding", "vocab_parallel_embedding")),
+    ("torch", "cpu"): ("forward_cpu", ("ragged_paged_attention", "rms_norm", "silu_and_mul", "rotary_embedding")),
+}
+
+
+@pytest.mark.parametrize("frontend, platform", list(KERNEL_RUNS))
+def test_kernel_platform_paths_give_the_native_tokens(checkpoints, frontend, platform):
+    """The whole serving path through the kernels' sources (Pallas in interpret mode, Triton in its
+    interpreter, the C++ CPU kernels) gives the tokens of the same model with every op native."""
+    from dualop.config import OpsConfig, set_config
+    from dualop.custom_op import clear_dispatch_report
+    from dualop.platforms import override_platform
+
+    if (frontend, platform) == ("torch", "cuda") and testing.prepare_triton() is not None:
+        pytest.skip(f"Triton cannot run here: {testing.prepare_triton()}")
+    path, _ = checkpoints["llama"]
+    prompts = [p[:6] for p in PROMPTS]
+    with set_config(OpsConfig(custom_ops=["none"])):
+        native = dm.from_pretrained(path, frontend=frontend, **SERVING)
+        want = native.generate(prompts, 4)
+        want_logits = testing.to_numpy(native.logits(IDS[:6]))
+    clear_dispatch_report()
+    with override_platform(platform):
+        model = dm.from_pretrained(path, frontend=frontend, **SERVING)
+        got = model.generate(prompts, 4)
+        got_logits = testing.to_numpy(model.logits(IDS[:6]))
+    method, kernel_ops = KERNEL_RUNS[(frontend, platform)]
+    ran = _kernel_methods()
+    missing = [op for op in kernel_ops if method not in ran.get(op, set())]
+    assert not missing, f"{frontend}/{platform}: no kernel ran for {missing} ({ {op: ran.get(op) for op in missing} })"
+    assert got == want
+    assert rel_err(got_logits, want_logits) < LOGITS_RTOL
+
+
+@pytest.mark.parametrize("frontend", FRONTENDS)
+def test_all_ops_native_give_the_same_tokens(checkpoints, frontend):
+    from dualop.config import OpsConfig, set_config
+
+    path, _ = checkpoints["qwen3_moe"]
+    fast = dm.from_pretrained(path, frontend=frontend, **SERVING).generate(PROMPTS, 8)
+    with set_config(OpsConfig(custom_ops=["none"])):
+        native = dm.from_pretrained(path, frontend=frontend, **SERVING).generate(PROMPTS, 8)
+    assert fast == native
+
+
+# --- tensor parallelism -------------------------------------------------------------------------
+
+_JAX_TP_SCRIPT = textwrap.dedent("""
+    import json, os, sys
+    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+    import numpy as np
+    import dualop.models as dm
+    path, prompts, ids, serving = sys.argv[1], json.loads(sys.argv[2]), json.loads(sys.argv[3]), json.loads(sys.argv[4])
+    out = {}
+    for tp in (1, 2):
+        model = dm.from_pretrained(path, frontend="jax", tp=tp, **serving)
+        out[tp] = dict(tokens=model.generate(prompts, 8), logits=np.asarray(model.logits(ids)).tolist(),
+                       sharded=str(model.params["0.qkv"].sharding.spec) if tp > 1 else "")
+    print("RESULT " + json.dumps(out))
+""")
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3_moe"])
+def test_jax_tp2_equals_tp1(checkpoints, family):
+    importlib.import_module("jax")
+    path, _ = checkpoints[family]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, "-c", _JAX_TP_SCRIPT, path, json.dumps(PROMPTS), json.dumps(IDS),
+                           json.dumps(SERVING)], capture_output=True, text=True, env=env, timeout=600)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stderr[-3000:]
+    out = json.loads(lines[0][len("RESULT "):])
+    assert out["2"]["tokens"] == out["1"]["tokens"]
+    assert "tp" in out["2"]["sharded"]  # the weights really are split over the mesh
+    assert rel_err(np.asarray(out["2"]["logits"]), np.asarray(out["1"]["logits"])) < LOGITS_RTOL
+
+
+def _torch_rank(rank: int, world: int, port: int, path: str, result_file: str) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        model = dm.from_pretrained(path, frontend="torch", tp=world, **SERVING)
+        tokens = model.generate(PROMPTS, 8)
+        logits = model.logits(IDS).numpy().tolist()
+        shard = list(model.params["0.qkv"].shape)
+        if rank == 0:
+            with open(result_file, "w") as f:
+                json.dump(dict(tokens=tokens, logits=logits, shard=shard), f)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3_moe"])
+def test_torch_tp2_equals_tp1(checkpoints, family, tmp_path):
+    import torch.multiprocessing as mp
+
+    if not torch.distributed.is_available():
+        pytest.skip("this torch build has no torch.distributed")
+    path, _ = checkpoints[family]
+    result_file = str(tmp_path / "rank0.json")
+    mp.spawn(_torch_rank, args=(2, testing.free_port(), path, result_file), nprocs=2, join=True)
+    with open(result_file) as f:
+        out = json.load(f)
+    one = dm.from_pretrained(path, frontend="torch", **SERVING)
+    assert out["shard"][0] * 2 == list(one.params["0.qkv"].shape)[0]  # each rank holds half the heads
+    assert out["tokens"] == one.generate(PROMPTS, 8)
+    assert rel_err(np.asarray(out["logits"]), one.logits(IDS).numpy()) < LOGITS_RTOL
+
+
+# --- bad input ----------------------------------------------------------------------------------
+
+def _rewrite(path: str, drop: str | None = None, reshape: str | None = None) -> None:
+    from safetensors.torch import load_file, save_file
+
+    file = os.path.join(path, "model.safetensors")
+    tensors = load_file(file)
+    if drop:
+        del tensors[drop]
+    if reshape:
+        tensors[reshape] = tensors[reshape][:-1].clone()
+    save_file(tensors, file, metadata={"format": "pt"})
+
+
+def test_a_missing_or_misshapen_tensor_is_named_before_anything_loads(tmp_path):
+    save_tiny("llama", str(tmp_path / "a"))
+    _rewrite(str(tmp_path / "a"), drop="model.layers.1.mlp.up_proj.weight")
+    with pytest.raises(dm.CheckpointError, match=r"missing tensors \(1\): model\.layers\.1\.mlp\.up_proj\.weight"):
+        dm.from_pretrained(str(tmp_path / "a"))
+    save_tiny("llama", str(tmp_path / "b"))
+    _rewrite(str(tmp_path / "b"), reshape="model.layers.0.self_attn.k_proj.weight")
+    with pytest.raises(dm.CheckpointError, match=r"k_proj\.weight: shape \(31, 64\), expected \(32, 64\)"):
+        dm.from_pretrained(str(tmp_path / "b"), frontend="jax")
+
+
+def test_an_unsupported_architecture_and_bad_options_are_refused(tmp_path):
+    save_tiny("llama", str(tmp_path))
+    with open(tmp_path / "config.json") as f:
+        config = json.load(f)
+    with pytest.raises(ValueError, match="frontend must be 'torch' or 'jax'"):
+        dm.from_pretrained(str(tmp_path), frontend="numpy")
+    with pytest.raises(ValueError, match="dtype must be one of"):
+        dm.from_pretrained(str(tmp_path), dtype="int8")
+    with pytest.raises(ValueError, match="max_num_seqs must be a positive int"):
+        dm.from_pretrained(str(tmp_path), max_num_seqs=0)
+    with pytest.raises(dm.CheckpointError, match="is not a directory"):
+        dm.from_pretrained(str(tmp_path / "nowhere"))
+    config["architectures"] = ["GPT2LMHeadModel"]
+    with open(tmp_path / "config.json", "w") as f:
+        json.dump(config, f)
+    with pytest.raises(ValueError, match="architecture 'GPT2LMHeadModel' .* is not supported; supported: .*LlamaForCausalLM"):
+        dm.from_pretrained(str(tmp_path))
+
+
+@pytest.mark.parametrize("frontend", FRONTENDS)
+def test_prompts_longer_than_the_cache_and_bad_ids_are_refused(checkpoints, frontend):
+    path, _ = checkpoints["llama"]
+    model = dm.from_pretrained(path, frontend=frontend, **SERVING)
+    with pytest.raises(ValueError, match=r"prompt 1 has 60 tokens; with max_new_tokens=16 that exceeds max_model_len=64"):
+        model.generate([[1, 2], [3] * 60], 16)
+    with pytest.raises(ValueError, match=r"70 tokens exceed max_model_len=64"):
+        model.logits([1] * 70)
+    with pytest.raises(ValueError, match=r"prompt 0 holds token id 96; expected ints in \[0, 96\)"):
+        model.generate([[1, 96]], 4)
+    with pytest.raises(ValueError, match="prompt 0 is empty"):
+        model.generate([[]], 4)
+    with pytest.raises(TypeError, match="prompts must be a list of token-id lists"):
+        model.generate("1 2 3", 4)
+    with pytest.raises(ValueError, match="max_new_tokens must be a positive int"):
+        model.generate([[1]], 0)
+    with pytest.raises(ValueError, match="must be one sequence"):
+        model.logits([[1, 2], [3, 4]])
+    assert model.generate([[1, 2]], 2)  # the refusals left the model usable
