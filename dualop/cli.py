@@ -1,4 +1,4 @@
-"""The ``dualop`` command: ``ops``, ``report``, ``check``, ``bench``, ``compile``."""
+"""The ``dualop`` command: ``ops``, ``report``, ``check``, ``bench``, ``compile``, ``generate``."""
 
 from __future__ import annotations
 
@@ -217,6 +217,58 @@ def _bench_dispatch(frontends: list[str], rounds: int, progress: bool) -> list[d
                                    progress=progress)
 
 
+def cmd_generate(args: argparse.Namespace) -> int:
+    """Greedy generation from a local checkpoint with a model built from dualop ops: the tokens,
+    the time of each step, and which method each op ran (the dispatch report)."""
+    import contextlib
+    import time
+
+    from dualop import models
+    from dualop.custom_op import clear_dispatch_report, dispatch_report
+
+    prompts = []
+    for text in args.prompt or ["1 2 3"]:
+        try:
+            prompts.append([int(t) for t in text.replace(",", " ").split()])
+        except ValueError:
+            print(f"dualop generate: --prompt {text!r} must be token ids separated by spaces (no tokenizer here)",
+                  file=sys.stderr)
+            return 2
+    clear_dispatch_report()
+    platform = contextlib.nullcontext()
+    if args.platform:
+        from dualop.platforms import override_platform
+
+        platform = override_platform(args.platform)
+    with platform:
+        start = time.perf_counter()
+        model = models.from_pretrained(args.path, frontend=args.frontend, dtype=args.dtype, tp=args.tp,
+                                       max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+                                       max_num_batched_tokens=args.max_num_batched_tokens)
+        loaded = time.perf_counter() - start
+        outputs = model.generate(prompts, args.max_new_tokens, stop_at_eos=not args.ignore_eos)
+    steps = model.last_step_stats
+    report = [r for r in dispatch_report() if r["frontend"] in ("torch", "jax")]
+    if args.json:
+        print(json.dumps({"model": repr(model), "load_seconds": loaded, "outputs": outputs,
+                          "steps": [vars(s) for s in steps], "dispatch": report}, indent=2, default=str))
+        return 0
+    print(f"{model!r}: loaded in {loaded:.2f} s")
+    for i, (prompt, out) in enumerate(zip(prompts, outputs)):
+        print(f"prompt {i}: {' '.join(map(str, prompt))}\n  -> {' '.join(map(str, out))}")
+    rows = [{"step": i, "tokens": s.tokens, "prefill": s.prefill_tokens, "sequences": s.sequences,
+             "ms": f"{s.seconds * 1e3:.2f}"} for i, s in enumerate(steps)]
+    print("\nsteps (the first of each shape includes compiling it for jax):")
+    print(_table(rows, ["step", "tokens", "prefill", "sequences", "ms"]))
+    decode = [s.seconds for s in steps if s.prefill_tokens == 0]
+    if decode:
+        print(f"decode steps: median {sorted(decode)[len(decode) // 2] * 1e3:.2f} ms")
+    print("\nwhich method each op ran:")
+    print(_table([{k: r[k] for k in ("op", "cls", "frontend", "platform", "method", "reason")} for r in report],
+                 ["op", "cls", "frontend", "platform", "method", "reason"]))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="dualop",
@@ -299,6 +351,28 @@ def build_parser() -> argparse.ArgumentParser:
     mode.add_argument("--no-dispatch", action="store_true", help="skip the dispatch-overhead measurement")
     mode.add_argument("--dispatch-only", action="store_true", help="only the dispatch-overhead measurement")
     s.set_defaults(fn=cmd_bench)
+
+    s = sub.add_parser(
+        "generate",
+        help="greedy generation from a local transformers checkpoint with a model built from dualop ops",
+        description="Load PATH (config.json + safetensors) with dualop.models.from_pretrained, generate greedily "
+                    "for each --prompt (token ids; no tokenizer), and print the tokens, the time of each step and "
+                    "which method each op ran.",
+    )
+    s.add_argument("path", help="a local checkpoint directory (e.g. one written by transformers' save_pretrained)")
+    s.add_argument("--frontend", default="torch", choices=["torch", "jax"], help="default torch")
+    s.add_argument("--prompt", action="append", help='token ids, e.g. "1 2 3" (repeat for a batch; default "1 2 3")')
+    s.add_argument("--max-new-tokens", type=int, default=16, help="default 16")
+    s.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="default: the checkpoint's")
+    s.add_argument("--tp", type=int, default=1, help="tensor-parallel size (jax: a mesh over host devices)")
+    s.add_argument("--platform", choices=["cpu", "cuda", "rocm", "tpu"],
+                   help="take this platform's path (kernels in interpreters on a CPU host)")
+    s.add_argument("--max-model-len", type=int, default=512, help="tokens per sequence in the KV cache (default 512)")
+    s.add_argument("--max-num-seqs", type=int, default=8, help="sequences batched at once (default 8)")
+    s.add_argument("--max-num-batched-tokens", type=int, default=256, help="tokens per step (default 256)")
+    s.add_argument("--ignore-eos", action="store_true", help="always generate --max-new-tokens tokens")
+    s.add_argument("--json", action="store_true", help="print JSON")
+    s.set_defaults(fn=cmd_generate)
     return p
 
 

@@ -311,3 +311,23 @@ def test_prompts_longer_than_the_cache_and_bad_ids_are_refused(checkpoints, fron
     with pytest.raises(ValueError, match="must be one sequence"):
         model.logits([[1, 2], [3, 4]])
     assert model.generate([[1, 2]], 2)  # the refusals left the model usable
+
+
+# --- the command line ---------------------------------------------------------------------------
+
+def test_dualop_generate_prints_the_tokens_steps_and_kernels(checkpoints, capsys):
+    from dualop import cli
+
+    path, _ = checkpoints["qwen3"]
+    assert cli.main(["generate", path, "--frontend", "torch", "--prompt", "1 2 3", "--prompt", "4 5",
+                     "--max-new-tokens", "6", "--ignore-eos", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    model = dm.from_pretrained(path, frontend="torch")
+    assert out["outputs"] == model.generate([[1, 2, 3], [4, 5]], 6, stop_at_eos=False)
+    assert len(out["steps"]) == 6 and out["steps"][0]["prefill_tokens"] == 5
+    methods = {row["op"]: row["method"] for row in out["dispatch"]}
+    assert methods["ragged_paged_attention"] == "forward_cpu"  # the C++ kernel on torch CPU tensors
+    assert cli.main(["generate", path, "--prompt", "1 x"]) == 2
+    assert "must be token ids" in capsys.readouterr().err
+    assert cli.main(["generate", path, "--prompt", "1 2", "--max-new-tokens", "600"]) == 2
+    assert "exceeds max_model_len=512" in capsys.readouterr().err
