@@ -115,6 +115,8 @@ def cmd_compile(args: argparse.Namespace) -> int:
 
     from dualop import aot
 
+    if args.model is not None:
+        return _compile_models(args)
     start = time.perf_counter()
     rows = aot.run_compile(
         ops=_csv(args.ops) if args.ops else None,
@@ -134,6 +136,48 @@ def cmd_compile(args: argparse.Namespace) -> int:
         print(aot.format_matrix(rows))
         print("\n" + aot.format_summary(rows, time.perf_counter() - start))
     return aot.exit_status(rows)
+
+
+def _compile_models(args: argparse.Namespace) -> int:
+    """``dualop compile --model``: whole models' serving steps on multi-chip slices (dualop/aot/model.py).
+    Exit 1 if the compiler refused one, 3 if one does not fit its chips' HBM, else 0."""
+    from dualop.aot import tpu
+    from dualop.aot.model import MODEL_SHAPES, MODEL_TARGETS, compile_model, format_model_builds
+
+    names = list(MODEL_SHAPES) if args.model == "all" else _csv(args.model)
+    unknown = [n for n in names if n not in MODEL_SHAPES]
+    if unknown:
+        raise ValueError(f"unknown model {unknown[0]!r}; expected one of {', '.join(MODEL_SHAPES)} or 'all'")
+    targets = list(MODEL_TARGETS)
+    if args.targets:
+        targets = []
+        for t in _csv(args.targets):
+            generation, _, topology = t.partition(":")
+            if not topology or generation not in tpu.TOPOLOGIES:
+                raise ValueError(f"--model needs TPU topology targets such as v5e:2x2 or v6e:2x4, got {t!r}")
+            chips = 1
+            for d in topology.split("x"):
+                chips *= int(d)
+            targets.append((t, chips))
+    why = tpu.tpu_available()
+    if why is not None:
+        print(f"dualop compile --model: the TPU compiler is unavailable here: {why}", file=sys.stderr)
+        return 2
+    builds = []
+    for name in names:
+        for target, tp in targets:
+            if not args.no_progress:
+                print(f"dualop compile --model: building {name} for {target} at tp {tp} ...", file=sys.stderr, flush=True)
+            builds.append(compile_model(name, target, tp, layers=args.layers))
+    if args.json:
+        import dataclasses
+
+        print(json.dumps([dict(dataclasses.asdict(b), total_bytes=b.total_bytes) for b in builds], indent=2))
+    else:
+        print(format_model_builds(builds))
+    if any(b.status in ("refused", "unavailable") for b in builds):
+        return 1
+    return 3 if any(b.status == "does-not-fit" for b in builds) else 0
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -183,6 +227,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if not frontends:
         print(f"dualop bench: none of the frontends {', '.join(requested)} can be imported here", file=sys.stderr)
         return 2
+    if args.model is not None:
+        return _bench_model(args, frontends, dtypes)
 
     records: list[dict[str, Any]] = []
     if not args.dispatch_only:
@@ -206,6 +252,22 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if dispatch:
         parts.append(format_dispatch(dispatch))
     print("\n\n".join(parts))
+    return 0
+
+
+def _bench_model(args: argparse.Namespace, frontends: list[str], dtypes: list[str]) -> int:
+    """``dualop bench --model [PATH]``: a whole model's prefill and decode steps against transformers."""
+    from dualop.bench.model import bench_model, format_model_bench
+
+    records = []
+    for dtype in dtypes:
+        records += bench_model(None if args.model == "tiny-llama" else args.model,
+                               tuple(f for f in frontends if f in ("torch", "jax")), dtype, batch=args.batch,
+                               rounds=args.rounds, warmup=args.warmup, progress=not args.no_progress)
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(records, fh, indent=2)
+    print(format_model_bench(records))
     return 0
 
 
@@ -310,6 +372,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--targets", help="comma-separated: v4, v5e, v5p, v6e, tpu7x, sm80, sm89, sm90, sm100, gfx942, "
                                      "gfx950 (default: v4,v5e,v5p,v6e,tpu7x,sm80,sm90,gfx942); a TPU topology "
                                      "such as v5e:2x2 or v6e:2x4 builds the sharded layers on all its chips")
+    s.add_argument("--model", metavar="NAMES",
+                   help="instead of the kernels: whole models' JAX serving steps (llama3-8b, qwen3-30b-a3b or all) "
+                        "on multi-chip slices (default v5e:2x2 at tp 4 and v6e:2x4 at tp 8; --targets takes "
+                        "topologies), with per-chip memory against HBM and the collectives per step")
+    s.add_argument("--layers", type=int, help="with --model: build this many layers of the model's width")
     s.add_argument("--sharded-serving", action="store_true",
                    help="on topology targets, also build the sharded layers at model sizes (minutes)")
     s.add_argument("--dtypes", help="comma-separated: float32, bfloat16, float16 (default: float32,bfloat16)")
@@ -343,6 +410,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--system-malloc", action="store_true",
                    help="keep the C allocator's defaults (page faults on every fresh output) instead of "
                         "making glibc reuse freed memory")
+    s.add_argument("--model", nargs="?", const="tiny-llama", metavar="PATH",
+                   help="time a whole model's prefill and decode steps, dualop (both frontends) against "
+                        "transformers' forward: PATH a local checkpoint (default: a tiny random Llama)")
+    s.add_argument("--batch", type=int, default=8, help="with --model: sequences per step (default 8)")
     s.add_argument("--device", help="tpu-v5e, tpu-v6e or h100: with --roofline-only, the device to predict "
                                     "for (default: all); when timing, add its predicted time to each record")
     mode = s.add_mutually_exclusive_group()

@@ -9,6 +9,7 @@ prefill with decode and a waiting prompt takes a finished one's slot.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import json
 import os
@@ -331,3 +332,40 @@ def test_dualop_generate_prints_the_tokens_steps_and_kernels(checkpoints, capsys
     assert "must be token ids" in capsys.readouterr().err
     assert cli.main(["generate", path, "--prompt", "1 2", "--max-new-tokens", "600"]) == 2
     assert "exceeds max_model_len=512" in capsys.readouterr().err
+
+
+# --- a real model on a real slice, compiled here -------------------------------------------------
+
+def _need_tpu_compiler():
+    from dualop.aot import tpu
+
+    why = tpu.tpu_available()
+    if why is not None:
+        pytest.skip(f"TPU compiles need libtpu, installed in the latest environment only: {why}")
+
+
+def test_compile_model_builds_a_llama3_8b_layer_on_v5e_2x2_and_reports_memory():
+    """One layer of Llama-3-8B's width, tp 4 on a v5e:2x2 slice, through XLA:TPU and Mosaic: the
+    per-chip memory from the compiler's analysis, and the all-reduces the row-parallel layers make."""
+    _need_tpu_compiler()
+    from dualop.aot import model as aot_model
+
+    build = aot_model.compile_model("llama3-8b", "v5e:2x2", 4, layers=1, num_tokens=128, num_seqs=16,
+                                    max_model_len=512)
+    assert build.status == "ok", build.message
+    c = aot_model.MODEL_SHAPES["llama3-8b"]
+    h, inter, vocab, kv = c["hidden_size"], c["intermediate_size"], c["vocab_size"], c["num_key_value_heads"]
+    layer = (h * (32 + 2 * kv) * 128 + 32 * 128 * h + 3 * h * inter) // 4 + 2 * h
+    expected = 2 * (layer + 2 * (vocab // 4) * h + h)  # bfloat16: one layer, embedding and LM head shards, norm
+    assert build.weight_bytes == expected
+    assert build.kv_cache_bytes == 2 * 16 * 512 * 2 * (kv // 4) * 128  # pages x page size x K/V heads x dim
+    assert build.argument_bytes >= build.weight_bytes + build.kv_cache_bytes
+    assert 0 < build.total_bytes < build.hbm_bytes == 16 * 1024 ** 3
+    kinds = {s["kind"]: s["count"] for s in build.collectives}
+    assert kinds.get("all-reduce") == 3  # the embedding, o_proj, down_proj
+    assert kinds.get("all-gather") == 1  # the logits
+    # A chip too small for it is reported as not fitting, with the numbers, not as a pass.
+    small = aot_model.judge_fit(dataclasses.replace(build, hbm_bytes=64 * 1024 ** 2))
+    assert small.status == "does-not-fit" and "GiB per chip; a v5e chip has" in small.message
+    text = aot_model.format_model_builds([build, small])
+    assert "does-not-fit" in text and "all-reduce 3x" in text

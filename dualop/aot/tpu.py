@@ -182,18 +182,18 @@ def describe_pallas_call(eqn) -> dict[str, Any]:
 _DONE: dict[tuple[str, str, bool], tuple[str, str, list]] = {}
 
 
-def _compile_reading_hlo(lowered) -> list[str]:
-    """Compile ``lowered`` and return the optimised program's HLO text (one per module; none if XLA
+def compile_reading_hlo(lowered) -> tuple[Any, list[str]]:
+    """Compile ``lowered``; return the executable and the optimised program's HLO text (one per module; none if XLA
     wrote none), from XLA's own dump of it (``xla_dump_to``). Not ``Compiled.as_text()``: that rebuilds the module
     from its proto, which this jaxlib refuses for some XLA:TPU programs (v6e's SparseCore offload:
     "async-update instruction should have 1 operands but sees 4")."""
     with tempfile.TemporaryDirectory(prefix="dualop-hlo-") as dump:
-        lowered.compile(compiler_options={"xla_dump_to": dump, "xla_dump_hlo_as_text": True})
+        compiled = lowered.compile(compiler_options={"xla_dump_to": dump, "xla_dump_hlo_as_text": True})
         texts = []
         for path in sorted(glob.glob(os.path.join(dump, "*after_optimizations.txt"))):
             with open(path) as fh:
                 texts.append(fh.read())
-    return texts
+    return compiled, texts
 
 
 def _compile_lowered(lowered, generation: str, result: KernelResult, read_collectives: bool = False) -> None:
@@ -210,7 +210,7 @@ def _compile_lowered(lowered, generation: str, result: KernelResult, read_collec
     hlo = None
     try:
         if read_collectives:
-            hlo = _compile_reading_hlo(lowered)
+            _, hlo = compile_reading_hlo(lowered)
         else:
             lowered.compile()
     except Exception as err:  # the compiler's refusal

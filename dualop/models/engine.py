@@ -102,13 +102,7 @@ class CausalLM:
 
     def __init__(self, ckpt: Checkpoint, frontend: Frontend, dtype: str, serving: ServingConfig,
                  progress: Callable[[str], None] | None = None) -> None:
-        self.checkpoint_path = ckpt.path
-        self.hf_config = ckpt.config
-        self.frontend, self.dtype, self.serving = frontend, dtype, serving
-        self.tp = frontend.tp
-        self.parse_config(ckpt.config)
-        self.build_ops()
-        plan = self.param_plan()
+        plan = self._setup(ckpt.config, frontend, dtype, serving, ckpt.path)
         expected: dict[str, tuple[int, ...]] = {}
         for p in plan:
             expected.update(p.expected)
@@ -116,11 +110,31 @@ class CausalLM:
         self.params = frontend.load_params(plan, lambda name: ckpt.get(name, frontend.framework), dtype,
                                            self.keep_float32, progress)
         ckpt.close()
-        self.cache_specs = self.cache_plan()
         self.caches = [frontend.zeros(spec) for spec in self.cache_specs]
         self._step = frontend.compile(self.forward, {p.name: p.split_dim for p in plan}, self.cache_specs)
-        self.eos_token_ids = self._eos_ids(ckpt.config.get("eos_token_id"))
         self.last_step_stats: list[StepStats] = []
+
+    def _setup(self, config: dict[str, Any], frontend: Frontend, dtype: str, serving: ServingConfig,
+               path: str | None) -> list[Param]:
+        """Everything but the arrays: the config, the ops, the parameter and cache plans."""
+        self.checkpoint_path = path
+        self.hf_config = config
+        self.frontend, self.dtype, self.serving = frontend, dtype, serving
+        self.tp = frontend.tp
+        self.parse_config(config)
+        self.build_ops()
+        self.plan = self.param_plan()
+        self.cache_specs = self.cache_plan()
+        self.eos_token_ids = self._eos_ids(config.get("eos_token_id"))
+        return self.plan
+
+    @classmethod
+    def abstract(cls, config: dict[str, Any], frontend: Frontend, dtype: str, serving: ServingConfig) -> CausalLM:
+        """The model of ``config`` with no arrays: its ops, parameter plan (``plan``) and cache plan
+        (``cache_specs``), for building its step from shapes alone (``dualop compile --model``)."""
+        model = cls.__new__(cls)
+        model._setup(config, frontend, dtype, serving, None)
+        return model
 
     # -- what a family supplies ---------------------------------------------------------------
 
@@ -300,6 +314,34 @@ class CausalLM:
             self.last_step_stats.append(StepStats(sum(n for _, n in entries), prefill, len(entries),
                                                   time.perf_counter() - start))
         return [seq.tokens[seq.prompt_len:] for seq in seqs]
+
+    def benchmark_step(self, num_seqs: int, new_tokens: int, context_len: int = 0) -> Callable[[], list[int]]:
+        """A callable that runs one step of ``num_seqs`` sequences, each computing ``new_tokens``
+        tokens after ``context_len`` cached ones (a prefill: ``context_len`` 0; a decode step:
+        ``new_tokens`` 1), and returns the greedy tokens (so the step is finished when it returns).
+        Every call writes the same cache slots: the shape of the work stays fixed, for timing."""
+        s = self.serving
+        name = self.architectures[0]
+        if not 1 <= num_seqs <= s.max_num_seqs or new_tokens < 1 or context_len < 0:
+            raise ValueError(f"{name}.benchmark_step: need 1 <= num_seqs <= max_num_seqs={s.max_num_seqs}, "
+                             f"new_tokens >= 1, context_len >= 0; got {num_seqs}, {new_tokens}, {context_len}")
+        total = context_len + new_tokens
+        if total > s.max_model_len or num_seqs * new_tokens > max(s.max_num_batched_tokens, num_seqs):
+            raise ValueError(f"{name}.benchmark_step: {num_seqs} x {new_tokens} new tokens after {context_len} "
+                             f"exceed max_model_len={s.max_model_len} or max_num_batched_tokens="
+                             f"{s.max_num_batched_tokens}")
+        pages = -(-total // s.page_size)
+        rng = np.random.default_rng(0)
+        entries = []
+        for i in range(num_seqs):
+            seq = _Sequence(i, rng.integers(0, self.vocab_size, total).tolist(), total, 0, computed=context_len,
+                            slot=i, pages=list(range(i * s.pages_per_seq, i * s.pages_per_seq + pages)))
+            entries.append((seq, new_tokens))
+
+        def step() -> list[int]:
+            return self.frontend.argmax(self._run(entries, None))[:num_seqs]
+
+        return step
 
     def __repr__(self) -> str:
         return (f"{type(self).__name__}({self.architectures[0]}, frontend={self.frontend.name!r}, dtype={self.dtype!r}, "

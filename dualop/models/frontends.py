@@ -202,27 +202,31 @@ class JaxFrontend(Frontend):
         jax = self.jax
         if self.mesh is None:
             return jax.jit(step, donate_argnums=(2,))
-        from jax.sharding import PartitionSpec
-
-        from dualop.jax.parallel import shard_map
-
-        def specs_of(params):
-            return {name: self._spec(value.ndim, param_splits[name]) for name, value in params.items()}
-
-        cache_out = [self._spec(len(c.shape), c.split_dim) for c in cache_specs]
         compiled: dict[Any, Callable] = {}
 
         def run(params, batch, caches):
             key = tuple(sorted(batch))
             fn = compiled.get(key)
             if fn is None:
-                in_specs = (specs_of(params), {k: PartitionSpec() for k in batch}, cache_out)
-                fn = jax.jit(shard_map(step, mesh=self.mesh, in_specs=in_specs, out_specs=(PartitionSpec(), cache_out)),
-                             donate_argnums=(2,))
-                compiled[key] = fn
+                ndims = {name: value.ndim for name, value in params.items()}
+                fn = compiled[key] = self.sharded_step(step, param_splits, ndims, cache_specs, key)
             return fn(params, batch, caches)
 
         return run
+
+    def sharded_step(self, step: Callable, param_splits: dict[str, int | None], param_ndims: dict[str, int],
+                     cache_specs: Sequence[CacheSpec], batch_keys: Sequence[str]) -> Callable:
+        """``step`` under ``shard_map`` over the mesh, jitted with the caches donated: parameters
+        split as ``param_splits`` says, the batch replicated, the caches split on their dims."""
+        from jax.sharding import PartitionSpec
+
+        from dualop.jax.parallel import shard_map
+
+        cache_out = [self._spec(len(c.shape), c.split_dim) for c in cache_specs]
+        in_specs = ({name: self._spec(param_ndims[name], param_splits[name]) for name in param_splits},
+                    {k: PartitionSpec() for k in batch_keys}, cache_out)
+        return self.jax.jit(shard_map(step, mesh=self.mesh, in_specs=in_specs, out_specs=(PartitionSpec(), cache_out)),
+                            donate_argnums=(2,))
 
     def to_numpy(self, x: Any) -> np.ndarray:
         return np.asarray(x.astype("float32"))

@@ -1,0 +1,123 @@
+"""``dualop bench --model``: tokens per second of a whole model's prefill and decode steps, dualop
+(both frontends) against transformers' own forward, interleaved in one run.
+
+The same checkpoint (by default a tiny random Llama written to a temporary directory) is loaded
+by transformers (eager attention, its KV cache) and by ``dualop.models.from_pretrained`` in each
+frontend. Two step shapes are timed, each as one entry per implementation per round
+(``timing.interleaved``):
+
+- prefill: ``batch`` prompts of ``prompt_len`` tokens in one step;
+- decode: one new token for each of ``batch`` sequences after ``context_len`` cached tokens.
+
+Every entry returns its greedy tokens (the argmax of each sequence's last logits), so a step is
+done when it returns; transformers computes only the last position's logits (``logits_to_keep=1``)
+and its cache is cropped back after each decode call, so every round does the same work.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Callable
+from typing import Any
+
+from dualop.bench.timing import interleaved, median, paired_ratio, relative_range
+
+__all__ = ["TINY_LLAMA", "save_tiny_llama", "bench_model", "format_model_bench"]
+
+# The default model: a small Llama (GQA, llama3 rope) that runs in milliseconds on a CPU.
+TINY_LLAMA = dict(vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=8,
+                  num_key_value_heads=4, max_position_embeddings=1024,
+                  rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                "original_max_position_embeddings": 128})
+
+
+def save_tiny_llama(path: str, seed: int = 0) -> str:
+    """A random-initialised ``TINY_LLAMA`` saved with transformers' ``save_pretrained`` at ``path``."""
+    import torch
+    import transformers
+
+    torch.manual_seed(seed)
+    transformers.LlamaForCausalLM(transformers.LlamaConfig(**TINY_LLAMA)).eval().save_pretrained(path)
+    return path
+
+
+def _transformers_steps(path: str, dtype: str, batch: int, prompt_len: int, context_len: int
+                        ) -> tuple[Callable[[], Any], Callable[[], Any]]:
+    import torch
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype),
+                                                              attn_implementation="eager").eval()
+    gen = torch.Generator().manual_seed(0)
+    vocab = model.config.vocab_size
+    prompts = torch.randint(0, vocab, (batch, prompt_len), generator=gen)
+    context = torch.randint(0, vocab, (batch, context_len), generator=gen)
+    with torch.inference_mode():
+        cache = model(context, use_cache=True).past_key_values  # transformers' DynamicCache
+    step_ids = torch.randint(0, vocab, (batch, 1), generator=gen)
+    positions = torch.full((batch, 1), context_len)
+
+    def prefill():
+        with torch.inference_mode():
+            return model(prompts, use_cache=True, logits_to_keep=1).logits[:, -1].argmax(-1).tolist()
+
+    def decode():
+        with torch.inference_mode():
+            out = model(step_ids, cache=cache, position_ids=positions, use_cache=True, logits_to_keep=1)
+            cache.crop(-1)  # drop the new token: the next call decodes the same position again
+            return out.logits[:, -1].argmax(-1).tolist()
+
+    return prefill, decode
+
+
+def bench_model(path: str | None = None, frontends: tuple[str, ...] = ("torch", "jax"), dtype: str = "float32",
+                batch: int = 8, prompt_len: int = 64, context_len: int = 64, rounds: int = 7, warmup: int = 2,
+                progress: bool = True) -> list[dict[str, Any]]:
+    """One record per (step, implementation): seconds per step (median over rounds), tokens per
+    second, the spread and the paired ratio to transformers (see the module docstring)."""
+    from dualop import models
+
+    tmp = None
+    if path is None:
+        tmp = tempfile.TemporaryDirectory(prefix="dualop-bench-model-")
+        path = save_tiny_llama(os.path.join(tmp.name, "tiny-llama"))
+    try:
+        limit = max(prompt_len, context_len + 1)
+        steps: dict[str, dict[str, Callable[[], Any]]] = {"prefill": {}, "decode": {}}
+        steps["prefill"]["transformers"], steps["decode"]["transformers"] = _transformers_steps(
+            path, dtype, batch, prompt_len, context_len)
+        for fe in frontends:
+            model = models.from_pretrained(path, frontend=fe, dtype=dtype, max_model_len=limit, max_num_seqs=batch,
+                                           max_num_batched_tokens=batch * prompt_len)
+            steps["prefill"][f"dualop-{fe}"] = model.benchmark_step(batch, prompt_len)
+            # the cached context's values do not change the work; the warmup rounds compile jax's programs
+            steps["decode"][f"dualop-{fe}"] = model.benchmark_step(batch, 1, context_len)
+        records = []
+        for kind, fns in steps.items():
+            if progress:
+                print(f"dualop bench --model: timing {kind} ({', '.join(fns)})", flush=True)
+            times = interleaved(fns, rounds, warmup)
+            tokens = batch * (prompt_len if kind == "prefill" else 1)
+            for impl, samples in times.items():
+                seconds = median(samples)
+                records.append(dict(op="model", step=kind, impl=impl, dtype=dtype, batch=batch,
+                                    tokens_per_step=tokens, context=0 if kind == "prefill" else context_len,
+                                    seconds=seconds, tokens_per_second=tokens / seconds,
+                                    spread=relative_range(samples),
+                                    vs_transformers=paired_ratio(samples, times["transformers"])))
+        return records
+    finally:
+        if tmp is not None:
+            tmp.cleanup()
+
+
+def format_model_bench(records: list[dict[str, Any]]) -> str:
+    from dualop.bench.report import table
+
+    rows = [{"step": f"{r['step']} ({r['batch']} x {r['tokens_per_step'] // r['batch']} new"
+                     + (f", {r['context']} cached)" if r["step"] == "decode" else ")"),
+             "impl": r["impl"], "dtype": r["dtype"], "ms/step": f"{r['seconds'] * 1e3:.2f}",
+             "tokens/s": f"{r['tokens_per_second']:.0f}", "spread": f"{r['spread']:.0%}",
+             "time vs transformers": f"{r['vs_transformers']:.2f}"} for r in records]
+    return table(rows, ["step", "impl", "dtype", "ms/step", "tokens/s", "spread", "time vs transformers"])
