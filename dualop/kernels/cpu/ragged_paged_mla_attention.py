@@ -7,7 +7,8 @@ padded to the group's longest query and cached length (sorted by length, so padd
 one gather of their pages into float32 ``[n, span, L + R]``, then ``bmm`` for the scores and for
 ``probs . rows[:L]``. Longer sequences (prefill) run alone, in chunks of query rows that keep the
 float32 scores near ``SCORE_BYTES``. Math: float32 scores, masked, softmax, one cast; rows past a
-sequence's ``kv_len`` are never read. Metadata is validated by the op; here it is clamped anyway.
+sequence's ``kv_len`` are zeroed after
+the gather (a stale row may hold NaN, and ``0 * NaN`` would reach the output). Metadata is validated by the op; here it is clamped anyway.
 """
 
 from __future__ import annotations
@@ -30,8 +31,9 @@ def _attend(q: Any, rows: Any, kv_len: Any, q_pos: Any, latent: int, sm_scale: f
 
     n, r, h, d = q.shape
     span = rows.shape[1]
-    scores = torch.bmm(q.reshape(n, r * h, d), rows.transpose(1, 2)).mul_(sm_scale).reshape(n, r, h, span)
     pos = torch.arange(span)
+    rows.masked_fill_((pos[None, :] >= kv_len[:, None])[:, :, None], 0.0)  # stale rows past kv_len may be NaN
+    scores = torch.bmm(q.reshape(n, r * h, d), rows.transpose(1, 2)).mul_(sm_scale).reshape(n, r, h, span)
     allowed = (pos[None, None, :] <= q_pos[:, :, None]) & (pos[None, None, :] < kv_len[:, None, None])
     scores.masked_fill_(~allowed[:, :, None, :], float("-inf"))
     probs = torch.softmax(scores, dim=-1).reshape(n, r * h, span)
