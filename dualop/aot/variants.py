@@ -736,3 +736,52 @@ def _ssd_op(shape: tuple[int, ...]):
 
 SERVING_INPUTS["ssd_chunk_scan"] = _ssd_inputs
 _SERVING_MAKE_OP["ssd_chunk_scan"] = _ssd_op
+
+
+# --- multi-head latent attention (DeepSeek-V3: kv_lora_rank 512, rope 64, 128 heads) -------------
+# ragged_paged_mla_attention: (T, num_seqs, num_pages, page_size, pages_per_seq, H, L, R). A decode
+# step of 256 sequences and a mixed step of 2048 tokens over 256 sequences, 16 heads per chip (tp 8
+# of DeepSeek-V3's 128) with 64-token pages, and one chip holding all 128 heads with 16-token pages;
+# sequences up to 4096 positions. bfloat16 only: the serving dtype (the check shapes build float32).
+SERVING_SHAPES["ragged_paged_mla_attention"] = (
+    (256, 256, 4096, 64, 64, 16, 512, 64),
+    (2048, 256, 4096, 64, 64, 16, 512, 64),
+    (256, 256, 16384, 16, 256, 128, 512, 64),
+)
+SERVING_DTYPES["ragged_paged_mla_attention"] = ("bfloat16",)
+
+
+def _mla_inputs(shape: tuple[int, ...]) -> tuple:
+    tokens, seqs, pages, page_size, pages_per_seq, heads, latent, rope = shape
+    return (
+        InputSpec((tokens, heads, latent + rope), None),
+        InputSpec((pages, page_size, latent + rope), None),
+        InputSpec((seqs,), "int32"),
+        InputSpec((seqs, pages_per_seq), "int32"),
+        InputSpec((seqs + 1,), "int32"),
+        InputSpec((1,), "int32"),
+    )
+
+
+def _mla_op(shape: tuple[int, ...]):
+    from dualop.ops import RaggedPagedMLAAttention
+
+    return RaggedPagedMLAAttention(shape[6])
+
+
+SERVING_INPUTS["ragged_paged_mla_attention"] = _mla_inputs
+_SERVING_MAKE_OP["ragged_paged_mla_attention[mixed]"] = _mla_op
+
+# concat_and_cache_mla: (tokens, rope, kv_lora_rank, num_pages, page_size): a 2048-token step into a
+# cache of 4096 pages of 64 tokens (reshape_and_cache's kernels on K/V halves of 288 channels).
+SERVING_SHAPES["concat_and_cache_mla"] = ((2048, 64, 512, 4096, 64),)
+SERVING_DTYPES["concat_and_cache_mla"] = ("bfloat16",)
+
+
+def _concat_and_cache_mla_inputs(shape: tuple[int, ...]) -> tuple:
+    tokens, rope, latent, pages, page_size = shape
+    return (InputSpec((tokens, latent), None), InputSpec((tokens, rope), None),
+            InputSpec((pages, page_size, latent + rope), None), InputSpec((tokens,), "int32"))
+
+
+SERVING_INPUTS["concat_and_cache_mla"] = _concat_and_cache_mla_inputs

@@ -137,6 +137,21 @@ def ragged_paged_attention_cost(q_rows: int, kv_tokens: int, pairs: int, num_q_h
     writes = q_rows * num_q_heads * head_dim * itemsize
     return KernelCost(flops=4 * pairs * num_q_heads * head_dim, transcendentals=pairs * num_q_heads,
                       bytes_accessed=reads + writes)
+
+
+def ragged_paged_mla_attention_cost(q_rows: int, kv_tokens: int, pairs: int, num_heads: int, kv_lora_rank: int,
+                                    rope_dim: int, itemsize: int) -> KernelCost:
+    """Absorbed MLA over a paged latent cache: read ``q_latent`` (``L + R`` per head) and each
+    cached latent row (``L + R``, one per token, shared by every head) once, write ``L`` per head.
+    Per (query row, visible position) pair and head: ``q . row`` (``L + R`` multiply-adds) and
+    ``p . row[:L]`` (``L``), one exp."""
+    width = kv_lora_rank + rope_dim
+    reads = q_rows * num_heads * width * itemsize + kv_tokens * width * itemsize
+    writes = q_rows * num_heads * kv_lora_rank * itemsize
+    return KernelCost(flops=2 * pairs * num_heads * (width + kv_lora_rank), transcendentals=pairs * num_heads,
+                      bytes_accessed=reads + writes)
+
+
 def rotary_cost(tokens: int, heads: int, head_size: int, rotary_dim: int, itemsize: int,
                 cos_itemsize: int | None = None) -> KernelCost:
     """Rotary embedding of ``heads`` heads (query and key together) per token: read and write each

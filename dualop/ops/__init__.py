@@ -88,3 +88,9 @@ from dualop.ops.ssd import *  # noqa: F403,E402
 from dualop.ops import ssd  # noqa: E402
 
 __all__ += [*ssd.__all__]
+
+# DeepSeek's multi-head latent attention: the paged latent cache, its write and the layer
+from dualop.ops.mla import *  # noqa: F403,E402
+from dualop.ops import mla  # noqa: E402
+
+__all__ += mla.__all__

@@ -80,6 +80,92 @@ def _options(sm_scale, sliding_window, soft_cap, mask_value, k_scale, v_scale) -
                 k_scale=k_scale, v_scale=v_scale)
 
 
+def check_metadata_shapes(op: str, q: Any, fe: str, kv_lens: Any, page_indices: Any, cu_q_lens: Any,
+                          num_seqs: Any, q_name: str = "q") -> None:
+    """The ragged metadata's kinds, dtypes (int32) and shapes against ``q`` (any paged attention op)."""
+    arrays = dict(kv_lens=kv_lens, page_indices=page_indices, cu_q_lens=cu_q_lens, num_seqs=num_seqs)
+    check_optional_like(op, "page_indices", page_indices, q_name, q, fe,
+                        shape=tuple(getattr(page_indices, "shape", ())), dtypes=INT32)
+    if page_indices.ndim != 2:
+        raise ValueError(f"{op}: argument 'page_indices' must be [max_num_seqs, pages_per_seq], "
+                         f"got shape {tuple(page_indices.shape)}")
+    max_seqs, pages_per_seq = page_indices.shape
+    for name, shape in (("kv_lens", (max_seqs,)), ("page_indices", (max_seqs, pages_per_seq)),
+                        ("cu_q_lens", (max_seqs + 1,)), ("num_seqs", (1,))):
+        check_optional_like(op, name, arrays[name], q_name, q, fe, shape=shape, dtypes=INT32)
+
+
+def check_metadata_values(op: str, num_tokens: int, num_pages: int, page_size: int, kv_lens: Any,
+                          page_indices: Any, cu_q_lens: Any, num_seqs: Any) -> None:
+    """The metadata's values, where they can be read (see the module docstring)."""
+    import numpy as np
+
+    values = [concrete_values(a) for a in (kv_lens, page_indices, cu_q_lens, num_seqs)]
+    if any(v is None for v in values):
+        return
+    kv_len, pages, cu, count = values
+    max_seqs, pages_per_seq = pages.shape
+    n = int(count[0])
+    if not 0 <= n <= max_seqs:
+        raise ValueError(f"{op}: argument 'num_seqs' is {n}; expected 0 <= num_seqs <= {max_seqs} "
+                         f"(page_indices' first dim)")
+    used = cu[: n + 1].astype(np.int64)
+    if used[0] != 0:
+        raise ValueError(f"{op}: argument 'cu_q_lens' starts at {used[0]}; expected 0")
+    steps = np.diff(used)
+    if (steps < 0).any():
+        i = int(np.argmax(steps < 0))
+        raise ValueError(f"{op}: argument 'cu_q_lens' is not non-decreasing: cu_q_lens[{i + 1}] = {used[i + 1]} "
+                         f"< cu_q_lens[{i}] = {used[i]}")
+    if used[-1] > num_tokens:
+        raise ValueError(f"{op}: argument 'cu_q_lens' ends at {used[-1]} (cu_q_lens[num_seqs]); expected at most "
+                         f"{num_tokens} (q's rows)")
+    lens = kv_len[:n].astype(np.int64)
+    short = np.nonzero(lens < steps)[0]
+    if short.size:
+        i = int(short[0])
+        raise ValueError(f"{op}: argument 'kv_lens' has kv_lens[{i}] = {lens[i]} < q_len {steps[i]} of sequence "
+                         f"{i}; expected kv_len >= q_len (queries are a sequence's last positions)")
+    capacity = pages_per_seq * page_size
+    long = np.nonzero(lens > capacity)[0]
+    if long.size:
+        i = int(long[0])
+        raise ValueError(f"{op}: argument 'kv_lens' has kv_lens[{i}] = {lens[i]}; expected at most pages_per_seq * "
+                         f"page_size = {capacity}")
+    needed = (lens + page_size - 1) // page_size
+    in_use = np.arange(pages_per_seq)[None, :] < needed[:, None]
+    bad = in_use & ((pages[:n] < 0) | (pages[:n] >= num_pages))
+    if bad.any():
+        i, j = (int(v) for v in np.argwhere(bad)[0])
+        raise ValueError(f"{op}: argument 'page_indices' has page_indices[{i}, {j}] = {pages[i, j]}, used by "
+                         f"sequence {i}; expected a page in [0, {num_pages})")
+
+
+def row_sequences(xp: Any, q: Any, num_pages: int, page_size: int, kv_lens: Any, page_indices: Any, cu_q_lens: Any,
+                  num_seqs: Any) -> tuple[Any, Any, Any, Any]:
+    """Per query row of a ragged batch (the native bodies' rule, traceable with traced metadata):
+    ``(valid [T], kv_len [T], position [T], pages [T, pages_per_seq], seq [T])``: whether a sequence
+    owns the row, that sequence's kv_len, the row's KV position, its page ids and the sequence. Each row finds its
+    sequence by comparison with ``cu_q_lens`` (no loop over the runtime ``num_seqs``); metadata is
+    clamped (``num_seqs`` to ``[0, S]``, ``cu_q_lens`` to ``[0, T]``, ``kv_lens`` to the page table's
+    span, page ids to ``[0, num_pages)``)."""
+    num_tokens = q.shape[0]
+    max_seqs, pages_per_seq = page_indices.shape
+    span = pages_per_seq * page_size
+    rows = xp.arange(num_tokens, q)
+    count = xp.clip(num_seqs[0], 0, max_seqs)
+    cu = xp.clip(cu_q_lens, 0, num_tokens)
+    # sequence of each row: how many sequences end at or before it
+    seq = xp.astype(xp.sum(xp.astype(cu[None, 1:] <= rows[:, None], xp.int32), axis=1), xp.int32)
+    valid = (seq < count) & (rows >= cu[0])
+    seq = xp.minimum(seq, max_seqs - 1)
+    q_start, q_end = xp.take(cu, seq), xp.take(cu, seq + 1)
+    kv_len = xp.clip(xp.take(kv_lens, seq), 0, span)
+    position = kv_len - (q_end - q_start) + (rows - q_start)  # [T]
+    pages = xp.clip(xp.take(page_indices, seq, axis=0), 0, num_pages - 1)  # [T, pages_per_seq]
+    return valid, kv_len, position, pages, seq
+
+
 @CustomOp.register("ragged_paged_attention")
 class RaggedPagedAttention(CustomOp):
     """Attention of a ragged batch of queries (prefill, chunked prefill and decode rows mixed) over a
@@ -128,15 +214,7 @@ class RaggedPagedAttention(CustomOp):
                              f"expected num_q_heads % num_kv_heads == 0")
         if page_size == 0:
             raise ValueError(f"{OP}: argument 'kv_pages' has page_size 0; expected at least 1")
-        check_optional_like(OP, "page_indices", page_indices, "q", q, fe,
-                            shape=tuple(getattr(page_indices, "shape", ())), dtypes=INT32)
-        if page_indices.ndim != 2:
-            raise ValueError(f"{OP}: argument 'page_indices' must be [max_num_seqs, pages_per_seq], "
-                             f"got shape {tuple(page_indices.shape)}")
-        max_seqs, pages_per_seq = page_indices.shape
-        for name, shape in (("kv_lens", (max_seqs,)), ("page_indices", (max_seqs, pages_per_seq)),
-                            ("cu_q_lens", (max_seqs + 1,)), ("num_seqs", (1,))):
-            check_optional_like(OP, name, arrays[name], "q", q, fe, shape=shape, dtypes=INT32)
+        check_metadata_shapes(OP, q, fe, kv_lens, page_indices, cu_q_lens, num_seqs)
         _check_option("sm_scale", sm_scale, kind=float, positive=False)
         if sm_scale is None:
             raise ValueError(f"{OP}: option 'sm_scale' must be a float, got None")
@@ -145,53 +223,7 @@ class RaggedPagedAttention(CustomOp):
         _check_option("mask_value", mask_value, kind=float, positive=False)
         _check_option("k_scale", k_scale, kind=float, positive=False)
         _check_option("v_scale", v_scale, kind=float, positive=False)
-        self._check_values(num_tokens, num_pages, page_size, kv_lens, page_indices, cu_q_lens, num_seqs)
-
-    @staticmethod
-    def _check_values(num_tokens: int, num_pages: int, page_size: int, kv_lens: Any, page_indices: Any,
-                      cu_q_lens: Any, num_seqs: Any) -> None:
-        """The metadata's values, where they can be read (see the module docstring)."""
-        import numpy as np
-
-        values = [concrete_values(a) for a in (kv_lens, page_indices, cu_q_lens, num_seqs)]
-        if any(v is None for v in values):
-            return
-        kv_len, pages, cu, count = values
-        max_seqs, pages_per_seq = pages.shape
-        n = int(count[0])
-        if not 0 <= n <= max_seqs:
-            raise ValueError(f"{OP}: argument 'num_seqs' is {n}; expected 0 <= num_seqs <= {max_seqs} "
-                             f"(page_indices' first dim)")
-        used = cu[: n + 1].astype(np.int64)
-        if used[0] != 0:
-            raise ValueError(f"{OP}: argument 'cu_q_lens' starts at {used[0]}; expected 0")
-        steps = np.diff(used)
-        if (steps < 0).any():
-            i = int(np.argmax(steps < 0))
-            raise ValueError(f"{OP}: argument 'cu_q_lens' is not non-decreasing: cu_q_lens[{i + 1}] = {used[i + 1]} "
-                             f"< cu_q_lens[{i}] = {used[i]}")
-        if used[-1] > num_tokens:
-            raise ValueError(f"{OP}: argument 'cu_q_lens' ends at {used[-1]} (cu_q_lens[num_seqs]); expected at most "
-                             f"{num_tokens} (q's rows)")
-        lens = kv_len[:n].astype(np.int64)
-        short = np.nonzero(lens < steps)[0]
-        if short.size:
-            i = int(short[0])
-            raise ValueError(f"{OP}: argument 'kv_lens' has kv_lens[{i}] = {lens[i]} < q_len {steps[i]} of sequence "
-                             f"{i}; expected kv_len >= q_len (queries are a sequence's last positions)")
-        capacity = pages_per_seq * page_size
-        long = np.nonzero(lens > capacity)[0]
-        if long.size:
-            i = int(long[0])
-            raise ValueError(f"{OP}: argument 'kv_lens' has kv_lens[{i}] = {lens[i]}; expected at most pages_per_seq * "
-                             f"page_size = {capacity}")
-        needed = (lens + page_size - 1) // page_size
-        in_use = np.arange(pages_per_seq)[None, :] < needed[:, None]
-        bad = in_use & ((pages[:n] < 0) | (pages[:n] >= num_pages))
-        if bad.any():
-            i, j = (int(v) for v in np.argwhere(bad)[0])
-            raise ValueError(f"{OP}: argument 'page_indices' has page_indices[{i}, {j}] = {pages[i, j]}, used by "
-                             f"sequence {i}; expected a page in [0, {num_pages})")
+        check_metadata_values(OP, num_tokens, num_pages, page_size, kv_lens, page_indices, cu_q_lens, num_seqs)
 
     # ------------------------------------------------------------------ implementations
 
@@ -208,19 +240,9 @@ class RaggedPagedAttention(CustomOp):
         num_pages, page_size, combined, _ = kv_pages.shape
         num_kv_heads = combined // 2
         group = num_q_heads // num_kv_heads
-        max_seqs, pages_per_seq = page_indices.shape
-        span = pages_per_seq * page_size
-        rows = xp.arange(num_tokens, q)
-        count = xp.clip(num_seqs[0], 0, max_seqs)
-        cu = xp.clip(cu_q_lens, 0, num_tokens)
-        # sequence of each row: how many sequences end at or before it
-        seq = xp.astype(xp.sum(xp.astype(cu[None, 1:] <= rows[:, None], xp.int32), axis=1), xp.int32)
-        valid = (seq < count) & (rows >= cu[0])
-        seq = xp.minimum(seq, max_seqs - 1)
-        q_start, q_end = xp.take(cu, seq), xp.take(cu, seq + 1)
-        kv_len = xp.clip(xp.take(kv_lens, seq), 0, span)
-        position = kv_len - (q_end - q_start) + (rows - q_start)  # [T]
-        pages = xp.clip(xp.take(page_indices, seq, axis=0), 0, num_pages - 1)  # [T, pages_per_seq]
+        span = page_indices.shape[1] * page_size
+        valid, kv_len, position, pages, _ = row_sequences(xp, q, num_pages, page_size, kv_lens, page_indices, cu_q_lens,
+                                                       num_seqs)
         kv = xp.take(kv_pages, pages, axis=0).reshape((num_tokens, span, combined, head_dim))
         k = xp.astype(kv[:, :, 0::2, :], xp.float32)  # [T, span, Hkv, D]
         v = xp.astype(kv[:, :, 1::2, :], xp.float32)

@@ -67,7 +67,11 @@ def _known_max(slot_mapping: Any, frontend: str) -> int | None:
 
         if isinstance(slot_mapping, jax.core.Tracer):
             return None
-        return int(jax.numpy.max(slot_mapping))
+        import numpy as np
+
+        # numpy, not jnp: inside a trace (a concrete array closed over by jit or shard_map) jnp.max
+        # would give a tracer
+        return int(np.asarray(slot_mapping).max())
     return None
 
 

@@ -117,6 +117,35 @@ def _kv_tile(
 
 
 @triton.jit
+def query_block(block_id, cu_q_lens_ptr, kv_lens_ptr, num_seqs_ptr, num_tokens, max_seqs, max_kv,
+                BLOCK_Q: tl.constexpr, SEARCH_STEPS: tl.constexpr):
+    """Which sequence query block ``block_id`` belongs to (the layout in the module docstring:
+    sequence i owns blocks ``cu_q_lens[i] // BLOCK_Q + i ..``), found by binary search with a
+    constexpr step count, and its clamped bounds: ``(seq, q_start, q_end, kv_len, block_start,
+    block_last)``; a block no sequence owns gets ``block_start >= q_end``. Shared with the MLA kernel."""
+    n_seqs = tl.minimum(tl.maximum(tl.load(num_seqs_ptr), 0), max_seqs)
+    # The last i < n_seqs with cu_q_lens[i] // BLOCK_Q + i <= block_id (binary search for the count
+    # of such i; finished searches stay put).
+    lo = n_seqs * 0
+    hi = n_seqs
+    for _ in range(SEARCH_STEPS):
+        mid = (lo + hi) // 2
+        start = tl.minimum(tl.maximum(tl.load(cu_q_lens_ptr + mid), 0), num_tokens) // BLOCK_Q + mid
+        searching = lo < hi
+        lo = tl.where(searching, tl.where(start <= block_id, mid + 1, lo), lo)
+        hi = tl.where(searching, tl.where(start <= block_id, hi, mid), hi)
+    seq = tl.maximum(lo - 1, 0)
+    q_start = tl.minimum(tl.maximum(tl.load(cu_q_lens_ptr + seq), 0), num_tokens)
+    q_end = tl.minimum(tl.maximum(tl.load(cu_q_lens_ptr + seq + 1), q_start), num_tokens)
+    kv_len = tl.minimum(tl.maximum(tl.load(kv_lens_ptr + seq), 0), max_kv)
+    # Single comparisons only: the interpreter turns `scalar & tensor` of booleans into int32.
+    block_start = q_start + (block_id - (q_start // BLOCK_Q + seq)) * BLOCK_Q
+    block_start = tl.where(lo > 0, block_start, num_tokens)  # no sequence: a block past every row
+    block_last = tl.minimum(block_start + BLOCK_Q, q_end) - 1
+    return seq, q_start, q_end, kv_len, block_start, block_last
+
+
+@triton.jit
 def _rpa_kernel(
     q_ptr, kv_ptr, kv_lens_ptr, page_indices_ptr, cu_q_lens_ptr, num_seqs_ptr, out_ptr,
     q_stride_t, q_stride_h, o_stride_t, o_stride_h,
@@ -132,28 +161,10 @@ def _rpa_kernel(
 ):
     block_id = tl.program_id(0)
     kv_head = tl.program_id(1)
-    n_seqs = tl.minimum(tl.maximum(tl.load(num_seqs_ptr), 0), max_seqs)
-
-    # The sequence owning this block: the last i < n_seqs with cu_q_lens[i] // BLOCK_Q + i <= block_id
-    # (binary search for the count of such i; fixed step count, finished searches stay put).
-    lo = n_seqs * 0
-    hi = n_seqs
-    for _ in range(SEARCH_STEPS):
-        mid = (lo + hi) // 2
-        start = tl.minimum(tl.maximum(tl.load(cu_q_lens_ptr + mid), 0), num_tokens) // BLOCK_Q + mid
-        searching = lo < hi
-        lo = tl.where(searching, tl.where(start <= block_id, mid + 1, lo), lo)
-        hi = tl.where(searching, tl.where(start <= block_id, hi, mid), hi)
-    seq = tl.maximum(lo - 1, 0)
-
-    q_start = tl.minimum(tl.maximum(tl.load(cu_q_lens_ptr + seq), 0), num_tokens)
-    q_end = tl.minimum(tl.maximum(tl.load(cu_q_lens_ptr + seq + 1), q_start), num_tokens)
+    seq, q_start, q_end, kv_len, block_start, block_last = query_block(
+        block_id, cu_q_lens_ptr, kv_lens_ptr, num_seqs_ptr, num_tokens, max_seqs, pages_per_seq * PAGE_SIZE,
+        BLOCK_Q, SEARCH_STEPS)
     q_len = q_end - q_start
-    kv_len = tl.minimum(tl.maximum(tl.load(kv_lens_ptr + seq), 0), pages_per_seq * PAGE_SIZE)
-    # Single comparisons only: the interpreter turns `scalar & tensor` of booleans into int32.
-    block_start = q_start + (block_id - (q_start // BLOCK_Q + seq)) * BLOCK_Q
-    block_start = tl.where(lo > 0, block_start, num_tokens)  # no sequence: a block past every row
-    block_last = tl.minimum(block_start + BLOCK_Q, q_end) - 1
     owned = block_start < q_end
 
     # Rows of the query tile: BLOCK_Q tokens x GROUP_PAD heads (heads past GROUP are padding).

@@ -45,6 +45,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from dualop.kernels import cost as cost_model
 from dualop.kernels.paged_attention_math import DEFAULT_MASK_VALUE, masked_positions_vanish
+from dualop.kernels.pallas.paged_walk import SequenceWalk
 from dualop.kernels.pallas.common import (
     compiler_params,
     cost_estimate,
@@ -150,55 +151,10 @@ def _kernel(kv_lens_ref, page_ids_ref, cu_q_lens_ref, num_seqs_ref,  # scalar pr
     kv_tokens = pages_per_block * page_size  # KV positions per block
     page_rows = page_size * combined  # buffer rows one page fills
     q_start = pl.program_id(0) * block_q
-    q_end = q_start + block_q
-    n_seqs = jnp.clip(num_seqs_ref[0], 0, max_seqs)
-    max_kv = pages_per_seq * page_size
-    skip_masked = masked_positions_vanish(mask_value, soft_cap)
-
-    def live(s):
-        """Whether sequence ``s`` exists and starts before this block ends (later ones cannot meet it)."""
-        return (s < n_seqs) & (cu_q_lens_ref[jnp.minimum(s, max_seqs)] < q_end)
-
-    def seq_info(s):
-        """Sequence ``s``'s rows in this block [row_lo, row_hi), its (clipped) kv_len, and the
-        offset that turns a global row into its KV position."""
-        s = jnp.minimum(s, max_seqs - 1)
-        cu0, cu1 = cu_q_lens_ref[s], cu_q_lens_ref[s + 1]
-        kv_len = jnp.clip(kv_lens_ref[s], 0, max_kv)
-        row_lo, row_hi = jnp.maximum(q_start, cu0), jnp.minimum(q_end, cu1)
-        pos_of_row0 = kv_len - (cu1 - cu0) - cu0  # position of global row t is t + this
-        return row_lo, row_hi, kv_len, pos_of_row0
-
-    def kv_blocks(s):
-        """[first, end) KV blocks of sequence ``s`` that its rows in this block can see (all of
-        its blocks when masked positions count, see ``masked_positions_vanish``); empty (first >=
-        end) when it has no rows here."""
-        row_lo, row_hi, kv_len, pos_of_row0 = seq_info(s)
-        seen_end, seen_start = kv_len, 0
-        if skip_masked:
-            seen_end = jnp.clip(row_hi - 1 + pos_of_row0 + 1, 0, kv_len)
-            if sliding_window is not None:
-                seen_start = jnp.clip(row_lo + pos_of_row0 - sliding_window + 1, 0, seen_end)
-        first = jax.lax.div(seen_start, kv_tokens)  # non-negative: truncation is floor
-        end = jax.lax.div(seen_end + (kv_tokens - 1), kv_tokens)
-        return first, jnp.where(row_hi > row_lo, end, first)
-
-    def busy_from(s):
-        """The first sequence from ``s`` on with KV blocks to visit (or one that is not live)."""
-
-        def idle(s):
-            first, end = kv_blocks(s)
-            return live(s) & (first >= end)
-
-        # Loop conditions read no refs (the generic interpreter of JAX 0.7 cannot discharge them).
-        return jax.lax.while_loop(lambda c: c[1], lambda c: (c[0] + 1, idle(c[0] + 1)), (s, idle(s)))[0]
-
-    def advance(s, kb):
-        """The (sequence, KV block) step after (s, kb)."""
-        _, end = kv_blocks(s)
-        nxt = busy_from(s + 1)
-        on = kb + 1 < end
-        return jnp.where(on, s, nxt), jnp.where(on, kb + 1, kv_blocks(nxt)[0])
+    walk = SequenceWalk(kv_lens_ref, cu_q_lens_ref, num_seqs_ref, q_start, block_q, max_seqs,
+                        pages_per_seq * page_size, kv_tokens, masked_positions_vanish(mask_value, soft_cap),
+                        sliding_window)
+    seq_info = walk.seq_info
 
     def page_copies(s, kb, bufs, sem):
         """One DMA per page (per 128-lane chunk of a head dim over 128) into ``bufs``."""
@@ -281,41 +237,7 @@ def _kernel(kv_lens_ref, page_ids_ref, cu_q_lens_ref, num_seqs_ref,  # scalar pr
     l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
     acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
 
-    sem_a, sem_b = sems.at[0], sems.at[1]
-    s0 = busy_from(0)
-    kb0 = kv_blocks(s0)[0]
-
-    @pl.when(live(s0))
-    def _():
-        start(s0, kb0, bufs_a, sem_a)
-
-    def two_steps(carry):
-        """Compute the step in buffer A (its copy already started) and the next one in B,
-        starting each following step's copy before computing the current one."""
-        s, kb, _ = carry
-        s_b, kb_b = advance(s, kb)
-
-        @pl.when(live(s_b))
-        def _():
-            start(s_b, kb_b, bufs_b, sem_b)
-
-        wait(s, kb, bufs_a, sem_a)
-        compute(s, kb, bufs_a)
-        s_a, kb_a = advance(s_b, kb_b)
-
-        @pl.when(live(s_b))
-        def _():
-            @pl.when(live(s_a))
-            def _():
-                start(s_a, kb_a, bufs_a, sem_a)
-
-            wait(s_b, kb_b, bufs_b, sem_b)
-            compute(s_b, kb_b, bufs_b)
-
-        s_next = jnp.where(live(s_b), s_a, s_b)
-        return s_next, kb_a, live(s_next)
-
-    jax.lax.while_loop(lambda c: c[2], two_steps, (s0, kb0, live(s0)))
+    walk.run(start, wait, compute, bufs_a, bufs_b, sems.at[0], sems.at[1])
 
     for hq in range(o_ref.shape[0]):
         l = l_ref[hq][:, :1]
