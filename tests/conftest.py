@@ -131,7 +131,8 @@ def require_frontend(frontend: str) -> None:
 def pytest_collection_modifyitems(config, items):
     """The 'xla' environment is there for what its versions change (torch_xla and torchax cells,
     jax 0.7's and triton 3.5's interpreters); reference tests (marker ``reference``) compare native
-    bodies with outside implementations and run once, in 'latest', and so do the jax/tpu kernel
+    bodies with outside implementations and run once, in 'latest', and so do tests marked
+    ``latest_only`` (logic no version changes: the models' loading, serving loop, tp) and the jax/tpu kernel
     cells (``_jax_tpu_cell_covered_by_bridges``); each bridge's cells run one dtype
     (``BRIDGE_CELL_DTYPE``), opcheck one (``_opcheck_in_bfloat16``). In 'latest' the jax/tpu
     cells run one dtype per op (``latest_jax_tpu_dtype``). The rest are deselected (shown in pytest's summary
@@ -139,7 +140,8 @@ def pytest_collection_modifyitems(config, items):
     if TEST_ENV == "latest":
         once = [item for item in items if _jax_tpu_cell_in_its_other_dtype(item)]
     elif TEST_ENV == "xla":
-        once = [item for item in items if item.get_closest_marker("reference") or _jax_tpu_cell_covered_by_bridges(item)
+        once = [item for item in items if item.get_closest_marker("reference") or item.get_closest_marker("latest_only")
+                or _jax_tpu_cell_covered_by_bridges(item)
                 or _bridge_cell_in_the_other_bridges_dtype(item) or _opcheck_in_bfloat16(item)]
     else:
         return

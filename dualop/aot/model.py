@@ -200,7 +200,7 @@ def format_model_builds(builds: list[ModelBuild]) -> str:
     from dualop.bench.report import table
 
     def gib(n: int) -> str:
-        return f"{n / GiB:.2f}"
+        return f"{n / GiB:.2f}" if n else "-"  # "-": the compiler gave no analysis (it refused the program)
 
     rows = [{"model": f"{b.model} ({b.layers} layers)", "slice": f"{b.target} tp{b.tp}",
              "step": f"{b.num_tokens} tok / {b.num_seqs} seq", "status": b.status,

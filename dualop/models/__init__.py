@@ -28,6 +28,7 @@ ARCHITECTURES: dict[str, str] = {
     "Qwen2ForCausalLM": "dualop.models.llama:LlamaForCausalLM",
     "Qwen3ForCausalLM": "dualop.models.llama:LlamaForCausalLM",
     "Qwen3MoeForCausalLM": "dualop.models.llama:Qwen3MoeForCausalLM",
+    "DeepseekV3ForCausalLM": "dualop.models.deepseek_v3:DeepseekV3ForCausalLM",
 }
 
 _DTYPES = ("float32", "bfloat16", "float16")

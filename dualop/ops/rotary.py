@@ -74,13 +74,6 @@ def rotate_heads(method: str, query: Any, key: Any, cos: Any, sin: Any, rotary_d
     raise AssertionError(method)
 
 
-def _is_fake(t: Any) -> bool:
-    """Whether a torch tensor is a FakeTensor (torch.compile's and opcheck's traces make them)."""
-    import torch
-
-    return isinstance(t, torch._subclasses.fake_tensor.FakeTensor)
-
-
 def check_positive_float(op: str, name: str, value: Any) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float, np.floating)) or not value > 0:
         raise ValueError(f"{op}: {name} must be a positive number, got {value!r}")
@@ -96,11 +89,23 @@ def dtype_label(dtype: Any) -> str | None:
 
 
 def _is_fake(x: Any) -> bool:
-    """Whether a torch tensor is a fake tensor (a fake kernel's input under torch.compile); Dynamo
-    tracing user code sees its inputs as ordinary tensors, where a kept real cache is a fine constant."""
+    """Whether ``x`` is a torch fake tensor (a fake kernel's input under torch.compile, opcheck);
+    Dynamo tracing user code sees its inputs as ordinary tensors, where a kept real cache is a fine
+    constant."""
+    if not type(x).__module__.startswith("torch"):
+        return False
     from torch._subclasses.fake_tensor import FakeTensor
 
     return isinstance(x, FakeTensor)
+
+
+def _is_jax_tracer(x: Any) -> bool:
+    """Whether ``x`` is a jax tracer (inside ``jit``, ``shard_map``, ``vmap``, ...)."""
+    if not type(x).__module__.startswith("jax"):
+        return False
+    import jax
+
+    return isinstance(x, jax.core.Tracer)
 
 
 @CustomOp.register("rotary_embedding")
@@ -162,10 +167,12 @@ class RotaryEmbedding(CustomOp):
 
     def cache_for(self, like: Any, dtype: Any) -> Any:
         """``cos_sin_cache`` as an array of ``like``'s frontend and device, in ``dtype``; made once
-        per (frontend, device, dtype) and kept."""
+        per (frontend, device, dtype) and kept (per trace for tracers and fake tensors)."""
         fe = frontend_of(like)
-        if family_of(fe) == "torch" and _is_fake(like):  # a trace's fake tensors (torch.compile, opcheck):
-            xp = array_namespace(like)  # a cache made for them is valid only in that trace, and a kept one not
+        if _is_fake(like) or _is_jax_tracer(like):  # a trace's fake tensors (torch.compile, opcheck) or tracers
+            # (jit, shard_map): a cache made for them is valid only in that trace (under shard_map its
+            # arrays carry the trace's mesh), and a kept one not: a constant of this trace instead
+            xp = array_namespace(like)
             return xp.astype(xp.asarray(self.cos_sin_cache, like, xp.float32), dtype)
         key = (fe, str(getattr(like, "device", "")), str(dtype))
         cache = self._frontend_caches.get(key)
@@ -174,13 +181,7 @@ class RotaryEmbedding(CustomOp):
                 cache = self._frontend_caches.get(key)
                 if cache is None:
                     xp = array_namespace(like)
-                    if family_of(fe) == "jax":
-                        import jax
-
-                        with jax.ensure_compile_time_eval():
-                            cache = xp.astype(xp.asarray(self.cos_sin_cache, like, xp.float32), dtype)
-                    else:
-                        cache = xp.astype(xp.asarray(self.cos_sin_cache, like, xp.float32), dtype)
+                    cache = xp.astype(xp.asarray(self.cos_sin_cache, like, xp.float32), dtype)
                     self._frontend_caches[key] = cache
         return cache
 
