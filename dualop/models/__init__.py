@@ -28,6 +28,7 @@ ARCHITECTURES: dict[str, str] = {
     "Qwen2ForCausalLM": "dualop.models.llama:LlamaForCausalLM",
     "Qwen3ForCausalLM": "dualop.models.llama:LlamaForCausalLM",
     "Qwen3MoeForCausalLM": "dualop.models.llama:Qwen3MoeForCausalLM",
+    "Qwen2_5_VLForConditionalGeneration": "dualop.models.qwen2_5_vl:Qwen2_5_VLForConditionalGeneration",
 }
 
 _DTYPES = ("float32", "bfloat16", "float16")
