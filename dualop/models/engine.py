@@ -267,6 +267,10 @@ class CausalLM:
         ids of each, in order: ``max_new_tokens`` of them, fewer when the model emits an
         end-of-sequence id first (kept, as transformers does; ``stop_at_eos=False`` ignores it).
         Per-step statistics land in ``last_step_stats``."""
+        return self._generate(self._new_sequences(prompts, max_new_tokens), stop_at_eos)
+
+    def _new_sequences(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> list[_Sequence]:
+        """``generate``'s arguments checked, one ``_Sequence`` per prompt."""
         name = self.architectures[0]
         if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
             raise ValueError(f"{name}.generate: max_new_tokens must be a positive int, got {max_new_tokens!r}")
@@ -284,6 +288,10 @@ class CausalLM:
                                  f"{max_new_tokens} that exceeds max_model_len={self.serving.max_model_len} (the KV "
                                  "cache's length per sequence; pass a larger max_model_len to from_pretrained)")
             seqs.append(_Sequence(i, ids, len(ids), max_new_tokens))
+        return seqs
+
+    def _generate(self, seqs: list[_Sequence], stop_at_eos: bool) -> list[list[int]]:
+        """The serving loop over checked sequences (see ``generate``)."""
         waiting = collections.deque(seqs)
         running: list[_Sequence] = []
         free_slots = list(range(self.serving.max_num_seqs))

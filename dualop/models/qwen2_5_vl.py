@@ -136,8 +136,8 @@ def mrope_positions(ids: Sequence[int], image_token_id: int, grid_thw: np.ndarra
 
 
 class Qwen2_5_VLForConditionalGeneration(LlamaForCausalLM):
-    """Qwen2.5-VL: ``encode_images``, ``logits`` (text, or text with images), ``generate`` (text
-    prompts); see the module docstring."""
+    """Qwen2.5-VL: ``encode_images``, ``logits`` and ``generate`` (text, or text with images); see
+    the module docstring."""
 
     architectures = ("Qwen2_5_VLForConditionalGeneration",)
     position_rows = 3
@@ -423,15 +423,53 @@ class Qwen2_5_VLForConditionalGeneration(LlamaForCausalLM):
             missing = "pixel_values" if pixel_values is None else "image_grid_thw"
             raise ValueError(f"{who}: argument '{missing}' is required with images (give both pixel_values and "
                              "image_grid_thw, or neither)")
-        return self._sequence_logits(ids, self._image_inputs(ids, pixel_values, image_grid_thw, who))
+        return self._sequence_logits(ids, self._encoded(ids, self._checked_images(ids, pixel_values, image_grid_thw,
+                                                                                     who)))
 
-    def _image_inputs(self, ids: list[int], pixel_values: Any, image_grid_thw: Any, who: str) -> dict[str, Any]:
-        """A sequence's image inputs: every check first, then the encoder."""
+    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int = 16, *,
+                 images: Sequence[tuple[Any, Any] | None] | None = None, stop_at_eos: bool = True) -> list[list[int]]:
+        """Greedy decoding (``CausalLM.generate``); ``images``, when given, has one entry per prompt:
+        None (text only) or ``(pixel_values, image_grid_thw)`` for that prompt's placeholders (as
+        ``logits`` takes them). Every prompt and image is checked before the encoder runs."""
+        name = f"{self.architectures[0]}.generate"
+        seqs = self._new_sequences(prompts, max_new_tokens)
+        if images is None:
+            images = [None] * len(seqs)
+        elif isinstance(images, (str, bytes)) or not isinstance(images, Sequence) or len(images) != len(seqs):
+            raise ValueError(f"{name}: argument 'images' must be a list with one entry per prompt ({len(seqs)}), "
+                             f"each None or (pixel_values, image_grid_thw); got {type(images).__name__}"
+                             + (f" of length {len(images)}" if isinstance(images, Sequence) else ""))
+        checked = []
+        for i, (seq, image) in enumerate(zip(seqs, images)):
+            who = f"{name}: prompt {i}"
+            if image is None:
+                if self.image_token_id in seq.tokens:
+                    raise ValueError(f"{who} holds image_token_id={self.image_token_id} placeholders but images[{i}] "
+                                     "is None")
+                checked.append(None)
+                continue
+            if isinstance(image, (str, bytes)) or not isinstance(image, Sequence) or len(image) != 2:
+                raise TypeError(f"{name}: images[{i}] must be None or a pair (pixel_values, image_grid_thw), got "
+                                f"{type(image).__name__}")
+            checked.append(self._checked_images(seq.tokens, image[0], image[1], who))
+        for seq, c in zip(seqs, checked):
+            if c is not None:
+                seq.extra = self._encoded(seq.tokens, c)
+        return self._generate(seqs, stop_at_eos)
+
+    def _checked_images(self, ids: list[int], pixel_values: Any, image_grid_thw: Any, who: str) -> dict[str, Any]:
+        """A prompt's images checked against its placeholders (nothing runs yet): the grid, the
+        pixels as the frontend's array and the prompt's ``[3, L]`` positions."""
         grid = self._check_grid(image_grid_thw, who)
         pixels = self._pixels(pixel_values, grid, who)
         positions = mrope_positions(ids, self.image_token_id, grid, self.v_merge, who)
-        embeds = self._encode_checked(pixels, grid)
+        return dict(grid=grid, pixels=pixels, positions=positions)
+
+    def _encoded(self, ids: list[int], checked: dict[str, Any]) -> dict[str, Any]:
+        """A prompt's per-sequence inputs (``_Sequence.extra``): its positions (and the offset of
+        the tokens after it), the encoder's rows and which token takes which row."""
+        positions = checked["positions"]
         is_image = np.asarray(ids) == self.image_token_id
-        image_rows = np.where(is_image, np.cumsum(is_image) - 1, -1)
         return dict(mrope_positions=positions, mrope_delta=int(positions.max()) + 1 - len(ids),
-                    image_rows=image_rows, image_embeds=embeds)
+                    image_rows=np.where(is_image, np.cumsum(is_image) - 1, -1),
+                    image_embeds=self._encode_checked(checked["pixels"], checked["grid"]))
