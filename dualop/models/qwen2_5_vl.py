@@ -53,7 +53,8 @@ __all__ = ["Qwen2_5_VLForConditionalGeneration", "vision_layout", "mrope_positio
 VISION_MAX_GRID = 8192
 
 
-def vision_layout(grid_thw: np.ndarray, spatial_merge_size: int, window_size: int, patch_size: int) -> dict[str, np.ndarray]:
+def vision_layout(grid_thw: np.ndarray, spatial_merge_size: int, window_size: int,
+                  patch_size: int) -> dict[str, np.ndarray]:
     """The encoder's index arrays for images of ``grid_thw`` ``[n, 3]`` (patches per side), as
     transformers computes them (``get_vision_position_ids``, ``get_vision_attention_seqlens``,
     ``get_vision_window_index``):
@@ -194,7 +195,8 @@ class Qwen2_5_VLForConditionalGeneration(LlamaForCausalLM):
                              "expected ints (patch_size, temporal_patch_size as one int each)") from None
         act = v.get("hidden_act", "silu")
         if act != "silu":
-            raise ValueError(f"from_pretrained: {name} with vision_config.hidden_act={act!r} is not supported (silu is)")
+            raise ValueError(f"from_pretrained: {name} with vision_config.hidden_act={act!r} is not supported "
+                             "(silu is)")
         rope_type = (v.get("rope_parameters") or {}).get("rope_type", "axial")
         if rope_type != "axial":
             raise ValueError(f"from_pretrained: {name}: vision rope_type {rope_type!r} is not supported (axial is)")
@@ -296,14 +298,15 @@ class Qwen2_5_VLForConditionalGeneration(LlamaForCausalLM):
         """``pixel_values`` checked against the grid and made the frontend's array in the model dtype."""
         fe = self.frontend
         module = type(pixel_values).__module__
-        if fe.name == "torch" and module.startswith(("jax", "jaxlib")) or fe.name == "jax" and module.startswith("torch"):
+        other = ("jax", "jaxlib") if fe.name == "torch" else ("torch",)
+        if module.startswith(other):
             raise TypeError(f"{who}: argument 'pixel_values' is a {module.split('.')[0]} array; this model runs in "
                             f"frontend {fe.name!r} (pass its arrays or numpy)")
         shape = tuple(getattr(pixel_values, "shape", np.shape(pixel_values)))
         want = (int(grid.prod(-1).sum()), self.patch_features)
         if shape != want:
-            raise ValueError(f"{who}: argument 'pixel_values' has shape {shape}; expected {want} (one row of channels x "
-                             f"temporal_patch_size x patch_size**2 = {self.patch_features} values per patch, "
+            raise ValueError(f"{who}: argument 'pixel_values' has shape {shape}; expected {want} (one row of "
+                             f"channels x temporal_patch_size x patch_size**2 = {self.patch_features} values per patch, "
                              f"sum(t*h*w) = {want[0]} patches for image_grid_thw {grid.tolist()})")
         if fe.name == "torch" and not module.startswith("torch"):
             import torch
@@ -329,7 +332,8 @@ class Qwen2_5_VLForConditionalGeneration(LlamaForCausalLM):
         out, _ = self._encode(self.visual_params, batch, [])
         return out
 
-    def encoder_forward(self, params: dict[str, Any], batch: dict[str, Any], caches: list[Any]) -> tuple[Any, list[Any]]:
+    def encoder_forward(self, params: dict[str, Any], batch: dict[str, Any],
+                        caches: list[Any]) -> tuple[Any, list[Any]]:
         """The encoder on one batch of ``vision_layout`` arrays and ``pixel_values``; the frontend
         compiles it (``caches`` is empty: the encoder keeps none)."""
         pixels = batch["pixel_values"]
