@@ -397,6 +397,9 @@ class Qwen2_5_VLForConditionalGeneration(LlamaForCausalLM):
         return out
 
     def step_inputs(self, entries: list[tuple[_Sequence, int]], t_pad: int) -> dict[str, Any]:
+        """A step with image placeholders gets ``mm_embeds`` (its sequences' encoder rows, stacked)
+        and ``mm_index`` ``[t_pad]`` (each token's row, -1 for text); other steps get nothing, so
+        text-only steps keep their programs (jax compiles one more per distinct image-row count)."""
         index = np.full(t_pad, -1, np.int32)
         tables, row, offset = [], 0, 0
         for seq, n in entries:
@@ -415,7 +418,8 @@ class Qwen2_5_VLForConditionalGeneration(LlamaForCausalLM):
         """``[T, vocab]`` logits of one sequence; with ``pixel_values`` and ``image_grid_thw``
         (as ``encode_images`` takes them) the ``image_token_id`` placeholders of ``input_ids`` (one
         contiguous run of ``t*h*w / spatial_merge_size**2`` per image, in order) take the images'
-        embeddings and their 3-D rope positions."""
+        embeddings and their 3-D rope positions. Placeholders without images are refused (their
+        rows would be the placeholder's embedding, not an image)."""
         who = f"{self.architectures[0]}.logits"
         ids = self._prompt_ids(input_ids)
         if pixel_values is None and image_grid_thw is None:
