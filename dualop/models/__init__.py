@@ -29,6 +29,7 @@ ARCHITECTURES: dict[str, str] = {
     "Qwen3ForCausalLM": "dualop.models.llama:LlamaForCausalLM",
     "Qwen3MoeForCausalLM": "dualop.models.llama:Qwen3MoeForCausalLM",
     "DeepseekV3ForCausalLM": "dualop.models.deepseek_v3:DeepseekV3ForCausalLM",
+    "Qwen2_5_VLForConditionalGeneration": "dualop.models.qwen2_5_vl:Qwen2_5_VLForConditionalGeneration",
 }
 
 _DTYPES = ("float32", "bfloat16", "float16")

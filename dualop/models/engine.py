@@ -15,11 +15,13 @@ The serving loop is the reference engine's, in miniature:
   finished sequence frees its pages and its slot, and a waiting prompt takes them;
 - greedy sampling: the argmax of each sequence's last row, once its prompt is in the cache.
 
-A step's arrays (``StepBatch``) are int32: ``input_ids``, ``positions`` and ``slot_mapping``
-(``[T]``, padding slots -1), ``kv_lens`` ``[S]``, ``page_indices`` ``[S, pages_per_seq]``,
+A step's arrays (``StepBatch``) are int32: ``input_ids``, ``positions`` (``[T]``, or
+``[position_rows, T]`` for a family with several position rows, e.g. mrope's temporal/height/width)
+and ``slot_mapping`` (``[T]``, padding slots -1), ``kv_lens`` ``[S]``, ``page_indices`` ``[S, pages_per_seq]``,
 ``cu_q_lens`` ``[S + 1]``, ``num_seqs`` ``[1]``, ``logits_indices`` (the rows whose logits are
 wanted) and, for state-space layers, ``state_indices`` ``[S]`` (each sequence's state slot) and
-``has_initial_state`` ``[S]``. For jax, T is padded to a power of two (at least 16) and S to
+``has_initial_state`` ``[S]``; a family may add arrays of its own (``step_inputs``, e.g. a
+multimodal model's encoder outputs). For jax, T is padded to a power of two (at least 16) and S to
 ``max_num_seqs``, so a generation compiles a few programs, not one per step.
 """
 
@@ -86,6 +88,7 @@ class _Sequence:
     slot: int = -1
     pages: list[int] = dataclasses.field(default_factory=list)
     had_state: bool = False
+    extra: dict[str, Any] = dataclasses.field(default_factory=dict)  # the family's per-sequence inputs
 
     @property
     def generated(self) -> int:
@@ -99,6 +102,7 @@ class CausalLM:
     architectures: tuple[str, ...] = ()
     has_kv_cache = True
     has_state_cache = False
+    position_rows = 0  # 0: a step's positions are [T]; R > 0: [R, T] (``token_positions``)
 
     def __init__(self, ckpt: Checkpoint, frontend: Frontend, dtype: str, serving: ServingConfig,
                  progress: Callable[[str], None] | None = None) -> None:
@@ -157,6 +161,18 @@ class CausalLM:
         """Parameters kept in float32 whatever the model dtype (e.g. a router's correction bias)."""
         return False
 
+    def token_positions(self, seq: _Sequence, start: int, n: int) -> np.ndarray:
+        """The rope positions of ``seq``'s tokens ``start .. start + n``: their indices, ``[n]``
+        (``[position_rows, n]``, every row the same, when ``position_rows``). Families whose
+        positions are not the indices (mrope with images) override this."""
+        pos = np.arange(start, start + n)
+        return pos if not self.position_rows else np.broadcast_to(pos, (self.position_rows, n))
+
+    def step_inputs(self, entries: list[tuple[_Sequence, int]], t_pad: int) -> dict[str, Any]:
+        """Arrays of the family's own (already the frontend's) added to a step's batch, for
+        ``entries`` = [(sequence, tokens)] laid out in order over ``t_pad`` rows; none by default."""
+        return {}
+
     # -- shared helpers --------------------------------------------------------------------------
 
     @staticmethod
@@ -182,7 +198,7 @@ class CausalLM:
         t_pad = self._pad_tokens(t)
         s_pad = s_max if self.frontend.name == "jax" else len(entries)
         ids = np.zeros(t_pad, np.int32)
-        positions = np.zeros(t_pad, np.int32)
+        positions = np.zeros((self.position_rows, t_pad) if self.position_rows else t_pad, np.int32)
         slots = np.full(t_pad, -1, np.int32)
         kv_lens = np.zeros(s_pad, np.int32)
         pages = np.zeros((s_pad, self.serving.pages_per_seq), np.int32)
@@ -194,7 +210,7 @@ class CausalLM:
         for i, (seq, n) in enumerate(entries):
             pos = np.arange(seq.computed, seq.computed + n)
             ids[row:row + n] = seq.tokens[seq.computed:seq.computed + n]
-            positions[row:row + n] = pos
+            positions[..., row:row + n] = self.token_positions(seq, seq.computed, n)
             table = np.asarray(seq.pages, np.int32)
             slots[row:row + n] = table[pos // page_size] * page_size + pos % page_size
             kv_lens[i] = seq.computed + n
@@ -215,6 +231,7 @@ class CausalLM:
         if self.has_state_cache:
             batch.update(state_indices=state_indices, has_initial_state=has_state)
         batch = {k: fe.int_array(v) for k, v in batch.items()}
+        batch.update(self.step_inputs(entries, t_pad))
         logits, self.caches = self._step(self.params, batch, self.caches)
         return logits
 
@@ -234,6 +251,11 @@ class CausalLM:
     def logits(self, input_ids: Any) -> Any:
         """``[T, vocab]`` logits of one sequence (a list of ints or a 1-D array), no cache kept,
         in the frontend's array type and the model's dtype."""
+        return self._sequence_logits(self._prompt_ids(input_ids))
+
+    def _prompt_ids(self, input_ids: Any) -> list[int]:
+        """``logits``' ``input_ids`` checked: one non-empty sequence of token ids within the vocabulary
+        and ``max_model_len``."""
         name = self.architectures[0]
         if isinstance(input_ids, (str, bytes)):
             raise TypeError(f"{name}.logits: input_ids must be a list of ints or a 1-D integer array, got a string")
@@ -247,7 +269,12 @@ class CausalLM:
         if len(ids) > limit:
             raise ValueError(f"{name}.logits: {len(ids)} tokens exceed max_model_len={limit} "
                              "(the KV cache's length per sequence; pass a larger max_model_len to from_pretrained)")
-        seq = _Sequence(0, ids, len(ids), 0, slot=0, pages=list(range(-(-len(ids) // self.serving.page_size))))
+        return ids
+
+    def _sequence_logits(self, ids: list[int], extra: dict[str, Any] | None = None) -> Any:
+        """The logits of every row of one checked sequence (``extra``: the family's per-sequence inputs)."""
+        seq = _Sequence(0, ids, len(ids), 0, slot=0, pages=list(range(-(-len(ids) // self.serving.page_size))),
+                        extra=dict(extra or {}))
         logits = self._run([(seq, len(ids))], list(range(len(ids))))
         return logits[:len(ids)]
 
@@ -257,6 +284,10 @@ class CausalLM:
         ids of each, in order: ``max_new_tokens`` of them, fewer when the model emits an
         end-of-sequence id first (kept, as transformers does; ``stop_at_eos=False`` ignores it).
         Per-step statistics land in ``last_step_stats``."""
+        return self._generate(self._new_sequences(prompts, max_new_tokens), stop_at_eos)
+
+    def _new_sequences(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> list[_Sequence]:
+        """``generate``'s arguments checked, one ``_Sequence`` per prompt."""
         name = self.architectures[0]
         if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
             raise ValueError(f"{name}.generate: max_new_tokens must be a positive int, got {max_new_tokens!r}")
@@ -274,6 +305,10 @@ class CausalLM:
                                  f"{max_new_tokens} that exceeds max_model_len={self.serving.max_model_len} (the KV "
                                  "cache's length per sequence; pass a larger max_model_len to from_pretrained)")
             seqs.append(_Sequence(i, ids, len(ids), max_new_tokens))
+        return seqs
+
+    def _generate(self, seqs: list[_Sequence], stop_at_eos: bool) -> list[list[int]]:
+        """The serving loop over checked sequences (see ``generate``)."""
         waiting = collections.deque(seqs)
         running: list[_Sequence] = []
         free_slots = list(range(self.serving.max_num_seqs))

@@ -44,6 +44,9 @@ class LlamaForCausalLM(CausalLM):
 
     architectures = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
     qk_norm = False
+    # Where the decoder's tensors live in the checkpoint (``{prefix}embed_tokens.weight``,
+    # ``{prefix}layers.{i}.``, ``{prefix}norm.weight``); multimodal wrappers nest it elsewhere.
+    decoder_prefix = "model."
 
     # -- config ---------------------------------------------------------------------------------
 
@@ -100,12 +103,13 @@ class LlamaForCausalLM(CausalLM):
     # -- parameters -------------------------------------------------------------------------------
 
     def param_plan(self) -> list[P.Param]:
-        plan = [P.vocab("embed", "model.embed_tokens.weight", self.embed),
-                P.whole("norm", "model.norm.weight", (self.hidden,))]
+        pre = self.decoder_prefix
+        plan = [P.vocab("embed", f"{pre}embed_tokens.weight", self.embed),
+                P.whole("norm", f"{pre}norm.weight", (self.hidden,))]
         if not self.tie:
             plan.append(P.vocab("lm_head", "lm_head.weight", self.lm_head))
         for i in range(self.num_layers):
-            plan += self.layer_params(i, f"model.layers.{i}.")
+            plan += self.layer_params(i, f"{pre}layers.{i}.")
         return plan
 
     def layer_params(self, i: int, pre: str) -> list[P.Param]:
@@ -141,7 +145,7 @@ class LlamaForCausalLM(CausalLM):
     # -- the step ---------------------------------------------------------------------------------
 
     def forward(self, params: dict[str, Any], batch: dict[str, Any], caches: list[Any]) -> tuple[Any, list[Any]]:
-        x = self.embed(batch["input_ids"], params["embed"])
+        x = self.input_embeddings(params, batch)
         residual = None
         caches = list(caches)
         for i in range(self.num_layers):
@@ -156,6 +160,11 @@ class LlamaForCausalLM(CausalLM):
         xp = array_namespace(x)
         rows = xp.take(x, batch["logits_indices"], axis=0)
         return self.logits_processor(params["embed" if self.tie else "lm_head"], rows), caches
+
+    def input_embeddings(self, params: dict[str, Any], batch: dict[str, Any]) -> Any:
+        """The step's ``[T, hidden]`` input rows: the token embeddings (multimodal models also
+        place their encoders' outputs here)."""
+        return self.embed(batch["input_ids"], params["embed"])
 
     def attend(self, i: int, params: dict[str, Any], batch: dict[str, Any], cache: Any, h: Any) -> tuple[Any, Any]:
         t = h.shape[0]

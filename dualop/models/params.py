@@ -77,6 +77,7 @@ def linear(name: str, op: Any, sources: Sequence[tuple[str, Any]], param: str = 
 
     def build(get: Getter, rank: int) -> Any:
         pieces = []
+        rank = rank if op.tp.size > 1 else 0  # an op outside the model's tp (disable_tp): every rank holds it whole
         for tensor, shard_id in sources:
             _, d, copies = op.checkpoint_layout(param, shard_id, rank=rank)
             full = get(tensor)
