@@ -1737,3 +1737,80 @@ def _jax_ssd(op):
 
 CASES = (*CASES, BenchCase("ssd_chunk_scan", "ssd_chunk_scan", _ssd_op, _ssd_bench_inputs, _ssd_cost,
                            _transformers_ssd, _jax_ssd, default=False, shape_of=_ssd_shape, matrix=True))
+
+
+# --- multi-head latent attention: absorbed decode over a paged latent cache ------------------------
+# Shape (num_seqs, kv_len, L + R): one query row per sequence (decode), every sequence kv_len tokens
+# long, DeepSeek-V3's latent (L = 512, R = 64) and 16 heads (128 over tp 8), pages of 16 tokens in
+# random order. A bench size (R, C) maps to R // 128 sequences of C // 4 tokens (small: 32 x 1024).
+_MLA_HEADS, _MLA_LATENT, _MLA_ROPE, _MLA_PAGE = 16, 512, 64, 16
+
+
+def _mla_decode_shape(size: tuple[int, ...]) -> tuple[int, int, int]:
+    rows, cols = size[0], size[-1]
+    return (max(1, rows // 128), max(_MLA_PAGE, cols // 4 // _MLA_PAGE * _MLA_PAGE), _MLA_LATENT + _MLA_ROPE)
+
+
+def _mla_op(width: int):
+    from dualop.ops import RaggedPagedMLAAttention
+
+    return RaggedPagedMLAAttention(_MLA_LATENT)
+
+
+def _mla_decode_inputs(shape, rng):
+    from dualop.ops.mla import mla_batch
+    from dualop.testing import Pinned
+
+    num_seqs, kv_len, width = shape
+    q, pages, *meta = mla_batch(rng, [1] * num_seqs, [kv_len] * num_seqs, num_tokens=num_seqs, heads=_MLA_HEADS,
+                                latent=_MLA_LATENT, rope_dim=width - _MLA_LATENT, page_size=_MLA_PAGE)
+    # the op's default sm_scale is 1: scale q instead (DeepSeek's is (128 + 64) ** -0.5 times mscale squared)
+    return (q * np.float32(width ** -0.5), pages, *(Pinned(a, "int32") for a in meta))
+
+
+def _mla_decode_cost(op, shape, itemsize) -> KernelCost:
+    num_seqs, kv_len, width = shape
+    return cost_model.ragged_paged_mla_attention_cost(num_seqs, num_seqs * kv_len, num_seqs * kv_len, _MLA_HEADS,
+                                                      _MLA_LATENT, width - _MLA_LATENT, itemsize)
+
+
+def _torch_mla_sdpa(op):
+    """What a torch user writes: gather each sequence's pages, then SDPA with one KV head (K = the
+    whole latent row, V = its first L channels; ``enable_gqa``), a length mask and scale 1, in
+    float32 (SDPA's bfloat16 CPU kernel rounds the probabilities), one cast back."""
+    import torch
+    import torch.nn.functional as F
+
+    def decode(q, pages, kv_lens, page_indices, cu_q_lens, num_seqs):
+        seqs, pages_per_seq = page_indices.shape
+        _, page_size, width = pages.shape
+        rows = pages[page_indices].reshape(seqs, 1, pages_per_seq * page_size, width).float()
+        mask = torch.arange(pages_per_seq * page_size) < kv_lens[:, None]
+        out = F.scaled_dot_product_attention(q[:, :, None].float(), rows, rows[..., :_MLA_LATENT],
+                                             attn_mask=mask[:, None, None], scale=1.0, enable_gqa=True)
+        return out[:, :, 0].to(q.dtype)
+
+    return decode
+
+
+def _jax_mla_decode(op):
+    """A hand-written jax.numpy decode: gather pages per sequence, float32 scores and softmax, one cast."""
+    import jax
+    import jax.numpy as jnp
+
+    def decode(q, pages, kv_lens, page_indices, cu_q_lens, num_seqs):
+        seqs, pages_per_seq = page_indices.shape
+        _, page_size, width = pages.shape
+        span = pages_per_seq * page_size
+        rows = pages[page_indices].reshape(seqs, span, width).astype(jnp.float32)
+        scores = jnp.einsum("shd,sld->shl", q.astype(jnp.float32), rows)
+        scores = jnp.where((jnp.arange(span) < kv_lens[:, None])[:, None], scores, -jnp.inf)
+        out = jnp.einsum("shl,slc->shc", jax.nn.softmax(scores, axis=-1), rows[..., :_MLA_LATENT])
+        return out.astype(q.dtype)
+
+    return decode
+
+
+CASES = (*CASES, BenchCase("ragged_paged_mla_attention[decode]", "ragged_paged_mla_attention", _mla_op,
+                           _mla_decode_inputs, _mla_decode_cost, _torch_mla_sdpa, _jax_mla_decode, default=False,
+                           shape_of=_mla_decode_shape, matrix=True))

@@ -234,6 +234,8 @@ class ConcatAndCacheMLA(CustomOp):
         return xp.set_at_dropping(latent_pages, index, row, keep)
 
     def declines(self, method: str, frontend: str) -> str | None:
+        if method in ("forward_cuda", "forward_hip") and frontend == "jax":
+            return "no Triton kernel for jax arrays (it would need jax-triton)"
         return cpu_declines(method, frontend)
 
     @staticmethod
