@@ -101,6 +101,15 @@ def _kv_tile(
     s = tl.where(allowed, s, mask_value)
     s = tl.where(in_seq[None, :], s, float("-inf"))  # past kv_len: never counts
 
+    return online_softmax_step(acc, m_i, l_i, s, v, DOT_PRECISION, DOT_UPCAST, EXACT_BF16, SPLIT_P)
+
+
+@triton.jit
+def online_softmax_step(acc, m_i, l_i, s, v, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
+                        EXACT_BF16: tl.constexpr, SPLIT_P: tl.constexpr):
+    """Fold float32 scores ``s`` [M, N] (-inf where a position does not count) and values ``v``
+    [N, D] into the running ``(acc, max, sum)``; for 16-bit values p enters ``p . v`` as two 16-bit
+    halves (float32 accuracy). Shared by the paged attention kernels (here and the MLA one)."""
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing yet (mask -inf): no NaN
     alpha = tl.exp(m_i - m_safe)

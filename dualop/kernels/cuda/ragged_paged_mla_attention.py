@@ -30,8 +30,8 @@ import triton
 import triton.language as tl
 
 from dualop.kernels.cuda import interpreting
-from dualop.kernels.cuda.common import _cast, _dot, cast_out, needs_exact_bf16
-from dualop.kernels.cuda.ragged_paged_attention import query_block, runtime_kv_loop
+from dualop.kernels.cuda.common import _dot, cast_out, needs_exact_bf16
+from dualop.kernels.cuda.ragged_paged_attention import online_softmax_step, query_block, runtime_kv_loop
 
 __all__ = ["ragged_paged_mla_attention", "block_shape"]
 
@@ -60,19 +60,7 @@ def _kv_tile(tile, q_nope, q_rope, acc, m_i, l_i, q_pos, cache_ptr, page_row_ptr
     s = s * sm_scale
     allowed = in_seq[None, :] & (pos[None, :] <= q_pos[:, None])
     s = tl.where(allowed, s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, axis=1))
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing seen yet: no NaN
-    alpha = tl.exp(m_i - m_safe)
-    p = tl.exp(s - m_safe[:, None])
-    l_i = l_i * alpha + tl.sum(p, axis=1)
-    if SPLIT_P:
-        p_hi = _cast(p, k_nope.dtype, EXACT_BF16)
-        p_lo = _cast(p - p_hi.to(tl.float32), k_nope.dtype, EXACT_BF16)
-        pv = _dot(p_hi, k_nope, DOT_PRECISION, DOT_UPCAST) + _dot(p_lo, k_nope, DOT_PRECISION, DOT_UPCAST)
-    else:
-        pv = _dot(p, k_nope, DOT_PRECISION, DOT_UPCAST)
-    acc = acc * alpha[:, None] + pv
-    return acc, m_new, l_i
+    return online_softmax_step(acc, m_i, l_i, s, k_nope, DOT_PRECISION, DOT_UPCAST, EXACT_BF16, SPLIT_P)  # V = k_nope
 
 
 @triton.jit

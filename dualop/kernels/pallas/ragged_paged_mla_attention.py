@@ -35,19 +35,12 @@ from jax.experimental.pallas import tpu as pltpu
 from dualop.kernels import cost as cost_model
 from dualop.kernels.pallas.common import compiler_params, cost_estimate, step_vmem_ceiling, sublane_tile, tpu_jit
 from dualop.kernels.pallas.paged_walk import SequenceWalk
-from dualop.kernels.pallas.ragged_paged_attention import _p_times_v
+from dualop.kernels.pallas.ragged_paged_attention import _ANY, _LANES, KV_BLOCK_TOKENS, _p_times_v, _round_up
 
 __all__ = ["ragged_paged_mla_attention", "MlaBlocks", "choose_mla_blocks"]
 
-# Rows (query rows x heads) a grid step aims at, and the KV positions one DMA block aims at.
+# Rows (query rows x heads) a grid step aims at (the KV block is ragged_paged_attention's KV_BLOCK_TOKENS).
 TARGET_ROWS = 512
-KV_BLOCK_TOKENS = 256
-_LANES = 128
-_ANY = getattr(pltpu, "ANY", None) or pl.ANY
-
-
-def _round_up(n: int, m: int) -> int:
-    return -(-n // m) * m
 
 
 @dataclasses.dataclass(frozen=True)
