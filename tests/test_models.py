@@ -125,10 +125,11 @@ def test_float32_logits_and_greedy_tokens_match_transformers(checkpoints, family
 
 @pytest.mark.reference
 @pytest.mark.parametrize("frontend", FRONTENDS)
-def test_bfloat16_logits_match_transformers(tmp_path, frontend):
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_bfloat16_logits_match_transformers(tmp_path, family, frontend):
     """bfloat16 weights and activations on both sides: the logits (after the final norm and the LM
     head) within the tolerance table's bfloat16 row, normwise: |d| <= 1e-5 + 1.6e-2 * max|ref|."""
-    hf = save_tiny("llama", str(tmp_path), seed=1, dtype=torch.bfloat16)
+    hf = save_tiny(family, str(tmp_path), seed=1, dtype=torch.bfloat16)
     model = dm.from_pretrained(str(tmp_path), frontend=frontend, **SERVING)
     assert model.dtype == "bfloat16"  # the config's dtype
     got = model.logits(IDS)
