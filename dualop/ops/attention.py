@@ -49,7 +49,8 @@ from dualop.custom_op import CustomOp
 from dualop.kernels.paged_attention_math import DEFAULT_MASK_VALUE
 from dualop.kernels.registry import KernelRef
 from dualop.ops._checks import (
-    check_array, check_optional_like, concrete_values, cpu_declines, decline_if_recording,
+    check_array, check_optional_like, checked_before, concrete_values, cpu_declines, decline_if_recording,
+    remember_checked,
 )
 from dualop.platforms import frontend_of
 
@@ -100,7 +101,10 @@ def check_metadata_values(op: str, num_tokens: int, num_pages: int, page_size: i
     """The metadata's values, where they can be read (see the module docstring)."""
     import numpy as np
 
-    values = [concrete_values(a) for a in (kv_lens, page_indices, cu_q_lens, num_seqs)]
+    arrays, params = (kv_lens, page_indices, cu_q_lens, num_seqs), (op, num_tokens, num_pages, page_size)
+    if checked_before("paged_metadata", arrays, params):
+        return  # the same step's metadata, checked by the previous layer
+    values = [concrete_values(a) for a in arrays]
     if any(v is None for v in values):
         return
     kv_len, pages, cu, count = values
@@ -139,6 +143,7 @@ def check_metadata_values(op: str, num_tokens: int, num_pages: int, page_size: i
         i, j = (int(v) for v in np.argwhere(bad)[0])
         raise ValueError(f"{op}: argument 'page_indices' has page_indices[{i}, {j}] = {pages[i, j]}, used by "
                          f"sequence {i}; expected a page in [0, {num_pages})")
+    remember_checked("paged_metadata", arrays, params)
 
 
 def row_sequences(xp: Any, q: Any, num_pages: int, page_size: int, kv_lens: Any, page_indices: Any, cu_q_lens: Any,

@@ -39,7 +39,9 @@ from dualop.backends.torch.triton_launch import call_triton
 from dualop.backends.xla.pallas_bridge import call_pallas
 from dualop.custom_op import CustomOp
 from dualop.kernels.registry import KernelRef
-from dualop.ops._checks import check_array, check_optional_like, cpu_declines, dtype_name
+from dualop.ops._checks import (
+    check_array, check_optional_like, checked_before, cpu_declines, dtype_name, remember_checked,
+)
 from dualop.platforms import family_of, frontend_of
 
 __all__ = ["ReshapeAndCache"]
@@ -122,11 +124,13 @@ class ReshapeAndCache(CustomOp):
         if tuple(slot_mapping.shape) != (tokens,):
             raise ValueError(f"{op}: argument 'slot_mapping' has shape {tuple(slot_mapping.shape)}; expected ({tokens},) "
                              f"(one slot per token of 'key')")
-        if tokens:
+        if tokens and not checked_before("slot_mapping", (slot_mapping,), (capacity,)):
             top = _known_max(slot_mapping, fe)
             if top is not None and top >= capacity:
                 raise ValueError(f"{op}: argument 'slot_mapping' holds slot {top}; expected slots below "
                                  f"num_pages * page_size = {capacity} (negative slots are skipped)")
+            if top is not None:
+                remember_checked("slot_mapping", (slot_mapping,), (capacity,))  # the next layer's write: no read
 
     def forward_native(self, key: Any, value: Any, kv_pages: Any, slot_mapping: Any) -> Any:
         xp = array_namespace(kv_pages)

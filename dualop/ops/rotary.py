@@ -24,7 +24,8 @@ from dualop.custom_op import CustomOp
 from dualop.kernels.registry import KernelRef
 from dualop.kernels.rope_math import rotate
 from dualop.ops._checks import (
-    check_array, check_positive_int, concrete_values, cpu_declines, decline_if_recording, dtype_name,
+    check_array, check_positive_int, checked_before, concrete_values, cpu_declines, decline_if_recording, dtype_name,
+    remember_checked,
 )
 from dualop.platforms import family_of, frontend_of
 
@@ -212,6 +213,8 @@ class RotaryEmbedding(CustomOp):
             self.heads_of(arg, x, tokens)
         if key is not None and dtype_name(key) != dtype_name(query):
             raise TypeError(f"{op}: argument 'key' has dtype {dtype_name(key)}; expected {dtype_name(query)} (query's)")
+        if checked_before("positions", (positions,), (self.cache_positions,)):
+            return  # the same positions, checked by the previous layer's rotary embedding
         values = concrete_values(positions)
         if values is not None and values.size:
             lo, hi = int(values.min()), int(values.max())
@@ -220,6 +223,7 @@ class RotaryEmbedding(CustomOp):
                     f"{op}: argument 'positions' holds values in [{lo}, {hi}]; expected 0 <= position < "
                     f"{self.cache_positions} (max_position_embeddings)"
                 )
+            remember_checked("positions", (positions,), (self.cache_positions,))
 
     def heads_of(self, arg: str, x: Any, tokens: int) -> int:
         """Heads in ``x`` (``[..., H*D]`` or ``[..., H, D]`` holding ``tokens`` tokens), or a ValueError."""

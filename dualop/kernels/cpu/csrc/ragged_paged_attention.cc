@@ -3,7 +3,8 @@
 // One task is (sequence, KV head, block of up to kRows query rows): it walks the sequence's KV
 // positions once, reading each K and V row of its head straight from its page (no gathered copy),
 // and updates an online softmax in float32 for the block's G * rows query vectors (G = Hq / Hkv,
-// the query heads sharing that KV head). So decode reads every cached K/V row once. Tasks run in
+// the query heads sharing that KV head), a block of KV positions at a time (one rescale per block,
+// the weights by a vectorised exp). So decode reads every cached K/V row once. Tasks run in
 // parallel (OpenMP). Metadata is validated by the op; here it is clamped anyway (num_seqs to
 // [0, S], cu_q_lens to [0, T], kv_lens to [0, pages_per_seq * page_size], page ids to
 // [0, num_pages)), so no value reads out of bounds. Rows outside every sequence are left alone
@@ -19,6 +20,7 @@ namespace dualop {
 namespace {
 
 constexpr int64_t kRows = 8;
+constexpr int64_t kBlock = 32;  // KV positions whose K/V rows are converted and scored together
 
 struct Shape {
   int64_t tokens, q_heads, kv_heads, head_dim, num_pages, page_size, pages_per_seq, max_seqs;
@@ -52,7 +54,8 @@ void run_task(const T* q, const T* kv, const int32_t* pages, T* out, const Shape
               int64_t seq, int64_t head, int64_t row0, int64_t row1, int64_t q_start, int64_t q_len, int64_t kv_len) {
   const int64_t d = s.head_dim, group = s.q_heads / s.kv_heads, n = (row1 - row0) * group;
   const int64_t combined = 2 * s.kv_heads;
-  std::vector<float> qf(n * d), acc(n * d, 0.0f), kf(d), vf(d), m(n, -INFINITY), l(n, 0.0f);
+  std::vector<float> qf(n * d), acc(n * d, 0.0f), kf(kBlock * d), vf(kBlock * d), sc(kBlock), m(n, -INFINITY),
+      l(n, 0.0f);
   std::vector<int64_t> pos(n);
   for (int64_t r = row0; r < row1; ++r) {
     for (int64_t g = 0; g < group; ++g) {
@@ -63,37 +66,52 @@ void run_task(const T* q, const T* kv, const int32_t* pages, T* out, const Shape
     }
   }
   const int64_t last = o.custom_mask ? kv_len - 1 : std::min(kv_len - 1, pos[n - 1]);
-  for (int64_t p = 0; p <= last; ++p) {
-    const int64_t page = clamp64(pages[seq * s.pages_per_seq + p / s.page_size], 0, s.num_pages - 1);
-    const T* krow = kv + ((page * s.page_size + p % s.page_size) * combined + 2 * head) * d;
-    const T* vrow = krow + d;
-    for (int64_t i = 0; i < d; ++i) kf[i] = to_f32(krow[i]);
-    bool v_loaded = false;
+  // Blocks of kBlock positions: their K and V rows converted once, then per query vector the
+  // block's scores, one rescale of the running sums (when the block raises the max) and the
+  // weights by the vectorised exp_f32 (a masked position's -inf weighs exactly 0).
+  for (int64_t p0 = 0; p0 <= last; p0 += kBlock) {
+    const int64_t nb = std::min(kBlock, last + 1 - p0);
+    for (int64_t b = 0; b < nb; ++b) {
+      const int64_t p = p0 + b;
+      const int64_t page = clamp64(pages[seq * s.pages_per_seq + p / s.page_size], 0, s.num_pages - 1);
+      const T* krow = kv + ((page * s.page_size + p % s.page_size) * combined + 2 * head) * d;
+      for (int64_t i = 0; i < d; ++i) kf[b * d + i] = to_f32(krow[i]);
+      for (int64_t i = 0; i < d; ++i) vf[b * d + i] = to_f32(krow[d + i]);
+    }
     for (int64_t j = 0; j < n; ++j) {
-      const bool allowed = p <= pos[j] && (o.window == 0 || p > pos[j] - o.window);
-      if (!allowed && !o.custom_mask) continue;  // the default mask value's weight is exactly 0
-      float score;
-      if (allowed) {
-        const float* qj = &qf[j * d];
-        score = dot(qj, kf.data(), d) * o.scale;
-        if (o.soft_cap != 0.0f) score = o.soft_cap * std::tanh(score / o.soft_cap);
-      } else {
-        score = o.mask_value;
+      const float* qj = &qf[j * d];
+      float block_max = -INFINITY;
+      for (int64_t b = 0; b < nb; ++b) {
+        const int64_t p = p0 + b;
+        const bool allowed = p <= pos[j] && (o.window == 0 || p > pos[j] - o.window);
+        float score = o.custom_mask ? o.mask_value : -INFINITY;
+        if (allowed) {
+          score = dot(qj, &kf[b * d], d) * o.scale;
+          if (o.soft_cap != 0.0f) score = o.soft_cap * std::tanh(score / o.soft_cap);
+        }
+        sc[b] = score;
+        block_max = std::max(block_max, score);
       }
-      if (!v_loaded) {
-        for (int64_t i = 0; i < d; ++i) vf[i] = to_f32(vrow[i]);
-        v_loaded = true;
-      }
+      if (block_max == -INFINITY) continue;  // nothing in this block counts for this query
       float* aj = &acc[j * d];
-      if (score > m[j]) {
-        const float alpha = std::exp(m[j] - score);  // exp(-inf) = 0 on the first key
+      if (block_max > m[j]) {
+        const float alpha = exp_f32(m[j] - block_max);  // exp(-inf) = 0 on the first block
         for (int64_t i = 0; i < d; ++i) aj[i] *= alpha;
         l[j] *= alpha;
-        m[j] = score;
+        m[j] = block_max;
       }
-      const float w = std::exp(score - m[j]);
-      l[j] += w;
-      for (int64_t i = 0; i < d; ++i) aj[i] += w * vf[i];
+      const float mj = m[j];
+      float total = 0.0f;
+      for (int64_t b = 0; b < nb; ++b) {
+        sc[b] = exp_f32(sc[b] - mj);
+        total += sc[b];
+      }
+      l[j] += total;
+      for (int64_t b = 0; b < nb; ++b) {
+        const float w = sc[b];
+        const float* vb = &vf[b * d];
+        for (int64_t i = 0; i < d; ++i) aj[i] += w * vb[i];
+      }
     }
   }
   for (int64_t r = row0; r < row1; ++r) {
