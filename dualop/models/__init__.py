@@ -28,6 +28,7 @@ ARCHITECTURES: dict[str, str] = {
     "Qwen2ForCausalLM": "dualop.models.llama:LlamaForCausalLM",
     "Qwen3ForCausalLM": "dualop.models.llama:LlamaForCausalLM",
     "Qwen3MoeForCausalLM": "dualop.models.llama:Qwen3MoeForCausalLM",
+    "BambaForCausalLM": "dualop.models.bamba:BambaForCausalLM",
 }
 
 _DTYPES = ("float32", "bfloat16", "float16")

@@ -44,6 +44,7 @@ class LlamaForCausalLM(CausalLM):
 
     architectures = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
     qk_norm = False
+    final_norm_tensor = "model.norm.weight"
 
     # -- config ---------------------------------------------------------------------------------
 
@@ -101,7 +102,7 @@ class LlamaForCausalLM(CausalLM):
 
     def param_plan(self) -> list[P.Param]:
         plan = [P.vocab("embed", "model.embed_tokens.weight", self.embed),
-                P.whole("norm", "model.norm.weight", (self.hidden,))]
+                P.whole("norm", self.final_norm_tensor, (self.hidden,))]
         if not self.tie:
             plan.append(P.vocab("lm_head", "lm_head.weight", self.lm_head))
         for i in range(self.num_layers):
@@ -109,10 +110,15 @@ class LlamaForCausalLM(CausalLM):
         return plan
 
     def layer_params(self, i: int, pre: str) -> list[P.Param]:
-        at = pre + "self_attn."
         plan = [P.whole(f"{i}.input_norm", pre + "input_layernorm.weight", (self.hidden,)),
-                P.whole(f"{i}.post_norm", pre + "post_attention_layernorm.weight", (self.hidden,)),
-                P.linear(f"{i}.qkv", self.qkv, [(at + f"{x}_proj.weight", x) for x in "qkv"]),
+                P.whole(f"{i}.post_norm", pre + "post_attention_layernorm.weight", (self.hidden,))]
+        plan += self.attention_params(i, pre + "self_attn.")
+        plan += self.mlp_params(i, pre + "mlp.")
+        return plan
+
+    def attention_params(self, i: int, at: str) -> list[P.Param]:
+        """Layer ``i``'s attention parameters from the checkpoint tensors under ``at``."""
+        plan = [P.linear(f"{i}.qkv", self.qkv, [(at + f"{x}_proj.weight", x) for x in "qkv"]),
                 P.linear(f"{i}.o_proj", self.o_proj, [(at + "o_proj.weight", None)])]
         if self.qkv_bias:
             plan.append(P.linear(f"{i}.qkv_bias", self.qkv, [(at + f"{x}_proj.bias", x) for x in "qkv"], "bias"))
@@ -121,7 +127,6 @@ class LlamaForCausalLM(CausalLM):
         if self.qk_norm:
             plan += [P.whole(f"{i}.q_norm", at + "q_norm.weight", (self.head_dim,)),
                      P.whole(f"{i}.k_norm", at + "k_norm.weight", (self.head_dim,))]
-        plan += self.mlp_params(i, pre + "mlp.")
         return plan
 
     def mlp_params(self, i: int, pre: str) -> list[P.Param]:
@@ -149,13 +154,19 @@ class LlamaForCausalLM(CausalLM):
                 residual, h = x, self.norm(x, params[f"{i}.input_norm"])
             else:
                 h, residual = self.norm(x, params[f"{i}.input_norm"], residual)
-            h, caches[i] = self.attend(i, params, batch, caches[i], h)
+            h = self.mix(i, params, batch, caches, h)
             h, residual = self.norm(h, params[f"{i}.post_norm"], residual)
             x = self.mlp(i, params, h)
         x, _ = self.norm(x, params["norm"], residual)
         xp = array_namespace(x)
         rows = xp.take(x, batch["logits_indices"], axis=0)
         return self.logits_processor(params["embed" if self.tie else "lm_head"], rows), caches
+
+    def mix(self, i: int, params: dict[str, Any], batch: dict[str, Any], caches: list[Any], h: Any) -> Any:
+        """Layer ``i``'s token mixer on the normed ``h`` (here attention over the layer's KV cache,
+        ``caches[i]``); stores the layer's new caches in the list ``caches``."""
+        h, caches[i] = self.attend(i, params, batch, caches[i], h)
+        return h
 
     def attend(self, i: int, params: dict[str, Any], batch: dict[str, Any], cache: Any, h: Any) -> tuple[Any, Any]:
         t = h.shape[0]
