@@ -1,9 +1,12 @@
-"""dualop.models' Mamba-2 hybrids (dualop/models/bamba.py) against transformers: a tiny random
-BambaForCausalLM (mamba, attention, mamba layers) saved once per module and loaded by dualop in
-both frontends: float32 and bfloat16 logits, greedy generation with chunked prefill mixed with
-decode over the state caches, all ops native, the kernels inside the whole model (Triton
-interpreted, Pallas in interpret mode), tensor parallel 2 == 1 (mamba layers replicated), and a
-checkpoint with a tensor missing."""
+"""dualop.models' Mamba-2 hybrids (dualop/models/bamba.py, nemotron_h.py) against transformers.
+
+A tiny random BambaForCausalLM (mamba, attention, mamba layers) saved once per module and loaded
+by dualop in both frontends: float32 and bfloat16 logits, greedy generation with chunked prefill
+mixed with decode over the state caches, all ops native, the kernels inside the whole model
+(Triton interpreted, Pallas in interpret mode), tensor parallel 2 == 1 (mamba layers replicated),
+a checkpoint with a tensor missing and bad configs. A tiny NemotronHForCausalLM (mamba, MLP,
+attention, MLP, mamba, MLP blocks) against transformers (logits, generation) and at tp 2.
+"""
 
 from __future__ import annotations
 
@@ -67,17 +70,55 @@ def _randomise(model) -> None:
                 p.copy_(torch.randn_like(p) / p.shape[-1] ** 0.5)
 
 
+def nemotron_h_config():
+    from transformers import NemotronHConfig
+
+    # "M-*-M-": Mamba-2 (as Bamba's, time_step_min 0.001), relu2 MLP, attention without rope
+    return NemotronHConfig(vocab_size=128, hidden_size=64,
+                           layers_block_type=["linear_attention", "mlp", "full_attention", "mlp", "linear_attention",
+                                              "mlp"],
+                           num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=96,
+                           mamba_num_heads=8, mamba_head_dim=16, n_groups=2, ssm_state_size=16, conv_kernel=4,
+                           chunk_size=8, max_position_embeddings=256, pad_token_id=0, bos_token_id=None,
+                           eos_token_id=None)
+
+
+def _save(tmp_path_factory, name: str, model) -> str:
+    _randomise(model)
+    path = tmp_path_factory.mktemp(name)
+    model.save_pretrained(path)
+    return str(path)
+
+
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     """The tiny random Bamba checkpoint directory (one per module)."""
     pytest.importorskip("transformers")
     from transformers import BambaForCausalLM
 
-    model = BambaForCausalLM(bamba_config()).eval()
-    _randomise(model)
-    path = tmp_path_factory.mktemp("bamba")
-    model.save_pretrained(path)
-    return str(path)
+    return _save(tmp_path_factory, "bamba", BambaForCausalLM(bamba_config()).eval())
+
+
+@pytest.fixture(scope="module")
+def nemotron_checkpoint(tmp_path_factory):
+    """The tiny random Nemotron-H checkpoint directory."""
+    pytest.importorskip("transformers")
+    from transformers import NemotronHForCausalLM
+
+    return _save(tmp_path_factory, "nemotron_h", NemotronHForCausalLM(nemotron_h_config()).eval())
+
+
+def hf_greedy(model, prompts, new_tokens: int) -> list[list[int]]:
+    """transformers' greedy tokens, one prompt at a time."""
+    import torch
+
+    out = []
+    with torch.no_grad():
+        for prompt in prompts:
+            ids = torch.tensor([prompt])
+            seq = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, do_sample=False)
+            out.append(seq[0, len(prompt):].tolist())
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -89,44 +130,50 @@ def hf_model(checkpoint):
 
 @pytest.fixture(scope="module")
 def hf_tokens(hf_model):
-    """transformers' greedy tokens, one prompt at a time."""
+    return hf_greedy(hf_model, PROMPTS, NEW_TOKENS)
+
+
+@pytest.fixture(scope="module")
+def nemotron_reference(nemotron_checkpoint):
+    """transformers' Nemotron-H: float32 logits of PROMPTS[0] and 8 greedy tokens per prompt."""
     import torch
+    from transformers import NemotronHForCausalLM
 
-    out = []
+    ref = NemotronHForCausalLM.from_pretrained(nemotron_checkpoint).eval()
     with torch.no_grad():
-        for prompt in PROMPTS:
-            ids = torch.tensor([prompt])
-            seq = hf_model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS,
-                                    do_sample=False)
-            out.append(seq[0, len(prompt):].tolist())
-    return out
+        logits = ref(torch.tensor([PROMPTS[0]])).logits[0].numpy()
+    return logits, hf_greedy(ref, PROMPTS, 8)
 
 
-_models: dict[str, object] = {}
-_generated: dict[str, list[list[int]]] = {}
+@pytest.fixture(scope="module")
+def models():
+    """dualop's float32 models with the default config, one per (checkpoint, frontend) and module
+    (jax compiles each step shape once for every test that uses it), and their greedy tokens."""
+    cache: dict = {}
+    yield cache
+    cache.clear()
 
 
-def dualop_model(checkpoint: str, frontend: str):
-    """dualop's float32 model with the default config, one per frontend and module (jax compiles
-    each step shape once for every test that uses it)."""
-    if frontend not in _models:
+def dualop_model(models: dict, checkpoint: str, frontend: str):
+    if (checkpoint, frontend) not in models:
         import dualop.models
 
-        _models[frontend] = dualop.models.from_pretrained(checkpoint, frontend=frontend, **SERVING)
-    return _models[frontend]
+        models[checkpoint, frontend] = dualop.models.from_pretrained(checkpoint, frontend=frontend, **SERVING)
+    return models[checkpoint, frontend]
 
 
-def dualop_tokens(checkpoint: str, frontend: str) -> list[list[int]]:
-    """dualop's greedy tokens with the default config (once per frontend and module), after
-    checking that the run mixed prefill chunks with decodes."""
-    if frontend not in _generated:
-        model = dualop_model(checkpoint, frontend)
-        _generated[frontend] = model.generate(PROMPTS, NEW_TOKENS)
+def dualop_tokens(models: dict, checkpoint: str, frontend: str, new_tokens: int = NEW_TOKENS) -> list[list[int]]:
+    """dualop's greedy tokens of PROMPTS with the default config (once per model), after checking
+    that the run mixed prefill chunks with decodes."""
+    key = ("tokens", checkpoint, frontend, new_tokens)
+    if key not in models:
+        model = dualop_model(models, checkpoint, frontend)
+        models[key] = model.generate(PROMPTS, new_tokens)
         stats = model.last_step_stats
         assert any(0 < s.prefill_tokens < s.tokens for s in stats), stats  # prefill chunk + decode in one step
         assert sum(s.prefill_tokens for s in stats) == sum(map(len, PROMPTS))
         assert max(s.tokens for s in stats) <= SERVING["max_num_batched_tokens"]
-    return _generated[frontend]
+    return models[key]
 
 
 def _rel_max(got: np.ndarray, want: np.ndarray) -> float:
@@ -138,13 +185,13 @@ def _rel_max(got: np.ndarray, want: np.ndarray) -> float:
 
 @pytest.mark.reference
 @pytest.mark.parametrize("frontend", ["torch", "jax"])
-def test_float32_logits_match_transformers(checkpoint, hf_model, frontend):
+def test_float32_logits_match_transformers(checkpoint, hf_model, models, frontend):
     import torch
 
     require_frontend(frontend)
     with torch.no_grad():
         want = hf_model(torch.tensor([PROMPTS[0]])).logits[0].numpy()
-    model = dualop_model(checkpoint, frontend)
+    model = dualop_model(models, checkpoint, frontend)
     got = model.frontend.to_numpy(model.logits(PROMPTS[0]))
     assert got.shape == want.shape
     assert _rel_max(got, want) <= 1e-4, _rel_max(got, want)
@@ -175,16 +222,30 @@ def test_bfloat16_logits_match_transformers(checkpoint, frontend):
 
 @pytest.mark.reference
 @pytest.mark.parametrize("frontend", ["torch", "jax"])
-def test_greedy_generation_matches_transformers(checkpoint, hf_tokens, frontend):
+def test_greedy_generation_matches_transformers(checkpoint, hf_tokens, models, frontend):
     require_frontend(frontend)
-    assert dualop_tokens(checkpoint, frontend) == hf_tokens
+    assert dualop_tokens(models, checkpoint, frontend) == hf_tokens
+
+
+@pytest.mark.reference
+@pytest.mark.parametrize("frontend", ["torch", "jax"])
+def test_nemotron_h_matches_transformers(nemotron_checkpoint, nemotron_reference, models, frontend):
+    """Nemotron-H: float32 logits within 1e-4 of transformers' (relative to the largest) and its
+    greedy tokens (8 per prompt, chunked prefill beside decodes)."""
+    require_frontend(frontend)
+    want, want_tokens = nemotron_reference
+    model = dualop_model(models, nemotron_checkpoint, frontend)
+    assert model.layer_types == ["mamba", "mlp", "attention", "mlp", "mamba", "mlp"]
+    got = model.frontend.to_numpy(model.logits(PROMPTS[0]))
+    assert _rel_max(got, want) <= 1e-4, _rel_max(got, want)
+    assert dualop_tokens(models, nemotron_checkpoint, frontend, 8) == want_tokens
 
 
 # --- dualop against itself ------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("frontend", ["torch", "jax"])
-def test_all_ops_native_give_the_same_tokens(checkpoint, frontend):
+def test_all_ops_native_give_the_same_tokens(checkpoint, models, frontend):
     import dualop.models
 
     require_frontend(frontend)
@@ -194,7 +255,7 @@ def test_all_ops_native_give_the_same_tokens(checkpoint, frontend):
     methods = {(r["op"], r["method"]) for r in dispatch_report()}
     assert ("mamba_mixer2", "forward_native") in methods and ("ragged_paged_attention", "forward_native") in methods
     assert {m for _, m in methods} == {"forward_native"}, methods
-    assert tokens == dualop_tokens(checkpoint, frontend)
+    assert tokens == dualop_tokens(models, checkpoint, frontend)
 
 
 # The kernels the whole model must reach on a platform (the mixer's own and its kernel ops included).
@@ -203,7 +264,7 @@ KERNEL_OPS = ("mamba_mixer2", "causal_conv1d", "ssd_chunk_scan", "ragged_paged_a
 
 
 @pytest.mark.parametrize("frontend,platform", [("torch", "cuda"), ("jax", "tpu")])
-def test_kernels_run_inside_the_model(checkpoint, frontend, platform):
+def test_kernels_run_inside_the_model(checkpoint, models, frontend, platform):
     """The platform's kernels (Triton interpreted for torch on "cuda", Pallas in interpret mode for
     jax on "tpu") inside the whole model give the default run's tokens, on a short generation that
     still cuts a prompt into chunks beside decodes; the dispatch report shows they ran."""
@@ -214,7 +275,7 @@ def test_kernels_run_inside_the_model(checkpoint, frontend, platform):
     with override_platform(platform), set_config(OpsConfig(["all"])):
         model = dualop.models.from_pretrained(checkpoint, frontend=frontend, **SERVING)
         tokens = model.generate(prompts, new)
-    want = dualop_tokens(checkpoint, frontend)
+    want = dualop_tokens(models, checkpoint, frontend)
     assert tokens == [want[1][:new], want[0][:new]]
     stats = [(s.tokens, s.prefill_tokens) for s in model.last_step_stats]
     assert stats == [(8, 8), (6, 5), (1, 0)], stats
@@ -227,15 +288,30 @@ def test_kernels_run_inside_the_model(checkpoint, frontend, platform):
 
 TP_PROMPTS = [PROMPTS[0], PROMPTS[1]]
 TP_NEW = 4
+# per family: {parameter: its shape on each of 2 ranks (torch) / its sharding (jax)}: attention and
+# MLP split over the ranks, the mamba layers whole on each (q, k, v heads of 16; MLP 96 wide)
+TP_SHAPES = {
+    "bamba": {"1.qkv": (8 * 16 // 2, 64), "0.gate_up": (2 * 96 // 2, 64), "0.in_proj_weight": (328, 64)},
+    "nemotron_h": {"2.qkv": (8 * 16 // 2, 64), "1.up": (96 // 2, 64), "1.down": (64, 96 // 2),
+                   "0.in_proj_weight": (328, 64)},
+}
+TP_SPECS = {
+    "bamba": {"1.qkv": ["tp", None], "0.gate_up": ["tp", None], "0.in_proj_weight": []},
+    "nemotron_h": {"2.qkv": ["tp", None], "1.up": ["tp", None], "1.down": [None, "tp"], "0.in_proj_weight": []},
+}
 
 
-def _tp1_reference(checkpoint: str, frontend: str):
-    """tp 1's logits of PROMPTS[0] and greedy tokens of TP_PROMPTS (chunked prefill beside decodes)."""
-    model = dualop_model(checkpoint, frontend)
-    return model.frontend.to_numpy(model.logits(PROMPTS[0])), model.generate(TP_PROMPTS, TP_NEW)
+def _tp1_reference(models: dict, checkpoints: dict[str, str], frontend: str) -> dict:
+    """Per family: tp 1's logits of PROMPTS[0] and greedy tokens of TP_PROMPTS (chunked prefill
+    beside decodes)."""
+    out = {}
+    for family, path in checkpoints.items():
+        model = dualop_model(models, path, frontend)
+        out[family] = (model.frontend.to_numpy(model.logits(PROMPTS[0])), model.generate(TP_PROMPTS, TP_NEW))
+    return out
 
 
-def _torch_at_tp2(rank: int, world: int, port: int, checkpoint: str, logits1: np.ndarray, tokens1) -> None:
+def _torch_at_tp2(rank: int, world: int, port: int, checkpoints: dict[str, str], reference: dict) -> None:
     import torch
 
     import dualop.models
@@ -244,66 +320,70 @@ def _torch_at_tp2(rank: int, world: int, port: int, checkpoint: str, logits1: np
 
     tparallel.init_tensor_parallel_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
-        model = dualop.models.from_pretrained(checkpoint, frontend="torch", tp=world, **SERVING)
-        # attention and MLP sharded, the mamba layers whole on each rank
-        assert tuple(model.params["1.qkv"].shape) == ((4 + 2 + 2) * 16 // world, 64)  # q, k, v heads of 16
-        assert tuple(model.params["0.gate_up"].shape) == (2 * 96 // world, 64)
-        assert tuple(model.params["0.in_proj_weight"].shape) == (2 * 128 + 2 * 2 * 16 + 8, 64)
-        logits = model.logits(PROMPTS[0]).numpy()
-        cmp = testing.compare(logits, logits1, "float32", normwise=True)
-        assert cmp.ok, (rank, cmp)
-        assert model.generate(TP_PROMPTS, TP_NEW) == tokens1
+        for family, path in checkpoints.items():
+            model = dualop.models.from_pretrained(path, frontend="torch", tp=world, **SERVING)
+            shapes = {name: tuple(model.params[name].shape) for name in TP_SHAPES[family]}
+            assert shapes == TP_SHAPES[family], (family, shapes)
+            logits1, tokens1 = reference[family]
+            cmp = testing.compare(model.logits(PROMPTS[0]).numpy(), logits1, "float32", normwise=True)
+            assert cmp.ok, (family, rank, cmp)
+            assert model.generate(TP_PROMPTS, TP_NEW) == tokens1, family
     finally:
         parallel.set_tensor_parallel(None)
         torch.distributed.destroy_process_group()
 
 
-def test_torch_tp2_equals_tp1(checkpoint):
+def test_torch_tp2_equals_tp1(checkpoint, nemotron_checkpoint, models):
     torch = importlib.import_module("torch")
     import torch.multiprocessing as mp
 
     if not torch.distributed.is_available():
         pytest.skip("this torch build has no torch.distributed")
-    logits1, tokens1 = _tp1_reference(checkpoint, "torch")
-    mp.spawn(_torch_at_tp2, args=(2, free_port(), checkpoint, logits1, tokens1), nprocs=2, join=True)
+    checkpoints = {"bamba": checkpoint, "nemotron_h": nemotron_checkpoint}
+    reference = _tp1_reference(models, checkpoints, "torch")
+    mp.spawn(_torch_at_tp2, args=(2, free_port(), checkpoints, reference), nprocs=2, join=True)
 
 
 _JAX_TP_SCRIPT = textwrap.dedent("""
-    import json, os, sys
+    import json, os, pickle, sys
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
-    import numpy as np
     import dualop.models
     from dualop import testing
-    from test_models_hybrid import PROMPTS, SERVING, TP_NEW, TP_PROMPTS
+    from test_models_hybrid import PROMPTS, SERVING, TP_NEW, TP_PROMPTS, TP_SPECS
 
-    checkpoint, reference = sys.argv[1], np.load(sys.argv[2])
-    model = dualop.models.from_pretrained(checkpoint, frontend="jax", tp=2, **SERVING)
-    logits = model.frontend.to_numpy(model.logits(PROMPTS[0]))
-    cmp = testing.compare(logits, reference["logits"], "float32", normwise=True)
-    tokens = model.generate(TP_PROMPTS, TP_NEW)
-    spec = {name: list(model.params[name].sharding.spec) for name in ("1.qkv", "0.gate_up", "0.in_proj_weight")}
-    print("RESULTS " + json.dumps(dict(ok=bool(cmp.ok), max_abs=cmp.max_abs, tokens=tokens,
-                                       tokens1=reference["tokens"].tolist(),
-                                       devices=len(model.frontend.mesh.devices.flat), spec=spec)))
+    with open(sys.argv[1], "rb") as f:
+        checkpoints, reference = pickle.load(f)
+    results = {}
+    for family, path in checkpoints.items():
+        model = dualop.models.from_pretrained(path, frontend="jax", tp=2, **SERVING)
+        logits1, tokens1 = reference[family]
+        cmp = testing.compare(model.frontend.to_numpy(model.logits(PROMPTS[0])), logits1, "float32", normwise=True)
+        tokens = model.generate(TP_PROMPTS, TP_NEW)
+        results[family] = dict(ok=bool(cmp.ok), max_abs=cmp.max_abs, same_tokens=tokens == tokens1,
+                               devices=len(model.frontend.mesh.devices.flat),
+                               spec={name: list(model.params[name].sharding.spec) for name in TP_SPECS[family]})
+    print("RESULTS " + json.dumps(results))
 """)
 
 
-def test_jax_tp2_of_8_devices_equals_tp1(checkpoint, tmp_path):
+def test_jax_tp2_of_8_devices_equals_tp1(checkpoint, nemotron_checkpoint, models, tmp_path):
+    import pickle
+
     importlib.import_module("jax")
-    logits1, tokens1 = _tp1_reference(checkpoint, "jax")
-    np.savez(tmp_path / "tp1.npz", logits=logits1, tokens=np.asarray(tokens1))
+    checkpoints = {"bamba": checkpoint, "nemotron_h": nemotron_checkpoint}
+    with open(tmp_path / "tp1.pickle", "wb") as f:
+        pickle.dump((checkpoints, _tp1_reference(models, checkpoints, "jax")), f)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, TESTS, os.environ.get("PYTHONPATH", "")]))
     env.setdefault("JAX_PLATFORMS", "cpu")
-    proc = subprocess.run([sys.executable, "-c", _JAX_TP_SCRIPT, checkpoint, str(tmp_path / "tp1.npz")], env=env,
+    proc = subprocess.run([sys.executable, "-c", _JAX_TP_SCRIPT, str(tmp_path / "tp1.pickle")], env=env,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("RESULTS "))
-    r = json.loads(line.removeprefix("RESULTS "))
-    assert r["ok"], r
-    assert r["tokens"] == r["tokens1"] and len(r["tokens"]) == len(TP_PROMPTS), r
-    assert r["devices"] == 2
-    # attention and MLP sharded over the axis, the mamba layers replicated
-    assert r["spec"] == {"1.qkv": ["tp", None], "0.gate_up": ["tp", None], "0.in_proj_weight": []}, r["spec"]
+    results = json.loads(line.removeprefix("RESULTS "))
+    for family, r in results.items():
+        assert r["ok"] and r["same_tokens"] and r["devices"] == 2, (family, r)
+        assert r["spec"] == TP_SPECS[family], (family, r["spec"])
+    assert sorted(results) == ["bamba", "nemotron_h"]
 
 
 # --- bad input --------------------------------------------------------------------------------------
@@ -346,3 +426,38 @@ def test_bad_config_is_refused_before_loading(checkpoint, tmp_path, change, matc
     with pytest.raises(ValueError, match=match):
         dualop.models.from_pretrained(tmp_path, frontend="torch", progress=loaded.append)
     assert loaded == []
+
+
+@pytest.mark.parametrize("change,match", [
+    (dict(layers_block_type=None, hybrid_override_pattern="M-*-ME"), r"has a MoE layer \('E'\); Nemotron-H's MoE"),
+    (dict(layers_block_type=["mamba", "mlp", "cross"]), r"'layers_block_type' holds 'cross'"),
+    (dict(mlp_hidden_act="gelu"), r"NemotronHForCausalLM with mlp_hidden_act='gelu' is not supported"),
+])
+def test_nemotron_h_bad_config_is_refused_before_loading(nemotron_checkpoint, tmp_path, change, match):
+    import dualop.models
+
+    with open(os.path.join(nemotron_checkpoint, "config.json")) as f:
+        config = json.load(f)
+    config.update(change)
+    with open(tmp_path / "config.json", "w") as f:
+        json.dump(config, f)
+    os.symlink(os.path.join(nemotron_checkpoint, "model.safetensors"), tmp_path / "model.safetensors")
+    loaded = []
+    with pytest.raises(ValueError, match=match):
+        dualop.models.from_pretrained(tmp_path, frontend="torch", progress=loaded.append)
+    assert loaded == []
+
+
+def test_nemotron_h_pattern_config_loads(nemotron_checkpoint, tmp_path):
+    """The older ``hybrid_override_pattern`` string gives the same blocks as ``layers_block_type``."""
+    import dualop.models
+
+    with open(os.path.join(nemotron_checkpoint, "config.json")) as f:
+        config = json.load(f)
+    config.pop("layers_block_type")
+    config["hybrid_override_pattern"] = "M-*-M-"
+    with open(tmp_path / "config.json", "w") as f:
+        json.dump(config, f)
+    os.symlink(os.path.join(nemotron_checkpoint, "model.safetensors"), tmp_path / "model.safetensors")
+    model = dualop.models.from_pretrained(tmp_path, frontend="torch", **SERVING)
+    assert model.layer_types == ["mamba", "mlp", "attention", "mlp", "mamba", "mlp"]

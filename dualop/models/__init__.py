@@ -29,6 +29,7 @@ ARCHITECTURES: dict[str, str] = {
     "Qwen3ForCausalLM": "dualop.models.llama:LlamaForCausalLM",
     "Qwen3MoeForCausalLM": "dualop.models.llama:Qwen3MoeForCausalLM",
     "BambaForCausalLM": "dualop.models.bamba:BambaForCausalLM",
+    "NemotronHForCausalLM": "dualop.models.nemotron_h:NemotronHForCausalLM",
 }
 
 _DTYPES = ("float32", "bfloat16", "float16")

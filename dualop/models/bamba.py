@@ -148,13 +148,15 @@ class BambaForCausalLM(LlamaForCausalLM):
         specs: list[CacheSpec] = []
         self.cache_index: list[tuple[int, ...]] = []
         for i in range(self.num_layers):
-            if self.is_attention(i):
+            if self.layer_types[i] == "attention":
                 self.cache_index.append((len(specs),))
                 specs.append(kv[i])
-            else:
+            elif self.layer_types[i] == "mamba":
                 self.cache_index.append((len(specs), len(specs) + 1))
                 specs += [CacheSpec(f"conv.{i}", (slots, *self.mixer.conv_state_shape), self.dtype),
                           CacheSpec(f"ssm.{i}", (slots, *self.mixer.ssm_state_shape), "float32")]
+            else:  # a layer without a cache (Nemotron-H's MLP layers)
+                self.cache_index.append(())
         return specs
 
     # -- the step ---------------------------------------------------------------------------------
