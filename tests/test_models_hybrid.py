@@ -20,7 +20,6 @@ import textwrap
 
 import numpy as np
 import pytest
-from conftest import require_frontend
 
 from dualop import OpsConfig, dispatch_report, override_platform, set_config, testing
 from dualop.testing import free_port
@@ -176,6 +175,14 @@ def dualop_tokens(models: dict, checkpoint: str, frontend: str, new_tokens: int 
     return models[key]
 
 
+def require_frontend(frontend: str) -> None:
+    """conftest's check, imported when a test runs (the tp subprocesses import this module, and
+    conftest imports jax and triton)."""
+    from conftest import require_frontend as require
+
+    require(frontend)
+
+
 def _rel_max(got: np.ndarray, want: np.ndarray) -> float:
     return float(np.abs(got - want).max() / np.abs(want).max())
 
@@ -197,27 +204,47 @@ def test_float32_logits_match_transformers(checkpoint, hf_model, models, fronten
     assert _rel_max(got, want) <= 1e-4, _rel_max(got, want)
 
 
-@pytest.mark.reference
-@pytest.mark.parametrize("frontend", ["torch", "jax"])
-def test_bfloat16_logits_match_transformers(checkpoint, frontend):
-    """bfloat16 logits against transformers' model in bfloat16, under the tolerance table's
-    bfloat16 row taken normwise (|got - want| <= 1e-5 + 1.6e-2 * max|want|: two bfloat16 ulp of
-    the largest logit; elementwise, a logit near 0 would be held to far less than the roundings
-    of three layers leave)."""
+@pytest.fixture(scope="module")
+def bf16_reference(checkpoint):
+    """transformers' logits of PROMPTS[0] for the bfloat16 model: computed in bfloat16, and exactly
+    (float32 arithmetic on the same bfloat16-rounded weights)."""
     import torch
     from transformers import BambaForCausalLM
 
+    ref = BambaForCausalLM.from_pretrained(checkpoint, dtype=torch.bfloat16).eval()
+    with torch.no_grad():
+        in_bf16 = ref(torch.tensor([PROMPTS[0]])).logits[0].float().numpy()
+        exact = ref.float()(torch.tensor([PROMPTS[0]])).logits[0].numpy()
+    return in_bf16, exact
+
+
+@pytest.mark.reference
+@pytest.mark.parametrize("frontend", ["torch", "jax"])
+def test_bfloat16_logits_match_transformers(checkpoint, bf16_reference, frontend):
+    """bfloat16 logits under the tolerance table's bfloat16 row (atol 1e-5, rtol 1.6e-2: two ulp of
+    an 8-bit significand), taken normwise (scaled by the largest logit; elementwise, a logit near 0
+    would be held to far less than the roundings of three layers leave).
+
+    The row bounds one op's rounding; a whole bfloat16 model's logits stray further from their
+    exact values (transformers' own bfloat16 run is 0.8x-2.9x the row away from them over eight
+    seeds of this model: a bfloat16 Mamba-2 mixer amplifies roundings where its output nearly
+    cancels). So dualop's bfloat16 logits must be within the row of transformers' bfloat16 logits
+    PLUS transformers' own distance from the exact logits: no worse than transformers' bfloat16
+    by more than the row (the float32 test holds the math to 1e-4)."""
     import dualop.models
 
     require_frontend(frontend)
-    ref = BambaForCausalLM.from_pretrained(checkpoint, dtype=torch.bfloat16).eval()
-    with torch.no_grad():
-        want = ref(torch.tensor([PROMPTS[0]])).logits[0].float().numpy()
+    in_bf16, exact = bf16_reference
     model = dualop.models.from_pretrained(checkpoint, frontend=frontend, dtype="bfloat16", **SERVING)
     logits = model.logits(PROMPTS[0])
     assert "bfloat16" in str(logits.dtype)
-    cmp = testing.compare(model.frontend.to_numpy(logits), want, "bfloat16", normwise=True)
-    assert cmp.ok, cmp
+    got = model.frontend.to_numpy(logits)
+    row = testing.TOLERANCES["bfloat16"]
+    hf_error = float(np.abs(in_bf16 - exact).max())
+    allowed = row.atol + row.rtol * float(np.abs(in_bf16).max()) + hf_error
+    diff = float(np.abs(got - in_bf16).max())
+    assert diff <= allowed, dict(diff=diff, allowed=allowed, transformers_from_exact=hf_error,
+                                 dualop_from_exact=float(np.abs(got - exact).max()))
 
 
 @pytest.mark.reference

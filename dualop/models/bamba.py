@@ -10,8 +10,9 @@ residual add) -> the token mixer -> ``rms_norm`` -> MLP. The mixer is, per
   (``partial_rotary_factor`` 0.5, which transformers' config hard-codes unless ``rope_parameters``
   says otherwise);
 - mamba: dualop's ``mamba_mixer2`` op over two state caches, ``conv_state``
-  ``[max_num_seqs, conv_dim, K-1]`` (model dtype) and ``ssm_state`` ``[max_num_seqs, H, P, N]``
-  (float32, as the reference engine's ``mamba_ssm_cache_dtype="float32"``), one slot per batch slot,
+  ``[max_num_seqs, conv_dim, K-1]`` (model dtype: it holds the last inputs) and ``ssm_state``
+  ``[max_num_seqs, H, P, N]`` (float32 in every model dtype: the state accumulates over all the
+  tokens, and transformers' chunked scan hands it on in float32 too), one slot per batch slot,
   read and written at the step's ``state_indices`` and ``has_initial_state``; so one step mixes
   prefills, continued (chunked) prefills and decodes, as the op's serving contract allows.
 
@@ -142,7 +143,8 @@ class BambaForCausalLM(LlamaForCausalLM):
 
     def cache_plan(self) -> list[CacheSpec]:
         """Per layer in order: an attention layer's paged KV cache (split over the ranks on its
-        heads), or a mamba layer's conv and SSM state caches (whole on every rank)."""
+        heads), a mamba layer's conv and SSM state caches (whole on every rank), nothing for a
+        layer without a cache; ``cache_index[i]`` says where layer i's are."""
         kv = super().cache_plan()
         slots = self.serving.max_num_seqs
         specs: list[CacheSpec] = []
