@@ -93,13 +93,15 @@ class BambaForCausalLM(LlamaForCausalLM):
                              f"{self.mamba_head_dim} must equal mamba_expand * hidden_size = {self.mamba_intermediate}")
         limit = c.get("time_step_limit") or (0.0, float("inf"))
         if not isinstance(limit, (list, tuple)) or len(limit) != 2:
-            raise ValueError(f"from_pretrained: {name} config 'time_step_limit' must be a pair [min, max], got {limit!r}")
+            raise ValueError(f"from_pretrained: {name} config 'time_step_limit' must be a pair [min, max], got "
+                             f"{limit!r}")
         self.mixer_config = dict(
             hidden_size=self.hidden, ssm_state_size=int(c.get("mamba_d_state", 256)),
             conv_kernel_size=int(c.get("mamba_d_conv", 4)), intermediate_size=self.mamba_intermediate,
             use_conv_bias=bool(c.get("mamba_conv_bias", True)), use_bias=bool(c.get("mamba_proj_bias", False)),
             n_groups=int(c.get("mamba_n_groups", 1)), num_heads=self.mamba_heads, head_dim=self.mamba_head_dim,
-            rms_norm_eps=self.eps, activation=c.get("hidden_act", "silu"), chunk_size=int(c.get("mamba_chunk_size", 256)),
+            rms_norm_eps=self.eps, activation=c.get("hidden_act", "silu"),
+            chunk_size=int(c.get("mamba_chunk_size", 256)),
             time_step_limit=tuple(config_float("time_step_limit", v, name) for v in limit))
 
     def _layer_types(self, c: dict[str, Any]) -> list[str]:
