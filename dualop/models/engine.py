@@ -21,9 +21,10 @@ A step's arrays (``StepBatch``) are int32: ``input_ids``, ``positions`` and ``sl
 wanted) and, for state-space layers, ``state_indices`` ``[S]`` (each sequence's state slot) and
 ``has_initial_state`` ``[S]``. For jax, T is padded to a power of two (at least 16) and S to
 ``max_num_seqs``, so a generation compiles a few programs, not one per step. A model with state
-caches (``has_state_cache``) gets S = ``max_num_seqs + 1`` instead, each padding sequence slot -1
-and at least one padding token, and T = S in a decode step (the state-space ops' serving contract:
-no empty sequence, T == S only when every sequence is one token, their decode kernels' case).
+caches (``has_state_cache``) gets S = ``max_num_seqs + 1`` rounded up to a multiple of 8 instead,
+each padding sequence slot -1 and at least one padding token, and T = S in a decode step (the
+state-space ops' serving contract: no empty sequence, T == S only when every sequence is one token,
+their decode kernels' case; a multiple of 8 keeps that T in whole sublane rows on a TPU).
 """
 
 from __future__ import annotations
@@ -186,7 +187,7 @@ class CausalLM:
         elif not self.has_state_cache:
             t_pad, s_pad = self._pad_tokens(t), s_max
         else:  # see _pad_state_batch: a padding sequence always exists; a decode step has T == S
-            s_pad = s_max + 1
+            s_pad = -(-(s_max + 1) // 8) * 8  # whole sublane rows: a decode step's T on a TPU
             t_pad = s_pad if t == num else self._pad_tokens(t + s_pad - num)
         ids = np.zeros(t_pad, np.int32)
         positions = np.zeros(t_pad, np.int32)
