@@ -290,6 +290,26 @@ def test_bad_input_is_refused_before_launch(name, frontend, platform, no_kernels
     assert words in str(info.value), str(info.value)
 
 
+def test_metadata_checked_once_is_checked_again_after_an_in_place_write():
+    """The value checks remember the metadata they last passed (a model's layers share one step's
+    metadata); an in-place write to it (torch's version counter) or new arrays are read again."""
+    args = _to("torch", list(_batch("mixed", group=4)))
+    op = RaggedPagedAttention()
+    with override_platform("cpu"), set_config(OpsConfig(["all"])):
+        op(*args, sm_scale=0.1)
+        op(*args, sm_scale=0.1)  # the same arrays: passes without reading them again
+        kv_lens = args[2]
+        kv_lens[0] = 10 ** 6  # past the page table's span
+        with pytest.raises(ValueError, match="argument 'kv_lens' has kv_lens\\[0\\] = 1000000"):
+            op(*args, sm_scale=0.1)
+        with torch.inference_mode():  # made in inference mode (no version counter): never remembered
+            fresh = [a.clone() for a in _to("torch", list(_batch("mixed", group=4)))]
+            op(*fresh, sm_scale=0.1)
+            fresh[2][0] = 10 ** 6
+            with pytest.raises(ValueError, match="kv_lens\\[0\\] = 1000000"):
+                op(*fresh, sm_scale=0.1)
+
+
 @pytest.mark.parametrize("options, words", [
     ({"sliding_window": 0}, "'sliding_window'"),
     ({"sliding_window": 2.5}, "'sliding_window'"),

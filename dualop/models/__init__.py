@@ -8,6 +8,10 @@ loop over a paged KV cache (``dualop.models.engine``)::
     logits = model.logits([1, 2, 3])               # [3, vocab], a jax array
     tokens = model.generate([[1, 2, 3], [4, 5]], max_new_tokens=16)   # greedy, continuous batching
 
+Families: ``llama`` (Llama, Qwen2, Qwen3, Qwen3-MoE), ``bamba`` (Bamba: Mamba-2 and attention
+layers over state caches and the paged KV cache), ``nemotron_h`` (Nemotron-H's mamba, attention and
+MLP blocks); ``ARCHITECTURES`` maps config.json's architecture to its class.
+
 Importing this package imports neither torch nor jax; ``from_pretrained`` imports the frontend's.
 """
 
@@ -30,6 +34,8 @@ ARCHITECTURES: dict[str, str] = {
     "Qwen3MoeForCausalLM": "dualop.models.llama:Qwen3MoeForCausalLM",
     "DeepseekV3ForCausalLM": "dualop.models.deepseek_v3:DeepseekV3ForCausalLM",
     "Qwen2_5_VLForConditionalGeneration": "dualop.models.qwen2_5_vl:Qwen2_5_VLForConditionalGeneration",
+    "BambaForCausalLM": "dualop.models.bamba:BambaForCausalLM",
+    "NemotronHForCausalLM": "dualop.models.nemotron_h:NemotronHForCausalLM",
 }
 
 _DTYPES = ("float32", "bfloat16", "float16")

@@ -22,7 +22,11 @@ and ``slot_mapping`` (``[T]``, padding slots -1), ``kv_lens`` ``[S]``, ``page_in
 wanted) and, for state-space layers, ``state_indices`` ``[S]`` (each sequence's state slot) and
 ``has_initial_state`` ``[S]``; a family may add arrays of its own (``step_inputs``, e.g. a
 multimodal model's encoder outputs). For jax, T is padded to a power of two (at least 16) and S to
-``max_num_seqs``, so a generation compiles a few programs, not one per step.
+``max_num_seqs``, so a generation compiles a few programs, not one per step. A model with state
+caches (``has_state_cache``) gets S = ``max_num_seqs + 1`` rounded up to a multiple of 8 instead,
+each padding sequence slot -1 and at least one padding token, and T = S in a decode step (the
+state-space ops' serving contract: no empty sequence, T == S only when every sequence is one token,
+their decode kernels' case; a multiple of 8 keeps that T in whole sublane rows on a TPU).
 """
 
 from __future__ import annotations
@@ -190,13 +194,31 @@ class CausalLM:
             return n
         return max(16, 1 << (n - 1).bit_length())
 
+    @staticmethod
+    def _pad_state_batch(cu: np.ndarray, state_indices: np.ndarray, num: int, t_pad: int) -> None:
+        """Make the padding of a step a batch the state-space ops accept (``dualop.ops.ssm_batch``):
+        every padding sequence gets slot -1 (it reads and writes no state) and at least one of the
+        padding tokens (the last takes the rest), so ``cu_q_lens`` strictly increases to T, and
+        T == S only when every sequence is one token (the ops' decode case). Attention ignores
+        sequences past ``num_seqs``, so this changes nothing for it."""
+        s_pad = state_indices.shape[0]
+        state_indices[num:] = -1
+        if s_pad > num:
+            cu[num + 1:s_pad] = cu[num] + np.arange(1, s_pad - num)
+            cu[s_pad] = t_pad
+
     def _run(self, entries: list[tuple[_Sequence, int]], logits_rows: Sequence[int] | None) -> Any:
         """One step over ``entries`` = [(sequence, tokens to compute)]; returns the logits of the
         rows ``logits_rows`` (default: each sequence's last row)."""
         s_max, page_size = self.serving.max_num_seqs, self.serving.page_size
-        t = sum(n for _, n in entries)
-        t_pad = self._pad_tokens(t)
-        s_pad = s_max if self.frontend.name == "jax" else len(entries)
+        t, num = sum(n for _, n in entries), len(entries)
+        if self.frontend.name != "jax":
+            t_pad, s_pad = t, num
+        elif not self.has_state_cache:
+            t_pad, s_pad = self._pad_tokens(t), s_max
+        else:  # see _pad_state_batch: a padding sequence always exists; a decode step has T == S
+            s_pad = -(-(s_max + 1) // 8) * 8  # whole sublane rows: a decode step's T on a TPU
+            t_pad = s_pad if t == num else self._pad_tokens(t + s_pad - num)
         ids = np.zeros(t_pad, np.int32)
         positions = np.zeros((self.position_rows, t_pad) if self.position_rows else t_pad, np.int32)
         slots = np.full(t_pad, -1, np.int32)
@@ -221,6 +243,8 @@ class CausalLM:
             cu[i + 1] = row
             last_rows.append(row - 1)
         cu[len(entries) + 1:] = row
+        if self.has_state_cache:
+            self._pad_state_batch(cu, state_indices, num, t_pad)
         if logits_rows is None:
             logits_rows = last_rows + [0] * (s_pad - len(last_rows))
         elif self.frontend.name == "jax":

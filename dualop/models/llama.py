@@ -44,9 +44,11 @@ class LlamaForCausalLM(CausalLM):
 
     architectures = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
     qk_norm = False
-    # Where the decoder's tensors live in the checkpoint (``{prefix}embed_tokens.weight``,
-    # ``{prefix}layers.{i}.``, ``{prefix}norm.weight``); multimodal wrappers nest it elsewhere.
-    decoder_prefix = "model."
+    # checkpoint names: the embedding, the final norm, the prefix of layer i's tensors (other
+    # families and multimodal wrappers keep the decoder elsewhere)
+    embed_tensor = "model.embed_tokens.weight"
+    final_norm_tensor = "model.norm.weight"
+    layers_prefix = "model.layers."
 
     # -- config ---------------------------------------------------------------------------------
 
@@ -91,10 +93,17 @@ class LlamaForCausalLM(CausalLM):
         self.local_heads, self.local_kv_heads = layout.num_heads, layout.num_kv_heads
         self.o_proj = ops.RowParallelLinear(self.num_heads * self.head_dim, self.hidden, bias=self.o_bias,
                                             return_bias=False, tp=tp)
-        self.rope = ops.get_rope(self.head_dim, self.max_position, True, self.rope_params, dtype)
+        # rope_params None: attention without positional embedding (Nemotron-H's)
+        self.rope = None if self.rope_params is None else \
+            ops.get_rope(self.head_dim, self.max_position, True, self.rope_params, dtype)
         self.cache_write = ops.ReshapeAndCache()
         self.attention = ops.RaggedPagedAttention()
         self.sm_scale = self.head_dim ** -0.5
+        self.build_mlp_ops()
+
+    def build_mlp_ops(self) -> None:
+        """The dense MLP's ops: gate/up (one column-parallel GEMM), SiLU-and-mul, down (row-parallel)."""
+        tp = self.tp
         self.gate_up = ops.MergedColumnParallelLinear(self.hidden, [self.intermediate] * 2, bias=self.mlp_bias,
                                                       return_bias=False, tp=tp)
         self.down = ops.RowParallelLinear(self.intermediate, self.hidden, bias=self.mlp_bias, return_bias=False, tp=tp)
@@ -103,20 +112,24 @@ class LlamaForCausalLM(CausalLM):
     # -- parameters -------------------------------------------------------------------------------
 
     def param_plan(self) -> list[P.Param]:
-        pre = self.decoder_prefix
-        plan = [P.vocab("embed", f"{pre}embed_tokens.weight", self.embed),
-                P.whole("norm", f"{pre}norm.weight", (self.hidden,))]
+        plan = [P.vocab("embed", self.embed_tensor, self.embed),
+                P.whole("norm", self.final_norm_tensor, (self.hidden,))]
         if not self.tie:
             plan.append(P.vocab("lm_head", "lm_head.weight", self.lm_head))
         for i in range(self.num_layers):
-            plan += self.layer_params(i, f"{pre}layers.{i}.")
+            plan += self.layer_params(i, f"{self.layers_prefix}{i}.")
         return plan
 
     def layer_params(self, i: int, pre: str) -> list[P.Param]:
-        at = pre + "self_attn."
         plan = [P.whole(f"{i}.input_norm", pre + "input_layernorm.weight", (self.hidden,)),
-                P.whole(f"{i}.post_norm", pre + "post_attention_layernorm.weight", (self.hidden,)),
-                P.linear(f"{i}.qkv", self.qkv, [(at + f"{x}_proj.weight", x) for x in "qkv"]),
+                P.whole(f"{i}.post_norm", pre + "post_attention_layernorm.weight", (self.hidden,))]
+        plan += self.attention_params(i, pre + "self_attn.")
+        plan += self.mlp_params(i, pre + "mlp.")
+        return plan
+
+    def attention_params(self, i: int, at: str) -> list[P.Param]:
+        """Layer ``i``'s attention parameters from the checkpoint tensors under ``at``."""
+        plan = [P.linear(f"{i}.qkv", self.qkv, [(at + f"{x}_proj.weight", x) for x in "qkv"]),
                 P.linear(f"{i}.o_proj", self.o_proj, [(at + "o_proj.weight", None)])]
         if self.qkv_bias:
             plan.append(P.linear(f"{i}.qkv_bias", self.qkv, [(at + f"{x}_proj.bias", x) for x in "qkv"], "bias"))
@@ -125,7 +138,6 @@ class LlamaForCausalLM(CausalLM):
         if self.qk_norm:
             plan += [P.whole(f"{i}.q_norm", at + "q_norm.weight", (self.head_dim,)),
                      P.whole(f"{i}.k_norm", at + "k_norm.weight", (self.head_dim,))]
-        plan += self.mlp_params(i, pre + "mlp.")
         return plan
 
     def mlp_params(self, i: int, pre: str) -> list[P.Param]:
@@ -149,13 +161,7 @@ class LlamaForCausalLM(CausalLM):
         residual = None
         caches = list(caches)
         for i in range(self.num_layers):
-            if residual is None:
-                residual, h = x, self.norm(x, params[f"{i}.input_norm"])
-            else:
-                h, residual = self.norm(x, params[f"{i}.input_norm"], residual)
-            h, caches[i] = self.attend(i, params, batch, caches[i], h)
-            h, residual = self.norm(h, params[f"{i}.post_norm"], residual)
-            x = self.mlp(i, params, h)
+            x, residual = self.layer(i, params, batch, caches, x, residual)
         x, _ = self.norm(x, params["norm"], residual)
         xp = array_namespace(x)
         rows = xp.take(x, batch["logits_indices"], axis=0)
@@ -166,6 +172,27 @@ class LlamaForCausalLM(CausalLM):
         place their encoders' outputs here)."""
         return self.embed(batch["input_ids"], params["embed"])
 
+    def layer(self, i: int, params: dict[str, Any], batch: dict[str, Any], caches: list[Any], x: Any,
+              residual: Any) -> tuple[Any, Any]:
+        """Decoder layer ``i`` on the previous layer's output ``x`` and the residual stream (None
+        before the first layer): ``(output, residual)``, the residual add fused into the norms."""
+        h, residual = self.add_norm(x, params[f"{i}.input_norm"], residual)
+        h = self.mix(i, params, batch, caches, h)
+        h, residual = self.norm(h, params[f"{i}.post_norm"], residual)
+        return self.mlp(i, params, h), residual
+
+    def add_norm(self, x: Any, weight: Any, residual: Any) -> tuple[Any, Any]:
+        """``(rms_norm(x + residual), x + residual)``; the first layer's residual is ``x`` itself."""
+        if residual is None:
+            return self.norm(x, weight), x
+        return self.norm(x, weight, residual)
+
+    def mix(self, i: int, params: dict[str, Any], batch: dict[str, Any], caches: list[Any], h: Any) -> Any:
+        """Layer ``i``'s token mixer on the normed ``h`` (here attention over the layer's KV cache,
+        ``caches[i]``); stores the layer's new caches in the list ``caches``."""
+        h, caches[i] = self.attend(i, params, batch, caches[i], h)
+        return h
+
     def attend(self, i: int, params: dict[str, Any], batch: dict[str, Any], cache: Any, h: Any) -> tuple[Any, Any]:
         t = h.shape[0]
         hq, hkv, d = self.local_heads, self.local_kv_heads, self.head_dim
@@ -174,7 +201,8 @@ class LlamaForCausalLM(CausalLM):
         if self.qk_norm:
             q = self.head_norm(q.reshape(t * hq, d), params[f"{i}.q_norm"]).reshape(t, hq * d)
             k = self.head_norm(k.reshape(t * hkv, d), params[f"{i}.k_norm"]).reshape(t, hkv * d)
-        q, k = self.rope(batch["positions"], q, k)
+        if self.rope is not None:
+            q, k = self.rope(batch["positions"], q, k)
         cache = self.cache_write(k.reshape(t, hkv, d), v.reshape(t, hkv, d), cache, batch["slot_mapping"])
         o = self.attention(q.reshape(t, hq, d), cache, batch["kv_lens"], batch["page_indices"], batch["cu_q_lens"],
                            batch["num_seqs"], sm_scale=self.sm_scale)

@@ -148,7 +148,9 @@ class Qwen2_5_VLForConditionalGeneration(LlamaForCausalLM):
         # transformers >= 4.52 saved ``model.language_model.*`` / ``model.visual.*``; 5.x writes the
         # original layout (``model.*``, ``visual.*``) back, as the hub checkpoints have it.
         nested = "model.language_model.embed_tokens.weight" in ckpt.shapes
-        self.decoder_prefix = "model.language_model." if nested else "model."
+        decoder = "model.language_model." if nested else "model."
+        self.embed_tensor, self.final_norm_tensor = f"{decoder}embed_tokens.weight", f"{decoder}norm.weight"
+        self.layers_prefix = f"{decoder}layers."
         self.visual_prefix = "model.visual." if nested else "visual."
         super().__init__(ckpt, frontend, dtype, serving, progress)
         text_eos = self.text_config.get("eos_token_id")

@@ -153,6 +153,8 @@ def _identity(arrays: tuple) -> tuple | None:
 
     out = []
     for a in arrays:
+        if getattr(a, "is_inference", None) is not None and a.is_inference():
+            return None  # made under torch.inference_mode: no version counter to see a later write
         try:
             ref = weakref.ref(a)
         except TypeError:
@@ -170,7 +172,7 @@ def checked_before(check: str, arrays: tuple, params: tuple) -> bool:
     if last is None or last[1] != params or len(last[0]) != len(arrays):
         return False
     for (ref, version, pointer), a in zip(last[0], arrays):
-        if ref() is not a or getattr(a, "_version", None) != version or (
+        if ref() is not a or (version is not None and a._version != version) or (
                 pointer is not None and a.data_ptr() != pointer):
             return False
     return True
