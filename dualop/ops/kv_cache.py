@@ -152,9 +152,13 @@ class ReshapeAndCache(CustomOp):
             raise NotImplementedError("reshape_and_cache: the CPU path views the cache flat and needs it contiguous")
         num_pages, page_size, combined, head_dim = kv_pages.shape
         rows = torch.stack((key, value), dim=2).reshape(key.shape[0], combined, head_dim)
-        keep = (slot_mapping >= 0) & (slot_mapping < num_pages * page_size)
-        kv_pages.view(num_pages * page_size, combined, head_dim).index_copy_(
-            0, slot_mapping[keep].to(torch.int64), rows[keep])
+        slots = slot_mapping.to(torch.int64)
+        keep = (slots >= 0) & (slots < num_pages * page_size)
+        flat = kv_pages.view(num_pages * page_size, combined, head_dim)
+        if bool(keep.all()):  # no padding token (a decode step): no masked copies of rows and slots
+            flat.index_copy_(0, slots, rows)
+        else:
+            flat.index_copy_(0, slots[keep], rows[keep])
         return kv_pages
 
     def forward_cuda(self, key: Any, value: Any, kv_pages: Any, slot_mapping: Any) -> Any:

@@ -201,7 +201,7 @@ class RotaryEmbedding(CustomOp):
     def check_inputs(self, positions: Any, query: Any, key: Any = None) -> None:
         op = type(self).name
         fe = check_array(op, "positions", positions, min_ndim=0, dtypes=INT_DTYPES)
-        tokens = int(np.prod(positions.shape))
+        tokens = math.prod(positions.shape)
         for arg, x in (("query", query), ("key", key)):
             if x is None:
                 if arg == "query":
@@ -229,7 +229,7 @@ class RotaryEmbedding(CustomOp):
         """Heads in ``x`` (``[..., H*D]`` or ``[..., H, D]`` holding ``tokens`` tokens), or a ValueError."""
         op = type(self).name
         d = self.head_size
-        size = int(np.prod(x.shape))
+        size = math.prod(x.shape)
         if tokens == 0:
             if size != 0:
                 raise ValueError(f"{op}: argument '{arg}' has shape {tuple(x.shape)} but positions is empty")
