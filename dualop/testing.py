@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 
 __all__ = [
+    "NoLaunch",
     "TOLERANCES",
     "Tolerance",
     "OpCase",
@@ -270,6 +271,17 @@ def x_only(scale: float = 3.0):
         return (normal(shape, rng, scale),)
 
     return make
+
+
+class NoLaunch:
+    """Stands in for a kernel entry (a ``KernelRef``): a launch fails the test. Tests put it in
+    place of an op's kernels to show bad input is refused before any kernel runs."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("a kernel launched on bad input")
+
+    def resolve(self) -> NoLaunch:
+        return self
 
 
 def free_port() -> int:

@@ -262,21 +262,11 @@ def _to(frontend: str, arrays):
     return [torch.from_numpy(np.ascontiguousarray(a)) for a in arrays]
 
 
-class _NoLaunch:
-    """Stands in for a kernel: a launch fails the test."""
-
-    def __call__(self, *args, **kwargs):
-        raise AssertionError("a kernel launched on bad input")
-
-    def resolve(self):
-        return self
-
-
 @pytest.fixture
 def no_kernels(monkeypatch):
-    monkeypatch.setattr(attention, "_PALLAS_RPA", _NoLaunch())
-    monkeypatch.setattr(attention, "_TRITON_RPA", _NoLaunch())
-    monkeypatch.setattr(attention, "_CPU_RPA", _NoLaunch())
+    monkeypatch.setattr(attention, "_PALLAS_RPA", testing.NoLaunch())
+    monkeypatch.setattr(attention, "_TRITON_RPA", testing.NoLaunch())
+    monkeypatch.setattr(attention, "_CPU_RPA", testing.NoLaunch())
 
 
 @pytest.mark.parametrize("frontend, platform", [("torch", "cpu"), ("torch", "cuda"), ("jax", "tpu")])

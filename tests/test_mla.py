@@ -404,18 +404,10 @@ def test_cpu_path_runs_long_sequences_in_query_chunks(monkeypatch):
 # --- (e) bad input: refused before any kernel launches ------------------------------------------------
 
 
-class _NoLaunch:
-    def __call__(self, *args, **kwargs):
-        raise AssertionError("a kernel launched on bad input")
-
-    def resolve(self):
-        return self
-
-
 @pytest.fixture
 def no_kernels(monkeypatch):
     for name in ("_PALLAS_MLA", "_TRITON_MLA", "_CPU_MLA", "_PALLAS_CACHE", "_TRITON_CACHE"):
-        monkeypatch.setattr(mla, name, _NoLaunch())
+        monkeypatch.setattr(mla, name, testing.NoLaunch())
 
 
 def _kernel_args():
