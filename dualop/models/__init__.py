@@ -66,6 +66,9 @@ def from_pretrained(path: str | os.PathLike, frontend: str = "torch", dtype: Any
     import importlib
 
     from dualop.models.frontends import make_frontend
+    from dualop.platforms import keep_tpu_runtimes_off_without_tpu
+
+    keep_tpu_runtimes_off_without_tpu()  # as the dualop command: no libtpu start-up noise on a host with no TPU
 
     ckpt = Checkpoint(path)
     arch = (ckpt.config.get("architectures") or ["?"])[0]
