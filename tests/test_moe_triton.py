@@ -235,6 +235,22 @@ def test_sparse_experts_16_bit_and_an_expert_twice(dtype):
     _check_experts(problem, dtype, activation="gelu")
 
 
+def test_float16_intermediate_past_the_float16_range():
+    """Inputs scaled by 300: the float32 intermediate exceeds float16's 65504 while the outputs fit.
+    Its two float16 halves would overflow (inf - inf: NaN rows); each row is scaled by a power of
+    two before the split, as the native body keeps the intermediate in float32."""
+    rng = np.random.default_rng(3)
+    x, weights, ids, w13, w2, b13, b2 = _experts_problem(rng, 5, 2, 200, 128, 8, "silu", torch.float16)
+    x = (x.float() * 300).to(torch.float16)
+    want = UnquantizedFusedMoEMethod("silu", False).forward_native(x, weights, ids, w13, w2, b13, b2)
+    assert torch.isfinite(want.float()).any()
+    got = fused_experts(x, weights, ids, w13, w2, b13, b2, None, activation="silu", apply_router_weight_on_input=False)
+    assert torch.equal(torch.isnan(got), torch.isnan(want))
+    finite = torch.isfinite(want) & torch.isfinite(got)
+    result = compare(got[finite].float().numpy(), want[finite].float().numpy(), "float16", normwise=True)
+    assert result.ok, result
+
+
 def test_expert_map_with_holes_and_tokens_only_elsewhere():
     """Six of sixteen experts local, in shuffled order; some tokens routed only to experts elsewhere
     (their rows are 0); swigluoai's interleaved rows with biases; bfloat16."""

@@ -113,6 +113,7 @@ def _experts_down_kernel(
     TOP_K: tl.constexpr, HIDDEN: tl.constexpr, INTER: tl.constexpr, HAS_BIAS: tl.constexpr,
     WEIGHT_ON_INPUT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr, SPLIT_A: tl.constexpr, EXACT_BF16: tl.constexpr,
+    SCALE_A: tl.constexpr,
 ):
     expert = tl.load(block_expert_ptr + tl.program_id(0))
     if expert >= 0:
@@ -128,9 +129,16 @@ def _experts_down_kernel(
                         other=0.0)
             b = tl.load(w_ptrs + ks[:, None], mask=k_ok[:, None] & col_ok[None, :], other=0.0)
             if SPLIT_A:  # float32 a as two 16-bit halves: about 16 significant bits reach the product
+                if SCALE_A:  # float16 halves overflow past 65504: scale such rows by a power of two first
+                    peak = tl.max(tl.abs(a), axis=1)
+                    shift = tl.where((peak > 16384.0) & (peak < float("inf")), tl.ceil(tl.log2(peak / 16384.0)), 0.0)
+                    a = a * tl.exp2(-shift)[:, None]
                 a_hi = _cast(a, b.dtype, EXACT_BF16)
                 a_lo = _cast(a - a_hi.to(tl.float32), b.dtype, EXACT_BF16)
-                acc += _dot(a_hi, b, DOT_PRECISION, DOT_UPCAST) + _dot(a_lo, b, DOT_PRECISION, DOT_UPCAST)
+                part = _dot(a_hi, b, DOT_PRECISION, DOT_UPCAST) + _dot(a_lo, b, DOT_PRECISION, DOT_UPCAST)
+                if SCALE_A:
+                    part = part * tl.exp2(shift)[:, None]  # exact: powers of two
+                acc += part
             else:
                 acc += _dot(a, b, DOT_PRECISION, DOT_UPCAST)
         if HAS_BIAS:
@@ -225,7 +233,7 @@ def fused_experts(x, topk_weights, topk_ids, w13, w2, w13_bias, w2_bias, expert_
         TOP_K=top_k, HIDDEN=hidden, INTER=inter, HAS_BIAS=b2 is not None,
         WEIGHT_ON_INPUT=bool(apply_router_weight_on_input),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, DOT_PRECISION=precision, DOT_UPCAST=upcast,
-        SPLIT_A=w2.dtype != torch.float32, EXACT_BF16=needs_exact_bf16(w2.dtype),
+        SPLIT_A=w2.dtype != torch.float32, EXACT_BF16=needs_exact_bf16(w2.dtype), SCALE_A=w2.dtype == torch.float16,
         num_warps=num_warps,
     )
     return out_pairs.reshape(num_tokens, top_k, hidden).sum(dim=1).to(out_dtype)
