@@ -135,10 +135,11 @@ def pytest_collection_modifyitems(config, items):
     ``latest_only`` (logic no version changes: the models' loading, serving loop, tp) and the jax/tpu kernel
     cells (``_jax_tpu_cell_covered_by_bridges``); each bridge's cells run one dtype
     (``BRIDGE_CELL_DTYPE``), opcheck one (``_opcheck_in_bfloat16``). In 'latest' the jax/tpu
-    cells run one dtype per op (``latest_jax_tpu_dtype``). The rest are deselected (shown in pytest's summary
+    cells run one dtype per op (``latest_jax_tpu_dtype``) and tests marked ``xla_only`` (whole models
+    through the kernels' platform paths) are left to 'xla'. The rest are deselected (shown in pytest's summary
     as deselected, not skipped)."""
     if TEST_ENV == "latest":
-        once = [item for item in items if _jax_tpu_cell_in_its_other_dtype(item)]
+        once = [item for item in items if _jax_tpu_cell_in_its_other_dtype(item) or item.get_closest_marker("xla_only")]
     elif TEST_ENV == "xla":
         once = [item for item in items if item.get_closest_marker("reference") or item.get_closest_marker("latest_only")
                 or _jax_tpu_cell_covered_by_bridges(item)
@@ -173,14 +174,23 @@ def _bridge_cell_in_the_other_bridges_dtype(item) -> bool:
     return item.originalname == "test_cell_matches_native" and want is not None and params.get("dtype") != want
 
 
-# In 'latest' the jax/tpu cells (JAX's TPU interpret mode, jax 0.10) run one dtype per op:
-# bfloat16, the serving dtype, whose packed layouts are where a TPU kernel differs from its float32
-# program. Both dtypes of every Pallas program are interpreted in 'xla' through the bridges
-# (BRIDGE_CELL_DTYPE: torch_xla bfloat16, torchax float32). The Mamba mixers' jax/tpu cells run
+# In 'latest' the jax/tpu cells (JAX's TPU interpret mode, jax 0.10) run one case and one dtype
+# per op: the op's first case, in bfloat16, the serving dtype, whose packed layouts are where a TPU
+# kernel differs from its float32 program. Every case of every Pallas kernel is interpreted in 'xla'
+# in both dtypes, through the bridges (BRIDGE_CELL_DTYPE: torch_xla bfloat16, torchax float32). The Mamba mixers' jax/tpu cells run
 # float32 instead: they compose kernel ops with cells of their own (causal_conv1d, selective_scan,
 # ssd_chunk_scan, mixer2_gated_rms_norm) and interpret two or three Pallas kernels per shape, so
 # their bfloat16 programs run once, through torch_xla. (The jax/tpu cells were 700 s of 'latest'.)
 MIXER_OPS = ("mamba_mixer", "mamba_mixer2", "plamo2_mamba_mixer")
+
+
+def _first_case_of_each_op() -> frozenset[str]:
+    from dualop.testing import CASES
+
+    first: dict[str, str] = {}
+    for case in CASES:
+        first.setdefault(case.op, case.label)
+    return frozenset(first.values())
 
 
 def latest_jax_tpu_dtype(op: str) -> str:
@@ -195,7 +205,7 @@ def _jax_tpu_cell_in_its_other_dtype(item) -> bool:
         return False
     if (case.label, "jax", "tpu", params.get("dtype")) in NATIVE_DTYPE_CASES:
         return False  # a run-time decline: the cell checks that it says so
-    return params.get("dtype") != latest_jax_tpu_dtype(case.op)
+    return params.get("dtype") != latest_jax_tpu_dtype(case.op) or case.label not in _first_case_of_each_op()
 
 
 def _opcheck_in_bfloat16(item) -> bool:

@@ -161,6 +161,7 @@ KERNEL_RUNS = {
 }
 
 
+@pytest.mark.xla_only
 @pytest.mark.parametrize("family, frontend, platform", list(KERNEL_RUNS))
 def test_kernel_platform_paths_give_the_native_tokens(checkpoints, family, frontend, platform):
     """The whole serving path through the kernels' sources (Pallas in interpret mode, Triton in its

@@ -290,6 +290,7 @@ KERNEL_OPS = ("mamba_mixer2", "causal_conv1d", "ssd_chunk_scan", "ragged_paged_a
               "rms_norm", "rotary_embedding", "silu_and_mul")
 
 
+@pytest.mark.xla_only
 @pytest.mark.parametrize("frontend,platform", [("torch", "cuda"), ("jax", "tpu")])
 def test_kernels_run_inside_the_model(checkpoint, models, frontend, platform):
     """The platform's kernels (Triton interpreted for torch on "cuda", Pallas in interpret mode for

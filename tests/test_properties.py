@@ -5,10 +5,10 @@ forward_native within the tolerance table, with NaN exactly where the native bod
 from __future__ import annotations
 
 import numpy as np
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, given, seed, settings
 from hypothesis import strategies as st
 
-from conftest import NATIVE_CASES
+from conftest import NATIVE_CASES, TEST_ENV
 from dualop import OpsConfig, override_platform, set_config, testing
 
 # Ops whose inputs are structured rather than rows of one hidden size (attention over a paged
@@ -75,7 +75,14 @@ def _inputs(case, shape, dtype, scale, special, seed, frontend):
     return tuple(testing.to_frontend(a, frontend, dtype) for a in raw)
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True)
+# Each environment draws its own 20 problems (a fixed seed per environment, so a run is repeatable):
+# the two draw different ones instead of the same 40 twice. Any other run draws 40.
+_SEED = {"latest": 1, "xla": 2}.get(TEST_ENV, 0)
+
+
+@seed(_SEED)
+@settings(max_examples=20 if TEST_ENV in ("latest", "xla") else 40, deadline=None, database=None,
+          suppress_health_check=[HealthCheck.too_slow])
 @given(problems())
 def test_fast_paths_agree_with_native(problem):
     case, shape, dtype, scale, special, seed, (frontend, platform) = problem
