@@ -157,3 +157,61 @@ def test_triton_bf16_rounding_matches_torch(triton_kernels):
     got = gated_mod.gated_activation(x)
     assert (got.float() - want.float()).abs().max().item() <= 2 ** -7 * want.float().abs().max().item()
     assert (got != want).float().mean().item() < 0.01
+
+
+@pytest.mark.parametrize("frontend, platform", [("torch", "cuda"), ("torch", "cpu"), ("jax", "tpu")])
+def test_sparse_gate_inf_row_is_nan_as_native(frontend, platform):
+    """An inf in a row's gate half makes its mean inf and its std NaN, so the native body's relu
+    turns the whole row NaN; a kernel's max must propagate that NaN, not return 0 (the Triton
+    default: a NaN-dropping max gave a finite row)."""
+    from dualop import OpsConfig, override_platform, set_config
+    from dualop.ops import GeluAndMulSparse
+
+    x = np.random.default_rng(1).standard_normal((3, 200)).astype(np.float32)
+    x[1, 58] = np.inf  # gate half of row 1
+    op = GeluAndMulSparse(0.95)
+    arg = testing.to_frontend(x, frontend, "float32")
+    with override_platform(platform), set_config(OpsConfig(["all"])):
+        got = testing.to_numpy(op(arg))
+    want = testing.to_numpy(op.forward_native(testing.to_frontend(x, frontend, "float32")))
+    assert np.isnan(want[1]).all() and not np.isnan(want[[0, 2]]).any()
+    assert np.array_equal(np.isnan(got), np.isnan(want))
+    _close(np.nan_to_num(got), np.nan_to_num(want), "float32")
+
+
+NON_FINITE_QUERY_CASES = {  # label -> the check-case shape (several rows, several heads)
+    "mm_encoder_attn": (2, 37, 160),
+    "mm_encoder_attn[cu_seqlens]": (1, 37, 160),
+    "ragged_paged_attention[mixed,gqa2]": (12, 8, 128),
+    "ragged_paged_mla_attention[mixed]": (9, 4, 72),
+}
+
+
+@pytest.mark.latest_only
+@pytest.mark.parametrize("special", [np.inf, np.nan], ids=["inf", "nan"])
+@pytest.mark.parametrize("frontend, platform", [("torch", "cpu"), ("torch", "cuda"), ("jax", "tpu")])
+@pytest.mark.parametrize("label", sorted(NON_FINITE_QUERY_CASES))
+def test_attention_kernels_keep_a_non_finite_query_row_nan(label, frontend, platform, special):
+    """A non-finite query element makes its row's scores NaN or +-inf: softmax (the native body) is
+    NaN there. A kernel must not zero that row: torch's SDPA returns zeros for a NaN or all -inf
+    row, and a ``where(l > 0, out, 0)`` finish read a NaN sum as 'no position seen'."""
+    from dualop import OpsConfig, override_platform, set_config
+
+    case = next(testing.cases_for([label]))
+    shape = NON_FINITE_QUERY_CASES[label]
+    op = case.make_op(shape)
+
+    def inputs():
+        raw = list(case.make_inputs(shape, np.random.default_rng(5)))
+        raw[0] = raw[0].copy()
+        raw[0].reshape(-1)[3] = special  # query token 0, head 0
+        return tuple(testing.to_frontend(a, frontend, "float32") for a in raw)
+
+    with override_platform(platform), set_config(OpsConfig(["all"])):
+        got = testing.to_numpy(op(*inputs()))
+        method, reason = op.last_run(frontend)
+    assert method != "forward_native", reason
+    want = testing.to_numpy(op.forward_native(*inputs()))
+    assert np.isnan(want).any() and not np.isnan(want).all()
+    assert np.array_equal(np.isnan(got), np.isnan(want))
+    _close(np.nan_to_num(got), np.nan_to_num(want), "float32")

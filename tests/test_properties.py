@@ -5,10 +5,10 @@ forward_native within the tolerance table, with NaN exactly where the native bod
 from __future__ import annotations
 
 import numpy as np
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, given, seed, settings
 from hypothesis import strategies as st
 
-from conftest import NATIVE_CASES, NATIVE_DTYPE_CASES
+from conftest import NATIVE_CASES, NATIVE_DTYPE_CASES, TEST_ENV
 from dualop import OpsConfig, override_platform, set_config, testing
 
 # Ops whose inputs are structured rather than rows of one hidden size (attention over a paged
@@ -16,20 +16,16 @@ from dualop import OpsConfig, override_platform, set_config, testing
 # The mixers: packed sequences with state caches and a dozen weights (tests/test_mamba_mixer*.py,
 # tests/test_plamo2.py draw theirs).
 NOT_ROW_WISE = {"ragged_paged_attention", "mamba_mixer", "mamba_mixer2", "plamo2_mamba_mixer"}
-# The latent-attention ops (issue 13) are not drawn yet: adding them moved the derandomised draws
-# onto special-value disagreements of older ops (fused_moe's float16 overflow, fixed; ssd_chunk_scan
-# and mm_encoder_attn turning an inf input into NaN at other outputs than their native bodies, open),
-# which must be fixed before the draws change. Their kernels are checked by their cells and tests/test_mla.py.
-NOT_DRAWN_YET = ("ragged_paged_mla_attention", "concat_and_cache_mla", "multi_head_latent_attention")
-CASES = [c for c in testing.cases_for(None) if c.op not in NOT_ROW_WISE and c.op not in NOT_DRAWN_YET]
+CASES = [c for c in testing.cases_for(None) if c.op not in NOT_ROW_WISE]
 # MoE ops: shapes drawn from the case's own (values, dtypes, specials and cells still vary). Their
 # interpreted grouped-matmul kernels compile once per shape (tens of seconds each here); the cell
 # sweep has compiled these shapes already, and tests/test_moe_*.py cover other shapes.
-# The state-space kernel ops (tokens, sequences, widths: a packed batch needs T >= B >= 1) and the
-# convolutions (images, channels, groups) read structured shapes too.
+# The state-space kernel ops (tokens, sequences, widths: a packed batch needs T >= B >= 1), the
+# convolutions (images, channels, groups), the embedding (tokens, vocabulary, base vocabulary,
+# width) and the latent cache write (its row splits into two even halves) read structured shapes too.
 CASE_SHAPES_ONLY = {"grouped_topk", "fused_moe", "unquantized_fused_moe", "transformers_fused_moe",
                     "modular_fused_moe", "causal_conv1d", "short_conv", "selective_scan", "ssd_chunk_scan",
-                    "conv2d", "conv3d"}
+                    "conv2d", "conv3d", "vocab_parallel_embedding", "concat_and_cache_mla"}
 CELLS = [("torch", "cpu"), ("torch", "cuda"), ("jax", "tpu")]
 # Ops whose outputs sum products over an input dim (GEMMs, convolutions, scans, attention): at large
 # magnitudes an output element can be a small difference of large terms, so a kernel and the native
@@ -39,6 +35,18 @@ CONTRACTIONS = {"column_parallel_linear", "row_parallel_linear", "replicated_lin
                 "conv2d", "conv3d", "causal_conv1d", "short_conv", "selective_scan", "ssd_chunk_scan",
                 "mm_encoder_attn", "fused_moe", "unquantized_fused_moe", "transformers_fused_moe",
                 "modular_fused_moe"}
+# Ops whose outputs cancel large terms element by element, compared against the output's scale at
+# large magnitudes as the contractions are: a tanh GELU's 1 + tanh(z) for negative z keeps nothing
+# below ulp(1), so two float32 tanh's (XLA's CPU tanh at optimisation level 0 stops at 1 - 2^-23)
+# differ by 0.5·|g·u|·2^-23 where the output is near 0; the sparse gate's g - (mean + k·std) takes
+# the rounding of row statistics of size |g|.
+CANCELLING = {"gelu_and_mul[tanh]", "gelu_and_mul_sparse[0.95]", "gelu_and_mul_sparse[0.5,tanh]", "gelu_new",
+              "gelu_fast"}
+# Kernels that run a scan or a causal convolution as GEMMs over a masked (triangular, banded)
+# matrix: a non-finite input meets the mask's zeros (0 x inf = NaN) and widens to the rest of its
+# chunk, as in mamba_ssm's kernels; the native recurrence keeps it causal (``testing.compare``,
+# ``widened_nonfinite``: nothing non-finite may come out finite, finite outputs must agree).
+MASKED_GEMM_SCANS = {"ssd_chunk_scan", "causal_conv1d", "short_conv"}
 
 
 @st.composite
@@ -80,7 +88,14 @@ def _inputs(case, shape, dtype, scale, special, seed, frontend):
     return tuple(testing.to_frontend(a, frontend, dtype) for a in raw)
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True)
+# Each environment draws its own 20 problems (a fixed seed per environment, so a run repeats, in CI
+# as here: no example database), instead of the same 40 twice; any other run draws 40.
+_SEED = {"latest": 1, "xla": 2}.get(TEST_ENV, 0)
+
+
+@seed(_SEED)
+@settings(max_examples=20 if TEST_ENV in ("latest", "xla") else 40, deadline=None, database=None,
+          suppress_health_check=[HealthCheck.too_slow])
 @given(problems())
 def test_fast_paths_agree_with_native(problem):
     case, shape, dtype, scale, special, seed, (frontend, platform) = problem
@@ -104,5 +119,6 @@ def test_fast_paths_agree_with_native(problem):
             continue
         key, _ = testing.tolerance_for(dtype, w)
         cmp = testing.compare(testing.to_numpy(g), testing.to_numpy(w), key,
-                              normwise=case.op in CONTRACTIONS and scale > 1.0)
+                              normwise=(case.op in CONTRACTIONS or case.label in CANCELLING) and scale > 1.0,
+                              widened_nonfinite=case.op in MASKED_GEMM_SCANS and special is not None)
         assert cmp.ok, (case.label, shape, dtype, scale, special, frontend, platform, cmp)

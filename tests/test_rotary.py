@@ -209,6 +209,25 @@ def test_pallas_kernel_matches_native_over_ragged_blocks(head, rot, q_heads, k_h
         assert got[1] is None
 
 
+@pytest.mark.parametrize("q_heads, k_heads", [(0, 2), (3, 0)], ids=["no_query_heads", "empty_key"])
+@pytest.mark.parametrize("frontend, platform", [("torch", "cpu"), ("torch", "cuda"), ("jax", "tpu")])
+def test_kernels_rotate_the_key_when_the_query_has_no_heads(frontend, platform, q_heads, k_heads):
+    """A query of 0 heads (an empty array) must not stop the key's rotation: the three kernels
+    returned the key unrotated (Pallas) or uninitialised memory (Triton, C++)."""
+    pos, q, k = _kernel_inputs(5, q_heads, k_heads, 64, 64, seed=4)
+    op = RotaryEmbedding(64, 64, 512, 10000.0, True)
+    args = lambda: (testing.to_frontend(pos, frontend, "int32"),  # noqa: E731
+                    testing.to_frontend(q.reshape(5, q_heads, 64), frontend, "float32"),
+                    testing.to_frontend(k.reshape(5, k_heads, 64), frontend, "float32"))
+    with override_platform(platform), set_config(OpsConfig(["all"])):
+        got = op(*args())
+        method, reason = op.last_run(frontend)
+    assert method != "forward_native", reason
+    want = op.forward_native(*args())
+    for g, w in zip(got, want):
+        _close(g, w)
+
+
 # ------------------------------------------------------------------ jax: jit, vmap, clamp
 
 

@@ -8,6 +8,12 @@ sequence, per segment only its own. Measured here (1024 tokens as 4 images of 25
 float32, 2 shared cores): 229 ms per segment against 356 ms with the mask; the gap grows with the
 number of segments. GQA goes through
 ``enable_gqa``, which reads kv head ``h // group`` without copying K and V per query head.
+
+torch's SDPA returns zeros for a query whose every score is -inf (its rule for fully masked rows)
+and for one with a NaN score; softmax over such a row is NaN (0 / 0, or NaN in), as in the native
+body and transformers' eager attention. Only a non-finite (or overflowing) query or key makes such
+a row, so the all-zero output rows are the only candidates: their scores are computed (rarely any
+row is one) and the dead ones set to NaN.
 """
 
 from __future__ import annotations
@@ -24,6 +30,19 @@ def _heads_first(t: torch.Tensor, heads: int, head_size: int) -> torch.Tensor:
     return t.reshape(b, s, heads, head_size).transpose(1, 2).to(torch.float32)
 
 
+def _nan_where_every_score_is_minus_inf(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, scale: float,
+                                        group: int) -> None:
+    """Set to NaN, in place, the rows of ``out`` [B, H, S, D] whose softmax is NaN: every score
+    -inf, or a NaN score."""
+    candidates = (out == 0).all(dim=-1)  # [B, H, S]
+    if not bool(candidates.any()):
+        return
+    keys = k.repeat_interleave(group, dim=1) if group > 1 else k
+    scores = (q @ keys.transpose(-1, -2)) * scale
+    dead = candidates & ((scores == float("-inf")).all(dim=-1) | scores.isnan().any(dim=-1))
+    out.masked_fill_(dead[..., None], float("nan"))
+
+
 def encoder_attention(query, key, value, cu_seqlens=None, *, num_heads: int, num_kv_heads: int, head_size: int,
                       scale: float) -> torch.Tensor:
     b, s = query.shape[:2]
@@ -35,12 +54,14 @@ def encoder_attention(query, key, value, cu_seqlens=None, *, num_heads: int, num
     gqa = num_heads != num_kv_heads
     if cu_seqlens is None:
         out = F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=gqa)
+        _nan_where_every_score_is_minus_inf(out, q, k, scale, num_heads // num_kv_heads)
     else:
         out = torch.empty_like(q)
         bounds = cu_seqlens.tolist()
         for start, end in zip(bounds[:-1], bounds[1:]):
             if end > start:
-                out[:, :, start:end] = F.scaled_dot_product_attention(
-                    q[:, :, start:end], k[:, :, start:end], v[:, :, start:end], scale=scale, enable_gqa=gqa
-                )
+                seg_q, seg_k = q[:, :, start:end], k[:, :, start:end]
+                seg = F.scaled_dot_product_attention(seg_q, seg_k, v[:, :, start:end], scale=scale, enable_gqa=gqa)
+                _nan_where_every_score_is_minus_inf(seg, seg_q, seg_k, scale, num_heads // num_kv_heads)
+                out[:, :, start:end] = seg
     return out.transpose(1, 2).reshape(b, s, -1).reshape(query.shape).to(query.dtype)  # contiguous, as the native body

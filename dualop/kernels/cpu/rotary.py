@@ -47,7 +47,7 @@ def rotary(query: Any, key: Any, cos: Any, sin: Any, *, rotary_dim: int, is_neox
     if key is not None:
         key = key.contiguous()
         k_out = torch.empty_like(key)
-    if tokens and query.numel():
+    if tokens and query.numel() + (0 if key is None else key.numel()):  # no query heads still rotates the key
         cos, sin, stride = _cos_sin_rows(cos, sin)
         status = lib.dualop_rotary(
             dtype_code(query), DTYPE_CODES[str(cos.dtype).removeprefix("torch.")],

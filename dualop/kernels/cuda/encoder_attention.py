@@ -77,7 +77,9 @@ def _encoder_attention_kernel(
         v = tl.load(v_ptr + kv_off, mask=kv_mask, other=0.0).to(tl.float32)
         acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
         m_i = m_new
-    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    # A stored row's segment holds at least its own key, so l_i >= 1 unless every score is -inf:
+    # then 0 / 0 = NaN, as softmax (the native body) gives; rows past the segment are not stored.
+    out = acc / l_i[:, None]
     tl.store(out_ptr + rows[:, None] * out_tok_stride + head * head_size + dims[None, :],
              cast_out(out, out_ptr, EXACT_BF16), mask=row_ok[:, None] & dim_ok[None, :])
 

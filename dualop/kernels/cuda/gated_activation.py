@@ -97,7 +97,7 @@ def _gated_sparse_kernel(
         cols = chunk * BLOCK + tl.arange(0, BLOCK)
         mask = cols < d
         g, u = _load_pair(x_row, cols, mask, d, ACT_ON_SECOND, INTERLEAVED)
-        y = _gate(tl.maximum(g - cutoff, 0.0), u, ACT, threshold, alpha, limit)
+        y = _gate(tl.maximum(g - cutoff, 0.0, propagate_nan=tl.PropagateNan.ALL), u, ACT, threshold, alpha, limit)
         tl.store(out_ptr + row * out_row_stride + cols, cast_out(y, out_ptr, EXACT_BF16), mask=mask)
 
 

@@ -77,7 +77,7 @@ def rotary(query: torch.Tensor, key: torch.Tensor | None, cos: torch.Tensor, sin
     if key is not None:
         key = key.contiguous()
     k_heads = 0 if key is None else key.shape[1]
-    if query.numel() == 0:
+    if tokens == 0 or (q_heads + k_heads) * head_size == 0:  # no query heads still rotates the key
         return q_out, k_out
     if cos.stride(-1) != 1 or sin.stride(-1) != 1 or cos.stride(0) != sin.stride(0):
         cos, sin = cos.contiguous(), sin.contiguous()

@@ -241,10 +241,11 @@ def _kernel(kv_lens_ref, page_ids_ref, cu_q_lens_ref, num_seqs_ref,  # scalar pr
 
     for hq in range(o_ref.shape[0]):
         l = l_ref[hq][:, :1]
-        out = acc_ref[hq] / jnp.where(l > 0, l, 1.0)
+        # l is 0 only for a row that saw no position (0 out); NaN stays NaN (``l > 0`` would zero it)
+        out = acc_ref[hq] / jnp.where(l == 0, 1.0, l)
         if v_scale is not None:
             out = out * v_scale
-        o_ref[hq] = jnp.where(l > 0, out, 0.0).astype(o_ref.dtype)
+        o_ref[hq] = jnp.where(l == 0, 0.0, out).astype(o_ref.dtype)
 
 
 @tpu_jit(static_argnames=("sm_scale", "sliding_window", "soft_cap", "mask_value", "k_scale", "v_scale",

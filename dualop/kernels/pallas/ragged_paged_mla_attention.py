@@ -159,8 +159,9 @@ def _kernel(kv_lens_ref, page_ids_ref, cu_q_lens_ref, num_seqs_ref,  # scalar pr
     acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
     walk.run(start, wait, compute, buf_a, buf_b, sems.at[0], sems.at[1])
     l = l_ref[:, :1]
-    out = acc_ref[...] / jnp.where(l > 0, l, 1.0)
-    o_ref[...] = jnp.where(l > 0, out, 0.0).astype(o_ref.dtype)
+    # l is 0 only for a row that saw no position (0 out); NaN stays NaN (``l > 0`` would zero it)
+    out = acc_ref[...] / jnp.where(l == 0, 1.0, l)
+    o_ref[...] = jnp.where(l == 0, 0.0, out).astype(o_ref.dtype)
 
 
 @tpu_jit(static_argnames=("kv_lora_rank", "sm_scale", "blocks", "interpret"))

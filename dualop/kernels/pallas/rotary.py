@@ -192,8 +192,13 @@ def _launch(query, key=None, cos=None, sin=None, *, rotary_dim: int, is_neox_sty
         key, cos, sin = None, key, cos
     tokens, _, head_size = query.shape
     arrays = [query] if key is None else [query, key]
-    if tokens == 0 or query.size == 0:
+    if tokens == 0:
         return tuple(a + 0 for a in arrays)
+    if any(a.size == 0 for a in arrays):  # no query heads (or no key heads): rotate the other alone
+        live = [a for a in arrays if a.size]
+        rotated = iter(_launch(live[0], None, cos, sin, rotary_dim=rotary_dim, is_neox_style=is_neox_style,
+                               interpret=interpret, block_tokens=block_tokens) if live else ())
+        return tuple(next(rotated) if a.size else a + 0 for a in arrays)
     if cos.shape[0] != tokens:
         reps = tokens // cos.shape[0]
         cos, sin = jnp.tile(cos, (reps, 1)), jnp.tile(sin, (reps, 1))
