@@ -4,7 +4,8 @@
 # environment also runs `dualop compile --targets v5e,v6e,sm90,gfx942` (the real TPU and GPU
 # compilers on every kernel variant; counted as one item), as a third stream beside the two test
 # runs (it needs no test's result, and the 2-core CI host then stays busy until the end).
-# Ends with one line "total: N passed, N failed, N skipped" over all of it.
+# Ends with one line "total: N passed, N failed, N skipped" over all of it. With DUALOP_TEST_RESULTS
+# set to a directory, each environment's JUnit report (every test's time) is kept there.
 set -euo pipefail
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 # shellcheck source=scripts/common.sh
@@ -61,6 +62,9 @@ fi
 for name in $envs; do
   [ "$(cat "$results/$name.status" 2>/dev/null || echo 1)" = 0 ] || status=1
 done
+if [ -n "${DUALOP_TEST_RESULTS:-}" ]; then
+  mkdir -p "$DUALOP_TEST_RESULTS" && cp "$results"/*.xml "$DUALOP_TEST_RESULTS"/ 2>/dev/null || true
+fi
 compile_result="$(cat "$results/compile" 2>/dev/null || true)"
 if [ "$compile_too" = 1 ] && [ "$compile_result" != passed ]; then status=1; fi
 python3 - "$results" "$compile_result" <<'PY'

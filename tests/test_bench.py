@@ -136,6 +136,7 @@ def test_plot_is_a_png(bench_run):
     assert data[:8] == PNG_MAGIC and len(data) > 1000
 
 
+@pytest.mark.once_in_xla
 def test_torch_compile_records_its_warmup():
     recs = throughput.run_throughput(
         bench_cases.select_cases(["silu_and_mul"]), [(8, 64)], ["float32"], ["torch"],

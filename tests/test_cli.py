@@ -41,6 +41,7 @@ def test_report_under_platform_tpu():
     assert all(r["platform"] == "tpu" for r in rows.values())
 
 
+@pytest.mark.once_in_xla
 def test_report_gives_the_reason_for_every_native_run():
     """On the CPU: jax runs the native body (no CPU kernel for jax arrays), torch the C++ kernel
     except for the variants it lacks; every native row names why, none says only the config."""

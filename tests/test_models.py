@@ -222,7 +222,7 @@ _JAX_TP_SCRIPT = textwrap.dedent("""
 """)
 
 
-@pytest.mark.latest_only
+@pytest.mark.once_in_xla
 def test_jax_tp2_equals_tp1(checkpoints):
     """Each TP family at tp 2 over a mesh of two host devices == tp 1 (one subprocess: the host
     device count is fixed when jax starts)."""
@@ -258,7 +258,7 @@ def _torch_rank(rank: int, world: int, port: int, paths: dict, result_file: str)
         dist.destroy_process_group()
 
 
-@pytest.mark.latest_only
+@pytest.mark.once_in_xla
 def test_torch_tp2_equals_tp1(checkpoints, tmp_path):
     """Each TP family in two gloo processes (tp 2) == one process (tp 1)."""
     import torch.multiprocessing as mp

@@ -361,6 +361,7 @@ def _torch_at_tp2(rank: int, world: int, port: int, checkpoints: dict[str, str],
         torch.distributed.destroy_process_group()
 
 
+@pytest.mark.once_in_xla
 def test_torch_tp2_equals_tp1(checkpoint, nemotron_checkpoint, models):
     torch = importlib.import_module("torch")
     import torch.multiprocessing as mp
@@ -394,6 +395,7 @@ _JAX_TP_SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.once_in_xla
 def test_jax_tp2_of_8_devices_equals_tp1(checkpoint, nemotron_checkpoint, models, tmp_path):
     import pickle
 
@@ -417,6 +419,7 @@ def test_jax_tp2_of_8_devices_equals_tp1(checkpoint, nemotron_checkpoint, models
 # --- bad input --------------------------------------------------------------------------------------
 
 
+@pytest.mark.latest_only
 def test_checkpoint_missing_a_tensor_loads_nothing(checkpoint, tmp_path):
     from safetensors.numpy import load_file, save_file
 
@@ -434,6 +437,7 @@ def test_checkpoint_missing_a_tensor_loads_nothing(checkpoint, tmp_path):
     assert loaded == []
 
 
+@pytest.mark.latest_only
 @pytest.mark.parametrize("change,match", [
     (dict(mamba_d_head=12), r"BambaForCausalLM config: mamba_n_heads \* mamba_d_head = 8 \* 12 must equal"),
     (dict(attn_layer_indices=[5]), r"BambaForCausalLM config 'attn_layer_indices' holds 5"),
@@ -456,6 +460,7 @@ def test_bad_config_is_refused_before_loading(checkpoint, tmp_path, change, matc
     assert loaded == []
 
 
+@pytest.mark.latest_only
 @pytest.mark.parametrize("change,match", [
     (dict(layers_block_type=None, hybrid_override_pattern="M-*-ME"), r"has a MoE layer \('E'\); Nemotron-H's MoE"),
     (dict(layers_block_type=["mamba", "mlp", "cross"]), r"'layers_block_type' holds 'cross'"),
@@ -476,6 +481,7 @@ def test_nemotron_h_bad_config_is_refused_before_loading(nemotron_checkpoint, tm
     assert loaded == []
 
 
+@pytest.mark.latest_only
 def test_nemotron_h_pattern_config_loads(nemotron_checkpoint, tmp_path):
     """The older ``hybrid_override_pattern`` string gives the same blocks as ``layers_block_type``."""
     import dualop.models

@@ -259,6 +259,7 @@ def _torch_tp(rank: int, world: int, port: int, path: str, out: str) -> None:
         torch.distributed.destroy_process_group()
 
 
+@pytest.mark.once_in_xla
 def test_torch_tp2_equals_tp1(checkpoint, models, tmp_path):
     torch = importlib.import_module("torch")
     import torch.multiprocessing as mp
@@ -292,6 +293,7 @@ _JAX_SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.once_in_xla
 def test_jax_tp2_equals_tp1(checkpoint, models):
     importlib.import_module("jax")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, TESTS, os.environ.get("PYTHONPATH", "")]))
@@ -308,6 +310,7 @@ def test_jax_tp2_equals_tp1(checkpoint, models):
 
 # --- bad input ------------------------------------------------------------------------------------
 
+@pytest.mark.latest_only
 @pytest.mark.parametrize("frontend", FRONTENDS)
 def test_bad_images_are_refused_before_any_op_runs(frontend, checkpoint):
     importlib.import_module("torch" if frontend == "torch" else "jax")
@@ -342,6 +345,7 @@ def test_bad_images_are_refused_before_any_op_runs(frontend, checkpoint):
     assert dispatch_report() == [], "an op ran before the error"
 
 
+@pytest.mark.latest_only
 def test_a_checkpoint_that_does_not_match_its_config_is_refused(checkpoint, tmp_path):
     importlib.import_module("torch")
     with open(os.path.join(checkpoint, "config.json")) as f:
