@@ -134,21 +134,19 @@ def pytest_collection_modifyitems(config, items):
     bodies with outside implementations and run once, in 'latest', and so do tests marked
     ``latest_only`` (logic no version changes: the models' loading, serving loop, errors) and the jax/tpu
     kernel cells (``_jax_tpu_cell_covered_by_bridges``); each bridge's cells run one dtype
-    (``BRIDGE_CELL_DTYPE``), opcheck one (``_opcheck_in_the_other_envs_dtype``). In 'latest' the jax/tpu
+    (``BRIDGE_CELL_DTYPE``). In 'latest' the jax/tpu
     cells run one dtype per op (``latest_jax_tpu_dtype``) and tests marked ``xla_only`` (whole models
     through the kernels' platform paths) or ``once_in_xla`` (logic no version changes: bookkeeping,
     the models' tensor parallelism; placed in the shorter run) are left to 'xla'. The native cells
-    run one dtype in each (``NATIVE_CELL_DTYPE``). The rest are deselected (shown in pytest's summary
+    and opcheck run one dtype in each (``DTYPE_PER_ENV``). The rest are deselected (shown in pytest's summary
     as deselected, not skipped)."""
     if TEST_ENV == "latest":
         once = [item for item in items if _jax_tpu_cell_in_its_other_dtype(item) or item.get_closest_marker("xla_only")
-                or item.get_closest_marker("once_in_xla") or _native_cell_in_the_other_envs_dtype(item)
-                or _opcheck_in_the_other_envs_dtype(item)]
+                or item.get_closest_marker("once_in_xla") or _in_the_other_envs_dtype(item)]
     elif TEST_ENV == "xla":
         once = [item for item in items if item.get_closest_marker("reference") or item.get_closest_marker("latest_only")
                 or _jax_tpu_cell_covered_by_bridges(item)
-                or _bridge_cell_in_the_other_bridges_dtype(item) or _opcheck_in_the_other_envs_dtype(item)
-                or _native_cell_in_the_other_envs_dtype(item)]
+                or _bridge_cell_in_the_other_bridges_dtype(item) or _in_the_other_envs_dtype(item)]
     else:
         return
     if once:
@@ -213,26 +211,24 @@ def _jax_tpu_cell_in_its_other_dtype(item) -> bool:
     return params.get("dtype") != latest_jax_tpu_dtype(case.op) or case.label not in _first_case_of_each_op()
 
 
-# tests/test_cells.py's native cells (no kernel there: the cell must say so, with the reason) run one
-# dtype per environment, float32 in 'latest' and bfloat16 in 'xla', so each (cell, dtype) runs once
-# over the two: the reason a cell gives is one per cell whatever the dtype (a kernel that declines a
-# dtype at run time is a kernel cell, NATIVE_DTYPE_CASES, checked in tests/test_cells.py).
-NATIVE_CELL_DTYPE = {"latest": "float32", "xla": "bfloat16"}
+# Tests that run one dtype per environment, so each (case, dtype) runs once over the two:
+# {test: {environment: dtype}}.
+# - tests/test_cells.py's native cells (no kernel there: the cell must say so, with the reason): the
+#   reason is one per cell whatever the dtype (a kernel that declines a dtype at run time is a kernel
+#   cell, NATIVE_DTYPE_CASES).
+# - tests/test_torch_library.py's opcheck (float32 at the first and the last shape in 'xla', torch 2.9;
+#   bfloat16 in 'latest', torch 2.13): the registration it checks (schema, fake kernel, autograd) is
+#   one per op.
+DTYPE_PER_ENV = {
+    "test_native_cell_reports_its_reason": {"latest": "float32", "xla": "bfloat16"},
+    "test_opcheck": {"latest": "bfloat16", "xla": "float32"},
+}
 
 
-def _native_cell_in_the_other_envs_dtype(item) -> bool:
-    params = getattr(getattr(item, "callspec", None), "params", {})
-    return (item.originalname == "test_native_cell_reports_its_reason"
-            and params.get("dtype") != NATIVE_CELL_DTYPE.get(TEST_ENV, params.get("dtype")))
-
-
-def _opcheck_in_the_other_envs_dtype(item) -> bool:
-    """tests/test_torch_library.py's opcheck runs one dtype per environment, float32 (the first and
-    the last shape) in 'xla' (torch 2.9) and bfloat16 in 'latest' (torch 2.13): the registration it
-    checks (schema, fake kernel, autograd) is one per op, so each (case, dtype, shape) runs once."""
-    params = getattr(getattr(item, "callspec", None), "params", {})
-    want = {"latest": "bfloat16", "xla": "float32"}.get(TEST_ENV, params.get("dtype"))
-    return item.originalname == "test_opcheck" and params.get("dtype") != want
+def _in_the_other_envs_dtype(item) -> bool:
+    want = DTYPE_PER_ENV.get(item.originalname, {}).get(TEST_ENV)
+    dtype = getattr(getattr(item, "callspec", None), "params", {}).get("dtype")
+    return want is not None and dtype != want
 
 
 @pytest.fixture
