@@ -93,6 +93,14 @@ class AllToAllPrepareAndFinalize(PrepareAndFinalize):
 
     prepare_communicates: ClassVar[bool] = True
 
+    def __post_init__(self) -> None:
+        name = type(self).__name__
+        if isinstance(self.num_shards, bool) or not isinstance(self.num_shards, int) or self.num_shards < 1:
+            raise ValueError(f"{name}: argument 'num_shards' must be a positive int, got {self.num_shards!r}")
+        if self.capacity is not None and (isinstance(self.capacity, bool) or not isinstance(self.capacity, int)
+                                          or self.capacity < 1):
+            raise ValueError(f"{name}: argument 'capacity' must be a positive int or None, got {self.capacity!r}")
+
     def prepare(self, x, topk_weights, topk_ids, expert_map, num_local_experts: int) -> Prepared:
         n = self.num_shards
         tokens, top_k = topk_ids.shape

@@ -21,6 +21,20 @@ Conventions every path follows:
   the lower index on ties. On distinct values all of them equal ``torch.topk(sorted=True)``.
 - Routed weights are float32 and ids int32, ``[T, top_k]``, in descending order of the selection
   score (score + correction bias when there is one).
+- Non-finite routing (``route``; every path keeps it): a NaN selection score (a NaN or +inf
+  router logit, or a row of only -inf, under softmax makes the whole row NaN; a NaN logit under
+  sigmoid, that expert's score; a NaN correction-bias entry, that expert's score on every token;
+  a lone -inf logit is a score of 0, not NaN) RANKS AS -inf, for the experts and for the group
+  scores alike (a group's two best summing +inf and -inf rank -inf too).
+  So ids always lie in ``[0, E)``, ties among -inf (NaN, masked groups) go to the lower index as
+  any other tie, and an expert whose bias entry is NaN is chosen only when fewer than ``top_k``
+  experts of the kept groups have a finite biased score. The weight of a chosen expert is its
+  value as before ranking: the unbiased score (NaN stays NaN, so the token's weights renormalize
+  to NaN and its MoE output is NaN on every path), or -inf for a dropped group's expert when there
+  is no bias. Routing is per token: nothing non-finite in one row changes another row.
+- A (token, slot) pair whose expert lives elsewhere (``local_expert_ids`` -1) adds exactly nothing
+  to the token, whatever its weight (NaN or inf included): every path selects it away, never
+  multiplies it by 0.
 """
 
 from __future__ import annotations
@@ -83,6 +97,11 @@ def uses_groups(num_experts: int, num_expert_group: int, topk_group: int) -> boo
     return num_expert_group > 1 and topk_group > 0 and num_experts % num_expert_group == 0
 
 
+def _ranked(xp, values):
+    """``values`` with NaN as -inf: what routing ranks (experts and groups alike)."""
+    return xp.where(values == values, values, float("-inf"))
+
+
 def route(
     xp,
     gating_output,
@@ -101,25 +120,29 @@ def route(
     Experts are chosen by ``score + bias`` and weighted by the unbiased ``score``. With groups, a
     group's score is the sum of its two best biased scores when there is a bias, its best score
     otherwise; only the ``topk_group`` best groups compete (the rest are set to ``-inf``). Then the
-    weights are renormalized (if asked) and multiplied by ``routed_scaling_factor``.
+    weights are renormalized (if asked) and multiplied by ``routed_scaling_factor``. NaN ranks as
+    -inf everywhere (the module docstring's rule), so the result does not depend on how a
+    framework's top-k orders NaN (torch's sort puts every NaN first, ``jax.lax.top_k`` +NaN first
+    and -NaN last).
     """
     scores = expert_scores(xp, gating_output, scoring_func)
     tokens, num_experts = scores.shape
     choice = scores if e_score_correction_bias is None else scores + xp.astype(e_score_correction_bias, xp.float32)
     if uses_groups(num_experts, num_expert_group, topk_group):
         per_group = num_experts // num_expert_group
-        grouped = xp.reshape(choice, (tokens, num_expert_group, per_group))
+        grouped = xp.reshape(_ranked(xp, choice), (tokens, num_expert_group, per_group))
         if e_score_correction_bias is None:
             group_scores = xp.amax(grouped, axis=-1)
         else:
             group_scores = xp.sum(xp.top_k(grouped, min(2, per_group))[0], axis=-1)
-        _, best_groups = xp.top_k(group_scores, min(topk_group, num_expert_group))
+        _, best_groups = xp.top_k(_ranked(xp, group_scores), min(topk_group, num_expert_group))
         kept_groups = xp.amax(xp.astype(best_groups[..., None] == xp.arange(num_expert_group, like=best_groups), xp.float32),
                               axis=-2)  # [T, G]: 1 where the group is among the best
         kept = xp.reshape(xp.stack([kept_groups] * per_group, axis=-1), (tokens, num_experts))
         choice = xp.where(kept > 0.0, choice, float("-inf"))
-    chosen, topk_ids = xp.top_k(choice, top_k)
-    topk_weights = chosen if e_score_correction_bias is None else xp.take_along_last(scores, topk_ids)
+    _, topk_ids = xp.top_k(_ranked(xp, choice), top_k)
+    # the chosen experts' values before ranking: a NaN score weighs NaN, not -inf
+    topk_weights = xp.take_along_last(choice if e_score_correction_bias is None else scores, topk_ids)
     if renormalize:
         topk_weights = topk_weights / xp.sum(topk_weights, axis=-1, keepdims=True)
     if routed_scaling_factor != 1.0:
@@ -144,9 +167,10 @@ def local_expert_ids(xp, topk_ids, expert_map, num_local_experts: int):
 
 def routing_matrix(xp, topk_weights, local_ids, num_local_experts: int):
     """float32 ``[T, E_local]``: token t's weight for local expert e (0 when not routed to it; the
-    slots of a token routed to experts elsewhere, id -1, add nothing)."""
-    hits = xp.astype(local_ids[..., None] == xp.arange(num_local_experts, like=local_ids), xp.float32)
-    return xp.sum(hits * xp.astype(topk_weights, xp.float32)[..., None], axis=-2)
+    slots of a token routed to experts elsewhere, id -1, add nothing). Other slots' weights are
+    selected away, not multiplied by 0: a NaN weight on one slot reaches only its own expert."""
+    hits = local_ids[..., None] == xp.arange(num_local_experts, like=local_ids)
+    return xp.sum(xp.where(hits, xp.astype(topk_weights, xp.float32)[..., None], 0.0), axis=-2)
 
 
 def experts_reference(

@@ -9,7 +9,9 @@ float32. The float32 intermediate is never rounded to 16 bits (``moe_math``'s ru
 meets 16-bit ``w2`` as a high and a low 16-bit half (two ragged matmuls on the matrix units); on
 the CPU, whose XLA dot widens 16-bit operands to float32 anyway, the operands are widened instead
 (one float32 matmul each; measured faster there). The op says which (``on_cpu``).
-Pairs routed to other devices' experts sort last, outside every group: their rows come out 0.
+Pairs routed to other devices' experts sort last, outside every group, and are selected away from
+the combine (never multiplied by a 0 weight: their rows read local expert 0's biases, which may be
+non-finite).
 """
 
 from __future__ import annotations
@@ -67,7 +69,8 @@ def _experts(x, topk_weights, topk_ids, w13, w2, w13_bias, w2_bias, expert_map, 
     y = _ragged_linear(moe_math.activate(xp, h, activation), w2, group_sizes, on_cpu)
     if w2_bias is not None:
         y = y + jnp.take(w2_bias.astype(f32), safe_expert, axis=0)
-    out = jnp.zeros((tokens, x.shape[1]), f32).at[token_of_row].add(y * weight_of_row[:, None])
+    contrib = jnp.where((expert_of_row >= 0)[:, None], y * weight_of_row[:, None], 0.0)
+    out = jnp.zeros((tokens, x.shape[1]), f32).at[token_of_row].add(contrib)
     return out if float32_output else out.astype(x.dtype)
 
 

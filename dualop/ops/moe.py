@@ -16,8 +16,13 @@ the one place every path takes them from.
 
 Expert parallelism's building block is ``expert_map``: ``[E_global]`` int32, each global expert's
 index among this device's experts or -1. With a map, ``w13``/``w2`` (and the biases) hold only the
-local experts and tokens routed elsewhere contribute 0; summing the devices' outputs gives the
-one-device result (``float32_output`` hands the sum float32 partials, so it can round once, after).
+local experts and a (token, slot) routed elsewhere contributes exactly nothing on every path (it is
+selected away, never multiplied by 0, so a NaN or inf weight on it does not reach this device's
+output); summing the devices' outputs gives the one-device result (``float32_output`` hands the
+sum float32 partials, so it can round once, after).
+
+Non-finite routing (NaN ranks as -inf; NaN weights stay NaN) is ``moe_math``'s rule, stated in
+``GroupedTopk``'s docstring; every routing and experts path follows it.
 
 Validation (before any kernel): shapes, dtypes, devices and options; and where values are at hand
 (``_checks.concrete_values``: torch CPU/CUDA tensors, jax arrays outside a trace) the ids and the
@@ -28,6 +33,7 @@ map's entries are range-checked. Traced or lazy ids are not read: every path tre
 from __future__ import annotations
 
 import functools
+import math
 from typing import Any
 
 from dualop.backends import array_namespace
@@ -71,6 +77,27 @@ def _check_choice(op: str, name: str, value: Any, choices: tuple[str, ...]) -> s
     return value
 
 
+def _check_scale(op: str, name: str, value: Any) -> float:
+    """A finite, non-negative float (a NaN, inf or negative factor would flip or poison every
+    token's weights)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{op}: argument '{name}' must be a float, got {value!r}")
+    if not math.isfinite(value) or value < 0:
+        raise ValueError(f"{op}: argument '{name}' is {value!r}; expected a finite number >= 0")
+    return float(value)
+
+
+def _check_groups(op: str, num_expert_group: int, topk_group: int, num_experts: int | None = None) -> None:
+    """Groups are off (both 0) or ``1 <= topk_group <= num_expert_group``, and, where the expert
+    count is known, ``num_expert_group`` divides it (grouping is never dropped silently)."""
+    if (num_expert_group == 0) != (topk_group == 0) or topk_group > num_expert_group:
+        raise ValueError(f"{op}: topk_group={topk_group} with num_expert_group={num_expert_group}; expected "
+                         f"1 <= topk_group <= num_expert_group (or both 0: no expert groups)")
+    if num_experts is not None and num_expert_group > 1 and num_experts % num_expert_group:
+        raise ValueError(f"{op}: num_expert_group={num_expert_group} does not divide the {num_experts} experts; "
+                         f"expected a divisor of the expert count")
+
+
 def _require(op: str, name: str, value: Any) -> None:
     if value is None:
         raise TypeError(f"{op}: argument '{name}' is required")
@@ -92,8 +119,19 @@ class GroupedTopk(CustomOp):
 
     ``hidden_states`` ``[T, H]`` only fixes the token count (the engine's signature); the scores are
     ``gating_output`` ``[T, E]``'s softmax or sigmoid in float32. Groups apply when
-    ``num_expert_group > 1`` divides E and ``topk_group > 0``; otherwise plain top-k
-    (``moe_math.route`` has the rule and the tie order: the lower expert index first).
+    ``num_expert_group > 1`` (``num_expert_group`` and ``topk_group`` are both 0, or
+    ``1 <= topk_group <= num_expert_group``; a ``num_expert_group`` not dividing E is refused at
+    the call); otherwise plain top-k (``moe_math.route`` has the rule and the tie order: the lower
+    expert index first). ``routed_scaling_factor`` is finite and >= 0.
+
+    Non-finite values (``moe_math``'s rule, on every path): a NaN selection score ranks as -inf,
+    so ids always lie in ``[0, E)``. A NaN or +inf logit (or a row of only -inf) under softmax
+    makes that token's scores NaN: it gets the lowest-index experts its ranking leaves (the
+    lowest of its kept groups), with NaN weights (so ``fused_moe`` gives NaN for that token, as
+    the native body does); under sigmoid a NaN logit only makes that expert rank last. A NaN
+    entry of ``e_score_correction_bias`` makes that expert rank last for every token (chosen only
+    when fewer than ``topk`` experts of the kept groups have a finite biased score; then weighted
+    by its unbiased score). Other tokens are never affected.
     """
 
     def __init__(
@@ -112,10 +150,9 @@ class GroupedTopk(CustomOp):
         self.renormalize = bool(renormalize)
         self.num_expert_group = _check_int(TOPK_OP, "num_expert_group", num_expert_group or 0, minimum=0)
         self.topk_group = _check_int(TOPK_OP, "topk_group", topk_group or 0, minimum=0)
+        _check_groups(TOPK_OP, self.num_expert_group, self.topk_group)
         self.scoring_func = _check_choice(TOPK_OP, "scoring_func", scoring_func, moe_math.SCORING_FUNCS)
-        if isinstance(routed_scaling_factor, bool) or not isinstance(routed_scaling_factor, (int, float)):
-            raise TypeError(f"{TOPK_OP}: argument 'routed_scaling_factor' must be a float, got {routed_scaling_factor!r}")
-        self.routed_scaling_factor = float(routed_scaling_factor)
+        self.routed_scaling_factor = _check_scale(TOPK_OP, "routed_scaling_factor", routed_scaling_factor)
 
     def routing_options(self) -> dict[str, Any]:
         """The static options every routing path takes (``moe_math.route``'s keywords)."""
@@ -142,6 +179,9 @@ class GroupedTopk(CustomOp):
                                  f"[{tokens}, hidden] (one row per row of 'gating_output')")
         if self.topk > num_experts:
             raise ValueError(f"{op}: topk={self.topk} is more than the {num_experts} experts of 'gating_output'")
+        if self.num_expert_group > 1 and num_experts % self.num_expert_group:
+            raise ValueError(f"{op}: num_expert_group={self.num_expert_group} does not divide the {num_experts} "
+                             f"experts of 'gating_output'; expected a divisor of the expert count")
         check_optional_like(op, "e_score_correction_bias", e_score_correction_bias, "gating_output", gating_output, fe,
                             shape=(num_experts,))
 
@@ -379,10 +419,13 @@ class FusedMoE(CustomOp):
     ``op(hidden_states [T, H], router_logits [T, E], w13, w2, w13_bias=None, w2_bias=None,
     e_score_correction_bias=None, expert_map=None)`` -> ``[T, H]``.
 
+    With ``use_grouped_topk``, ``1 <= topk_group <= num_expert_group`` and ``num_expert_group``
+    divides ``num_experts``; ``routed_scaling_factor`` is finite and >= 0 (refused otherwise).
     Routing is ``grouped_topk`` (``self.router``, dispatched as its own op: its kernel, config and
-    report row are its own); the experts are ``unquantized_fused_moe`` (``self.quant_method``),
-    whose kernel for this platform this op's platform method runs, so a cell of ``fused_moe``
-    counts as a kernel cell only when the experts' kernel ran.
+    report row are its own; its docstring has the non-finite rule: a token whose router row is NaN
+    under softmax gets NaN output on every path); the experts are ``unquantized_fused_moe``
+    (``self.quant_method``), whose kernel for this platform this op's platform method runs, so a
+    cell of ``fused_moe`` counts as a kernel cell only when the experts' kernel ran.
     """
 
     def __init__(
@@ -416,6 +459,11 @@ class FusedMoE(CustomOp):
             raise ValueError(f"{op}: use_grouped_topk=True needs num_expert_group and topk_group")
         if not self.use_grouped_topk:
             num_expert_group = topk_group = 0
+        else:  # named for this op before the router checks them again
+            _check_int(op, "num_expert_group", num_expert_group, minimum=1)
+            _check_int(op, "topk_group", topk_group, minimum=1)
+            _check_groups(op, num_expert_group, topk_group, self.num_experts)
+        _check_scale(op, "routed_scaling_factor", routed_scaling_factor)
         if apply_router_weight_on_input and self.top_k != 1:
             raise ValueError(f"{op}: apply_router_weight_on_input=True needs top_k == 1, got top_k={top_k}")
         self.has_bias = bool(has_bias)

@@ -12,6 +12,10 @@ logits (E padded to a power of two, the padding never chosen). Every top-k is ``
 as ``jax.lax.top_k`` does, ``-inf`` included (experts of dropped groups are still chosen, lowest
 index first, when ``top_k`` exceeds the experts left). Group scores are built with one masked
 reduction per group (``num_expert_group`` is a constexpr), so any group size works.
+
+Non-finite values follow ``moe_math``'s rule: NaN ranks as -inf (experts and group scores), so every
+pick finds an available index (ids stay in ``[0, E)``); the weights are the chosen values before
+ranking (a NaN score weighs NaN, as in the native body).
 """
 
 from __future__ import annotations
@@ -26,8 +30,15 @@ __all__ = ["grouped_topk"]
 
 
 @triton.jit
+def _ranked(values):
+    """``values`` with NaN as -inf (``moe_math``'s ranking rule)."""
+    return tl.where(values == values, values, float("-inf"))
+
+
+@triton.jit
 def _pick(values, available, idx, NO_INDEX: tl.constexpr):
-    """(largest available value per row, the lowest available index holding it) of ``[R, C]``."""
+    """(largest available value per row, the lowest available index holding it) of ``[R, C]``
+    ``values`` holding no NaN (``_ranked``)."""
     best = tl.max(tl.where(available, values, float("-inf")), axis=1)
     hit = available & (values == best[:, None])
     # An available -inf equals best = -inf; a row with nothing available picks NO_INDEX.
@@ -65,14 +76,15 @@ def _grouped_topk_kernel(
         group_of = experts // PER_GROUP
         groups = tl.arange(0, G_PAD)
         group_scores = tl.full([BLOCK_T, G_PAD], float("-inf"), tl.float32)
+        ranked = _ranked(choice)
         for g in tl.static_range(NUM_GROUPS):
             in_group = available & (group_of == g)[None, :]
-            first, first_idx = _pick(choice, in_group, experts, E_PAD)
+            first, first_idx = _pick(ranked, in_group, experts, E_PAD)
             score = first
             if HAS_BIAS:
                 if PER_GROUP > 1:
-                    second, _ = _pick(choice, in_group & (experts[None, :] != first_idx[:, None]), experts, E_PAD)
-                    score = first + second
+                    second, _ = _pick(ranked, in_group & (experts[None, :] != first_idx[:, None]), experts, E_PAD)
+                    score = _ranked(first + second)  # +inf + -inf ranks -inf
             group_scores = tl.where(groups[None, :] == g, score[:, None], group_scores)
         group_open = (groups < NUM_GROUPS)[None, :] & (tokens >= 0)[:, None]
         expert_kept = available & (experts < 0)[None, :]  # all False, [BLOCK_T, E_PAD]
@@ -86,12 +98,12 @@ def _grouped_topk_kernel(
     slots = tl.arange(0, K_PAD)
     out_w = tl.zeros([BLOCK_T, K_PAD], tl.float32)
     out_id = tl.zeros([BLOCK_T, K_PAD], tl.int32)
+    ranked = _ranked(choice)
+    # Weighted by the unbiased score, or the chosen value itself (NaN kept) when there is no bias.
+    weighed = scores if HAS_BIAS else choice
     for j in tl.static_range(TOP_K):
-        best, chosen = _pick(choice, available, experts, E_PAD)
-        if HAS_BIAS:
-            weight = tl.sum(tl.where(experts[None, :] == chosen[:, None], scores, 0.0), axis=1)
-        else:
-            weight = best
+        _, chosen = _pick(ranked, available, experts, E_PAD)
+        weight = tl.sum(tl.where(experts[None, :] == chosen[:, None], weighed, 0.0), axis=1)
         out_w = tl.where(slots[None, :] == j, weight[:, None], out_w)
         out_id = tl.where(slots[None, :] == j, chosen[:, None], out_id)
         available = available & (experts[None, :] != chosen[:, None])

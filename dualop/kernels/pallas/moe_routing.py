@@ -10,6 +10,10 @@ among equal values, the lowest expert index (a lane ``min`` over the indices hol
 taken expert is removed by a mask, not by writing -inf, so values already -inf (masked groups)
 still tie-break by index as ``top_k`` does. Groups are reduced with lane masks (one static pass per
 group), so no in-kernel reshape of the expert axis is needed.
+
+Non-finite values follow ``moe_math``'s rule: NaN ranks as -inf (experts and group scores), so every
+pass finds a lane (ids stay in ``[0, E)``); the weights are the chosen values before ranking (a NaN
+score weighs NaN, as in the native body).
 """
 
 from __future__ import annotations
@@ -44,8 +48,14 @@ def grouped_topk_reference(gating_output, e_score_correction_bias=None, **option
     return moe_math.route(xp, gating_output, e_score_correction_bias=e_score_correction_bias, **options)
 
 
+def _ranked(values):
+    """``values`` with NaN as -inf (``moe_math``'s ranking rule)."""
+    return jnp.where(values == values, values, -jnp.inf)
+
+
 def _first_max(values, taken, lane):
-    """(max over the lanes not ``taken``, the lowest such lane holding it), each ``[rows, 1]``.
+    """(max over the lanes not ``taken``, the lowest such lane holding it), each ``[rows, 1]``;
+    ``values`` hold no NaN (``_ranked``).
 
     ``lane`` is the float32 lane index (exact below 2**24): float lane reductions are what every
     TPU generation's vector unit has."""
@@ -62,13 +72,14 @@ def _group_mask(choice, lane, *, num_groups: int, per_group: int, topk_group: in
     (``moe_math.route``); groups are chosen with the same tie rule as experts. Group scores are
     kept as ``num_groups`` columns ``[rows, 1]`` (a handful), so everything stays elementwise."""
     group_of_lane = jnp.floor(lane / per_group)
+    ranked = _ranked(choice)
     scores = []
     for g in range(num_groups):
         outside = group_of_lane != g
-        first, at = _first_max(choice, outside, lane)
+        first, at = _first_max(ranked, outside, lane)
         if has_bias and per_group > 1:
-            second, _ = _first_max(choice, outside | (lane == at), lane)
-            first = first + second
+            second, _ = _first_max(ranked, outside | (lane == at), lane)
+            first = _ranked(first + second)  # +inf + -inf ranks -inf
         scores.append(first)
     kept = [jnp.zeros(scores[0].shape, jnp.bool_) for _ in range(num_groups)]
     for _ in range(min(topk_group, num_groups)):
@@ -102,12 +113,14 @@ def _kernel(*refs, top_k: int, renormalize: bool, num_expert_group: int, topk_gr
     weights = jnp.zeros((rows, top_k), jnp.float32)
     ids = jnp.zeros((rows, top_k), jnp.float32)
     taken = jnp.zeros((rows, num_experts), jnp.bool_)
+    ranked = _ranked(choice)
+    # Weighted by the unbiased score, or the chosen value itself (NaN kept) when there is no bias.
+    weighed = choice if bias_ref is None else scores
     for j in range(top_k):
-        best, at = _first_max(choice, taken, lane)
+        _, at = _first_max(ranked, taken, lane)
         hit = lane == at
         taken = taken | hit
-        # Weighted by the unbiased score (the chosen value itself when there is no bias).
-        weight = best if bias_ref is None else jnp.sum(jnp.where(hit, scores, 0.0), axis=-1, keepdims=True)
+        weight = jnp.sum(jnp.where(hit, weighed, 0.0), axis=-1, keepdims=True)
         weights = jnp.where(slot == j, weight, weights)
         ids = jnp.where(slot == j, at, ids)
     if renormalize:

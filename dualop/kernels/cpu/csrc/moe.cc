@@ -25,7 +25,9 @@
 // difference is exact in float32), the rows the kernel above takes; lo = 0 where hi is infinite.
 //
 // dualop_grouped_topk: moe_math.route per row: softmax or sigmoid scores, optional correction bias,
-// optional expert groups, top-k with ties to the lower index, renormalisation and scaling.
+// optional expert groups, top-k with ties to the lower index, renormalisation and scaling. NaN ranks
+// as -inf (experts and group scores; moe_math's rule), so every pick finds an index in [0, E); the
+// weights are the chosen values before ranking (a NaN score weighs NaN).
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -300,12 +302,16 @@ DUALOP_INLINE float score_of(T logit, int scoring) {
   return scoring == 1 ? sigmoid_f32(v) : v;  // softmax is finished per row below
 }
 
-// Index of the largest value among the not-taken entries; ties (and -inf) go to the lower index.
+// What routing ranks: NaN as -inf.
+DUALOP_INLINE float ranked(float v) { return v != v ? -std::numeric_limits<float>::infinity() : v; }
+
+// Index of the largest ranked value among the not-taken entries; ties (-inf and NaN included) go to
+// the lower index.
 DUALOP_INLINE int64_t arg_max_free(const float* v, const uint8_t* taken, int64_t count) {
   int64_t best = -1;
   for (int64_t i = 0; i < count; ++i) {
     if (taken[i]) continue;
-    if (best < 0 || v[i] > v[best]) best = i;
+    if (best < 0 || ranked(v[i]) > ranked(v[best])) best = i;
   }
   return best;
 }
@@ -340,7 +346,7 @@ static void grouped_topk(const T* logits, const float* bias, float* weights, int
         const int64_t per = experts / groups;
         for (int64_t g = 0; g < groups; ++g) {
           const float* c = choice.data() + g * per;
-          float best = neg_inf, second = neg_inf;
+          float best = neg_inf, second = neg_inf;  // NaN never compares greater: it ranks as -inf
           for (int64_t i = 0; i < per; ++i) {
             if (c[i] > best) {
               second = best;
@@ -349,7 +355,7 @@ static void grouped_topk(const T* logits, const float* bias, float* weights, int
               second = c[i];
             }
           }
-          group_score[g] = (bias && per > 1) ? best + second : best;
+          group_score[g] = (bias && per > 1) ? best + second : best;  // +inf + -inf: NaN, ranked -inf
           group_taken[g] = 0;
         }
         const int keep = topk_group < groups ? topk_group : static_cast<int>(groups);
