@@ -61,8 +61,10 @@ def from_pretrained(path: str | os.PathLike, frontend: str = "torch", dtype: Any
     ``max_num_batched_tokens`` and ``page_size`` size the caches and the batch (``ServingConfig``).
     ``progress(name)`` is called after each parameter is loaded.
 
-    Errors (``ValueError``, nothing loaded): an architecture not in ``ARCHITECTURES``, a missing
-    tensor or one of the wrong shape (``CheckpointError`` lists them), a bad option."""
+    Errors (``ValueError``, nothing loaded): an architecture not in ``ARCHITECTURES``, a quantized
+    checkpoint (a ``quantization_config`` in config.json or tensors of a quantized dtype: dualop reads
+    float checkpoints only, for now), a missing tensor or one of the wrong shape (``CheckpointError``
+    lists them), a bad option."""
     import importlib
 
     from dualop.models.frontends import make_frontend
@@ -76,6 +78,7 @@ def from_pretrained(path: str | os.PathLike, frontend: str = "torch", dtype: Any
     if target is None:
         raise ValueError(f"from_pretrained: architecture {arch!r} (config.json of {ckpt.path!r}) is not supported; "
                          f"supported: {', '.join(sorted(ARCHITECTURES))}")
+    ckpt.refuse_quantized()
     serving = ServingConfig(max_model_len, max_num_seqs, max_num_batched_tokens, page_size)
     dtype_name = _dtype_name(dtype, ckpt.config)
     fe = make_frontend(frontend, tp)

@@ -4,7 +4,10 @@
 ``Checkpoint(path)`` reads the config and every file's header (names, shapes, dtypes) up front;
 ``check(expected)`` compares the tensors a model needs with what is there and raises one
 ``ValueError`` listing every missing tensor and every wrong shape, before any tensor is read, so
-a bad checkpoint never leaves a model half-loaded. ``get(name, framework)`` then reads one tensor
+a bad checkpoint never leaves a model half-loaded. ``refuse_quantized()`` refuses, also before any
+tensor is read, a quantized checkpoint (a ``quantization_config`` in config.json, or float8 / 8-,
+16- or 32-bit integer tensors): dualop reads float checkpoints only, and reading quantized weights
+as floats would give wrong logits (torch) or fail on a dtype numpy lacks (jax). ``get(name, framework)`` then reads one tensor
 as a torch tensor (``"pt"``) or a jax array (``"flax"``), in the checkpoint's dtype.
 """
 
@@ -15,7 +18,12 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["Checkpoint", "CheckpointError"]
+__all__ = ["Checkpoint", "CheckpointError", "QUANTIZED_DTYPES"]
+
+# safetensors dtypes that hold quantized weights or their packed codes (float8, 4/6-bit floats,
+# integers up to 32 bits); int64 and bool tensors are buffers (ids, masks) in float checkpoints too.
+QUANTIZED_DTYPES = frozenset({"F8_E4M3", "F8_E5M2", "F8_E8M0", "F6_E2M3", "F6_E3M2", "F4", "I8", "U8", "I16", "U16",
+                              "I32", "U32"})
 
 
 class CheckpointError(ValueError):
@@ -53,6 +61,24 @@ class Checkpoint:
                     self.dtypes[key] = str(view.get_dtype())
                     self._file_of[key] = file
         self._handles: dict[tuple[str, str], Any] = {}
+
+    def refuse_quantized(self) -> None:
+        """Raise a ``CheckpointError`` for a quantized checkpoint (see the module docstring), naming
+        its quantization method (``quant_method``) or the first tensors of a quantized dtype."""
+        quant = self.config.get("quantization_config")
+        if quant is not None:
+            method = quant.get("quant_method", "?") if isinstance(quant, Mapping) else "?"
+            raise CheckpointError(
+                f"from_pretrained: the checkpoint {self.path!r} is quantized (config.json has a quantization_config, "
+                f"quant_method {method!r}); dualop does not read quantized checkpoints yet: use a float (float32, "
+                f"bfloat16 or float16) checkpoint of the model; nothing was loaded")
+        quantized = [f"{name} ({dtype})" for name, dtype in self.dtypes.items() if dtype in QUANTIZED_DTYPES]
+        if quantized:
+            raise CheckpointError(
+                f"from_pretrained: the checkpoint {self.path!r} holds tensors of quantized dtypes ({len(quantized)}: "
+                + ", ".join(quantized[:4]) + (" ..." if len(quantized) > 4 else "")
+                + ") though config.json has no quantization_config; dualop does not read quantized checkpoints yet: "
+                  "use a float (float32, bfloat16 or float16) checkpoint of the model; nothing was loaded")
 
     def check(self, expected: Mapping[str, tuple[int, ...]]) -> None:
         """Raise a ``CheckpointError`` naming every tensor of ``expected`` ({name: shape}) that is

@@ -14,6 +14,7 @@ from dualop.platforms import family_of, frontend_of
 __all__ = [
     "FLOAT_DTYPES", "dtype_name", "check_array", "check_optional_like", "records_grad", "cpu_declines",
     "decline_if_recording", "concrete_values", "check_positive_int", "checked_before", "remember_checked",
+    "check_writable_cache", "check_finite_float",
 ]
 
 # The floating dtypes every dualop kernel takes.
@@ -32,6 +33,26 @@ def check_positive_int(op: str, name: str, value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value <= 0:
         raise ValueError(f"{op}: {name} must be a positive int, got {value!r}")
     return int(value)
+
+
+def check_finite_float(op: str, name: str, value: Any, *, minimum: float | None = None,
+                       positive: bool = False) -> float:
+    """A constructor's float argument: a finite real number (ints and numpy floats too, bools not),
+    ``> 0`` if ``positive``, ``>= minimum`` if given; NaN and infinities are refused."""
+    import math
+
+    import numpy as np
+
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
+        raise ValueError(f"{op}: {name} must be a finite float, got {value!r}")
+    number = float(value)
+    if not math.isfinite(number):
+        raise ValueError(f"{op}: {name} must be a finite float, got {value!r}")
+    if positive and not number > 0:
+        raise ValueError(f"{op}: {name} must be a finite float > 0, got {value!r}")
+    if minimum is not None and not number >= minimum:
+        raise ValueError(f"{op}: {name} must be a finite float >= {minimum}, got {value!r}")
+    return number
 
 
 def _describe(x: Any) -> str:
@@ -138,48 +159,111 @@ def concrete_values(x: Any):
 
 # --- value checks already passed --------------------------------------------------------------------
 # A value check (one that reads an array's values: metadata, slots, positions) is a pure function of
-# the values and a few ints. A model passes the same step's metadata to every layer, so the same
-# unchanged arrays reach the same check once per layer; the check remembers the arrays it last
-# passed and skips them. "Unchanged": the very same objects (held by weak reference, so a freed
-# array's id cannot be mistaken for it), with the same torch version counter (every in-place
-# torch write bumps it) and data pointer; jax arrays are immutable. A write that bypasses torch's
-# version counter (through a numpy view of the tensor) is not seen: the kernels clamp every index
-# they read anyway, so such a change gives wrong numbers, never an out-of-bounds access.
+# the values, their shapes and dtypes and a few ints. A model passes the same step's metadata to every
+# layer, so the same values reach the same check once per layer; the check remembers a copy of the
+# values it last passed (torch: a clone on the tensor's device; jax: a numpy copy) and skips only
+# when the current values equal it, one comparison pass, cheaper than the check. Identity and
+# torch's version counter would not do: a write through numpy (``torch.from_numpy``, ``.numpy()``),
+# DLPack (a jax array sharing a torch tensor's memory) or ``.data`` changes the values without a
+# version bump. Arrays whose values cannot be read (tracers, lazy and fake tensors, a CUDA graph
+# being captured) are never remembered, so they never skip.
 _LAST_CHECKED: dict[str, tuple] = {}
 
 
-def _identity(arrays: tuple) -> tuple | None:
-    import weakref
+def _readable_torch(a: Any) -> bool:
+    """Whether a plain torch tensor's values can be compared now (not meta or fake, not inside
+    torch.compile's trace or a CUDA graph capture)."""
+    import torch
 
-    out = []
-    for a in arrays:
-        if getattr(a, "is_inference", None) is not None and a.is_inference():
-            return None  # made under torch.inference_mode: no version counter to see a later write
-        try:
-            ref = weakref.ref(a)
-        except TypeError:
-            return None
-        version = getattr(a, "_version", None)
-        pointer = a.data_ptr() if hasattr(a, "data_ptr") else None
-        out.append((ref, version, pointer))
-    return tuple(out)
+    if a.device.type == "meta" or torch.compiler.is_compiling():
+        return False
+    if isinstance(a, torch._subclasses.FakeTensor):
+        return False
+    return not (a.device.type == "cuda" and torch.cuda.is_current_stream_capturing())
+
+
+def _snapshot(a: Any) -> Any:
+    """A private copy of ``a``'s values to compare later, or None where they cannot be read."""
+    fe = frontend_of(a)
+    if fe == "torch":
+        return a.detach().clone() if _readable_torch(a) else None
+    if fe == "jax":
+        import numpy as np
+
+        values = concrete_values(a)
+        return None if values is None else np.array(values, copy=True)
+    return None
+
+
+def _same_values(snapshot: Any, a: Any) -> bool:
+    """Whether ``a`` holds exactly ``snapshot``'s values (same shape and dtype)."""
+    fe = frontend_of(a)
+    if fe == "torch":
+        import torch
+
+        if not isinstance(snapshot, torch.Tensor) or not _readable_torch(a):
+            return False
+        if a.dtype != snapshot.dtype or a.shape != snapshot.shape or a.device != snapshot.device:
+            return False
+        return bool(torch.equal(a.detach(), snapshot))
+    if fe == "jax":
+        import numpy as np
+
+        values = concrete_values(a)
+        return (isinstance(snapshot, np.ndarray) and values is not None and values.dtype == snapshot.dtype
+                and values.shape == snapshot.shape and bool(np.array_equal(values, snapshot)))
+    return False
 
 
 def checked_before(check: str, arrays: tuple, params: tuple) -> bool:
-    """Whether value check ``check`` last passed on these very ``arrays``, unchanged since, with
-    the same ``params`` (see above)."""
+    """Whether value check ``check`` last passed with the same ``params`` on arrays holding exactly
+    the values ``arrays`` hold now (see above)."""
     last = _LAST_CHECKED.get(check)
-    if last is None or last[1] != params or len(last[0]) != len(arrays):
+    if last is None or last[0] != params or len(last[1]) != len(arrays):
         return False
-    for (ref, version, pointer), a in zip(last[0], arrays):
-        if ref() is not a or (version is not None and a._version != version) or (
-                pointer is not None and a.data_ptr() != pointer):
-            return False
-    return True
+    return all(_same_values(snapshot, a) for snapshot, a in zip(last[1], arrays))
 
 
 def remember_checked(check: str, arrays: tuple, params: tuple) -> None:
-    """Record that value check ``check`` passed on ``arrays`` with ``params``."""
-    identity = _identity(arrays)
-    if identity is not None:
-        _LAST_CHECKED[check] = (identity, params)
+    """Record that value check ``check`` passed on ``arrays``' current values with ``params``."""
+    snapshots = tuple(_snapshot(a) for a in arrays)
+    if any(s is None for s in snapshots):
+        _LAST_CHECKED.pop(check, None)
+        return
+    _LAST_CHECKED[check] = (params, snapshots)
+
+
+# --- caches written in place ------------------------------------------------------------------------
+
+
+def check_writable_cache(op: str, arg: str, cache: Any) -> None:
+    """Refuse, before anything is written, a torch cache that an in-place write would fail on (or
+    corrupt) partway: an inference tensor outside ``torch.inference_mode()``, a leaf tensor (or a
+    view of one) that requires grad while grad mode is on, or a tensor whose elements overlap in
+    memory (an ``expand``-ed one). torch raises on the first two only after a kernel of dualop's
+    own (Triton, Pallas, C++) has written the rows, or not at all. jax arrays are never written in
+    place: nothing to check."""
+    if frontend_of(cache) is None or family_of(frontend_of(cache)) != "torch":
+        return
+    import torch
+
+    if cache.is_inference() and not torch.is_inference_mode_enabled():
+        raise ValueError(
+            f"{op}: argument '{arg}' is an inference tensor (made under torch.inference_mode()) and this call is "
+            f"outside inference mode, where torch forbids writing it in place; call the op inside "
+            f"torch.inference_mode(), or allocate the cache outside it"
+        )
+    if torch.is_grad_enabled() and cache.requires_grad:
+        base = cache._base if cache._base is not None else cache
+        if base.is_leaf and base.requires_grad:
+            raise ValueError(
+                f"{op}: argument '{arg}' is {'a view of ' if base is not cache else ''}a leaf tensor that requires "
+                f"grad, which autograd forbids writing in place; a cache is state, not a parameter: allocate it "
+                f"with requires_grad=False (or call under torch.no_grad())"
+            )
+    if any(stride == 0 and size > 1 for stride, size in zip(cache.stride(), cache.shape)):
+        raise ValueError(
+            f"{op}: argument '{arg}' has overlapping elements (stride 0 in shape {tuple(cache.shape)}, strides "
+            f"{tuple(cache.stride())}: an expanded tensor); expected a cache with one memory location per element "
+            f"(pass .contiguous() or allocate it whole)"
+        )

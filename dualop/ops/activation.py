@@ -3,6 +3,7 @@ kernel family per platform, with the activation as a parameter."""
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from dualop.backends import array_namespace
@@ -141,6 +142,8 @@ class FatreluAndMul(_GatedActivation):
         super().__init__(enforce_enable=enforce_enable)
         if isinstance(threshold, bool) or not isinstance(threshold, (int, float)):
             raise TypeError(f"fatrelu_and_mul: threshold must be a float, got {threshold!r}")
+        if not math.isfinite(threshold):
+            raise ValueError(f"fatrelu_and_mul: threshold must be a finite float, got {threshold!r}")
         self.threshold = float(threshold)
         self.spec = GateSpec("fatrelu", threshold=self.threshold)
 
@@ -155,6 +158,8 @@ class SwigluOAIAndMul(_GatedActivation):
         for name, value in (("alpha", alpha), ("limit", limit)):
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 raise TypeError(f"swigluoai_and_mul: {name} must be a float, got {value!r}")
+            if not math.isfinite(value):
+                raise ValueError(f"swigluoai_and_mul: {name} must be a finite float, got {value!r}")
         if not limit > 0:
             raise ValueError(f"swigluoai_and_mul: limit must be positive, got {limit!r}")
         self.alpha, self.limit = float(alpha), float(limit)

@@ -186,12 +186,37 @@ class _ConvNd(CustomOp):
         if bias is not None and not self.has_bias:
             raise ValueError(f"{op}: argument 'bias' must be None for an op built with bias=False")
         check_optional_like(op, "bias", bias, "x", x, fe, shape=(self.out_channels,), same_dtype=True)
+        self._check_padding_fits(op, x)
         padded = [s + lo + hi for s, (lo, hi) in zip(x.shape[2:], self.padding)]
         spans = [d * (k - 1) + 1 for k, d in zip(self.kernel_size, self.dilation)]
         if any(p < span for p, span in zip(padded, spans)):
             raise ValueError(
                 f"{op}: argument 'x' has spatial size {tuple(x.shape[2:])}, padded {tuple(padded)}, smaller than "
                 f"the dilated kernel {tuple(spans)}"
+            )
+
+    def _check_padding_fits(self, op: str, x: Any) -> None:
+        """Reflect, circular and replicate padding read x's own rows, so each pad has a limit in x's
+        spatial size: reflect ``pad < size`` (the edge row is not repeated), circular ``pad <= size``
+        (one wrap), replicate ``size >= 1``; torch's ``F.pad`` refuses more (and jnp.pad would
+        reflect or wrap again, a different answer), so both frontends are refused here."""
+        if self.padding_mode == "zeros":
+            return
+        for dim, (size, (lo, hi)) in enumerate(zip(x.shape[2:], self.padding)):
+            pad = max(lo, hi)
+            if pad == 0:
+                continue
+            if self.padding_mode == "reflect" and pad >= size:
+                limit = f"padding < the input's size, here at most {size - 1}"
+            elif self.padding_mode == "circular" and pad > size:
+                limit = f"padding <= the input's size, here at most {size}"
+            elif self.padding_mode == "replicate" and size == 0:
+                limit = "a non-empty input to replicate"
+            else:
+                continue
+            raise ValueError(
+                f"{op}: argument 'x' has spatial size {size} in dim {dim + 2} (shape {tuple(x.shape)}), too small for "
+                f"padding {pad} with padding_mode={self.padding_mode!r}; expected {limit}"
             )
 
     # ---------------------------------------------------------------- the reference

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from dualop.backends import array_namespace
@@ -57,6 +58,8 @@ class RMSNormGated(CustomOp):
             raise ValueError(f"rms_norm_gated: hidden_size must be a positive int, got {hidden_size!r}")
         if not isinstance(eps, (int, float)) or isinstance(eps, bool) or not eps >= 0:
             raise ValueError(f"rms_norm_gated: eps must be a non-negative float, got {eps!r}")
+        if not math.isfinite(eps):
+            raise ValueError(f"rms_norm_gated: eps must be a non-negative float, got {eps!r}; expected a finite value")
         if group_size is not None:
             if not _positive_int(group_size):
                 raise ValueError(f"rms_norm_gated: group_size must be None or a positive int, got {group_size!r}")

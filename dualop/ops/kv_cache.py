@@ -9,7 +9,9 @@ serving engine's op that stores a step's new keys and values in the paged cache
   ``ragged_paged_attention`` reads them: key head h goes to combined head 2h, value head h to 2h+1.
 - ``slot_mapping``: int32/int64 ``[T]``; token t goes to page ``slot // page_size``, offset
   ``slot % page_size``. Negative slots are padding: those tokens are skipped. Two tokens with one
-  slot leave either's row (unspecified, as in the reference engine).
+  slot: the last of them in token order wins, on every path (the reference engine leaves it
+  unspecified; here each path first drops every token a later token overwrites, see ``last_writes``,
+  so no kernel ever sees two writers of one slot).
 
 Returns the updated cache. torch (every torch device) updates ``kv_pages`` IN PLACE and returns it
 (the same tensor). JAX arrays are immutable: a new array is returned; under ``jax.jit`` pass the
@@ -18,11 +20,15 @@ instead of copying the whole cache. The torch frontends that reach the Pallas ke
 torchax) get its new array back and write it into ``kv_pages`` with ``kv_pages.copy_(new)``, so
 they too see the update in place (the same contents as the jax result).
 
-Validation before any kernel: shapes, dtypes, one device, and for arrays whose values are at hand
+Validation before anything is written: shapes, dtypes, one device, a torch cache that can be written
+in place (``check_writable_cache``: not an inference tensor outside inference mode, not a leaf that
+requires grad while grad is on, no overlapping elements), and for arrays whose values are at hand
 (torch CPU/CUDA tensors, concrete jax arrays) ``max(slot_mapping) < num_pages * page_size`` (on CUDA
-that reads one value back; not while a CUDA graph is being captured); lazy or traced slot mappings
+that reads the slots back; not while a CUDA graph is being captured); lazy or traced slot mappings
 (torch_xla, torchax, torch.compile, ``jax.jit``) are not read. Every path drops a slot
-outside ``[0, num_pages * page_size)`` rather than writing out of bounds.
+outside ``[0, num_pages * page_size)`` rather than writing out of bounds. Reading the slots also
+tells whether two tokens share one; when none do (the usual step) the paths skip the sort
+``last_writes`` would otherwise run.
 
 Kernels: Pallas (``kernels/pallas/reshape_and_cache.py``: per-token DMAs into the HBM cache,
 input/output aliased), Triton (``kernels/cuda/reshape_and_cache.py``: in place), and on the torch
@@ -32,6 +38,7 @@ CPU ``index_copy_`` of the kept rows into the flattened cache (faster here than 
 
 from __future__ import annotations
 
+import threading
 from typing import Any, ClassVar
 
 from dualop.backends import array_namespace
@@ -40,41 +47,75 @@ from dualop.backends.xla.pallas_bridge import call_pallas
 from dualop.custom_op import CustomOp
 from dualop.kernels.registry import KernelRef
 from dualop.ops._checks import (
-    check_array, check_optional_like, checked_before, cpu_declines, dtype_name, remember_checked,
+    check_array, check_optional_like, check_writable_cache, checked_before, concrete_values, cpu_declines, dtype_name,
+    remember_checked,
 )
 from dualop.platforms import family_of, frontend_of
 
-__all__ = ["ReshapeAndCache"]
+__all__ = ["ReshapeAndCache", "last_writes"]
 
 _PALLAS_RESHAPE_AND_CACHE = KernelRef("dualop.kernels.pallas.reshape_and_cache", "reshape_and_cache")
 _TRITON_RESHAPE_AND_CACHE = KernelRef("dualop.kernels.cuda.reshape_and_cache", "reshape_and_cache")
 _SLOT_DTYPES = ("int32", "int64")
 
 
-def _known_max(slot_mapping: Any, frontend: str) -> int | None:
-    """``max(slot_mapping)`` where its values are at hand without a device sync of a lazy graph
-    or a trace: torch CPU/CUDA tensors and concrete jax arrays; None otherwise."""
+def _known_slots(slot_mapping: Any, frontend: str) -> Any:
+    """``slot_mapping``'s values as numpy where they are at hand without a device sync of a lazy
+    graph or a trace: torch CPU/CUDA tensors and concrete jax arrays; None otherwise."""
     if frontend == "torch":
-        if slot_mapping.device.type not in ("cpu", "cuda"):
-            return None
         import torch
 
-        if torch.compiler.is_compiling() or isinstance(slot_mapping, torch._subclasses.FakeTensor):
+        if slot_mapping.device.type not in ("cpu", "cuda") or torch.compiler.is_compiling():
             return None
-        if slot_mapping.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return None  # a CUDA graph being captured cannot read a value back
-        return int(slot_mapping.max())
-    if frontend == "jax":
-        import jax
-
-        if isinstance(slot_mapping, jax.core.Tracer):
+        if isinstance(slot_mapping, torch._subclasses.FakeTensor):
             return None
-        import numpy as np
+    elif frontend != "jax":
+        return None
+    # (concrete_values: None for jax tracers and a CUDA graph being captured; numpy, not jnp, for a
+    # concrete array closed over by jit or shard_map, where jnp would give a tracer)
+    return concrete_values(slot_mapping)
 
-        # numpy, not jnp: inside a trace (a concrete array closed over by jit or shard_map) jnp.max
-        # would give a tracer
-        return int(np.asarray(slot_mapping).max())
-    return None
+
+# The verdict of the last slot check on this thread: (slot_mapping, whether its kept slots are
+# distinct: True, False, or None when its values were not read). check_inputs sets it and the
+# method the same call runs takes it, so a step whose slots are known distinct skips the sort.
+_SLOT_VERDICT = threading.local()
+
+
+def _take_verdict(slot_mapping: Any) -> bool:
+    """Whether the check that just ran on this very ``slot_mapping`` found its kept slots distinct
+    (the verdict is taken: a later call checks again)."""
+    verdict = getattr(_SLOT_VERDICT, "last", None)
+    _SLOT_VERDICT.last = None
+    return verdict is not None and verdict[0] is slot_mapping and verdict[1] is True
+
+
+def last_writes(slot_mapping: Any) -> Any:
+    """``slot_mapping`` with -1 (skip) for every token whose slot a later token also writes, so the
+    last token in order wins on every path and no kernel sees two writers of one slot. A stable
+    sort by slot, then each run of equal slots keeps its last token (traceable: no data-dependent
+    shapes). Returns ``slot_mapping`` itself when this call's check read the slots and found
+    them distinct."""
+    if _take_verdict(slot_mapping):
+        return slot_mapping
+    tokens = slot_mapping.shape[0]
+    if tokens <= 1:
+        return slot_mapping
+    if family_of(frontend_of(slot_mapping)) == "torch":
+        import torch
+
+        order = torch.argsort(slot_mapping, stable=True)
+        ordered = slot_mapping[order]
+        last = torch.cat([ordered[1:] != ordered[:-1], torch.ones_like(ordered[:1], dtype=torch.bool)])
+        keep = torch.empty_like(last).scatter_(0, order, last)
+        return torch.where(keep, slot_mapping, torch.full_like(slot_mapping, -1))
+    import jax.numpy as jnp
+
+    order = jnp.argsort(slot_mapping, stable=True)
+    ordered = slot_mapping[order]
+    last = jnp.concatenate([ordered[1:] != ordered[:-1], jnp.ones((1,), bool)])
+    keep = jnp.zeros((tokens,), bool).at[order].set(last)
+    return jnp.where(keep, slot_mapping, jnp.asarray(-1, slot_mapping.dtype))
 
 
 @CustomOp.register("reshape_and_cache")
@@ -105,6 +146,7 @@ class ReshapeAndCache(CustomOp):
         num_pages, page_size = kv_pages.shape[:2]
         check_optional_like(op, "kv_pages", kv_pages, "key", key, fe,
                             shape=(num_pages, page_size, 2 * heads, head_dim), same_dtype=True)
+        check_writable_cache(op, "kv_pages", kv_pages)
         self._check_slot_mapping(op, slot_mapping, key, fe, tokens, num_pages * page_size)
 
     @staticmethod
@@ -124,16 +166,35 @@ class ReshapeAndCache(CustomOp):
         if tuple(slot_mapping.shape) != (tokens,):
             raise ValueError(f"{op}: argument 'slot_mapping' has shape {tuple(slot_mapping.shape)}; expected ({tokens},) "
                              f"(one slot per token of 'key')")
-        if tokens and not checked_before("slot_mapping", (slot_mapping,), (capacity,)):
-            top = _known_max(slot_mapping, fe)
-            if top is not None and top >= capacity:
-                raise ValueError(f"{op}: argument 'slot_mapping' holds slot {top}; expected slots below "
-                                 f"num_pages * page_size = {capacity} (negative slots are skipped)")
-            if top is not None:
-                remember_checked("slot_mapping", (slot_mapping,), (capacity,))  # the next layer's write: no read
+        _SLOT_VERDICT.last = (slot_mapping, ReshapeAndCache._slot_values(op, slot_mapping, fe, tokens, capacity))
+
+    @staticmethod
+    def _slot_values(op: str, slot_mapping: Any, fe: str, tokens: int, capacity: int) -> bool | None:
+        """Check the slots' values where they are at hand; return whether the kept (non-negative)
+        slots are distinct, None when the values were not read. Remembered per step (see
+        ``checked_before``): the next layer's write compares instead of checking again."""
+        if not tokens:
+            return True
+        for verdict in (True, False):
+            if checked_before("slot_mapping", (slot_mapping,), (capacity, verdict)):
+                return verdict
+        values = _known_slots(slot_mapping, fe)
+        if values is None:
+            return None
+        import numpy as np
+
+        top = int(values.max())
+        if top >= capacity:
+            raise ValueError(f"{op}: argument 'slot_mapping' holds slot {top}; expected slots below "
+                             f"num_pages * page_size = {capacity} (negative slots are skipped)")
+        kept = np.sort(values[values >= 0])
+        distinct = not bool((kept[1:] == kept[:-1]).any())
+        remember_checked("slot_mapping", (slot_mapping,), (capacity, distinct))
+        return distinct
 
     def forward_native(self, key: Any, value: Any, kv_pages: Any, slot_mapping: Any) -> Any:
         xp = array_namespace(kv_pages)
+        slot_mapping = last_writes(slot_mapping)
         num_pages, page_size, combined, head_dim = kv_pages.shape
         rows = xp.reshape(xp.stack([key, value], axis=2), (key.shape[0], combined, head_dim))
         keep = (slot_mapping >= 0) & (slot_mapping < num_pages * page_size)
@@ -152,7 +213,7 @@ class ReshapeAndCache(CustomOp):
             raise NotImplementedError("reshape_and_cache: the CPU path views the cache flat and needs it contiguous")
         num_pages, page_size, combined, head_dim = kv_pages.shape
         rows = torch.stack((key, value), dim=2).reshape(key.shape[0], combined, head_dim)
-        slots = slot_mapping.to(torch.int64)
+        slots = last_writes(slot_mapping).to(torch.int64)
         keep = (slots >= 0) & (slots < num_pages * page_size)
         flat = kv_pages.view(num_pages * page_size, combined, head_dim)
         if bool(keep.all()):  # no padding token (a decode step): no masked copies of rows and slots
@@ -165,13 +226,13 @@ class ReshapeAndCache(CustomOp):
         fe = frontend_of(key)
         if fe == "torch" and kv_pages.stride(-1) != 1:
             raise NotImplementedError("reshape_and_cache: the Triton kernel writes a cache with a unit-strided last dim")
-        return call_triton(fe, _TRITON_RESHAPE_AND_CACHE, key, value, kv_pages, slot_mapping)
+        return call_triton(fe, _TRITON_RESHAPE_AND_CACHE, key, value, kv_pages, last_writes(slot_mapping))
 
     def forward_tpu(self, key: Any, value: Any, kv_pages: Any, slot_mapping: Any) -> Any:
         """The Pallas kernel; the torch frontends get its new array written back into ``kv_pages``
         (``copy_``), so torch callers see the update in place on every device."""
         fe = frontend_of(key)
-        new = call_pallas(fe, _PALLAS_RESHAPE_AND_CACHE, key, value, kv_pages, slot_mapping)
+        new = call_pallas(fe, _PALLAS_RESHAPE_AND_CACHE, key, value, kv_pages, last_writes(slot_mapping))
         if family_of(fe) == "torch":
             kv_pages.copy_(new)
             return kv_pages

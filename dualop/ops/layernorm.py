@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from dualop.backends import array_namespace
@@ -28,8 +29,11 @@ def _check_size(op: str, name: str, value: Any) -> int:
 
 
 def _check_eps(op: str, eps: Any) -> float:
+    """A finite ``eps >= 0`` (NaN or inf would make every output NaN or zero)."""
     if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps >= 0:
         raise ValueError(f"{op}: eps must be a non-negative float, got {eps!r}")
+    if not math.isfinite(eps):
+        raise ValueError(f"{op}: eps must be a non-negative float, got {eps!r}; expected a finite value")
     return float(eps)
 
 

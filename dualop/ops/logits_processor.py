@@ -4,6 +4,7 @@ cut to the base vocabulary, and the final soft cap and scale (issue 11)."""
 from __future__ import annotations
 
 import functools
+import math
 from typing import Any
 
 from dualop.backends import array_namespace
@@ -58,8 +59,9 @@ class LogitsProcessor(CustomOp):
     and the gather moves the final values in the input dtype.
 
     ``logits_as_input=True``: ``hidden_states`` are already the logits; no matmul, no gather, no
-    cut (as the engine), only the soft cap and scale. ``lm_head_weight`` is then ignored, but
-    dispatch reads the frontend off the first argument: pass an array there (the logits again).
+    cut (as the engine), only the soft cap and scale. ``lm_head_weight`` is then not read, but
+    dispatch reads the frontend off the first argument: pass a float array of ``hidden_states``'
+    frontend and device there (the logits again); anything else is refused.
 
     Paths: a fused kernel (the matmul with bias, soft cap and scale in its epilogue, one write of
     the logits) where there is an epilogue: Pallas on TPU, Triton on CUDA/ROCm, ``F.linear`` then
@@ -77,11 +79,14 @@ class LogitsProcessor(CustomOp):
         if org > vocab_size:
             raise ValueError(f"{op}: argument 'org_vocab_size' is {org}; expected at most vocab_size={vocab_size}")
         self.org_vocab_size = org
-        if isinstance(scale, bool) or not isinstance(scale, (int, float)) or scale != scale:
-            raise ValueError(f"{op}: argument 'scale' must be a float, got {scale!r}")
+        if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
+            raise ValueError(f"{op}: argument 'scale' must be a finite float, got {scale!r}")
         if soft_cap is not None and (isinstance(soft_cap, bool) or not isinstance(soft_cap, (int, float))
                                      or not soft_cap > 0):
             raise ValueError(f"{op}: argument 'soft_cap' must be None or a float > 0, got {soft_cap!r}")
+        if soft_cap is not None and not math.isfinite(soft_cap):
+            raise ValueError(f"{op}: argument 'soft_cap' must be None or a float > 0, got {soft_cap!r}; expected a "
+                             f"finite value (tanh(l / inf) * inf is NaN)")
         self.scale = float(scale)
         self.soft_cap = None if soft_cap is None else float(soft_cap)
         self.logits_as_input = bool(logits_as_input)
@@ -108,6 +113,12 @@ class LogitsProcessor(CustomOp):
             if embedding_bias is not None:
                 raise ValueError(f"{op}: argument 'embedding_bias' must be None with logits_as_input=True (the "
                                  "logits are given; the engine adds no bias to them)")
+            # unused, but dispatch picks the path by its frontend and device: they must be hidden_states'
+            if lm_head_weight is None:
+                raise ValueError(f"{op}: argument 'lm_head_weight' is required with logits_as_input=True too (it is "
+                                 "not read, but dispatch reads the frontend off it): pass the logits again")
+            check_optional_like(op, "lm_head_weight", lm_head_weight, "hidden_states", hidden_states, fe,
+                                shape=tuple(lm_head_weight.shape))
             return
         if lm_head_weight is None:
             raise ValueError(f"{op}: argument 'lm_head_weight' is required (this rank's [{self.shard_rows}, H] shard)")

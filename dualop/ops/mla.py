@@ -43,12 +43,13 @@ from dualop.custom_op import CustomOp
 from dualop.kernels.paged_attention_math import DEFAULT_MASK_VALUE
 from dualop.kernels.registry import KernelRef
 from dualop.ops._checks import (
-    check_array, check_optional_like, check_positive_int, concrete_values, cpu_declines, decline_if_recording,
+    check_array, check_optional_like, check_positive_int, check_writable_cache, concrete_values, cpu_declines,
+    decline_if_recording,
 )
 from dualop.ops.attention import (
     RaggedPagedAttention, check_metadata_shapes, check_metadata_values, paged_batch, row_sequences,
 )
-from dualop.ops.kv_cache import ReshapeAndCache
+from dualop.ops.kv_cache import ReshapeAndCache, last_writes
 from dualop.ops.layernorm import RMSNorm
 from dualop.ops.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 from dualop.ops.rotary import RotaryEmbedding
@@ -222,11 +223,13 @@ class ConcatAndCacheMLA(CustomOp):
                              f"(kv_lora_rank + rope_dim), got shape {tuple(latent_pages.shape)}")
         check_optional_like(op, "latent_pages", latent_pages, "kv_c", kv_c, fe, shape=tuple(latent_pages.shape),
                             same_dtype=True)
+        check_writable_cache(op, "latent_pages", latent_pages)
         num_pages, page_size, _ = latent_pages.shape
         ReshapeAndCache._check_slot_mapping(op, slot_mapping, kv_c, fe, tokens, num_pages * page_size)
 
     def forward_native(self, kv_c: Any, k_pe: Any, latent_pages: Any, slot_mapping: Any) -> Any:
         xp = array_namespace(latent_pages)
+        slot_mapping = last_writes(slot_mapping)  # two tokens with one slot: the last wins (reshape_and_cache's rule)
         num_pages, page_size, _ = latent_pages.shape
         row = xp.astype(xp.concat([kv_c, k_pe], axis=-1), latent_pages.dtype)
         keep = (slot_mapping >= 0) & (slot_mapping < num_pages * page_size)
@@ -260,7 +263,7 @@ class ConcatAndCacheMLA(CustomOp):
             raise NotImplementedError(f"{CACHE_OP}: the Triton path views the cache as K/V pairs and needs it "
                                       "contiguous")
         key, value, view = self._pair(kv_c, k_pe, latent_pages)
-        call_triton(fe, _TRITON_CACHE, key, value, view, slot_mapping)
+        call_triton(fe, _TRITON_CACHE, key, value, view, last_writes(slot_mapping))
         return latent_pages
 
     def forward_tpu(self, kv_c: Any, k_pe: Any, latent_pages: Any, slot_mapping: Any) -> Any:
@@ -268,7 +271,7 @@ class ConcatAndCacheMLA(CustomOp):
         frontends get the result written back into ``latent_pages`` (``copy_``)."""
         fe = frontend_of(kv_c)
         key, value, view = self._pair(kv_c, k_pe, latent_pages)
-        new = call_pallas(fe, _PALLAS_CACHE, key, value, view, slot_mapping).reshape(latent_pages.shape)
+        new = call_pallas(fe, _PALLAS_CACHE, key, value, view, last_writes(slot_mapping)).reshape(latent_pages.shape)
         if family_of(fe) == "torch":
             latent_pages.copy_(new)
             return latent_pages

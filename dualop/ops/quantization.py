@@ -23,7 +23,9 @@ share one scale.
 Dynamic (``static=False``): ``amax`` = max ``|x|`` over the tensor / each row / each ``g``
 consecutive columns of a row; with ``scale_ub`` (dynamic per-token only, one float32 element, as in
 the reference engine) ``amax = min(amax, scale_ub)``; ``scale = max(amax / 448, 1 / (448 * 512))``
-(the floor keeps all-zero rows finite). Static: the given ``scale`` is used as is.
+(the floor keeps all-zero rows finite). A NaN in ``x`` makes its amax NaN (torch's ``amax``), so
+its scale and every value sharing that scale are NaN, on every path. ``scale_ub`` must be a positive
+number (not NaN), checked where its value is at hand. Static: the given ``scale`` is used as is.
 Then ``x_q = fp8(clip(x * (1 / scale), -448, 448))``, all in float32, the cast rounding to nearest
 even. Zero tokens give empty outputs (per tensor: the floor scale).
 
@@ -55,7 +57,7 @@ from dualop.backends.torch.triton_launch import call_triton
 from dualop.backends.xla.pallas_bridge import call_pallas
 from dualop.custom_op import CustomOp
 from dualop.kernels.registry import KernelRef
-from dualop.ops._checks import check_array, check_optional_like, cpu_declines, dtype_name
+from dualop.ops._checks import check_array, check_optional_like, concrete_values, cpu_declines, dtype_name
 from dualop.platforms import frontend_of, platform_of
 
 __all__ = ["QuantFP8", "GroupShape", "Fp8Format", "E4M3FN", "E4M3FNUZ", "fp8_format", "FP8_MAX", "FP8_MIN_SCALE"]
@@ -240,6 +242,18 @@ def _div_by_fp8_max(xp, amax: Any, fp8_max: float = FP8_MAX) -> Any:
     return xp.where(res == res, q0 + res * (1.0 / 7.0), q0)
 
 
+def _abs_max(xp, xf: Any, axis: int, keepdims: bool, xla: bool) -> Any:
+    """``max(|xf|)`` over ``axis``, NaN where a NaN is among the elements, as torch's ``amax``
+    gives: a NaN makes its scale NaN and so every value that shares the scale. XLA's max reduction
+    may skip a NaN (its CPU backend does in vectorised float32 reductions), so for XLA-backed
+    arrays (``xla``) a separate reduction of a NaN flag decides."""
+    amax = xp.amax(xp.abs(xf), axis=axis, keepdims=keepdims)
+    if not xla:
+        return amax
+    seen = xp.amax(xp.astype(xf != xf, xp.float32), axis=axis, keepdims=keepdims)
+    return xp.where(seen > 0, float("nan"), amax)
+
+
 def _scale_shapes(group_shape: GroupShape, lead: tuple[int, ...], hidden: int) -> tuple[tuple[int, ...], ...]:
     """The static ``scale`` shapes accepted for ``x`` of shape ``(*lead, hidden)`` (first: canonical)."""
     if group_shape.is_per_tensor():
@@ -311,6 +325,10 @@ class QuantFP8(CustomOp):
                     f"this op is static={self.static}, group_shape={gs}"
                 )
             self._check_scalar_like("scale_ub", scale_ub, x, fe, ((), (1,), (1, 1)))
+            ub = concrete_values(scale_ub)
+            if ub is not None and not float(ub.reshape(())) > 0:
+                raise ValueError(f"quant_fp8: argument 'scale_ub' is {float(ub.reshape(()))}; expected a positive "
+                                 f"number (an upper bound on each token's amax; NaN would make every scale NaN)")
 
     @staticmethod
     def _check_scalar_like(arg: str, value: Any, x: Any, fe: str, shapes: tuple[tuple[int, ...], ...]) -> None:
@@ -334,14 +352,15 @@ class QuantFP8(CustomOp):
         if gs.is_per_group():
             xf = xf.reshape((*lead, hidden // gs.col, gs.col))  # (..., groups, g)
         if scale is None:
+            xla = frontend_of(x) != "torch"
             if gs.is_per_tensor():
                 if math.prod(x.shape) == 0:
                     amax = xp.asarray([0.0], like=xf, dtype=xp.float32)
                 else:
                     # a 1-D reduction over axis 0 (torch_xla's amax of no dims reduces none)
-                    amax = xp.amax(xp.abs(xf.reshape((-1,))), axis=0, keepdims=True)
+                    amax = _abs_max(xp, xf.reshape((-1,)), 0, True, xla)
             else:  # per token: (..., 1); group: (..., groups)
-                amax = xp.amax(xp.abs(xf), axis=-1, keepdims=gs.is_per_token())
+                amax = _abs_max(xp, xf, -1, gs.is_per_token(), xla)
                 if scale_ub is not None:
                     amax = xp.minimum(amax, xp.astype(scale_ub, xp.float32).reshape(()))
             scale = xp.maximum(_div_by_fp8_max(xp, amax, fmt.max), fmt.min_scale)

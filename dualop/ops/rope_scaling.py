@@ -16,12 +16,13 @@ from __future__ import annotations
 
 import math
 import threading
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 
 from dualop.backends import array_namespace
-from dualop.ops._checks import check_array, concrete_values
+from dualop.ops._checks import check_array, check_finite_float, concrete_values
 from dualop.ops.rotary import (
     INT_DTYPES, DualChunkRotaryEmbedding, RotaryEmbedding, check_positive_float, check_positive_int, dtype_label,
 )
@@ -271,11 +272,14 @@ class YaRNScalingRotaryEmbedding(RotaryEmbedding):
     ) -> None:
         who = _who(type(self))
         self.scaling_factor = check_positive_float(who, "scaling_factor", scaling_factor)
-        self.extrapolation_factor = float(extrapolation_factor)
+        self.extrapolation_factor = check_finite_float(who, "extrapolation_factor", extrapolation_factor)
         self.attn_factor = check_positive_float(who, "attn_factor", attn_factor)
         self.beta_fast = check_positive_float(who, "beta_fast", beta_fast)
         self.beta_slow = check_positive_float(who, "beta_slow", beta_slow)
         self.truncate = bool(truncate)
+        for name, value in (("mscale", mscale), ("mscale_all_dim", mscale_all_dim)):
+            if value is not None:
+                check_finite_float(who, name, value)
         self.mscale = float(self._magnitude(mscale, mscale_all_dim, apply_yarn_scaling) * self.attn_factor)
         super().__init__(head_size, rotary_dim, max_position_embeddings, base, is_neox_style, dtype,
                          enforce_enable=enforce_enable)
@@ -411,7 +415,7 @@ class Phi3LongRoPEScaledRotaryEmbedding(RotaryEmbedding):
             who, "original_max_position_embeddings", original_max_position_embeddings)
         half = int(rotary_dim) // 2 if isinstance(rotary_dim, (int, np.integer)) else None
         for name, factors in (("short_factor", short_factor), ("long_factor", long_factor)):
-            if not isinstance(factors, (list, tuple)) or (half is not None and len(factors) != half):
+            if not isinstance(factors, (list, tuple, np.ndarray)) or (half is not None and len(factors) != half):
                 raise ValueError(f"{who}: {name} must be a list of rotary_dim // 2 = {half} numbers, got {factors!r}")
             for f in factors:
                 check_positive_float(who, name, f)
@@ -420,8 +424,8 @@ class Phi3LongRoPEScaledRotaryEmbedding(RotaryEmbedding):
         scale = max_position_embeddings / self.original_max_position_embeddings
         original = self.original_max_position_embeddings
         default = 1.0 if scale <= 1.0 else math.sqrt(1 + math.log(scale) / math.log(original))
-        self.short_mscale = default if short_mscale is None else float(short_mscale)
-        self.long_mscale = default if long_mscale is None else float(long_mscale)
+        self.short_mscale = default if short_mscale is None else check_finite_float(who, "short_mscale", short_mscale)
+        self.long_mscale = default if long_mscale is None else check_finite_float(who, "long_mscale", long_mscale)
         self.use_long_rope = None if use_long_rope is None else bool(use_long_rope)
         super().__init__(head_size, rotary_dim, max_position_embeddings, base, True, dtype,
                          enforce_enable=enforce_enable)
@@ -505,9 +509,11 @@ class MRotaryEmbedding(RotaryEmbedding):
         self.mrope_interleaved = bool(mrope_interleaved)
         self.scaling_factor = (None if scaling_factor is None
                                else check_positive_float(who, "scaling_factor", scaling_factor))
-        self.extrapolation_factor = float(extrapolation_factor)
-        self.attn_factor = float(attn_factor)
-        self.beta_fast, self.beta_slow, self.truncate = float(beta_fast), float(beta_slow), bool(truncate)
+        self.extrapolation_factor = check_finite_float(who, "extrapolation_factor", extrapolation_factor)
+        self.attn_factor = check_finite_float(who, "attn_factor", attn_factor)
+        self.beta_fast = check_finite_float(who, "beta_fast", beta_fast)
+        self.beta_slow = check_finite_float(who, "beta_slow", beta_slow)
+        self.truncate = bool(truncate)
         self.mscale = 1.0 if self.scaling_factor is None else float(yarn_get_mscale(self.scaling_factor) * attn_factor)
         self.original_max_position = max_position
         self.cache_max_position_num = 4 * max_position
@@ -594,12 +600,24 @@ _ROPE_CACHE: dict[tuple, RotaryEmbedding] = {}
 _ROPE_CACHE_LOCK = threading.Lock()
 
 
-def _hashable(value: Any) -> Any:
-    """``value`` with lists made tuples and dicts made sorted item tuples, recursively (cache keys)."""
-    if isinstance(value, dict):
-        return tuple(sorted((k, _hashable(v)) for k, v in value.items()))
+def _hashable(value: Any, where: str) -> Any:
+    """``value`` as a cache key: lists, tuples and numpy arrays made tuples, dicts made item tuples
+    sorted by key, numpy scalars made Python numbers, recursively. Anything else unhashable (a set,
+    a bytearray, ...) is a TypeError naming ``where`` (the argument and the key path)."""
+    if isinstance(value, Mapping):
+        items = [(k, _hashable(v, f"{where}[{k!r}]")) for k, v in value.items()]
+        return ("dict", tuple(sorted(items, key=lambda kv: (type(kv[0]).__name__, repr(kv[0])))))
+    if isinstance(value, np.ndarray):
+        value = value.tolist()
     if isinstance(value, (list, tuple)):
-        return tuple(_hashable(v) for v in value)
+        return tuple(_hashable(v, f"{where}[{i}]") for i, v in enumerate(value))
+    if isinstance(value, np.generic):
+        return value.item()
+    try:
+        hash(value)
+    except TypeError:
+        raise TypeError(f"get_rope: {where} is a {type(value).__name__}, which cannot key the shared cache of "
+                        f"rotary embeddings; expected numbers, strings, bools, None, or lists / dicts of them") from None
     return value
 
 
@@ -632,12 +650,19 @@ def get_rope(
     ``deepseek_yarn``, ``llama3``, ``longrope``. ``dual_chunk_attention_config`` (``chunk_size``,
     ``local_size``) builds ``DualChunkRotaryEmbedding``.
     """
+    for name, value in (("rope_parameters", rope_parameters), ("dual_chunk_attention_config",
+                                                               dual_chunk_attention_config)):
+        if value is not None and not isinstance(value, Mapping):
+            raise TypeError(f"get_rope: {name} must be a dict or None, got {type(value).__name__}")
+    head_size = check_positive_int("get_rope", "head_size", head_size)
+    max_position = check_positive_int("get_rope", "max_position", max_position)
     params = dict(rope_parameters or {})
-    label = dtype_label(dtype)
+    label = dtype_label(dtype, "get_rope")
     key = (
-        head_size, max_position, bool(is_neox_style), _hashable(params), label,
+        head_size, max_position, bool(is_neox_style), _hashable(params, "rope_parameters"), label,
         None if dual_chunk_attention_config is None else _hashable(
-            {k: v for k, v in dual_chunk_attention_config.items() if k != "sparse_attention_config"}),
+            {k: v for k, v in dual_chunk_attention_config.items() if k != "sparse_attention_config"},
+            "dual_chunk_attention_config"),
     )
     with _ROPE_CACHE_LOCK:
         rope = _ROPE_CACHE.get(key)
@@ -660,6 +685,9 @@ def _build_rope(head_size, max_position, is_neox_style, params, dtype, dual_chun
     common = (head_size, rotary_dim, max_position, base, is_neox_style)
 
     if dual_chunk_attention_config is not None:
+        for name in ("chunk_size", "local_size"):
+            if name not in dual_chunk_attention_config:
+                raise ValueError(f"get_rope: dual_chunk_attention_config needs {name!r}, which is missing")
         extra = _picked(dual_chunk_attention_config, ("chunk_size", "local_size"))
         return DualChunkRotaryEmbedding(*common, dtype, **extra)
 

@@ -76,17 +76,25 @@ def rotate_heads(method: str, query: Any, key: Any, cos: Any, sin: Any, rotary_d
 
 
 def check_positive_float(op: str, name: str, value: Any) -> float:
+    """A finite number > 0 (ints and numpy floats too, bools not)."""
     if isinstance(value, bool) or not isinstance(value, (int, float, np.floating)) or not value > 0:
         raise ValueError(f"{op}: {name} must be a positive number, got {value!r}")
+    if not math.isfinite(value):
+        raise ValueError(f"{op}: {name} must be a positive number, got {value!r}; expected a finite value")
     return float(value)
 
 
-def dtype_label(dtype: Any) -> str | None:
+def dtype_label(dtype: Any, op: str = "dualop") -> str | None:
     """``torch.bfloat16``, ``jnp.bfloat16``, ``"bfloat16"`` -> ``"bfloat16"`` (None stays None)."""
     if dtype is None or isinstance(dtype, str):
         return dtype
     text = str(dtype)
-    return text.removeprefix("torch.") if text.startswith("torch.") else np.dtype(dtype).name
+    if text.startswith("torch."):
+        return text.removeprefix("torch.")
+    try:
+        return np.dtype(dtype).name
+    except (TypeError, ValueError):
+        raise TypeError(f"{op}: dtype must be None, a dtype name or a torch / jax / numpy dtype, got {dtype!r}") from None
 
 
 def _is_fake(x: Any) -> bool:
@@ -142,7 +150,7 @@ class RotaryEmbedding(CustomOp):
         self.max_position_embeddings = check_positive_int(op, "max_position_embeddings", max_position_embeddings)
         self.base = check_positive_float(op, "base", base)
         self.is_neox_style = bool(is_neox_style)
-        self.dtype = dtype_label(dtype)
+        self.dtype = dtype_label(dtype, op)
         self._frontend_caches: dict[tuple, Any] = {}
         self._cache_lock = threading.Lock()
         self.cos_sin_cache = np.asarray(self._compute_cos_sin_cache(), dtype=np.float32)

@@ -5,6 +5,8 @@ Contract (``ops/kv_cache.py``): token t's key and value heads ``[Hkv, D]`` go to
 head 2h and V head h at 2h+1; slots outside ``[0, num_pages * page_size)`` (negative: padding) are
 skipped. One program per token moves its whole ``[Hkv, D]`` key and value (strided reads, so key
 and value may be views); the cache is updated in place and returned.
+Two tokens with one slot race here (which row stays is unspecified): the op first drops
+every token a later one overwrites (``ops/kv_cache.py::last_writes``), so the last one wins.
 """
 
 from __future__ import annotations

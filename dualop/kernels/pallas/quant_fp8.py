@@ -5,13 +5,14 @@ group of ``g`` columns (``amax`` optionally capped by ``scale_ub`` for per-token
 static scale; ``x_q = fp8(clip(x * (1 / scale), -448, 448))`` in float32, rounded to nearest even.
 ``amax / 448`` is the correctly rounded quotient (``div_by_fp8_max``; XLA would otherwise multiply
 by a rounded reciprocal), so results equal the other backends' bit for bit.
-``quant_fp8_reference`` beside the kernels is the plain-jnp statement of it.
+``quant_fp8_reference`` beside the kernels is the plain-jnp statement of it. Every amax is
+``abs_max``: NaN when a NaN is among its elements, as torch's amax (XLA's max reduction may skip it).
 
 Layout: ``x`` is viewed as (rows, hidden) and tiled as (row block, column block), sized from the
 TPU generation's VMEM (``common.block_budget``); no block needs to span a row:
 
-- per tensor: two phases. Phase 1 (dynamic only) is ``jnp.max(|x|)``, a plain XLA reduction (it
-  fuses the abs and reads x once); phase 2 quantises elementwise with that (1, 1) SMEM scalar, in
+- per tensor: two phases. Phase 1 (dynamic only) is ``abs_max(x)``, plain XLA reductions (max |x|
+  and a NaN flag, fused: x is read once); phase 2 quantises elementwise with that (1, 1) SMEM scalar, in
   column blocks of 128-lane multiples when a row is wide (Pallas masks the ragged edge block).
 - per group: each block holds ``k`` whole groups (lane-aligned static slices, ``k`` up to 16), so
   narrow groups still make wide blocks; per step the groups' row maxima, scales and quantised
@@ -51,7 +52,8 @@ from dualop.kernels.pallas.common import (
     vmem_spec,
 )
 
-__all__ = ["quant_fp8", "quant_fp8_reference", "quant_fp8_cost", "round_to_e4m3", "div_by_fp8_max", "FP8_MAX", "MIN_SCALE"]
+__all__ = ["quant_fp8", "quant_fp8_reference", "quant_fp8_cost", "round_to_e4m3", "div_by_fp8_max", "abs_max", "FP8_MAX",
+           "MIN_SCALE"]
 
 FP8_MAX = 448.0
 MIN_SCALE = 1.0 / (FP8_MAX * 512.0)
@@ -88,6 +90,15 @@ def div_by_fp8_max(amax: jax.Array) -> jax.Array:
     return jnp.where(res == res, q0 + res * (1.0 / 7.0), q0)
 
 
+def abs_max(x: jax.Array, axis=None, keepdims: bool = False, **initial) -> jax.Array:
+    """``max(|x|)`` over ``axis``, NaN if any element there is NaN, as torch's ``amax`` (and so the
+    native body and the Triton kernel) gives. XLA's own max reduction may skip a NaN (its CPU
+    backend does for vectorised float32 reductions): a NaN count, reduced separately, decides."""
+    amax = jnp.max(jnp.abs(x), axis=axis, keepdims=keepdims, **initial)
+    seen = jnp.max((x != x).astype(jnp.float32), axis=axis, keepdims=keepdims, **initial)
+    return jnp.where(seen > 0, jnp.float32(jnp.nan), amax)
+
+
 def _dynamic_scale(amax: jax.Array) -> jax.Array:
     return jnp.maximum(div_by_fp8_max(amax), MIN_SCALE)
 
@@ -104,9 +115,9 @@ def quant_fp8_reference(x, scale=None, scale_ub=None, *, granularity: str = "ten
     xg = x.astype(jnp.float32).reshape(*lead, hidden // g, g)
     if scale is None:
         if granularity == "tensor":
-            amax = jnp.max(jnp.abs(xg), initial=0.0).reshape(1)
+            amax = abs_max(xg, initial=0.0).reshape(1)
         else:
-            amax = jnp.max(jnp.abs(xg), axis=-1)
+            amax = abs_max(xg, axis=-1)
             if scale_ub is not None:
                 amax = jnp.minimum(amax, scale_ub.reshape(()).astype(jnp.float32))
         scale = _dynamic_scale(amax)
@@ -133,7 +144,7 @@ def _dynamic_kernel(*refs, has_ub: bool, group: int, groups_per_block: int):
     for k in range(groups_per_block):
         cols = slice(k * group, (k + 1) * group)
         x = x_ref[:, cols].astype(jnp.float32)
-        amax = jnp.max(jnp.abs(x), axis=-1, keepdims=True)  # (block rows, 1)
+        amax = abs_max(x, axis=-1, keepdims=True)  # (block rows, 1)
         if has_ub:
             amax = jnp.minimum(amax, ub_ref[0, 0])
         scale = _dynamic_scale(amax)
@@ -146,11 +157,11 @@ def _row_amax_kernel(x_ref, amax_ref, *, hidden: int, block_cols: int):
     the (block rows, 1) output stays resident while the steps fold their block maxima into it).
     The ragged last column block's padding is masked to 0 (|x| >= 0, so it never wins)."""
     j = pl.program_id(1)
-    a = jnp.abs(x_ref[...].astype(jnp.float32))
+    a = x_ref[...].astype(jnp.float32)
     if hidden % block_cols:
         col = j * block_cols + jax.lax.broadcasted_iota(jnp.int32, a.shape, 1)
         a = jnp.where(col < hidden, a, 0.0)
-    m = jnp.max(a, axis=-1, keepdims=True)
+    m = abs_max(a, axis=-1, keepdims=True)
 
     @pl.when(j == 0)
     def _first():
@@ -250,7 +261,7 @@ def quant_fp8(
     lead, hidden = x.shape[:-1], x.shape[-1]
     if granularity == "tensor":
         if scale is None:
-            amax = jnp.max(jnp.abs(x), initial=0).astype(jnp.float32)  # phase 1 (0 for no tokens)
+            amax = abs_max(x.astype(jnp.float32), initial=0.0)  # phase 1 (0 for no tokens)
             scale = _dynamic_scale(amax)
         scale = scale.astype(jnp.float32).reshape(1, 1)
         x_q = _build_static("tensor", 0, interpret, block_rows, block_cols)(x, scale)  # phase 2

@@ -3,6 +3,8 @@
 Contract (``ops/kv_cache.py``): token t's key and value heads ``[Hkv, D]`` go to cache page
 ``slot_mapping[t] // page_size``, offset ``slot_mapping[t] % page_size``, K head h at combined head
 2h and V head h at 2h+1; slots outside ``[0, num_pages * page_size)`` (negative: padding) are skipped.
+Two tokens with one slot race here (which row stays is unspecified): the op first drops
+every token a later one overwrites (``ops/kv_cache.py::last_writes``), so the last one wins.
 Returns the new cache; under ``jax.jit`` donate it (``donate_argnums``) so XLA updates it in place.
 
 Layout: the wrapper interleaves K and V into ``[T, 2*Hkv, D]`` (one small XLA op) so each token's
