@@ -24,6 +24,13 @@ the serving engine's TPU attention kernel, with the exact call of JAX's
   head ``h // (Hq // Hkv)``.
 - Rows past ``cu_q_lens[num_seqs[0]]`` (padding up to ``T``) are zeros, never NaN; a sequence with
   ``q_len == 0`` produces nothing.
+- Non-finite values, on every path: a NaN or inf in sequence i's queries or in the K/V rows it
+  reads (positions below its ``kv_len``) reaches only sequence i's output rows; cache rows from
+  ``kv_len`` on (the rest of its last page, pages it does not use: a recycled page, a
+  ``torch.empty`` cache) never reach any output, whatever they hold (the native body zeroes them
+  before use, the kernels never read them or zero them). In the native body and the C++ kernel a
+  score of finite q and k is the float32 rounding of its exact dot product (+-inf past float32's
+  range), never NaN, whatever order the sums take (``overflow_safe_scores``).
 
 Validation (``check_inputs``, before any kernel): kinds, dtypes, ranks and shapes always; where the
 metadata's values are visible (torch CPU/GPU tensors, jax arrays outside a trace: see
@@ -65,14 +72,17 @@ _CPU_RPA = KernelRef("dualop.kernels.cpu.ragged_paged_attention", "ragged_paged_
 
 
 def _check_option(name: str, value: Any, *, kind: type, positive: bool) -> None:
-    """A keyword option: None or a number of ``kind`` (an int passes for a float), positive if asked."""
+    """A keyword option: None or a number of ``kind`` (an int passes for a float), positive and
+    finite if asked; a float option is never NaN."""
     if value is None:
         return
     ok = not isinstance(value, bool) and isinstance(value, (int, float) if kind is float else int)
     if ok and positive:
         ok = math.isfinite(value) and value > 0
+    if ok and kind is float:
+        ok = not math.isnan(value)
     if not ok:
-        want = ("a positive " if positive else "a ") + ("int" if kind is int else "float")
+        want = ("a positive, finite " if positive else "a ") + ("int" if kind is int else "float")
         raise ValueError(f"{OP}: option '{name}' must be None or {want}, got {value!r}")
 
 
@@ -171,6 +181,25 @@ def row_sequences(xp: Any, q: Any, num_pages: int, page_size: int, kv_lens: Any,
     return valid, kv_len, position, pages, seq
 
 
+# A vector with an element above _BIG in magnitude is scaled by _DOWN before its dot products and
+# the products by _UP after: exact powers of two, so nothing changes below _BIG, and scaled
+# partial sums (at most 2^51 * 2^51 * head_dim) cannot overflow.
+_BIG, _DOWN, _UP = 2.0 ** 50, 2.0 ** -77, 2.0 ** 77
+
+
+def overflow_safe_scores(xp: Any, q: Any, k: Any) -> Any:
+    """``einsum("tkgd,tlkd->tkgl", q, k)`` in float32 (q ``[T, Hkv, G, D]``, k ``[T, L, Hkv, D]``)
+    whose dot products of finite vectors are the float32 rounding of their exact values (+-inf
+    past float32's range), never NaN: unscaled, a sum of huge products can overflow to +inf in one
+    partial sum and -inf in another, which depends on how the einsum orders its sums (torch and
+    XLA differ). The C++ kernel computes its scores by the same rule."""
+    q_big = xp.amax(xp.abs(q), axis=-1, keepdims=True) > _BIG  # [T, Hkv, G, 1]
+    k_big = xp.amax(xp.abs(k), axis=-1, keepdims=True) > _BIG  # [T, L, Hkv, 1]
+    scores = xp.einsum("tkgd,tlkd->tkgl", xp.where(q_big, q * _DOWN, q), xp.where(k_big, k * _DOWN, k))
+    k_up = xp.where(k_big, _UP, 1.0)[..., 0].swapaxes(1, 2)[:, :, None, :]  # [T, Hkv, 1, L]
+    return scores * xp.where(q_big, _UP, 1.0) * k_up  # scaled back one factor at a time: no spurious overflow
+
+
 @CustomOp.register("ragged_paged_attention")
 class RaggedPagedAttention(CustomOp):
     """Attention of a ragged batch of queries (prefill, chunked prefill and decode rows mixed) over a
@@ -220,14 +249,17 @@ class RaggedPagedAttention(CustomOp):
         if page_size == 0:
             raise ValueError(f"{OP}: argument 'kv_pages' has page_size 0; expected at least 1")
         check_metadata_shapes(OP, q, fe, kv_lens, page_indices, cu_q_lens, num_seqs)
-        _check_option("sm_scale", sm_scale, kind=float, positive=False)
+        _check_option("sm_scale", sm_scale, kind=float, positive=True)
         if sm_scale is None:
-            raise ValueError(f"{OP}: option 'sm_scale' must be a float, got None")
+            raise ValueError(f"{OP}: option 'sm_scale' must be a positive, finite float, got None")
         _check_option("sliding_window", sliding_window, kind=int, positive=True)
         _check_option("soft_cap", soft_cap, kind=float, positive=True)
         _check_option("mask_value", mask_value, kind=float, positive=False)
-        _check_option("k_scale", k_scale, kind=float, positive=False)
-        _check_option("v_scale", v_scale, kind=float, positive=False)
+        if mask_value is not None and mask_value == math.inf:
+            raise ValueError(f"{OP}: option 'mask_value' must be None or a float below +inf (a masked score), "
+                             f"got {mask_value!r}")
+        _check_option("k_scale", k_scale, kind=float, positive=True)
+        _check_option("v_scale", v_scale, kind=float, positive=True)
         check_metadata_values(OP, num_tokens, num_pages, page_size, kv_lens, page_indices, cu_q_lens, num_seqs)
 
     # ------------------------------------------------------------------ implementations
@@ -239,7 +271,9 @@ class RaggedPagedAttention(CustomOp):
         """Each query row finds its sequence by comparison with ``cu_q_lens`` (no loop over the
         runtime ``num_seqs``, so it traces under ``jit`` with traced metadata), gathers that
         sequence's pages and masks by position. Memory: ``T * pages_per_seq * page_size`` K/V rows,
-        a reference, not a serving path. Metadata is clamped (module docstring)."""
+        a reference, not a serving path. Metadata is clamped (module docstring). K and V rows from
+        ``kv_len`` on are zeroed before use: a recycled page's stale rows (NaN or inf garbage) would
+        otherwise reach the output through ``0 * NaN``; scores are ``overflow_safe_scores``."""
         xp = array_namespace(q)
         num_tokens, num_q_heads, head_dim = q.shape
         num_pages, page_size, combined, _ = kv_pages.shape
@@ -248,19 +282,20 @@ class RaggedPagedAttention(CustomOp):
         span = page_indices.shape[1] * page_size
         valid, kv_len, position, pages, _ = row_sequences(xp, q, num_pages, page_size, kv_lens, page_indices, cu_q_lens,
                                                        num_seqs)
+        kv_pos = xp.arange(span, q)[None, :]
+        cached = kv_pos < kv_len[:, None]  # [T, span]: positions past kv_len never count, whatever mask_value
         kv = xp.take(kv_pages, pages, axis=0).reshape((num_tokens, span, combined, head_dim))
-        k = xp.astype(kv[:, :, 0::2, :], xp.float32)  # [T, span, Hkv, D]
-        v = xp.astype(kv[:, :, 1::2, :], xp.float32)
+        kv = xp.where(cached[:, :, None, None], xp.astype(kv, xp.float32), 0.0)
+        k = kv[:, :, 0::2, :]  # [T, span, Hkv, D]
+        v = kv[:, :, 1::2, :]
         if k_scale is not None:
             k = k * k_scale
         if v_scale is not None:
             v = v * v_scale
         qf = xp.astype(q, xp.float32).reshape((num_tokens, num_kv_heads, group, head_dim))
-        scores = xp.einsum("tkgd,tlkd->tkgl", qf, k) * sm_scale
+        scores = overflow_safe_scores(xp, qf, k) * sm_scale  # [T, Hkv, G, span]
         if soft_cap is not None:
             scores = soft_cap * xp.tanh(scores / soft_cap)
-        kv_pos = xp.arange(span, q)[None, :]
-        cached = kv_pos < kv_len[:, None]  # positions past kv_len never count, whatever mask_value
         allowed = (kv_pos <= position[:, None]) & cached
         if sliding_window is not None:
             allowed = allowed & (kv_pos > position[:, None] - sliding_window)

@@ -12,6 +12,12 @@ serving engine's non-causal attention for ViT towers.
   ``max_seqlen`` (optional int, at least the longest segment) bounds the Triton kernel's loops; it
   is read from ``cu_seqlens`` when not given.
 - ``scale`` defaults to ``head_size ** -0.5``. Logits, softmax and ``P @ V`` in float32, one cast.
+- Non-finite values stay in their segment, on every path: a NaN or inf in a segment's queries,
+  keys or values reaches only that segment's rows (another segment's scores are replaced by
+  ``where``, never added to). With ``cu_seqlens``, a value channel holding NaN (or both
+  infinities) in a segment is NaN in that channel of the segment's rows, one holding a single
+  infinity is that infinity there (``isolate_nonfinite_values``; a kernel that sums ``p * inf``
+  itself gives NaN instead where a weight underflows to 0).
 
 Bad ``cu_seqlens`` values (decreasing, not from 0 to S) are refused when they can be read (eager
 calls); under ``jax.jit`` they cannot: token ``i`` then belongs to segment ``#{j >= 1: c_j <= i}``
@@ -20,6 +26,7 @@ calls); under ``jax.jit`` they cannot: token ``i`` then belongs to segment ``#{j
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from dualop.backends import array_namespace
@@ -74,6 +81,27 @@ def segment_ids(xp: Any, cu_seqlens: Any, seq_len: int, like: Any) -> Any:
     return xp.sum(xp.astype(pos[:, None] >= bounds[None, :], xp.int32), axis=-1)
 
 
+def isolate_nonfinite_values(xp: Any, out: Any, value: Any, seg: Any, num_ids: int) -> Any:
+    """Non-finite values back into their own segment's rows, and only there. ``out`` float32
+    ``[B, S, Hkv, G, D]`` is attention over packed segments computed with ``value``'s non-finite
+    entries zeroed (a key's weight in another segment's rows is exactly 0, but ``0 * inf`` is NaN:
+    zeroing keeps them out of those rows); ``value`` float32 ``[B, S, Hkv, D]`` as given; ``seg``
+    int ``[B, S]`` each token's segment id, in ``[0, num_ids)``. A row whose segment holds a NaN, or
+    both +inf and -inf, in value channel d gets NaN there; one holding only +inf (-inf), +inf (-inf);
+    a row already NaN stays NaN. Per-segment counts (one-hot products of ``S * num_ids`` terms)
+    rather than per-row ones: one weight per (row, key) would cost a product the size of ``P @ V``."""
+    ids = xp.arange(num_ids, seg)
+    onehot = xp.astype(seg[:, :, None] == ids[None, None, :], xp.float32)  # [B, S, n]
+    flags = xp.concat([xp.astype(value == math.inf, xp.float32), xp.astype(value == -math.inf, xp.float32),
+                       xp.astype(value != value, xp.float32)], axis=-1)  # [B, S, Hkv, 3D]
+    per_segment = xp.einsum("bsn,bshd->bnhd", onehot, flags)
+    per_row = xp.einsum("bsn,bnhd->bshd", onehot, per_segment)[:, :, :, None, :] > 0  # [B, S, Hkv, 1, 3D]
+    d = value.shape[-1]
+    pos, neg, nan = per_row[..., :d], per_row[..., d: 2 * d], per_row[..., 2 * d:]
+    special = xp.where(nan | (pos & neg), math.nan, xp.where(pos, math.inf, -math.inf))
+    return xp.where((out == out) & (pos | neg | nan), special, out)
+
+
 @CustomOp.register(_OP)
 class MMEncoderAttention(CustomOp):
     """Non-causal multi-head attention of a vision encoder, with GQA and packed sequences
@@ -96,8 +124,10 @@ class MMEncoderAttention(CustomOp):
             raise ValueError(
                 f"{_OP}: num_heads={num_heads} must be a multiple of num_kv_heads={num_kv_heads}"
             )
-        if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float)) or not scale > 0):
-            raise ValueError(f"{_OP}: scale must be a positive float or None, got {scale!r}")
+        if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float)) or not scale > 0
+                                  or not math.isfinite(scale)):
+            raise ValueError(f"{_OP}: scale must be a positive float or None, got {scale!r}; expected a finite "
+                             f"number > 0")
         self.scale = float(head_size**-0.5 if scale is None else scale)
 
     # ---------------------------------------------------------------- validation
@@ -182,9 +212,14 @@ class MMEncoderAttention(CustomOp):
         if cu_seqlens is not None:
             seg = segment_ids(xp, cu_seqlens, s, query)
             logits = xp.where(seg[:, None] == seg[None, :], logits, float("-inf"))
+            v = xp.where(xp.abs(v) < math.inf, v, 0.0)  # restored per segment below (isolate_nonfinite_values)
         p = xp.exp(logits - xp.amax(logits, axis=-1, keepdims=True))
         out = (p @ v) / xp.sum(p, axis=-1, keepdims=True)  # [B, Hkv, G, S, D]
-        out = out.swapaxes(1, 2).swapaxes(1, 3).reshape(b, s, h * d).reshape(query.shape)  # contiguous
+        out = out.swapaxes(1, 2).swapaxes(1, 3)  # [B, S, Hkv, G, D]
+        if cu_seqlens is not None:
+            value_f32 = xp.astype(value, xp.float32).reshape(b, s, hkv, d)
+            out = isolate_nonfinite_values(xp, out, value_f32, seg[None, :], cu_seqlens.shape[0])
+        out = out.reshape(b, s, h * d).reshape(query.shape)  # contiguous
         return xp.astype(out, query.dtype)
 
     def _static(self) -> dict[str, Any]:

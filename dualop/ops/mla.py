@@ -13,7 +13,9 @@ page_indices, cu_q_lens, num_seqs, *, sm_scale=1.0)``, the absorbed form (MQA ov
 W_UK (giving L channels), then its R rope channels; score = ``q_latent . row`` (all L + R channels)
 ``* sm_scale`` in float32, causal as ``ragged_paged_attention``, softmax in float32, out
 ``[T, H, L] = probs . row[:L]`` cast once to q's dtype; rows past ``cu_q_lens[num_seqs[0]]`` are
-zeros. Paths: Pallas (``kernels/pallas/ragged_paged_mla_attention.py``: heads folded into the
+zeros. Non-finite values as ``ragged_paged_attention``'s: a NaN or inf in sequence i's queries or
+cached rows reaches only sequence i's rows; rows past ``kv_len`` never reach any output, on every
+path. Paths: Pallas (``kernels/pallas/ragged_paged_mla_attention.py``: heads folded into the
 rows of one MXU product, pages streamed from HBM by DMA), Triton
 (``kernels/cuda/ragged_paged_mla_attention.py``), torch CPU (``forward_cpu``: float32 GEMMs on each
 sequence's gathered rows). Metadata is validated before any kernel where its values are visible
@@ -28,7 +30,9 @@ the cache viewed as ``[num_pages, page_size, 2, (L + R) / 2]`` is exactly ``resh
 layout. A kernel of its own would only save concatenating the step's new rows (``T x (L + R)``,
 small next to the cache), so it has none; odd ``L + R`` runs the native body (said why).
 
-``MultiHeadLatentAttention`` (the layer): see its docstring.
+``MultiHeadLatentAttention`` (the layer): see its docstring. Its ``positions`` are refused outside
+the rope's table (``[0, max_position_embeddings)``) where their values can be read, before any
+projection or cache write.
 """
 
 from __future__ import annotations
@@ -70,8 +74,10 @@ _TRITON_CACHE = KernelRef("dualop.kernels.cuda.reshape_and_cache", "reshape_and_
 
 
 def _check_sm_scale(op: str, sm_scale: Any) -> None:
-    if isinstance(sm_scale, bool) or not isinstance(sm_scale, (int, float)) or not math.isfinite(sm_scale):
-        raise ValueError(f"{op}: option 'sm_scale' must be a finite float, got {sm_scale!r}")
+    """The softmax scale: a finite number > 0 (NaN, inf or a sign flip would make every score so)."""
+    if (isinstance(sm_scale, bool) or not isinstance(sm_scale, (int, float)) or not math.isfinite(sm_scale)
+            or sm_scale <= 0):
+        raise ValueError(f"{op}: option 'sm_scale' must be a positive, finite float, got {sm_scale!r}")
 
 
 @CustomOp.register(OP)
@@ -355,8 +361,8 @@ class MultiHeadLatentAttention(CustomOp):
         if rope.head_size != qk_rope_head_dim or rope.rotary_dim != qk_rope_head_dim:
             raise ValueError(f"{LAYER_OP}: argument 'rope' has head_size {rope.head_size} and rotary_dim "
                              f"{rope.rotary_dim}; expected both qk_rope_head_dim = {qk_rope_head_dim}")
-        if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps > 0:
-            raise ValueError(f"{LAYER_OP}: argument 'eps' must be a positive float, got {eps!r}")
+        if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps > 0 or not math.isfinite(eps):
+            raise ValueError(f"{LAYER_OP}: argument 'eps' must be a positive, finite float, got {eps!r}")
         if tp is not None and not isinstance(tp, TensorParallel):
             raise TypeError(f"{LAYER_OP}: argument 'tp' must be a dualop.parallel.TensorParallel or None, "
                             f"got {type(tp).__qualname__}")
@@ -423,6 +429,7 @@ class MultiHeadLatentAttention(CustomOp):
         tokens = hidden_states.shape[0]
         check_optional_like(op, "positions", positions, "hidden_states", hidden_states, fe, shape=(tokens,),
                             dtypes=frozenset({"int32", "int64"}))
+        self._check_positions(positions)
         if not isinstance(weights, dict):
             raise TypeError(f"{op}: argument 'weights' must be a dict of arrays named as transformers' "
                             f"DeepseekV3Attention ({', '.join(MLA_WEIGHT_NAMES)}), got {type(weights).__qualname__}")
@@ -446,6 +453,24 @@ class MultiHeadLatentAttention(CustomOp):
         check_metadata_shapes(op, hidden_states, fe, kv_lens, page_indices, cu_q_lens, num_seqs,
                               q_name="hidden_states")
         check_metadata_values(op, tokens, num_pages, page_size, kv_lens, page_indices, cu_q_lens, num_seqs)
+
+    def _check_positions(self, positions: Any) -> None:
+        """Positions in the rope's table, where their values can be read: the native body gathers
+        them clamped (a position out of range would rotate by the table's last row, silently) and
+        the platform paths would refuse them only in the rope op, after the projections."""
+        from dualop.ops._checks import checked_before, remember_checked
+
+        limit = self.rope.cache_positions
+        if checked_before("positions", (positions,), (limit,)):
+            return  # the same positions, checked by the previous layer
+        values = concrete_values(positions)
+        if values is None or not values.size:
+            return
+        lo, hi = int(values.min()), int(values.max())
+        if lo < 0 or hi >= limit:
+            raise ValueError(f"{LAYER_OP}: argument 'positions' holds values in [{lo}, {hi}]; expected 0 <= position "
+                             f"< {limit} (the rope's max_position_embeddings)")
+        remember_checked("positions", (positions,), (limit,))
 
     # -- the computation --------------------------------------------------------------------------
 
@@ -547,11 +572,18 @@ class MultiHeadLatentAttention(CustomOp):
 def _product(xp: Any, native: bool, subscripts: str, a: Any, b: Any) -> Any:
     """A per-head product (W_UK absorption, W_UV expansion) summed in float32, cast once to a's
     dtype: float32 operands in the native body; on the platform paths the operands' own dtype with
-    float32 accumulation (XLA's ``preferred_element_type``; torch's matmul accumulates in float32)."""
+    float32 accumulation (XLA's ``preferred_element_type``; torch's matmul accumulates in float32).
+    XLA:CPU (a TPU path interpreted on a CPU host) has no 16-bit x 16-bit -> float32 dot ("Unsupported
+    element type for DotThunk"), so there the operands are upcast first, as ``kernels/xla_linear``
+    does: products of 16-bit values are exact in float32, so the sums are the same ones."""
     if native or xp.name == "torch":
         return xp.astype(xp.einsum(subscripts, xp.astype(a, xp.float32), xp.astype(b, xp.float32)), a.dtype)
+    import jax
     import jax.numpy as jnp
 
+    if jax.default_backend() == "cpu":
+        return jnp.einsum(subscripts, a.astype(jnp.float32), b.astype(jnp.float32),
+                          precision=jax.lax.Precision.HIGHEST).astype(a.dtype)
     return jnp.einsum(subscripts, a, b, preferred_element_type=jnp.float32).astype(a.dtype)
 
 

@@ -1,73 +1,93 @@
-"""``mm_encoder_attn`` on TPU: JAX's own Pallas flash-attention kernel
-(``jax.experimental.pallas.ops.tpu.flash_attention``), driven with segment ids.
+"""``mm_encoder_attn`` on TPU: a flash-attention Pallas kernel over packed segments.
 
-Why JAX's kernel rather than our own: it is maintained with Pallas, takes ``SegmentIds`` (exactly
-packed sequences: a query attends to keys of its own segment id), and here it runs in both
-interpreters (JAX's TPU interpreter and the generic one that torch_xla's ``call_jax`` needs, seen
-with jax 0.10.2 and 0.7.1) and compiles with the real TPU compiler for v4, v5e, v5p, v6e and tpu7x
-(``dualop compile``). What this wrapper adds:
+Grid ``(B, H, query blocks, key blocks)``, the key axis innermost (``arbitrary``): a step scores its
+``block`` queries of one head against ``block`` keys, masks by segment id with ``where`` and folds
+the block into an online softmax (float32 running max, sum and accumulator in VMEM scratch), as
+JAX's ``flash_attention`` does. Its kernel (used here before) adds the segment mask to the scores,
+``s + where(same, 0, mask_value)``, so a non-finite score of another segment (a key holding inf or
+NaN, or a product past float32's range) stays non-finite and turns every row of the block NaN;
+``where`` replaces such a score instead, so a segment's keys reach only its own rows.
 
-- layout: ``[B, S, H*D]`` / ``[B, S, H, D]`` in and out; the kernel wants ``[B, H, S, D]``.
-- float32 operands: the kernel casts the probabilities to the input dtype before ``P @ V``; dualop's
-  contract is float32 softmax and ``P @ V`` with one cast at the end, so 16-bit inputs are
-  widened first (twice the kernel's HBM reads; the result then matches the native body to the
-  tolerance table).
-- GQA: the kernel has one K/V head per query head, so K and V heads are repeated ``H / Hkv`` times.
-- lengths: its key blocks must divide the sequence, so S is padded to a multiple of 128 and the
-  padding gets a segment id of its own (real tokens never see it; padded rows are sliced off).
-- head size: not padded. A block spans the whole head dim, which is legal at any size; Mosaic
-  lays 80 or 72 columns (common in ViTs) out in 128-lane vregs itself (``dualop compile`` builds
-  D 64/72/80 for every generation), so zero-padding in HBM would only add traffic.
-- ``cu_seqlens`` -> segment ids by comparison (``ops/encoder_attention.segment_ids``), so it
-  traces with ``cu_seqlens`` unknown.
-- interpretation: the kernel has no ``interpret`` argument, so the mode dualop chose is forced
-  around its trace (JAX's ``force_tpu_interpret_mode`` for the TPU interpreter; the same JAX config
-  value set to ``True`` for the generic interpreter).
+- layout: ``[B, S, H*D]`` / ``[B, S, H, D]`` in and out; the kernel reads ``[B, H, S, D]``.
+- float32 operands and ``P @ V``, one cast at the end (dualop's contract); 16-bit inputs widened
+  first.
+- GQA: query head ``h``'s blocks read K/V head ``h // (H / Hkv)`` (the index map; no repeat).
+- lengths: S is padded to a multiple of 128 (the smallest block); the padding gets a segment id
+  of its own, so real tokens never see it; padded rows are sliced off.
+- head size: not padded; a block spans the whole head dim (legal at any size: 64, 72, 80).
+- segment ids (``ops/encoder_attention.segment_ids``' rule, by comparison, so it traces with
+  ``cu_seqlens`` unknown) enter as int32 ``[B, S, 128]`` (query side, lane-broadcast) and
+  ``[B, 8, S]`` (key side, sublane-broadcast): the layouts Mosaic compares without relayout.
+- values: a key's weight is 0 for another segment's rows, and ``0 * inf`` in ``P @ V`` would still
+  reach them, so with ``cu_seqlens`` the kernel reads V with its non-finite entries zeroed and
+  ``ops/encoder_attention.isolate_nonfinite_values`` puts them back in their own segment's rows
+  (the native body's rule).
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
 
 import jax
 import jax.numpy as jnp
-from jax.experimental.pallas.ops.tpu import flash_attention as jax_flash
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
 
-from dualop.kernels.pallas.common import tpu_jit
+from dualop.kernels.pallas.common import compiler_params, step_vmem_ceiling, tpu_jit
 
-__all__ = ["encoder_attention", "flash_block_sizes"]
+__all__ = ["encoder_attention", "flash_block"]
 
-_SEQ_TILE = 128  # S is padded to a multiple of this (the kernel's smallest key block)
-_MAX_BLOCK = 512  # query / key rows per grid step (float32: about 3 MiB of VMEM per step at D 128)
-
-
-def flash_block_sizes(padded_len: int) -> jax_flash.BlockSizes:
-    """The largest of 512, 256, 128 rows that divides the padded sequence, for queries and keys
-    (the backward-pass sizes are the kernel's defaults' shape; the VJP here is the native body's)."""
-    block = next(b for b in (_MAX_BLOCK, 256, _SEQ_TILE) if padded_len % b == 0)
-    return jax_flash.BlockSizes(block_q=block, block_k_major=block, block_k=block, block_b=1)
+_SEQ_TILE = 128  # S is padded to a multiple of this (the smallest block)
+_LANES = 128
+_SUBLANES = 8
 
 
-@contextlib.contextmanager
-def _interpreting(interpret):
-    """Run the pallas_calls traced inside in dualop's interpret mode (False: compile)."""
-    if interpret is False or interpret is None:
-        yield
-        return
-    if interpret is True:
-        from jax._src import config as jax_config  # the value force_tpu_interpret_mode sets
+def _vmem_bytes(block: int, head_size: int) -> int:
+    """One grid step: q, k, v and output blocks and both segment-id blocks (double-buffered), the
+    running max and sum, the accumulator, and about three (block, block) float32 temporaries."""
+    d = -(-head_size // _LANES) * _LANES
+    io = 2 * 4 * (4 * block * d + block * _LANES + _SUBLANES * block)
+    return io + 4 * (2 * block * _LANES + block * d) + 3 * 4 * block * block
 
-        prev = jax_config.pallas_tpu_interpret_mode_context_manager.swap_local(True)
-        try:
-            yield
-        finally:
-            jax_config.pallas_tpu_interpret_mode_context_manager.set_local(prev)
-        return
-    from jax.experimental.pallas import tpu as pltpu
 
-    with pltpu.force_tpu_interpret_mode(interpret):
-        yield
+def flash_block(padded_len: int, head_size: int) -> int:
+    """The largest of 512, 256, 128 rows that divides the padded sequence and whose step fits
+    ``step_vmem_ceiling()`` (queries and keys alike)."""
+    ceiling = step_vmem_ceiling()
+    for block in (512, 256, _SEQ_TILE):
+        if padded_len % block == 0 and (block == _SEQ_TILE or _vmem_bytes(block, head_size) <= ceiling):
+            return block
+    return _SEQ_TILE
+
+
+def _kernel(q_seg_ref, kv_seg_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, acc_ref, *, scale: float):
+    """One (batch row, head, query block, key block) step of the online softmax."""
+    kv_block = pl.program_id(3)
+    block_k = k_ref.shape[2]
+
+    @pl.when(kv_block == 0)
+    def _():
+        m_ref[...] = jnp.full(m_ref.shape, -jnp.inf, jnp.float32)
+        l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
+        acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+
+    q, k, v = q_ref[0, 0], k_ref[0, 0], v_ref[0, 0]  # (block_q, D), (block_k, D), (block_k, D)
+    scores = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32) * scale
+    same = jnp.tile(q_seg_ref[0], (1, block_k // _LANES)) == kv_seg_ref[0, :1]  # (block_q, block_k)
+    scores = jnp.where(same, scores, -jnp.inf)  # another segment's score, whatever it is, never counts
+    m_prev, l_prev = m_ref[...], l_ref[...]  # (block_q, 128), equal across lanes
+    m_new = jnp.maximum(m_prev, jnp.max(scores, axis=1, keepdims=True))
+    m_shift = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # nothing seen yet: exp gives 0, not NaN
+    p = jnp.exp(scores - m_shift[:, :1])
+    alpha = jnp.exp(m_prev - m_shift)
+    l_ref[...] = alpha * l_prev + jnp.sum(p, axis=1, keepdims=True)
+    m_ref[...] = m_new
+    acc_ref[...] = acc_ref[...] * alpha[:, :1] + jnp.dot(p, v, preferred_element_type=jnp.float32)
+
+    @pl.when(kv_block == pl.num_programs(3) - 1)
+    def _():
+        # l is 0 only for a row whose every score is -inf: 0 / 0 = NaN, as softmax gives
+        o_ref[0, 0] = (acc_ref[...] / l_ref[:, :1]).astype(o_ref.dtype)
 
 
 def _segment_ids(cu_rows, seq_len: int, padded_len: int):
@@ -81,32 +101,65 @@ def _segment_ids(cu_rows, seq_len: int, padded_len: int):
     return jnp.where(pos[None, :] < seq_len, seg, cu_rows.shape[1])  # n + 1 > any real id
 
 
+def _flash(q, k, v, ids, *, scale: float, interpret):
+    """The kernel on float32 ``q [B, H, P, D]``, ``k``/``v [B, Hkv, P, D]`` and int32 segment ids
+    ``[B, P]`` (P a multiple of 128): ``[B, H, P, D]`` float32."""
+    b, heads, padded_len, head_size = q.shape
+    group = heads // k.shape[1]
+    block = flash_block(padded_len, head_size)
+    blocks = padded_len // block
+    q_ids = jnp.broadcast_to(ids[:, :, None], (b, padded_len, _LANES))
+    kv_ids = jnp.broadcast_to(ids[:, None, :], (b, _SUBLANES, padded_len))
+    q_spec = pl.BlockSpec((1, 1, block, head_size), lambda i, h, qi, ki: (i, h, qi, 0))
+    kv_spec = pl.BlockSpec((1, 1, block, head_size), lambda i, h, qi, ki: (i, jax.lax.div(h, group), ki, 0))
+    return pl.pallas_call(
+        functools.partial(_kernel, scale=scale),
+        grid=(b, heads, blocks, blocks),
+        in_specs=[
+            pl.BlockSpec((1, block, _LANES), lambda i, h, qi, ki: (i, qi, 0)),
+            pl.BlockSpec((1, _SUBLANES, block), lambda i, h, qi, ki: (i, 0, ki)),
+            q_spec, kv_spec, kv_spec,
+        ],
+        out_specs=q_spec,
+        out_shape=jax.ShapeDtypeStruct(q.shape, jnp.float32),
+        scratch_shapes=[
+            pltpu.VMEM((block, _LANES), jnp.float32),
+            pltpu.VMEM((block, _LANES), jnp.float32),
+            pltpu.VMEM((block, head_size), jnp.float32),
+        ],
+        compiler_params=compiler_params(4, vmem_bytes=_vmem_bytes(block, head_size),
+                                        semantics=("parallel", "parallel", "parallel", "arbitrary")),
+        interpret=interpret,
+        name="dualop_encoder_attention",
+    )(q_ids, kv_ids, q, k, v)
+
+
 def _attention_rows(query, key, value, cu_rows, *, num_heads: int, num_kv_heads: int, head_size: int,
                     scale: float, interpret):
     """The kernel call on [R, S, ...] inputs; ``cu_rows`` None or int32 [R, n + 1] (row r's packing)."""
+    from dualop.backends.xla import array_api as xp
+    from dualop.ops.encoder_attention import isolate_nonfinite_values
+
     shape, dtype = query.shape, query.dtype
     b, s = shape[:2]
-    group = num_heads // num_kv_heads
     s_pad = -s % _SEQ_TILE
     padded_len = s + s_pad
 
     def heads_first(t, heads):
-        t = t.reshape(b, s, heads, head_size).astype(jnp.float32).transpose(0, 2, 1, 3)
-        if group > 1 and heads == num_kv_heads:
-            t = jnp.repeat(t, group, axis=1)
+        t = t.reshape(b, s, heads, head_size).transpose(0, 2, 1, 3)
         return jnp.pad(t, ((0, 0), (0, 0), (0, s_pad), (0, 0)))
 
-    q = heads_first(query, num_heads)
-    k = heads_first(key, num_kv_heads)
-    v = heads_first(value, num_kv_heads)
-    segments = None
-    if cu_rows is not None or s_pad:
-        ids = jnp.broadcast_to(_segment_ids(cu_rows, s, padded_len), (b, padded_len))
-        segments = jax_flash.SegmentIds(q=ids, kv=ids)
-    with _interpreting(interpret):
-        out = jax_flash.flash_attention(q, k, v, segment_ids=segments, sm_scale=scale,
-                                        block_sizes=flash_block_sizes(padded_len))
-    return out[:, :, :s].transpose(0, 2, 1, 3).reshape(shape).astype(dtype)
+    q = query.astype(jnp.float32)
+    k = key.astype(jnp.float32)
+    v = value.astype(jnp.float32).reshape(b, s, num_kv_heads, head_size)
+    v_in = v if cu_rows is None else jnp.where(jnp.isfinite(v), v, 0.0)  # see the module docstring
+    ids = jnp.broadcast_to(_segment_ids(cu_rows, s, padded_len), (b, padded_len))
+    out = _flash(heads_first(q, num_heads), heads_first(k, num_kv_heads), heads_first(v_in, num_kv_heads), ids,
+                 scale=scale, interpret=interpret)
+    out = out[:, :, :s].transpose(0, 2, 1, 3).reshape(b, s, num_kv_heads, num_heads // num_kv_heads, head_size)
+    if cu_rows is not None:
+        out = isolate_nonfinite_values(xp, out, v, ids[:, :s], cu_rows.shape[1])
+    return out.reshape(shape).astype(dtype)
 
 
 @functools.lru_cache(maxsize=None)

@@ -19,7 +19,9 @@ from HBM into two VMEM buffers (double buffered) and the metadata clamping are
 accuracy for 16-bit caches (``ragged_paged_attention._p_times_v``). A page's rows land at row
 ``j * page_size`` of a buffer; pages off the sublane tile (e.g. 8 rows of bfloat16) are copied one
 per block (offset 0). KV rows past ``kv_len`` are zeroed before use and score -inf, so stale
-cache data never reaches the output.
+cache data never reaches the output; the rows of a block's other sequences keep their running
+state through a ``where`` (not a product with 0 weights), so a NaN in one sequence's cached rows
+stays in its own rows.
 """
 
 from __future__ import annotations
@@ -132,13 +134,18 @@ def _kernel(kv_lens_ref, page_ids_ref, cu_q_lens_ref, num_seqs_ref,  # scalar pr
         for copy in page_copies(s, kb, buf, sem):
             copy.wait()
 
+    def rows_of_seq(row_lo, row_hi, width):
+        token = q_start + jax.lax.div(jax.lax.broadcasted_iota(jnp.int32, (rows, width), 0), heads)
+        return (token >= row_lo) & (token < row_hi)
+
     def compute(s, kb, buf):
-        """Fold KV block ``kb`` of sequence ``s`` into its rows of this block. Rows of other
-        sequences see only -inf scores, which leave their running state unchanged."""
+        """Fold KV block ``kb`` of sequence ``s`` into its rows of this block; the rows of other
+        sequences keep their running state (a ``where``, not a masked product: their weights are
+        0 there, and ``0 * NaN`` from a non-finite row of ``s`` would reach them)."""
         row_lo, row_hi, kv_len, pos_of_row0 = walk.seq_info(s)
         token = q_start + jax.lax.div(jax.lax.broadcasted_iota(jnp.int32, (rows, kv_tokens), 0), heads)
         kv_pos = kb * kv_tokens + jax.lax.broadcasted_iota(jnp.int32, (rows, kv_tokens), 1)
-        visible = (token >= row_lo) & (token < row_hi) & (kv_pos <= token + pos_of_row0) & (kv_pos < kv_len)
+        visible = rows_of_seq(row_lo, row_hi, kv_tokens) & (kv_pos <= token + pos_of_row0) & (kv_pos < kv_len)
         in_seq = kb * kv_tokens + jax.lax.broadcasted_iota(jnp.int32, (kv_tokens, 1), 0) < kv_len
         row = buf[...].astype(q_ref.dtype)
         row = jnp.where(in_seq, row, jnp.zeros_like(row))  # stale tail rows may hold NaN
@@ -150,9 +157,11 @@ def _kernel(kv_lens_ref, page_ids_ref, cu_q_lens_ref, num_seqs_ref,  # scalar pr
         m_shift = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # nothing seen yet: exp gives 0, not NaN
         p = jnp.exp(scores - m_shift[:, :1])
         alpha = jnp.exp(m_prev - m_shift)
-        l_ref[...] = alpha * l_prev + jnp.sum(p, axis=1, keepdims=True)
-        m_ref[...] = m_new
-        acc_ref[...] = acc_ref[...] * alpha[:, :1] + _p_times_v(p, row[:, :latent])
+        own_l, own_v = rows_of_seq(row_lo, row_hi, m_prev.shape[1]), rows_of_seq(row_lo, row_hi, latent)
+        l_ref[...] = jnp.where(own_l, alpha * l_prev + jnp.sum(p, axis=1, keepdims=True), l_prev)
+        m_ref[...] = jnp.where(own_l, m_new, m_prev)
+        acc_prev = acc_ref[...]
+        acc_ref[...] = jnp.where(own_v, acc_prev * alpha[:, :1] + _p_times_v(p, row[:, :latent]), acc_prev)
 
     m_ref[...] = jnp.full(m_ref.shape, -jnp.inf, jnp.float32)
     l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)

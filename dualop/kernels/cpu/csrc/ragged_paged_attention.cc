@@ -4,11 +4,12 @@
 // positions once, reading each K and V row of its head straight from its page (no gathered copy),
 // and updates an online softmax in float32 for the block's G * rows query vectors (G = Hq / Hkv,
 // the query heads sharing that KV head), a block of KV positions at a time (one rescale per block,
-// the weights by a vectorised exp). So decode reads every cached K/V row once. Tasks run in
-// parallel (OpenMP). Metadata is validated by the op; here it is clamped anyway (num_seqs to
-// [0, S], cu_q_lens to [0, T], kv_lens to [0, pages_per_seq * page_size], page ids to
-// [0, num_pages)), so no value reads out of bounds. Rows outside every sequence are left alone
-// (the caller zeroes the padding rows).
+// the weights by a vectorised exp; the block's scores by block_scores). So decode reads every
+// cached K/V row once. Tasks run in parallel (OpenMP). Metadata is validated by the op; here it
+// is clamped anyway (num_seqs to [0, S], cu_q_lens to [0, T], kv_lens to [0, pages_per_seq *
+// page_size], page ids to [0, num_pages)), so no value reads out of bounds. Rows outside every
+// sequence are left alone (the caller zeroes the padding rows); positions from kv_len on are
+// never read.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -37,16 +38,28 @@ struct Options {
 
 int64_t clamp64(int64_t v, int64_t lo, int64_t hi) { return v < lo ? lo : (v > hi ? hi : v); }
 
-// q . k in float32 with 8 partial sums (a vector register's worth: GCC vectorises the lanes, which
-// it may not do for one running sum without -ffast-math).
-float dot(const float* a, const float* b, int64_t d) {
-  float part[8] = {};
-  int64_t i = 0;
-  for (; i + 8 <= d; i += 8)
-    for (int k = 0; k < 8; ++k) part[k] += a[i + k] * b[i + k];
-  float sum = ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
-  for (; i < d; ++i) sum += a[i] * b[i];
-  return sum;
+// The scores q . k of one query vector against the first nb positions of a block: K of the block
+// transposed (kt[i * kBlock + b]), each score one fused multiply-add chain over the head dim, the
+// chains of the block's positions side by side (vectorised across positions). A chain whose sum
+// overflows ends at +-inf (an FMA never takes it back), so a non-finite score is recomputed in
+// double, where products and sums of float32 values cannot overflow: a score of finite inputs is
+// the float32 rounding of its exact value (+-inf past float32's range), never NaN, whatever the
+// summation order, as the native body's scores are (ops/attention.py, overflow_safe_scores).
+void block_scores(const float* q, const float* kt, int64_t d, int64_t nb, float* out) {
+  float acc[kBlock] = {};
+  for (int64_t i = 0; i < d; ++i) {
+    const float qi = q[i];
+    const float* row = kt + i * kBlock;
+    for (int64_t b = 0; b < kBlock; ++b) acc[b] = std::fma(qi, row[b], acc[b]);
+  }
+  for (int64_t b = 0; b < nb; ++b) {
+    out[b] = acc[b];
+    if (!std::isfinite(acc[b])) {
+      double sum = 0.0;
+      for (int64_t i = 0; i < d; ++i) sum += static_cast<double>(q[i]) * static_cast<double>(kt[i * kBlock + b]);
+      out[b] = static_cast<float>(sum);
+    }
+  }
 }
 
 template <class T>
@@ -54,8 +67,8 @@ void run_task(const T* q, const T* kv, const int32_t* pages, T* out, const Shape
               int64_t seq, int64_t head, int64_t row0, int64_t row1, int64_t q_start, int64_t q_len, int64_t kv_len) {
   const int64_t d = s.head_dim, group = s.q_heads / s.kv_heads, n = (row1 - row0) * group;
   const int64_t combined = 2 * s.kv_heads;
-  std::vector<float> qf(n * d), acc(n * d, 0.0f), kf(kBlock * d), vf(kBlock * d), sc(kBlock), m(n, -INFINITY),
-      l(n, 0.0f);
+  std::vector<float> qf(n * d), acc(n * d, 0.0f), kt(d * kBlock, 0.0f), vf(kBlock * d), sc(kBlock), dots(kBlock),
+      m(n, -INFINITY), l(n, 0.0f);
   std::vector<int64_t> pos(n);
   for (int64_t r = row0; r < row1; ++r) {
     for (int64_t g = 0; g < group; ++g) {
@@ -75,18 +88,19 @@ void run_task(const T* q, const T* kv, const int32_t* pages, T* out, const Shape
       const int64_t p = p0 + b;
       const int64_t page = clamp64(pages[seq * s.pages_per_seq + p / s.page_size], 0, s.num_pages - 1);
       const T* krow = kv + ((page * s.page_size + p % s.page_size) * combined + 2 * head) * d;
-      for (int64_t i = 0; i < d; ++i) kf[b * d + i] = to_f32(krow[i]);
+      for (int64_t i = 0; i < d; ++i) kt[i * kBlock + b] = to_f32(krow[i]);
       for (int64_t i = 0; i < d; ++i) vf[b * d + i] = to_f32(krow[d + i]);
     }
     for (int64_t j = 0; j < n; ++j) {
       const float* qj = &qf[j * d];
       float block_max = -INFINITY;
+      block_scores(qj, kt.data(), d, nb, dots.data());
       for (int64_t b = 0; b < nb; ++b) {
         const int64_t p = p0 + b;
         const bool allowed = p <= pos[j] && (o.window == 0 || p > pos[j] - o.window);
         float score = o.custom_mask ? o.mask_value : -INFINITY;
         if (allowed) {
-          score = dot(qj, &kf[b * d], d) * o.scale;
+          score = dots[b] * o.scale;
           if (o.soft_cap != 0.0f) score = o.soft_cap * std::tanh(score / o.soft_cap);
         }
         sc[b] = score;
