@@ -94,6 +94,13 @@ def cmd_report(args: argparse.Namespace) -> int:
 def cmd_check(args: argparse.Namespace) -> int:
     from dualop import check
 
+    if args.fuzz:
+        return _check_fuzz(args)
+    fuzz_only = [flag for flag, given in (("--paths", args.paths), ("--budget", args.fuzz_budget),
+                                          ("--draws", args.draws != 1), ("--jobs", args.jobs),
+                                          ("--item", args.item)) if given]
+    if fuzz_only:
+        raise ValueError(f"{', '.join(fuzz_only)}: only with --fuzz")
     results = check.run_check(
         ops=_csv(args.ops) if args.ops else None,
         frontends=_csv(args.frontends) if args.frontends else None,
@@ -107,6 +114,48 @@ def cmd_check(args: argparse.Namespace) -> int:
     else:
         print(check.format_table(results))
     return 1 if check.failed(results) else 0
+
+
+def _check_fuzz(args: argparse.Namespace) -> int:
+    """``dualop check --fuzz``: the mutation sweep of dualop.fuzz; exit 1 if any case fails."""
+    import time
+
+    from dualop import fuzz
+
+    for flag, given in (("--frontends", args.frontends), ("--platforms", args.platforms), ("--dtypes", args.dtypes)):
+        if given:
+            raise ValueError(f"{flag} does not apply with --fuzz (it draws dtypes itself; choose paths with --paths)")
+    only = None
+    if args.item:
+        only = []
+        for text in args.item:
+            label, sep, rest = text.rpartition("/")
+            family, _, index = rest.partition("#")
+            if not sep or not index.isdigit():
+                raise ValueError(f"--item {text!r}: expected LABEL/FAMILY#INDEX, e.g. 'rms_norm[weight]/nonfinite.nan#0'")
+            only.append((label, family, int(index)))
+    start = time.perf_counter()
+    results = fuzz.run_fuzz(
+        ops=_csv(args.ops) if args.ops else None,
+        paths=_csv(args.paths) if args.paths else None,
+        budget=args.fuzz_budget,
+        seed=args.seed,
+        draws=args.draws,
+        progress=not args.no_progress,
+        jobs=args.jobs,
+        case_timeout=args.case_timeout,
+        only=only,
+    )
+    seconds = time.perf_counter() - start
+    if args.json:
+        print(json.dumps({"seconds": seconds, "seed": args.seed, "budget": args.fuzz_budget, "draws": args.draws,
+                          "totals": fuzz.summary(results), "results": [r.as_dict() for r in results]}, indent=2))
+    else:
+        budget = ("the cases named by --item" if only else "every case" if args.fuzz_budget is None
+                  else f"at most {args.fuzz_budget} cases per path")
+        print(fuzz.format_report(results, seconds, header=f"dualop check --fuzz (seed {args.seed}, {budget}, "
+                                                          f"draws {args.draws})"))
+    return 1 if fuzz.failed(results) else 0
 
 
 def cmd_compile(args: argparse.Namespace) -> int:
@@ -357,6 +406,19 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--seed", type=int, default=0, help="input seed (default 0)")
     s.add_argument("--json", action="store_true", help="print results as JSON instead of the table")
     s.add_argument("--no-progress", action="store_true", help="no progress bar")
+    s.add_argument("--fuzz", action="store_true",
+                   help="instead of the matrix: the derandomised mutation sweep (dualop.fuzz, docs/FUZZ.md) on "
+                        "each path in watched subprocesses; exit 1 if any case crashes, errs unclearly, is wrong "
+                        "or gives NaN where forward_native is finite")
+    s.add_argument("--paths", help="with --fuzz: comma-separated: torch-cpu, jax-cpu, triton, pallas (default: all)")
+    s.add_argument("--budget", "--fuzz-budget", "--fuzz-cases", dest="fuzz_budget", type=int, metavar="N",
+                   help="with --fuzz: at most N cases per path, spread evenly over ops (default: every case)")
+    s.add_argument("--draws", type=int, default=1, help="with --fuzz: draws per mutation family and op case (default 1)")
+    s.add_argument("--jobs", type=int, help="with --fuzz: paths run at once (default: one per CPU, at most 4)")
+    s.add_argument("--case-timeout", type=float, default=180.0,
+                   help="with --fuzz: seconds one case may take before its worker is killed (default 180)")
+    s.add_argument("--item", action="append", metavar="LABEL/FAMILY#INDEX",
+                   help="with --fuzz: run only this case (repeatable), e.g. 'rms_norm[weight]/nonfinite.nan#0'")
     s.set_defaults(fn=cmd_check)
 
     s = sub.add_parser(
