@@ -6,7 +6,9 @@ Every op here runs over a batch of sequences packed along the token axis (``SSMB
 ``dualop/ops/ssm_batch.py``): sequence ``b`` is tokens ``cu_seqlens[b] : cu_seqlens[b + 1]``, its
 state lives in slot ``state_indices[b]`` of a state cache ``[slots, *state_shape]``, and it starts
 from that slot's state when ``has_initial_state[b]``, else from zeros. A sequence whose slot is
-``-1`` (padding) gives zero outputs and writes no state.
+``-1`` (padding) gives zero outputs and writes no state; so do tokens no sequence owns (past
+``cu_seqlens[B]`` in traced metadata: ``sanitize_metadata`` says how such metadata is read). Padding
+rows are dropped by selects, so a NaN there reaches nothing else.
 
 The recurrences are the plain token-by-token ones (no chunking): one ``step(h, *inputs_t) -> (h,
 y_t)`` per op, run by ``scan_packed`` (a Python loop for torch tensors, ``lax.scan`` for jax arrays,
@@ -20,6 +22,8 @@ from typing import Any, Callable
 
 __all__ = [
     "sequence_layout",
+    "token_keep",
+    "sanitize_metadata",
     "initial_states",
     "store_states",
     "scan_packed",
@@ -37,18 +41,59 @@ def _is_jax(xp) -> bool:
 
 def sequence_layout(xp, cu_seqlens: Any, num_tokens: int) -> tuple[Any, Any, Any]:
     """``(seq_of_token, is_first, is_last)``, each ``[num_tokens]``: the sequence each packed token
-    belongs to and whether it opens or closes it (``cu_seqlens`` ``[B + 1]``, validated)."""
+    belongs to and whether it opens or closes it (``cu_seqlens`` ``[B + 1]``). Token t belongs to
+    sequence ``#{b >= 1: cu_seqlens[b] <= t}``; a token outside ``[cu_seqlens[0], cu_seqlens[B])``
+    (traced metadata that ends early, ``sanitize_metadata``) belongs to none: its ``seq`` is B and
+    it neither opens nor closes a sequence."""
     cu = xp.astype(cu_seqlens, xp.int32)
+    num_seqs = cu.shape[0] - 1
     t = xp.arange(num_tokens, like=cu, dtype=xp.int32)
     seq = xp.sum(xp.astype(t[:, None] >= cu[None, 1:], xp.int32), axis=1)
-    starts, ends = xp.take(cu, seq, axis=0), xp.take(cu[1:], seq, axis=0)
-    return seq, t == starts, t == ends - 1
+    owned = (t >= cu[0]) & (seq < num_seqs)
+    seq = xp.where(owned, seq, num_seqs)
+    starts, ends = xp.take(cu, seq, axis=0), xp.take(cu, xp.minimum(seq + 1, num_seqs), axis=0)
+    return seq, owned & (t == starts), owned & (t == ends - 1)
+
+
+def token_keep(xp, state_indices: Any, seq: Any) -> Any:
+    """``[T]`` bool: the tokens whose outputs are kept, those of a sequence with a real slot;
+    padding sequences' tokens (slot -1) and tokens no sequence owns (``seq`` B, as
+    ``sequence_layout`` gives it) give zeros, by a select (a NaN in a dropped row stays there)."""
+    num_seqs = state_indices.shape[0]
+    real = xp.take(state_indices >= 0, xp.minimum(seq, num_seqs - 1), axis=0)
+    return real & (seq < num_seqs)
+
+
+def sanitize_metadata(xp, cu_seqlens: Any, state_indices: Any, num_tokens: int, num_slots: int) -> tuple[Any, Any]:
+    """Traced metadata (values no check could read) made safe to index with, the same way for the
+    native body and every kernel (``ssm_batch`` applies it): ``cu_seqlens`` (int32) starts at 0,
+    is clamped into ``[0, T]`` and made non-decreasing (a running max), so a sequence may be empty
+    (its slot then gets its starting state) and tokens past ``cu_seqlens[B]`` belong to no sequence
+    (zero outputs, nothing read or written); a slot outside ``[0, num_slots)`` is padding (-1). A
+    decode step (T == B) is token b = sequence b whatever ``cu_seqlens`` says, as its kernels read
+    it. Valid metadata comes back unchanged."""
+    num_seqs = state_indices.shape[0]
+    slots = xp.astype(state_indices, xp.int32)
+    slots = xp.where((slots >= 0) & (slots < num_slots), slots, -1)
+    b = xp.arange(num_seqs + 1, like=slots, dtype=xp.int32)
+    if num_tokens == num_seqs:
+        return b, slots
+    cu = xp.where(b == 0, 0, xp.clip(xp.astype(cu_seqlens, xp.int32), min=0, max=num_tokens))
+    if _is_jax(xp):
+        import jax
+
+        cu = jax.lax.cummax(cu, axis=0)
+    else:
+        import torch
+
+        cu = torch.cummax(cu, 0).values
+    return cu, slots
 
 
 def initial_states(xp, cache: Any, state_indices: Any, has_initial_state: Any) -> Any:
     """Each sequence's starting state ``[B, *state_shape]`` in float32: its slot's cached state
     when ``has_initial_state`` and the slot is not padding (-1), else zeros."""
-    valid = state_indices >= 0
+    valid = (state_indices >= 0) & (state_indices < cache.shape[0])  # outside the cache: padding
     slot = xp.where(valid, state_indices, 0)
     cached = xp.astype(xp.take(cache, slot, axis=0), xp.float32)
     use = xp.reshape(has_initial_state & valid, (-1,) + (1,) * (cached.ndim - 1))
@@ -58,7 +103,7 @@ def initial_states(xp, cache: Any, state_indices: Any, has_initial_state: Any) -
 def store_states(xp, cache: Any, state_indices: Any, finals: Any) -> Any:
     """Write each sequence's final state into its slot (padding slots dropped), cast to the cache's
     dtype: IN PLACE for a torch cache (returned), a new array for jax."""
-    valid = state_indices >= 0
+    valid = (state_indices >= 0) & (state_indices < cache.shape[0])
     slot = xp.where(valid, state_indices, 0)
     return xp.set_at_dropping(cache, (slot,), xp.astype(finals, cache.dtype), valid)
 
@@ -100,6 +145,7 @@ def scan_packed(xp, step: Callable, per_token: tuple, initial: Any, layout: tupl
     # this loop (the native body under custom_ops="none") without reading data.
     finals = initial.clone()
     h, ys = torch.zeros_like(initial[0]), []
+    seq = torch.clamp(seq, max=initial.shape[0] - 1)  # a token no sequence owns: never first or last
     for t in range(num_tokens):
         s = seq[t:t + 1]  # a one-element index tensor (an int index would read its value)
         h = torch.where(is_first[t], initial.index_select(0, s)[0], h)
@@ -112,8 +158,8 @@ def scan_packed(xp, step: Callable, per_token: tuple, initial: Any, layout: tupl
 
 
 def _zero_padding_rows(xp, y: Any, state_indices: Any, seq: Any) -> Any:
-    """Tokens of padding sequences (slot -1) give zeros."""
-    keep = xp.take(state_indices >= 0, seq, axis=0)
+    """Tokens of padding sequences (slot -1), and tokens no sequence owns, give zeros."""
+    keep = token_keep(xp, state_indices, seq)
     return xp.where(xp.reshape(keep, (-1,) + (1,) * (y.ndim - 1)), y, 0.0)
 
 

@@ -83,10 +83,11 @@ def _prefill(xf, delta, a, bmat, cmat, init, cu_seqlens, length: int):
     token = jnp.clip(start_j[:, None] + pos[None, :], 0, tokens - 1)  # [NC, L]
     valid = pos[None, :] < len_j[:, None]
 
-    # each chunk's tokens; past a chunk's end Δ·A and Δ·x are 0 (no decay, no input)
+    # each chunk's tokens; past a chunk's end Δ·A, Δ·x, B and C are 0 (no decay, no input), by
+    # selects: the clamped gather there reads another sequence's token, which may hold a NaN
     xd = jnp.where(valid[..., None, None], (xf * delta[..., None])[token], 0.0)  # [NC, L, H, P]
     da = jnp.where(valid[..., None], (delta * a)[token], 0.0).transpose(0, 2, 1)  # [NC, H, L]
-    b_c, c_c = bmat[token], cmat[token]  # [NC, L, G, N]
+    b_c, c_c = (jnp.where(valid[..., None, None], m[token], 0.0) for m in (bmat, cmat))  # [NC, L, G, N]
 
     # within each chunk: y from the chunk's own tokens, and its state contribution
     cb = jnp.einsum("jlgn,jsgn->jgls", c_c, b_c, precision=hi)
@@ -111,12 +112,15 @@ def _prefill(xf, delta, a, bmat, cmat, init, cu_seqlens, length: int):
     y_in = y_in * jnp.exp(cum).transpose(0, 2, 1).reshape(chunks, length, groups, rep)[..., None]
     y_c = (y_own + y_in).reshape(chunks * length, heads, head_dim)
 
-    # back to the packed tokens, and each sequence's state after its last chunk
+    # back to the packed tokens (a token no sequence owns, seq B, reads any row: it is zeroed), and
+    # each sequence's state after its last chunk (an empty one keeps its starting state)
     seq, _, _ = ssm_math.sequence_layout(array_namespace(cu), cu, tokens)
-    offset = jnp.arange(tokens, dtype=jnp.int32) - cu[seq]
-    y = y_c[(first_chunk[seq] + offset // length) * length + offset % length]
-    last = chunk_end - 1
+    owner = jnp.minimum(seq, seqs - 1)
+    offset = jnp.maximum(jnp.arange(tokens, dtype=jnp.int32) - cu[owner], 0)
+    y = y_c[jnp.clip((first_chunk[owner] + offset // length) * length + offset % length, 0, chunks * length - 1)]
+    last = jnp.maximum(chunk_end - 1, 0)
     finals = total[last][:, :, None, None] * entering[last] + contrib[last]
+    finals = jnp.where((per_seq == 0)[:, None, None, None], init, finals)
     return y, finals, seq
 
 
@@ -135,6 +139,9 @@ def ssd_chunk_scan(x, dt, A, B, C, D, z, dt_bias, ssm_state, cu_seqlens, state_i
                                       has_initial_state, delta_softplus, dt_limit)
     f32 = jnp.float32
     rep = heads // B.shape[1]
+    # every index read in bounds, bad traced metadata read as the native body reads it
+    cu_seqlens, state_indices = ssm_math.sanitize_metadata(xp, cu_seqlens, state_indices, tokens,
+                                                           ssm_state.shape[0])
     delta = ssm_math.process_dt(xp, dt, dt_bias, delta_softplus, dt_limit)
     a = A.astype(f32)
     xf, bf, cf = x.astype(f32), B.astype(f32), C.astype(f32)

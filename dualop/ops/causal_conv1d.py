@@ -22,6 +22,13 @@ Kernels: Pallas (``kernels/pallas/causal_conv1d.py``: a prefill kernel tiled ove
 decode-step kernel), Triton (``kernels/cuda/causal_conv1d.py``) and on the torch CPU one grouped
 ``F.conv1d`` over the sequences laid end to end, each behind its history
 (``kernels/cpu/causal_conv1d.py``).
+
+Strided inputs (any view: a transposed ``x``, a column of a metadata buffer, a strided bias or
+cache): the Triton kernels take the strides of x, weight, bias and the cache (the cache is written
+in place where it lies, never through a copy); ``ssm_batch`` hands every kernel contiguous int32
+metadata; the torch CPU kernel is torch operations, which honour strides; jax arrays have none.
+Bad traced metadata is read as ``ssm_batch`` says (``ssm_math.sanitize_metadata``), the same on
+every path, and every kernel clamps the indices it reads from it.
 """
 
 from __future__ import annotations
@@ -96,7 +103,7 @@ class CausalConv1d(CustomOp):
         check_optional_like(OP, "weight", weight, "x", x, fe, shape=(self.dim, self.kernel_size), same_dtype=True)
         check_optional_like(OP, "bias", bias, "x", x, fe, shape=(self.dim,), same_dtype=True)
         if conv_state is not None:
-            check_optional_like(OP, "conv_state", conv_state, "x", x, fe, shape=tuple(conv_state.shape))
+            check_optional_like(OP, "conv_state", conv_state, "x", x, fe, shape=tuple(getattr(conv_state, "shape", ())))
         self._batch(x, conv_state, cu_seqlens, state_indices, has_initial_state)
 
     def forward_native(self, x: Any, weight: Any, bias: Any = None, conv_state: Any = None, cu_seqlens: Any = None,

@@ -33,7 +33,9 @@ rounds between steps, and in bfloat16 the steps round where the engine's do. A p
 The platform methods (``forward_cpu``/``forward_cuda``/``forward_tpu``, one body) run the
 projections with the linear op's vendor GEMM (``dualop.ops._mixer``) and call the kernel ops
 ``CausalConv1d`` (``dualop.ops.causal_conv1d``) and ``SelectiveScan`` (``dualop.ops.selective_scan``),
-which dispatch to their own kernels.
+which dispatch to their own kernels; the conv's weight and the projections' biases go to the
+kernels in the tokens' dtype. Every argument, both caches included, is checked before either
+cache is written (``check_inputs``, ``ssm_batch``): a refused call leaves both as they were.
 """
 
 from __future__ import annotations
@@ -53,6 +55,11 @@ from dualop.ops.ssm_batch import SSMBatch
 __all__ = ["MambaMixer"]
 
 _OP = "mamba_mixer"
+
+
+def _as_dtype(xp, a: Any, dtype: Any) -> Any:
+    """``a`` in ``dtype`` (None stays None)."""
+    return a if a is None or a.dtype == dtype else xp.astype(a, dtype)
 
 
 @CustomOp.register(_OP)
@@ -190,9 +197,10 @@ class MambaMixer(MixerPlatformMethods, CustomOp):
 
     @staticmethod
     def _zero_padding_tokens(xp, out: Any, batch: SSMBatch) -> Any:
-        """Tokens of padding sequences give zeros (only ``out_proj_bias`` could make them nonzero)."""
+        """Tokens of padding sequences (and tokens no sequence owns) give zeros (only
+        ``out_proj_bias`` could make them nonzero)."""
         seq = ssm_math.sequence_layout(xp, batch.cu_seqlens, batch.num_tokens)[0]
-        keep = xp.take(batch.state_indices >= 0, seq, axis=0)
+        keep = ssm_math.token_keep(xp, batch.state_indices, seq)
         return xp.where(keep[:, None], out, 0.0)
 
     # -- the native body -----------------------------------------------------------------------------
@@ -246,6 +254,10 @@ class MambaMixer(MixerPlatformMethods, CustomOp):
         xp = array_namespace(hidden_states)
         conv_op, scan_op = self._kernel_ops()
         i = self.intermediate_size
+        # the kernels take operands of the tokens' dtype (a weight of another is cast, as the
+        # projections' are): every argument checked passes them, before any cache is written
+        in_proj_bias, out_proj_bias, conv_weight, conv_bias = (
+            _as_dtype(xp, a, hidden_states.dtype) for a in (in_proj_bias, out_proj_bias, conv_weight, conv_bias))
         xz = project(self.in_proj, method, hidden_states, in_proj_weight, in_proj_bias)
         x, z = xz[:, :i], xz[:, i:]
         x, new_conv = conv_op(x, conv_weight, conv_bias, conv_state, cu_seqlens, state_indices, has_initial_state)

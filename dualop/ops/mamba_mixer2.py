@@ -200,7 +200,9 @@ class MambaMixer2(MixerPlatformMethods, CustomOp):
 
     ``forward_native`` composes the references (``ssm_math``) and float32 GEMMs; the platform
     methods run the vendor GEMM (``replicated_linear``'s paths) and the ``causal_conv1d`` /
-    ``ssd_chunk_scan`` / gated-norm ops, which dispatch to their own kernels.
+    ``ssd_chunk_scan`` / gated-norm ops, which dispatch to their own kernels (the conv's weight and
+    the projections' biases in the tokens' dtype). Every argument, both caches included, is
+    checked before either cache is written (``check_inputs``, ``ssm_batch``).
     """
 
     # torch updates the given caches in place (torch.library declares them; backends/torch/library.py)
@@ -337,7 +339,7 @@ class MambaMixer2(MixerPlatformMethods, CustomOp):
 
     def _zero_padding(self, xp, out, batch):
         seq = ssm_math.sequence_layout(xp, batch.cu_seqlens, batch.num_tokens)[0]
-        keep = xp.take(batch.state_indices >= 0, seq, axis=0)
+        keep = ssm_math.token_keep(xp, batch.state_indices, seq)
         return xp.where(keep[:, None], out, 0.0)
 
     def forward_native(self, hidden_states, in_proj_weight, conv_weight, conv_bias, dt_bias, A_log, D, norm_weight,
@@ -373,6 +375,12 @@ class MambaMixer2(MixerPlatformMethods, CustomOp):
                                   has_initial_state)
         meta = dict(cu_seqlens=conv_b.cu_seqlens, state_indices=conv_b.state_indices,
                     has_initial_state=conv_b.has_initial_state)
+        # the kernels take operands of the tokens' dtype (a weight of another is cast, as the
+        # projections' are): every argument checked passes them, before any cache is written
+        dtype = hidden_states.dtype
+        in_proj_bias, out_proj_bias, conv_weight, conv_bias = (
+            a if a is None or a.dtype == dtype else xp.astype(a, dtype)
+            for a in (in_proj_bias, out_proj_bias, conv_weight, conv_bias))
         projected = project(self.in_proj, method, hidden_states, in_proj_weight, in_proj_bias)
         z, xbc, dt = self._split(xp, projected)
         xbc, conv_out = self._conv(xbc, conv_weight, conv_bias, conv_state=conv_state, **meta)

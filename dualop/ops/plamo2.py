@@ -33,7 +33,9 @@ the engine's RMSNorm (normalised in float32, rounded, then times the weight). A 
 The platform methods (``forward_cpu``/``forward_cuda``/``forward_tpu``, one body) run the
 projections with the linear op's vendor GEMM (``dualop.ops._mixer``) and call the kernel ops
 ``CausalConv1d`` (``dualop.ops.causal_conv1d``) and ``SSDChunkScan`` (``dualop.ops.ssd``), which
-dispatch to their own kernels.
+dispatch to their own kernels (the conv's weight in the tokens' dtype). Every argument, both caches
+included, is checked before either cache is written (``check_inputs``, ``ssm_batch``): a refused
+call leaves both as they were.
 """
 
 from __future__ import annotations
@@ -245,6 +247,8 @@ class Plamo2MambaMixer(MixerPlatformMethods, CustomOp):
         i, tokens = self.intermediate_size, hidden_states.shape[0]
         projected = project(self.in_proj, method, hidden_states, in_proj_weight)
         gate, x = projected[:, :i], projected[:, i:]
+        if conv_weight.dtype != x.dtype:  # the conv kernels take x's dtype (as the projections cast theirs)
+            conv_weight = xp.astype(conv_weight, x.dtype)
         x, new_conv = conv_op(x, conv_weight, None, conv_state, cu_seqlens, state_indices, has_initial_state)
         b, c, dt = self._ssm_parameters(xp, method, x, bcdt_proj_weight, dt_proj_weight, dt_norm_weight,
                                         B_norm_weight, C_norm_weight)

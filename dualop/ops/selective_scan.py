@@ -21,6 +21,13 @@ VMEM), Triton (``kernels/cuda/selective_scan.py``: one program per channel block
 and on the torch CPU a C++ kernel (``kernels/cpu/csrc/selective_scan.cc``: OpenMP over channel
 blocks, the state of a block in registers/L1 across a sequence). Each has a prefill kernel and a
 decode step kernel (T == B).
+
+Strided inputs: the Triton kernel takes the row and channel strides of x, dt, z, B, C and the
+cache's strides (the cache is written in place where it lies) and makes A, D, dt_bias contiguous
+(small); the C++ wrapper makes every input contiguous (a strided cache is updated through a
+contiguous copy written back); ``ssm_batch`` hands every kernel contiguous int32 metadata; jax
+arrays have no strides. Bad traced metadata is read as ``ssm_batch`` says, the same on every path,
+and every kernel clamps the indices it reads from it.
 """
 
 from __future__ import annotations
@@ -103,7 +110,7 @@ class SelectiveScan(CustomOp):
         check_optional_like(_OP, "dt_bias", dt_bias, "x", x, fe, shape=(dim,))
         if ssm_state is not None:
             # device and frontend here; its shape [slots, I, N] and dtype in ssm_batch
-            check_optional_like(_OP, "ssm_state", ssm_state, "x", x, fe, shape=tuple(ssm_state.shape))
+            check_optional_like(_OP, "ssm_state", ssm_state, "x", x, fe, shape=tuple(getattr(ssm_state, "shape", ())))
         self._batch(x, cu_seqlens, state_indices, has_initial_state, ssm_state)
 
     def forward_native(self, x: Any, dt: Any, A: Any, B: Any, C: Any, D: Any = None, z: Any = None,

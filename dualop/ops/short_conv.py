@@ -84,7 +84,8 @@ class ShortConv(CustomOp):
                 raise ValueError(f"{OP}: argument '{name}' {want}")
             check_optional_like(OP, name, value, "hidden_states", h, fe, shape=shape, same_dtype=True)
         if conv_state is not None:
-            check_optional_like(OP, "conv_state", conv_state, "hidden_states", h, fe, shape=tuple(conv_state.shape))
+            check_optional_like(OP, "conv_state", conv_state, "hidden_states", h, fe,
+                                shape=tuple(getattr(conv_state, "shape", ())))
         ssm_batch(OP, h, cu_seqlens, state_indices, has_initial_state, conv_state, "conv_state",
                   (hd, self.conv_kernel - 1))
 

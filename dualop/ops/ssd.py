@@ -8,6 +8,13 @@ state_indices=None, has_initial_state=None) -> (y [T, H, P], ssm_state)``: the r
 ``ssm_math.ssd_reference`` (the native body) under the serving contract of ``ssm_batch``. The
 kernels compute it in the chunked state-space-duality form (matmuls within chunks of
 ``chunk_size`` tokens, a recurrence between them); results do not depend on ``chunk_size``.
+
+Strided inputs: the Triton and torch CPU kernels make x, B and C contiguous and gather and scatter
+the cache with torch indexing (any strides, in place); ``ssm_batch`` hands every kernel contiguous
+int32 metadata; jax arrays have no strides. Within a chunk, other sequences' operands are selected
+away rather than multiplied by a zero mask, so a non-finite input reaches only its own sequence.
+Bad traced metadata is read as ``ssm_batch`` says, the same on every path, and every kernel clamps
+the indices it reads from it.
 """
 
 from __future__ import annotations
@@ -97,10 +104,10 @@ class SSDChunkScan(CustomOp):
         if B.shape[1] != groups or heads % B.shape[1]:
             raise ValueError(f"{OP}: {heads} heads do not divide into the {B.shape[1]} groups of 'B'")
         check_optional_like(OP, "C", C, "B", B, fe, same_dtype=True)
-        if D is not None and tuple(D.shape) not in ((heads,), (heads, head_dim)):
-            raise ValueError(f"{OP}: argument 'D' has shape {tuple(D.shape)}; expected ({heads},) or "
-                             f"({heads}, {head_dim})")
-        check_optional_like(OP, "D", D, "x", x, fe, shape=None if D is None else tuple(D.shape))
+        d_shape = tuple(getattr(D, "shape", ()))
+        check_optional_like(OP, "D", D, "x", x, fe, shape=d_shape)
+        if D is not None and d_shape not in ((heads,), (heads, head_dim)):
+            raise ValueError(f"{OP}: argument 'D' has shape {d_shape}; expected ({heads},) or ({heads}, {head_dim})")
         check_optional_like(OP, "z", z, "x", x, fe, same_dtype=True)
         check_optional_like(OP, "dt_bias", dt_bias, "x", x, fe, shape=(heads,))
         self._batch(x, ssm_state, cu_seqlens, state_indices, has_initial_state)

@@ -23,8 +23,19 @@ The contract (the README's "State cache for serving"):
   single-step kernels.
 
 Values are checked (a ``ValueError`` before any kernel runs) where they can be read without a
-trace, a lazy graph or a CUDA-graph capture (``dualop.ops._checks.concrete_values``); traced
-metadata is taken as given (the kernels clamp slot indices into the cache).
+trace, a lazy graph or a CUDA-graph capture (``dualop.ops._checks.concrete_values``). Metadata whose
+values could not be read is made safe here, for the native body and every kernel alike
+(``ssm_math.sanitize_metadata``): ``cu_seqlens`` starts at 0, is clamped into ``[0, T]`` and made
+non-decreasing, so tokens past ``cu_seqlens[B]`` belong to no sequence (zero outputs, nothing read or
+written) and a sequence may be empty (its slot gets its starting state); a slot outside the cache is
+padding. The kernels also clamp every index they read, so a direct call with bad metadata reads and
+writes nothing out of bounds.
+
+Every check of every argument runs here, before anything is written: a torch cache must also be on
+the inputs' device, its memory free of overlapping elements (an ``expand``-ed view would take two
+writes in one place) and, while autograd records, not a leaf that requires grad (which torch cannot
+update in place). The metadata of a torch call comes back contiguous (a strided column of a
+metadata buffer is copied, ``[B]`` elements), so kernels may read it with unit stride.
 """
 
 from __future__ import annotations
@@ -35,6 +46,7 @@ from typing import Any
 import numpy as np
 
 from dualop.backends import array_namespace
+from dualop.kernels import ssm_math
 from dualop.ops._checks import FLOAT_DTYPES, concrete_values, dtype_name
 from dualop.platforms import family_of, frontend_of
 
@@ -63,10 +75,50 @@ class SSMBatch:
         return self.num_tokens == self.num_seqs
 
 
-def _check_index_array(op: str, arg: str, a: Any, fe: str, dtypes: tuple[str, ...], length: int | None) -> None:
+def _check_device(op: str, arg: str, a: Any, x: Any, fe: str) -> None:
+    """A torch array must be on the inputs' device (a kernel would read a pointer of another)."""
+    if fe == "torch" and frontend_of(a) == "torch" and a.device != x.device:
+        raise ValueError(f"{op}: argument '{arg}' is on {a.device} but the inputs are on {x.device}; expected the "
+                         f"same device")
+
+
+def _may_overlap(t: Any) -> bool:
+    """Whether two elements of a strided torch tensor may share memory (an ``expand``-ed view):
+    not provably disjoint by its strides, each at least the extent of the smaller ones."""
+    extent = 1
+    for stride, size in sorted((st, sz) for st, sz in zip(t.stride(), t.shape) if sz > 1):
+        if stride < extent:
+            return True
+        extent += stride * (size - 1)
+    return False
+
+
+def _check_cache_writable(op: str, name: str, state: Any, x: Any, fe: str) -> None:
+    """What an in-place write of a torch cache needs, checked before any op writes a cache."""
+    if family_of(fe) != "torch":
+        return
+    import torch
+
+    if frontend_of(state) != fe:
+        raise ValueError(f"{op}: argument '{name}' is a {frontend_of(state)} tensor but the inputs are "
+                         f"{fe} tensors; expected the same device")
+    _check_device(op, name, state, x, fe)
+    if fe == "torch" and _may_overlap(state):
+        raise ValueError(f"{op}: argument '{name}' has overlapping memory (strides {tuple(state.stride())} for "
+                         f"shape {tuple(state.shape)}, e.g. an expanded view); expected a cache each of whose "
+                         f"elements has its own memory (it is updated in place)")
+    if torch.is_grad_enabled() and state.requires_grad and state.is_leaf:
+        raise ValueError(f"{op}: argument '{name}' is a leaf tensor that requires grad, which torch cannot update "
+                         f"in place; pass it detached (or call under torch.no_grad())")
+
+
+def _check_index_array(op: str, arg: str, a: Any, fe: str, dtypes: tuple[str, ...], length: int | None,
+                       x: Any = None) -> None:
     if frontend_of(a) is None or family_of(frontend_of(a)) != family_of(fe):
         raise TypeError(f"{op}: argument '{arg}' must be an array of the same frontend as the inputs ({fe}), "
                         f"got {type(a).__module__}.{type(a).__qualname__}")
+    if x is not None:
+        _check_device(op, arg, a, x, fe)
     if dtype_name(a) not in dtypes:
         raise TypeError(f"{op}: argument '{arg}' has dtype {dtype_name(a)}; expected {' or '.join(dtypes)}")
     if a.ndim != 1 or (length is not None and a.shape[0] != length):
@@ -94,17 +146,19 @@ def ssm_batch(op: str, x: Any, cu_seqlens: Any, state_indices: Any, has_initial_
     fe = frontend_of(x)
     xp = array_namespace(x)
     num_tokens = int(x.shape[0])
+    cu_traced = False
     if cu_seqlens is None:
         num_seqs = 1
         cu = xp.arange(2, like=x, dtype=xp.int32) * num_tokens  # [0, T], made on x's device (no host copy)
     else:
-        _check_index_array(op, "cu_seqlens", cu_seqlens, fe, _INDEX_DTYPES, None)
+        _check_index_array(op, "cu_seqlens", cu_seqlens, fe, _INDEX_DTYPES, None, x)
         num_seqs = int(cu_seqlens.shape[0]) - 1
         if num_seqs < 1:
             raise ValueError(f"{op}: argument 'cu_seqlens' needs at least 2 entries (one sequence), got "
                              f"shape {tuple(cu_seqlens.shape)}")
         cu = xp.astype(cu_seqlens, xp.int32)
         values = _values(cu_seqlens)
+        cu_traced = values is None
         if values is not None:
             if values[0] != 0 or values[-1] != num_tokens:
                 raise ValueError(f"{op}: argument 'cu_seqlens' must start at 0 and end at the token count "
@@ -128,6 +182,7 @@ def ssm_batch(op: str, x: Any, cu_seqlens: Any, state_indices: Any, has_initial_
             want = ", ".join(map(str, state_shape))
             raise ValueError(f"{op}: argument '{state_name}' has shape {tuple(state.shape)}; expected "
                              f"[slots, {want}] for this layer")
+        _check_cache_writable(op, state_name, state, x, fe)
     slots = int(state.shape[0]) if state_given else num_seqs
 
     if state_indices is None:
@@ -135,10 +190,12 @@ def ssm_batch(op: str, x: Any, cu_seqlens: Any, state_indices: Any, has_initial_
             raise ValueError(f"{op}: {num_seqs} sequences and no 'state_indices' need at least {num_seqs} slots "
                              f"in '{state_name}', which has {slots}")
         idx = xp.arange(num_seqs, like=x, dtype=xp.int32)
+        slots_traced = False
     else:
-        _check_index_array(op, "state_indices", state_indices, fe, _INDEX_DTYPES, num_seqs)
+        _check_index_array(op, "state_indices", state_indices, fe, _INDEX_DTYPES, num_seqs, x)
         idx = xp.astype(state_indices, xp.int32)
         values = _values(state_indices)
+        slots_traced = values is None
         if values is not None:
             bad = values[(values < -1) | (values >= slots)]
             if bad.size:
@@ -151,13 +208,17 @@ def ssm_batch(op: str, x: Any, cu_seqlens: Any, state_indices: Any, has_initial_
     if has_initial_state is None:
         init = xp.arange(num_seqs, like=x, dtype=xp.int32) >= (0 if state_given else num_seqs)  # all True / all False
     else:
-        _check_index_array(op, "has_initial_state", has_initial_state, fe, ("bool",), num_seqs)
+        _check_index_array(op, "has_initial_state", has_initial_state, fe, ("bool",), num_seqs, x)
         init = has_initial_state
         values = _values(has_initial_state) if not state_given else None
         if values is not None and values.any():
             raise ValueError(f"{op}: argument 'has_initial_state' is True for a sequence but no "
                              f"'{state_name}' cache holds its state")
 
+    if cu_traced or slots_traced:
+        cu, idx = ssm_math.sanitize_metadata(xp, cu, idx, num_tokens, slots)
+    if family_of(fe) == "torch":  # kernels read the metadata with unit stride
+        cu, idx, init = cu.contiguous(), idx.contiguous(), init.contiguous()
     if not state_given:
         state = xp.zeros((num_seqs, *state_shape), like=x, dtype=xp.float32)
     return SSMBatch(cu, idx, init, state, num_seqs, num_tokens, state_given)

@@ -7,6 +7,8 @@ Prefill lays the sequences end to end in one float32 buffer ``[T + B (K - 1), D]
 here faster than a grouped ``F.conv1d`` over the same buffer, which needs the channels-first
 transposes, and than ``torch.compile`` of the token loop). Each sequence's final state is the last
 ``K - 1`` rows of its segment of the buffer. A decode step (T == B) is one ``[B, D, K]`` window.
+Windows never reach into another sequence's rows, so a NaN stays in its sequence; tokens past
+``cu_seqlens[B]`` (traced metadata, ``ssm_math.sanitize_metadata``) give zeros.
 """
 
 from __future__ import annotations
@@ -65,11 +67,12 @@ def causal_conv1d(x: Any, weight: Any, bias: Any, conv_state: Any, cu_seqlens: A
     import torch
 
     num_tokens, dim = x.shape
-    kernel_size = weight.shape[1]
-    hist = kernel_size - 1
     num_seqs = cu_seqlens.shape[0] - 1
     if num_tokens == 0:
         return x.new_empty((0, dim)), conv_state
+    # bad metadata (traced, or a direct call) read as the native body reads it: indices in bounds
+    cu_seqlens, state_indices = ssm_math.sanitize_metadata(_torch_xp(), cu_seqlens, state_indices, num_tokens,
+                                                           conv_state.shape[0])
     init = ssm_math.initial_states(_torch_xp(), conv_state, state_indices, has_initial_state)  # [B, D, H] f32
     w = weight.to(torch.float32)
     if num_tokens == num_seqs:  # decode: one token per sequence
@@ -77,6 +80,20 @@ def causal_conv1d(x: Any, weight: Any, bias: Any, conv_state: Any, cu_seqlens: A
         y = _finish(torch.einsum("bdk,dk->bd", window, w), bias, activation)
         seq = torch.arange(num_seqs)
         return _store(x, y, conv_state, state_indices, window[:, :, 1:], seq)
+    owned = int(cu_seqlens[-1])  # tokens past it belong to no sequence: zeros
+    if owned < num_tokens:
+        y, conv_state = _prefill(x[:owned], w, bias, conv_state, init, cu_seqlens, state_indices, activation)
+        return torch.cat([y, x.new_zeros((num_tokens - owned, dim))]), conv_state
+    return _prefill(x, w, bias, conv_state, init, cu_seqlens, state_indices, activation)
+
+
+def _prefill(x, w, bias, conv_state, init, cu_seqlens, state_indices, activation):
+    """The packed sequences end to end behind their histories (see the module docstring)."""
+    import torch
+
+    dim, kernel_size = w.shape
+    hist = kernel_size - 1
+    num_seqs = cu_seqlens.shape[0] - 1
     buf, token_rows, seq = _padded(x, init, cu_seqlens)
     rows = buf.shape[0] - hist
     out = buf[:rows] * w[:, 0]

@@ -45,7 +45,8 @@ def scan_channels(op: str, x, delta, A, B, C, D, z, state, cu_seqlens, state_ind
     """The C++ loop over channels with a per-channel state ``[N]``: x, z ``[T, I]``; Δ ``[T, I]``
     (float32, processed); A ``[I, N]``; B, C ``[T, N]`` or ``[T, G, N]`` (channel i reads group
     ``i // (I / G)``); D ``[I]``; ``state`` ``[S, I, N]`` in any float dtype, updated in place.
-    ``y = (h C + D x) * silu(z)`` in x's dtype, zero for padding sequences. Also Mamba-2's SSD
+    ``y = (h C + D x) * silu(z)`` in x's dtype, zero for padding sequences and for tokens past
+    ``cu_seqlens[B]``; all inputs are made contiguous (the loop reads unit strides). Also Mamba-2's SSD
     decode step, its heads' P channels each (``kernels/cpu/ssd.py``)."""
     import torch
 
@@ -59,12 +60,17 @@ def scan_channels(op: str, x, delta, A, B, C, D, z, state, cu_seqlens, state_ind
         raise NotImplementedError(f"{op}: the CPU kernel holds states up to {MAX_STATE} wide, got {n}")
     groups = 1 if B.ndim == 2 else B.shape[1]
     cache = state if state.is_contiguous() else state.contiguous()  # written back below when a copy
-    slots = state_indices.to(torch.int32).contiguous()
+    # The C++ loop reads tokens cu[s] .. cu[s + 1] and writes slot slots[s] unchecked: bad metadata
+    # (traced, or a direct call) is read as the native body reads it, every index in bounds.
+    cu, slots = ssm_math.sanitize_metadata(array_namespace(x), cu_seqlens, state_indices, tokens, state.shape[0])
+    slots, cu = slots.contiguous(), cu.contiguous()
     has_init = has_initial_state.to(torch.uint8).contiguous()
-    cu = cu_seqlens.to(torch.int32).contiguous()
     x, delta = x.contiguous(), delta.to(torch.float32).contiguous()
     z = None if z is None else z.contiguous()
-    y = torch.empty_like(x)
+    y = torch.empty_like(x, memory_format=torch.contiguous_format)
+    owned = int(cu[-1])
+    if owned < tokens:  # tokens no sequence owns: zeros (the loop never reaches them)
+        y[owned:] = 0
     side = [_f32(t) for t in (A, B, C, D)]  # float32 copies, alive through the call
     status = load().dualop_selective_scan(
         code, state_code, pointer(x), pointer(delta), pointer(z), *map(pointer, side), pointer(cache),

@@ -6,7 +6,8 @@ and its state at its last token in the chunk, the carried state between chunks),
 compute; y in x's dtype; the cache updated in place.
 
 The sequence boundaries are host values here (the CPU reads ``cu_seqlens``), so each sequence's
-entering/leaving terms touch only its own rows of the chunk.
+entering/leaving terms touch only its own rows of the chunk; within a chunk other sequences'
+operands are selected away, so a non-finite input stays in its sequence.
 """
 
 from __future__ import annotations
@@ -17,7 +18,16 @@ from dualop.backends import array_namespace
 from dualop.kernels import ssm_math
 from dualop.kernels.cpu.selective_scan import scan_channels
 
-__all__ = ["ssd_chunk_scan", "finish"]
+__all__ = ["ssd_chunk_scan", "finish", "token_sequence"]
+
+
+def token_sequence(cu_seqlens, num_tokens: int):
+    """Each token's sequence ``[T]`` int32, B for a token outside ``[cu[0], cu[B])`` (no sequence),
+    as ``ssm_math.sequence_layout`` says, by a binary search (no ``[T, B]`` comparison)."""
+    num_seqs = cu_seqlens.shape[0] - 1
+    t = torch.arange(num_tokens, device=cu_seqlens.device, dtype=cu_seqlens.dtype)
+    seq = torch.searchsorted(cu_seqlens[1:].contiguous(), t, right=True).to(torch.int32)
+    return torch.where(t < cu_seqlens[0], num_seqs, seq)
 
 
 def _decode(x, delta, A, B, C, D, z, ssm_state, cu_seqlens, state_indices, has_initial_state):
@@ -46,7 +56,7 @@ def _prefill(x, delta, a, bmat, cmat, init, cu: list[int], chunk: int):
     tokens, heads, head_dim = x.shape
     groups = bmat.shape[1]
     per_group = heads // groups
-    finals = torch.empty_like(init)
+    finals = init.clone()  # an empty sequence (traced metadata) keeps its starting state
     y = torch.empty_like(x)
     xd = x * delta[:, :, None]  # Δ_s x_s
     dA = delta * a
@@ -64,12 +74,21 @@ def _prefill(x, delta, a, bmat, cmat, init, cu: list[int], chunk: int):
         seg = torch.cumsum(da[:, :, None].expand(heads, length, length).tril(-1), dim=1)
         seg = torch.where(same, seg, float("-inf")).exp_()  # [H, L, L]
         cb = torch.einsum("tgn,sgn->gts", cmat[c0:c1], bmat[c0:c1])  # [G, L, L]
-        w = seg.view(groups, per_group, length, length).mul_(cb[:, None])
-        y_c = torch.matmul(w.view(heads, length, length), xd[c0:c1].transpose(0, 1))  # [H, L, P]
+        # other sequences' operands are selected away (0 x NaN would reach every sequence here);
+        # a non-finite Δ x enters the matmul as 0 and makes its sequence's later rows NaN
+        w = torch.where(same, seg.view(groups, per_group, length, length) * cb[:, None], 0.0)
+        xd_c = xd[c0:c1].transpose(0, 1)  # [H, L, P]
+        finite = torch.isfinite(xd_c)
+        y_c = torch.matmul(w.view(heads, length, length), torch.where(finite, xd_c, 0.0))  # [H, L, P]
+        hits = (same[None] & ~finite.all(-1)[:, None, :]).any(-1)  # [H, L]
+        y_c = torch.where(hits[:, :, None], float("nan"), y_c)
         c_g = cmat[c0:c1].transpose(0, 1)  # [G, L, N]
         b_g = bmat[c0:c1].transpose(0, 1)
         while seq < len(cu) - 1 and cu[seq] < c1:
             start, end = cu[seq], cu[seq + 1]
+            if start == end:  # empty: its final state stays its starting one
+                seq += 1
+                continue
             first, last = max(start - c0, 0), min(end, c1) - c0 - 1
             h_in = carry if start < c0 else init[seq]  # [H, P, N]
             rows = slice(first, last + 1)
@@ -101,25 +120,33 @@ def ssd_chunk_scan(x, dt, A, B, C, D, z, dt_bias, ssm_state, cu_seqlens, state_i
     tokens = x.shape[0]
     num_seqs = state_indices.shape[0]
     f32 = torch.float32
+    # bad metadata (traced, or a direct call) read as the native body reads it: indices in bounds
+    cu_seqlens, state_indices = ssm_math.sanitize_metadata(xp, cu_seqlens, state_indices, tokens,
+                                                           ssm_state.shape[0])
     delta = ssm_math.process_dt(xp, dt, dt_bias, delta_softplus, dt_limit)
     if tokens == num_seqs:
         return _decode(x, delta, A, B, C, D, z, ssm_state, cu_seqlens, state_indices, has_initial_state)
     init = ssm_math.initial_states(xp, ssm_state, state_indices, has_initial_state)
     cu = cu_seqlens.tolist()
-    y, finals = _prefill(x.to(f32), delta, A.to(f32), B.to(f32), C.to(f32), init, cu, max(1, int(chunk_size)))
-    seq = torch.repeat_interleave(torch.arange(num_seqs), torch.diff(cu_seqlens.to(torch.int64)))
+    owned = cu[-1]  # tokens past it belong to no sequence: zeros
+    y, finals = _prefill(x[:owned].to(f32), delta[:owned], A.to(f32), B[:owned].to(f32), C[:owned].to(f32), init,
+                         cu, max(1, int(chunk_size)))
+    if owned < tokens:
+        y = torch.cat([y, y.new_zeros((tokens - owned, *y.shape[1:]))])
+    seq = token_sequence(cu_seqlens, tokens)
     return finish(x, y, D, z, ssm_state, state_indices, seq, finals)
 
 
 def finish(x, y, D, z, ssm_state, state_indices, seq, finals):
     """The elementwise tail every torch path shares (here and the Triton kernels): ``y + D x``,
-    times ``silu(z)``, padding sequences' rows zeroed, cast to x's dtype; the final states written
-    into the cache (in place)."""
+    times ``silu(z)``, the rows of padding sequences and of no sequence (``seq``: each token's
+    sequence, B for none) zeroed by a select, cast to x's dtype; the final states written into the
+    cache (in place)."""
     f32 = torch.float32
     if D is not None:
         d = D.to(f32)
         y.addcmul_(d[:, None] if d.ndim == 1 else d, x.to(f32))
     if z is not None:
         y.mul_(torch.nn.functional.silu(z.to(f32)))
-    y.mul_((state_indices >= 0)[seq][:, None, None])
+    y = torch.where(ssm_math.token_keep(array_namespace(x), state_indices, seq)[:, None, None], y, 0.0)
     return y.to(x.dtype), ssm_math.store_states(array_namespace(x), ssm_state, state_indices, finals)

@@ -12,6 +12,12 @@ Products are float32 ``tl.dot``s: TF32 when x is bfloat16/float16 (the operands 
 11-bit mantissas, and the tolerance is the low-precision one), IEEE float32 for float32 x.
 
 The decode step (T == B) is elementwise: one program per (sequence, head, channel block).
+
+x, B and C are made contiguous here and the cache is gathered and scattered by torch (any strides).
+A non-finite input reaches only its own sequence: a non-finite ``Δ x`` or B enters the chunk's
+matmuls as 0 and makes its sequence's later rows (and its state) NaN, a superset of the recurrence's
+non-finite outputs within that sequence; other sequences' Δ·A and entering-state terms are selected
+away. Tokens past ``cu_seqlens[B]`` (traced metadata) belong to no sequence and give zeros.
 The interpreter cannot loop to a runtime bound (Triton 3.5), so interpreted launches loop over a
 constexpr bound with masks; compiled ones use the runtime bounds.
 """
@@ -24,7 +30,7 @@ import triton.language as tl
 
 from dualop.backends import array_namespace
 from dualop.kernels import ssm_math
-from dualop.kernels.cpu.ssd import finish
+from dualop.kernels.cpu.ssd import finish, token_sequence
 from dualop.kernels.cuda import interpreting
 
 __all__ = ["ssd_chunk_scan", "MAX_CHUNK"]
@@ -33,13 +39,14 @@ MAX_CHUNK = 64  # tokens per chunk tile (an [L, L] float32 block in registers)
 
 
 @triton.jit
-def _sequence_terms(step, hi, y, carry, c0, da, lanes, seq, cm, bm, xd, cu_ptr, init_ptr, fin_ptr,
+def _sequence_terms(step, hi, y, carry, c0, da, lanes, seq, cm, bm, xd, bad, cu_ptr, init_ptr, fin_ptr,
                     head, p_offs, n_offs, pn_mask, s_stride_b, s_stride_h, s_stride_p,
                     L: tl.constexpr, PRECISION: tl.constexpr):
     """Sequence ``step``'s share of one chunk: its entering state's output rows and its state at its
     last token here (final state stored, or carried). A step past the chunk's last sequence ``hi``
     (the interpreter's padded loop) changes nothing. Masks are built from comparisons only: the
-    interpreter turns ``scalar & tensor`` of booleans into int32."""
+    interpreter turns ``scalar & tensor`` of booleans into int32. ``bm`` and ``xd`` are finite
+    (``bad`` flags the rows that were not): the state of a sequence with such a row is NaN."""
     j = tl.minimum(step, hi)  # a padded step reads the last sequence's metadata; its effects are masked
     start = tl.load(cu_ptr + j)
     end = tl.load(cu_ptr + j + 1)
@@ -55,10 +62,12 @@ def _sequence_terms(step, hi, y, carry, c0, da, lanes, seq, cm, bm, xd, cu_ptr, 
     init = tl.load(init_ptr + state_off, mask=pn_mask & active, other=0.0)
     h_in = tl.where(start < c0, carry, init)  # [BLOCK_P, N_PAD]
     mine = (seq == j) & ((seq * 0 + step) <= hi)
+    # the other rows' terms are selected away, not multiplied by 0 (0 x NaN: a NaN state or C row)
     enter = tl.exp(tl.where(mine, from_first, float("-inf")))
-    y += enter[:, None] * tl.dot(cm, tl.trans(h_in), input_precision=PRECISION)
+    y += tl.where(mine[:, None], enter[:, None] * tl.dot(cm, tl.trans(h_in), input_precision=PRECISION), 0.0)
     weight = tl.exp(tl.where(mine, to_last, float("-inf")))
     h_out = tl.exp(total) * h_in + tl.dot(tl.trans(xd * weight[:, None]), bm, input_precision=PRECISION)
+    h_out = tl.where(tl.max(tl.where(mine, bad, 0.0), axis=0) > 0.0, float("nan"), h_out)
     ends = (n_offs[None, :] * 0 + end) <= c0 + L
     tl.store(fin_ptr + state_off, h_out, mask=pn_mask & active & ends)
     carry = tl.where(active & ((n_offs[None, :] * 0 + end) > c0 + L), h_out, carry)
@@ -86,25 +95,34 @@ def _chunk_step(c, carry, x_ptr, delta_ptr, da_ptr, b_ptr, c_ptr, seq_ptr, lo_pt
     bm = tl.load(b_ptr + bc_off, mask=bc_mask, other=0.0).to(tl.float32)
     cm = tl.load(c_ptr + bc_off, mask=bc_mask, other=0.0).to(tl.float32)
     xd = x * dlt[:, None]
+    # A non-finite input reaches only its sequence: Δ x and B enter the matmuls finite (a NaN row
+    # times another sequence's zero weights would be NaN), and the rows of a sequence at or after
+    # such a token (``bad``) are set to NaN; Δ·A of other sequences is selected away.
+    bad = tl.maximum(tl.max(tl.where((xd == xd) & (tl.abs(xd) < float("inf")), 0.0, 1.0), axis=1),
+                     tl.max(tl.where((bm == bm) & (tl.abs(bm) < float("inf")), 0.0, 1.0), axis=1))  # [L]
+    xd = tl.where((xd == xd) & (tl.abs(xd) < float("inf")), xd, 0.0)
+    bm = tl.where((bm == bm) & (tl.abs(bm) < float("inf")), bm, 0.0)
     # seg[t, s]: Δ·A summed over (s, t] directly (a float32 product with a 0/1 matrix), not a
     # difference of running sums, whose rounding grows with the chunk's whole decay
-    da_upto = tl.where(lanes[None, :] <= lanes[:, None], da[None, :], 0.0)
+    same = (seq[:, None] == seq[None, :]) & (lanes[:, None] >= lanes[None, :])
+    da_upto = tl.where(same, da[None, :], 0.0)
     strict = tl.where(lanes[None, :] < lanes[:, None], 1.0, 0.0)
     seg = tl.dot(da_upto, strict, input_precision="ieee")
-    same = (seq[:, None] == seq[None, :]) & (lanes[:, None] >= lanes[None, :])
     decay = tl.exp(tl.where(same, seg, float("-inf")))
-    cb = tl.dot(cm, tl.trans(bm), input_precision=PRECISION)
+    cb = tl.dot(cm, tl.trans(bm), input_precision=PRECISION)  # non-finite only in a row of a non-finite C
     y = tl.dot(cb * decay, xd, input_precision=PRECISION)
+    hits = tl.max(tl.where(same, bad[None, :], 0.0), axis=1)
+    y = tl.where(hits[:, None] > 0.0, float("nan"), y)
     lo = tl.load(lo_ptr + c)
     hi = tl.load(hi_ptr + c)
     if RUNTIME_LOOP:
         for j in range(lo, hi + 1):
-            y, carry = _sequence_terms(j, hi, y, carry, c0, da, lanes, seq, cm, bm, xd, cu_ptr, init_ptr,
+            y, carry = _sequence_terms(j, hi, y, carry, c0, da, lanes, seq, cm, bm, xd, bad, cu_ptr, init_ptr,
                                        fin_ptr, head, p_offs, n_offs, pn_mask, s_stride_b, s_stride_h,
                                        s_stride_p, L, PRECISION)
     else:
         for k in range(MAX_SEQS):
-            y, carry = _sequence_terms(lo + k, hi, y, carry, c0, da, lanes, seq, cm, bm, xd,
+            y, carry = _sequence_terms(lo + k, hi, y, carry, c0, da, lanes, seq, cm, bm, xd, bad,
                                        cu_ptr, init_ptr, fin_ptr, head, p_offs, n_offs, pn_mask, s_stride_b,
                                        s_stride_h, s_stride_p, L, PRECISION)
     tl.store(y_ptr + t64[:, None] * x_stride_t + head * x_stride_h + p_offs[None, :], y,
@@ -182,7 +200,7 @@ def ssd_chunk_scan(x, dt, A, B, C, D, z, dt_bias, ssm_state, cu_seqlens, state_i
     init = ssm_math.initial_states(xp, ssm_state, state_indices, has_initial_state).contiguous()
     xc, bc, cc = x.contiguous(), B.contiguous(), C.contiguous()
     y = torch.empty((tokens, heads, head_dim), dtype=torch.float32, device=dev)
-    finals = torch.empty_like(init)
+    finals = init.clone()  # a sequence the kernel writes no state for (an empty one) keeps its starting state
     block_p = max(16, min(triton.next_power_of_2(head_dim), 32))
     n_pad = max(16, triton.next_power_of_2(state))
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
@@ -197,16 +215,15 @@ def ssd_chunk_scan(x, dt, A, B, C, D, z, dt_bias, ssm_state, cu_seqlens, state_i
         chunk = min(MAX_CHUNK, max(16, triton.next_power_of_2(int(chunk_size))))
         num_chunks = triton.cdiv(tokens, chunk)
         cu = cu_seqlens.to(torch.int32).contiguous()
-        seq = torch.repeat_interleave(torch.arange(num_seqs, device=dev, dtype=torch.int32),
-                                      torch.diff(cu.to(torch.int64)), output_size=tokens)
+        seq = token_sequence(cu, tokens)  # B: no sequence
         starts = torch.arange(num_chunks, device=dev) * chunk
-        lo = seq[starts].contiguous()
-        hi = seq[torch.clamp(starts + chunk, max=tokens) - 1].contiguous()
+        lo = seq[starts].contiguous()  # B for a chunk past cu_seqlens[B]: no step runs
+        hi = torch.clamp(seq[torch.clamp(starts + chunk, max=tokens) - 1], max=num_seqs - 1).contiguous()
         runtime = not interpreting()
         _chunk_scan_kernel[(heads, triton.cdiv(head_dim, block_p))](
             xc, delta, d_a, bc, cc, seq, lo, hi, cu, init, y, finals,
             tokens, heads // groups, num_chunks, *common[1:],
             P=head_dim, N=state, BLOCK_P=block_p, N_PAD=n_pad, L=chunk,
-            NUM_CHUNKS=1 if runtime else num_chunks, MAX_SEQS=1 if runtime else min(num_seqs, chunk),
+            NUM_CHUNKS=1 if runtime else num_chunks, MAX_SEQS=1 if runtime else num_seqs,
             RUNTIME_LOOP=runtime, PRECISION=precision, num_warps=4)
     return finish(x, y, D, z, ssm_state, state_indices, seq, finals)

@@ -12,7 +12,8 @@ range per T block (``fix_first``, ``seq_last``) and ``cu_seqlens`` / ``state_ind
 scalar-prefetched to SMEM. Rows of padding sequences (slot -1) are zeroed by a mask built in the same
 loop. The starting states are gathered from the cache and the final states (each sequence's last
 K - 1 inputs, from its tokens or, for a sequence shorter than that, partly from its starting state)
-scattered back by XLA around the kernel: ``B (K - 1) D`` elements, small next to x.
+scattered back by XLA around the kernel: ``B (K - 1) D`` elements, small next to x. Tokens past
+``cu_seqlens[B]`` (traced metadata that ends early) are masked as padding rows are, by selects.
 
 Decode (``_decode_kernel``, T == B): grid ``(D blocks, B blocks)``; each sequence's window is its
 starting state and its one token; the kernel also emits the shifted window (the new state).
@@ -100,10 +101,12 @@ def _prefill_kernel(cu_ref, slot_ref, fix_first_ref, seq_last_ref, x_ref, halo_r
 
     keep = jax.lax.fori_loop(fix_first_ref[i], seq_last_ref[i] + 1, fix_sequence,
                              jnp.ones((block_tokens, 1), jnp.float32))
+    rows = jax.lax.broadcasted_iota(jnp.int32, keep.shape, 0) + blk_start
+    keep = jnp.where(rows >= cu_ref[cu_ref.shape[0] - 1], 0.0, keep)  # tokens no sequence owns
     y = acc_ref[...]
     if activation == "silu":
         y = _silu(y)
-    y_ref[...] = (y * keep).astype(y_ref.dtype)
+    y_ref[...] = jnp.where(keep > 0, y, 0.0).astype(y_ref.dtype)  # a select: a NaN in a dropped row stays there
 
 
 def _decode_kernel(x_ref, init_ref, w_ref, b_ref, keep_ref, y_ref, new_ref, *, kernel_size: int, activation):
@@ -118,7 +121,7 @@ def _decode_kernel(x_ref, init_ref, w_ref, b_ref, keep_ref, y_ref, new_ref, *, k
     new_ref[hist - 1] = xf
     if activation == "silu":
         acc = _silu(acc)
-    y_ref[...] = (acc * keep_ref[...]).astype(y_ref.dtype)
+    y_ref[...] = jnp.where(keep_ref[...] > 0, acc, 0.0).astype(y_ref.dtype)
 
 
 def _final_states(x, init, cu, hist):
@@ -165,8 +168,8 @@ def _causal_conv1d(x, weight, bias, conv_state, cu_seqlens, state_indices, has_i
     num_seqs = cu_seqlens.shape[0] - 1
     if num_tokens == 0:
         return x, conv_state
-    cu = cu_seqlens.astype(jnp.int32)
-    slots = state_indices.astype(jnp.int32)
+    # every index the kernels read in bounds, bad traced metadata read as the native body reads it
+    cu, slots = ssm_math.sanitize_metadata(_xp, cu_seqlens, state_indices, num_tokens, conv_state.shape[0])
     init = ssm_math.initial_states(_xp, conv_state, slots, has_initial_state)  # [B, D, hist] float32
     init_t = jnp.transpose(init, (2, 0, 1))  # [hist, B, D]: one lane-dense [B, D] tile per tap
     w = jnp.transpose(weight.astype(jnp.float32))  # [K, D]

@@ -10,11 +10,13 @@ Layout: the state of a block of channels is ``[N, I_block]`` (N on sublanes, cha
 in groups of 16 rows (one aligned load/store of x, dt, z, y per group, whole packed bf16 tiles).
 
 Prefill (``_prefill_kernel``): grid ``(I blocks, chunks of T)``, channels parallel, chunks
-sequential; ``cu_seqlens``, each chunk's first sequence and the padding flags are scalar-prefetched
-(SMEM). The state lives in VMEM scratch across the chunk loop; a sequence that starts inside a
-chunk loads its initial state by DMA from the HBM array of initial states, and a sequence that
-ends writes its final state by DMA to the HBM array of final states (both ``[B, N, I]``, gathered
-from and scattered to the cache by XLA around the kernel).
+sequential; ``cu_seqlens``, each chunk's first sequence, the sequence after each one's end (empty
+ones skipped) and the padding flags are scalar-prefetched (SMEM); tokens past ``cu_seqlens[B]``
+(traced metadata that ends early) belong to no sequence and read or write no state. The state
+lives in VMEM scratch across the chunk loop; a sequence that starts inside a chunk loads its
+initial state by DMA from the HBM array of initial states, and a sequence that ends writes its
+final state by DMA to the HBM array of final states (both ``[B, N, I]``, gathered from and
+scattered to the cache by XLA around the kernel).
 
 Decode (``_decode_kernel``, T == B: each token its own sequence): grid ``(I blocks, blocks of 16
 sequences)``, all parallel; initial and final states stream as ``[16, N, I_block]`` blocks.
@@ -90,7 +92,8 @@ def _delta(dt_rows, bias, softplus):
     return jax.nn.softplus(d) if softplus else d
 
 
-def _prefill_kernel(cu_ref, first_seq_ref, keep_ref, *refs, tokens, chunk, has_d, has_z, has_bias, softplus):
+def _prefill_kernel(cu_ref, first_seq_ref, next_seq_ref, keep_ref, *refs, tokens, chunk, has_d, has_z, has_bias,
+                    softplus):
     it = iter(refs)
     x_ref, dt_ref = next(it), next(it)
     z_ref = next(it) if has_z else None
@@ -100,6 +103,7 @@ def _prefill_kernel(cu_ref, first_seq_ref, keep_ref, *refs, tokens, chunk, has_d
     init_hbm, y_ref, final_hbm, h_ref, sem = next(it), next(it), next(it), next(it), next(it)
 
     block_i = x_ref.shape[1]
+    num_seqs = keep_ref.shape[0]  # seq == num_seqs: a token no sequence owns
     i0 = pl.program_id(0) * block_i
     t0 = pl.program_id(1) * chunk
     a_t = at_ref[...]
@@ -126,12 +130,16 @@ def _prefill_kernel(cu_ref, first_seq_ref, keep_ref, *refs, tokens, chunk, has_d
         for j in range(_GROUP):  # static: row slices of the loaded group
             pos = t0 + start + j
             real = pos < tokens
-            seq = jnp.where(real & (pos >= cu_ref[jnp.minimum(seq + 1, cu_ref.shape[0] - 1)]), seq + 1, seq)
-            opens = real & (pos == cu_ref[seq])
+            # at its sequence's end a token moves on to the next non-empty sequence (or none)
+            ends = (seq < num_seqs) & (pos >= cu_ref[jnp.minimum(seq + 1, num_seqs)])
+            seq = jnp.where(real & ends, next_seq_ref[jnp.minimum(seq, num_seqs - 1)], seq)
+            owned = real & (seq < num_seqs)
+            row = jnp.minimum(seq, num_seqs - 1)  # every index below in bounds
+            opens = owned & (pos == cu_ref[row])
 
             @pl.when(opens)
             def _():
-                dma = state_dma(seq, False)
+                dma = state_dma(row, False)
                 dma.start()
                 dma.wait()
 
@@ -139,13 +147,13 @@ def _prefill_kernel(cu_ref, first_seq_ref, keep_ref, *refs, tokens, chunk, has_d
             h, y = _step(h, deltas[j:j + 1], xs[j:j + 1], a_t, _column(b_all, lane_ids, start + j),
                          _column(c_all, lane_ids, start + j))
             y = _finish(y, xs[j:j + 1], d_skip, None if zs is None else zs[j:j + 1])
-            y = jnp.where(keep_ref[seq] > 0, y, 0.0)
+            y = jnp.where(owned & (keep_ref[row] > 0), y, 0.0)
             out = jnp.where(row_ids == j, y, out)
 
-            @pl.when(real & (pos == cu_ref[seq + 1] - 1))
+            @pl.when(owned & (pos == cu_ref[row + 1] - 1))
             def _():
                 h_ref[...] = h
-                dma = state_dma(seq, True)
+                dma = state_dma(row, True)
                 dma.start()
                 dma.wait()
 
@@ -200,6 +208,8 @@ def selective_scan(x, dt, A, B, C, D, z, dt_bias, state, cu_seqlens, state_indic
     if tokens == 0:
         return x, state
     xp = array_namespace(x)
+    # every index the kernels read in bounds, bad traced metadata read as the native body reads it
+    cu_seqlens, state_indices = ssm_math.sanitize_metadata(xp, cu_seqlens, state_indices, tokens, state.shape[0])
     blocks = scan_blocks(tokens if not decode else _GROUP, dim)
     block_i = blocks.channels
     rows = blocks.chunk
@@ -240,14 +250,17 @@ def selective_scan(x, dt, A, B, C, D, z, dt_bias, state, cu_seqlens, state_indic
         )(*xs, bt, ct, at, *per_channel, keep_rows, init)
         finals = finals[:seqs]
     else:
-        first_seq = jnp.sum((jnp.arange(0, padded, rows, dtype=jnp.int32)[:, None] >= cu_seqlens[None, 1:-1]),
+        # each chunk's first token's sequence, and the sequence after each one's end (skipping
+        # empty ones); B: no sequence
+        first_seq = jnp.sum((jnp.arange(0, padded, rows, dtype=jnp.int32)[:, None] >= cu_seqlens[None, 1:]),
                             axis=1).astype(jnp.int32)
+        next_seq = jnp.clip(jnp.searchsorted(cu_seqlens, cu_seqlens[1:], side="right") - 1, 0, seqs).astype(jnp.int32)
         row_spec = pl.BlockSpec((rows, block_i), lambda i, c, *_: (c, i))
         col_spec = pl.BlockSpec((n, rows), lambda i, c, *_: (0, c))
         chan_spec = pl.BlockSpec((1, block_i), lambda i, c, *_: (0, i))
         hbm = pl.BlockSpec(memory_space=pl.ANY)
         grid_spec = pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=3,
+            num_scalar_prefetch=4,
             grid=grid,
             in_specs=[*[row_spec] * len(xs), col_spec, col_spec,
                       pl.BlockSpec((n, block_i), lambda i, c, *_: (0, i)), *[chan_spec] * len(per_channel), hbm],
@@ -262,6 +275,8 @@ def selective_scan(x, dt, A, B, C, D, z, dt_bias, state, cu_seqlens, state_indic
             compiler_params=compiler_params(2, vmem_bytes=vmem, semantics=("parallel", "arbitrary")),
             cost_estimate=cost,
             interpret=interpret,
-        )(cu_seqlens, first_seq, keep, *xs, bt, ct, at, *per_channel, init)
+        )(cu_seqlens, first_seq, next_seq, keep, *xs, bt, ct, at, *per_channel, init)
+        # an empty sequence (traced metadata) writes no final state: its slot keeps its starting one
+        finals = jnp.where((cu_seqlens[1:] == cu_seqlens[:-1])[:, None, None], init, finals)
     new_state = ssm_math.store_states(xp, state, state_indices, jnp.swapaxes(finals, 1, 2))
     return y[:tokens], new_state

@@ -25,6 +25,12 @@ Decode (T == B): one grid step per (sequence, block of heads): ``h = exp(Δ A) h
 
 D, the z gate, zeroing padding sequences' rows and the cache write are XLA code around the kernels
 (elementwise, fused by XLA).
+
+A non-finite input reaches only its own sequence: a non-finite ``Δ x`` or B enters the chunk's
+matmuls as 0 and its sequence's later rows in the chunk and its state are set to NaN (a superset of
+the recurrence's non-finite outputs, within that sequence); other sequences' Δ·A and entering-state
+terms are selected away, never multiplied by a zero mask. Tokens past ``cu_seqlens[B]`` (traced metadata that ends early)
+belong to no sequence.
 """
 
 from __future__ import annotations
@@ -62,7 +68,7 @@ def ssd_blocks(num_tokens: int, heads: int, chunk_size: int) -> SSDBlocks:
 
 
 def _chunk_kernel(cu_ref, lo_ref, hi_ref,  # scalar prefetch (SMEM)
-                  seq_row_ref, seq_col_ref, da_ref, dlt_ref, x_ref, b_ref, c_ref, init_ref,
+                  seq_row_ref, seq_col_ref, da_ref, bad_ref, dlt_ref, x_ref, b_ref, c_ref, init_ref,
                   y_ref, fin_ref, carry_ref, *, chunk: int):
     c = pl.program_id(1)
     c0 = c * chunk
@@ -73,21 +79,30 @@ def _chunk_kernel(cu_ref, lo_ref, hi_ref,  # scalar prefetch (SMEM)
     da = da_ref[...]  # Δ·A of the chunk's tokens, a [1, L] row
     seq_r, seq_c = seq_row_ref[...], seq_col_ref[...]
     xd = x * dlt_ref[...]  # Δ_s x_s
+    # A non-finite input reaches only its sequence: Δ x and B enter the matmuls finite (a NaN row
+    # times another sequence's zero weights would be NaN), and the rows (and the state) of a
+    # sequence at or after such a token are set to NaN (``bad_ref``: the same flags as a [1, L] row).
+    xd_ok, bm_ok = jnp.isfinite(xd), jnp.isfinite(bm)
+    bad = jnp.maximum(jnp.max(jnp.where(xd_ok, 0.0, 1.0), axis=1, keepdims=True),
+                      jnp.max(jnp.where(bm_ok, 0.0, 1.0), axis=1, keepdims=True))  # [L, 1]
+    xd, bm = jnp.where(xd_ok, xd, 0.0), jnp.where(bm_ok, bm, 0.0)
 
     # The segment sums seg[t, s] = sum of Δ·A over (s, t], summed directly (one matmul of the
     # masked row with a 0/1 matrix), not as a difference of running sums, whose rounding grows
     # with the chunk's total decay.
     row = jax.lax.broadcasted_iota(jnp.int32, (chunk, chunk), 0)
     col = jax.lax.broadcasted_iota(jnp.int32, (chunk, chunk), 1)
-    da_upto = jnp.where(col <= row, da, 0.0)  # [t, r]: Δ·A_r for r <= t
+    same = (seq_c == seq_r) & (row >= col)  # [t, s]: s <= t in t's sequence
+    da_upto = jnp.where(same, da, 0.0)  # [t, r]: Δ·A_r for r <= t in t's sequence (selected, not masked)
     seg = jnp.dot(da_upto, (col < row).astype(jnp.float32), precision=hi_prec,
                   preferred_element_type=jnp.float32)  # [t, s]: sum over s < r <= t
-    # Within the chunk: the segment-masked C Bᵀ times Δ x.
-    same = (seq_c == seq_r) & (row >= col)
+    # Within the chunk: the segment-masked C Bᵀ times Δ x (non-finite only in a row of a non-finite C).
     decay = jnp.exp(jnp.where(same, seg, -jnp.inf))
     cb = jax.lax.dot_general(cm, bm, (((1,), (1,)), ((), ())), precision=hi_prec,
                              preferred_element_type=jnp.float32)
     y = jnp.dot(cb * decay, xd, precision=hi_prec, preferred_element_type=jnp.float32)
+    hits = jnp.max(jnp.where(same, bad_ref[...], 0.0), axis=1, keepdims=True)  # [L, 1]
+    y = jnp.where(hits > 0.0, jnp.nan, y)
 
     def per_sequence(j, y):
         start, end = cu_ref[j], cu_ref[j + 1]
@@ -100,11 +115,12 @@ def _chunk_kernel(cu_ref, lo_ref, hi_ref,  # scalar prefetch (SMEM)
         to_last = jnp.sum(jnp.where((col > row) & (col <= last), da, 0.0), axis=1, keepdims=True)
         total = jnp.sum(jnp.where((col[:1] >= first) & (col[:1] <= last), da, 0.0), axis=1, keepdims=True)
         enter = jnp.exp(jnp.where(mine, from_first, -jnp.inf))
-        y = y + enter * jax.lax.dot_general(cm, h_in, (((1,), (1,)), ((), ())), precision=hi_prec,
-                                            preferred_element_type=jnp.float32)
+        y = y + jnp.where(mine, enter * jax.lax.dot_general(cm, h_in, (((1,), (1,)), ((), ())), precision=hi_prec,
+                                                            preferred_element_type=jnp.float32), 0.0)
         weight = jnp.exp(jnp.where(mine, to_last, -jnp.inf))
         h_out = jnp.exp(total) * h_in + jax.lax.dot_general(
             xd * weight, bm, (((0,), (0,)), ((), ())), precision=hi_prec, preferred_element_type=jnp.float32)
+        h_out = jnp.where(jnp.max(jnp.where(mine, bad, 0.0)) > 0.0, jnp.nan, h_out)
 
         @pl.when(end <= c0 + chunk)
         def _():
@@ -140,11 +156,15 @@ def _prefill(x, delta, a, bmat, cmat, init, cu, seq, num_seqs: int, chunk: int, 
     delta_p = jnp.pad(delta, ((0, pad), (0, 0)))  # padding tokens: Δ = 0, no decay, no input
     d_a = (delta_p * a).T  # [H, Tp]
     x_t = jnp.pad(x, ((0, pad), (0, 0), (0, 0))).transpose(1, 0, 2)  # [H, Tp, P]
+    # a token's flag per head: a non-finite Δ x or B (the kernel's own test, as a [1, L] row per chunk)
+    bad_b = jnp.take(jnp.any(~jnp.isfinite(bmat), axis=2), jnp.arange(heads) // per_group, axis=1)  # [T, H]
+    bad = (jnp.any(~jnp.isfinite(x_t * delta_p.T[:, :, None]), axis=2)
+           | jnp.pad(bad_b, ((0, pad), (0, 0))).T).astype(jnp.float32)  # [H, Tp]
     b_t = jnp.pad(bmat, ((0, pad), (0, 0), (0, 0))).transpose(1, 0, 2)  # [G, Tp, N]
     c_t = jnp.pad(cmat, ((0, pad), (0, 0), (0, 0))).transpose(1, 0, 2)
     starts = jnp.arange(chunks, dtype=jnp.int32) * chunk
-    lo = seq_p[starts]
-    hi = jnp.take(seq, jnp.minimum(starts + chunk, tokens) - 1)
+    lo = seq_p[starts]  # B when the chunk starts past cu_seqlens[B]: no sequence, an empty loop
+    hi = jnp.minimum(jnp.take(seq, jnp.minimum(starts + chunk, tokens) - 1), num_seqs - 1)
     init_t = init.transpose(1, 0, 2, 3)  # [H, B, P, N]
 
     def tok(h, c, *_):
@@ -156,6 +176,7 @@ def _prefill(x, delta, a, bmat, cmat, init, cu, seq, num_seqs: int, chunk: int, 
     in_specs = [
         pl.BlockSpec((None, 1, chunk), lambda h, c, *_: (c, 0, 0)),  # rows [chunks, 1, L]: whole last dims
         pl.BlockSpec((chunk, 1), lambda h, c, *_: (c, 0)),
+        pl.BlockSpec((None, None, 1, chunk), lambda h, c, *_: (h, c, 0, 0)),
         pl.BlockSpec((None, None, 1, chunk), lambda h, c, *_: (h, c, 0, 0)),
         pl.BlockSpec((None, chunk, 1), tok),
         pl.BlockSpec((None, chunk, head_dim), tok),
@@ -169,7 +190,7 @@ def _prefill(x, delta, a, bmat, cmat, init, cu, seq, num_seqs: int, chunk: int, 
     ]
     isz = x.dtype.itemsize
     states_bytes = 2 * 2 * num_seqs * head_dim * state * 4
-    tiles = 2 * chunk * (head_dim * (isz + 4) + 2 * state * isz + 3 * 128 * 4) + 6 * chunk * chunk * 4
+    tiles = 2 * chunk * (head_dim * (isz + 4) + 2 * state * isz + 4 * 128 * 4) + 8 * chunk * chunk * 4
     vmem = states_bytes + tiles + head_dim * state * 4
     y_t, fin_t = pl.pallas_call(
         functools.partial(_chunk_kernel, chunk=chunk),
@@ -183,7 +204,7 @@ def _prefill(x, delta, a, bmat, cmat, init, cu, seq, num_seqs: int, chunk: int, 
         interpret=interpret,
         name="dualop_ssd_chunk_scan",
     )(cu, lo, hi, seq_p.reshape(chunks, 1, chunk), seq_p[:, None], d_a.reshape(heads, chunks, 1, chunk),
-      delta_p.T[:, :, None], x_t, b_t, c_t, init_t)
+      bad.reshape(heads, chunks, 1, chunk), delta_p.T[:, :, None], x_t, b_t, c_t, init_t)
     return y_t.transpose(1, 0, 2)[:tokens], fin_t.transpose(1, 0, 2, 3)
 
 
@@ -240,6 +261,9 @@ def _ssd_chunk_scan(x, dt, A, B, C, D, z, dt_bias, ssm_state, cu_seqlens, state_
     xp = array_namespace(x)
     tokens, heads, _ = x.shape
     num_seqs = state_indices.shape[0]
+    # every index the kernels read in bounds, bad traced metadata read as the native body reads it
+    cu_seqlens, state_indices = ssm_math.sanitize_metadata(xp, cu_seqlens, state_indices, tokens,
+                                                           ssm_state.shape[0])
     delta = ssm_math.process_dt(xp, dt, dt_bias, delta_softplus, dt_limit)  # [T, H] float32
     a = A.astype(jnp.float32)
     init = ssm_math.initial_states(xp, ssm_state, state_indices, has_initial_state)
@@ -249,14 +273,15 @@ def _ssd_chunk_scan(x, dt, A, B, C, D, z, dt_bias, ssm_state, cu_seqlens, state_
         seq = jnp.arange(tokens, dtype=jnp.int32)
     else:
         seq = ssm_math.sequence_layout(xp, cu_seqlens, tokens)[0]
-        y, finals = _prefill(x, delta, a, B, C, init, cu_seqlens.astype(jnp.int32), seq, num_seqs,
-                             blocks.chunk, interpret)
+        y, finals = _prefill(x, delta, a, B, C, init, cu_seqlens, seq, num_seqs, blocks.chunk, interpret)
+        # an empty sequence (traced metadata) writes no final state: its slot keeps its starting one
+        finals = jnp.where((cu_seqlens[1:] == cu_seqlens[:-1])[:, None, None, None], init, finals)
     xf = x.astype(jnp.float32)
     if D is not None:
         d = D.astype(jnp.float32)
         y = y + (d[:, None] if d.ndim == 1 else d) * xf
     if z is not None:
         y = y * jax.nn.silu(z.astype(jnp.float32))
-    y = jnp.where((state_indices >= 0)[seq][:, None, None], y, 0.0)
+    y = jnp.where(ssm_math.token_keep(xp, state_indices, seq)[:, None, None], y, 0.0)
     return y.astype(x.dtype), ssm_math.store_states(xp, ssm_state, state_indices, finals)
 
