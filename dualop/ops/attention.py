@@ -27,10 +27,10 @@ the serving engine's TPU attention kernel, with the exact call of JAX's
 - Non-finite values, on every path: a NaN or inf in sequence i's queries or in the K/V rows it
   reads (positions below its ``kv_len``) reaches only sequence i's output rows; cache rows from
   ``kv_len`` on (the rest of its last page, pages it does not use: a recycled page, a
-  ``torch.empty`` cache) never reach any output, whatever they hold (the native body zeroes them
-  before use, the kernels never read them or zero them). In the native body and the C++ kernel a
-  score of finite q and k is the float32 rounding of its exact dot product (+-inf past float32's
-  range), never NaN, whatever order the sums take (``overflow_safe_scores``).
+  ``torch.empty`` cache) never reach any output, whatever they hold (the native body masks their
+  scores and zeroes their V rows, the kernels never read them or zero them). In the native body
+  and the C++ kernel a score of finite q and k is the float32 rounding of its exact dot product
+  (+-inf past float32's range), never NaN, whatever order the sums take (``overflow_safe_scores``).
 
 Validation (``check_inputs``, before any kernel): kinds, dtypes, ranks and shapes always; where the
 metadata's values are visible (torch CPU/GPU tensors, jax arrays outside a trace: see
@@ -192,12 +192,38 @@ def overflow_safe_scores(xp: Any, q: Any, k: Any) -> Any:
     whose dot products of finite vectors are the float32 rounding of their exact values (+-inf
     past float32's range), never NaN: unscaled, a sum of huge products can overflow to +inf in one
     partial sum and -inf in another, which depends on how the einsum orders its sums (torch and
-    XLA differ). The C++ kernel computes its scores by the same rule."""
+    XLA differ). Vectors holding an element above ``_BIG`` are scaled down first (the others are
+    untouched: the same sums). The C++ kernel computes its scores by the same rule."""
     q_big = xp.amax(xp.abs(q), axis=-1, keepdims=True) > _BIG  # [T, Hkv, G, 1]
     k_big = xp.amax(xp.abs(k), axis=-1, keepdims=True) > _BIG  # [T, L, Hkv, 1]
     scores = xp.einsum("tkgd,tlkd->tkgl", xp.where(q_big, q * _DOWN, q), xp.where(k_big, k * _DOWN, k))
     k_up = xp.where(k_big, _UP, 1.0)[..., 0].swapaxes(1, 2)[:, :, None, :]  # [T, Hkv, 1, L]
     return scores * xp.where(q_big, _UP, 1.0) * k_up  # scaled back one factor at a time: no spurious overflow
+
+
+def finite_or_safe(xp: Any, fast: Any, safe: Any, *args: Any) -> Any:
+    """``fast(*args)`` where all its values are finite, else ``safe(*args)``, for two computations
+    that agree whenever ``fast``'s result is finite (an overflow, or a stale NaN row met by a 0
+    weight, leaves a non-finite value in it) and ``safe`` costs a pass more. jax: ``lax.cond``, so
+    the safe branch runs only when needed (``args``: the cache and the page ids, from which each
+    branch gathers its rows: a gathered array as an operand would be copied on every call); eager
+    torch on the CPU: a branch on the values; elsewhere (torch on a device, fake tensors of a
+    compile) ``safe`` alone."""
+    if xp.name == "jax":
+        import jax
+
+        value = fast(*args)
+        finite = xp.sum(xp.astype(~(xp.abs(value) < math.inf), xp.int32)) == 0
+        return jax.lax.cond(finite, lambda v, *a: v, lambda v, *a: safe(*a), value, *args)
+    import torch
+    from torch._subclasses.fake_tensor import is_fake
+
+    first = args[0]
+    if first.device.type == "cpu" and not torch.compiler.is_compiling() and not is_fake(first):
+        value = fast(*args)
+        if bool((xp.abs(value) < math.inf).all()):
+            return value
+    return safe(*args)
 
 
 @CustomOp.register("ragged_paged_attention")
@@ -271,9 +297,10 @@ class RaggedPagedAttention(CustomOp):
         """Each query row finds its sequence by comparison with ``cu_q_lens`` (no loop over the
         runtime ``num_seqs``, so it traces under ``jit`` with traced metadata), gathers that
         sequence's pages and masks by position. Memory: ``T * pages_per_seq * page_size`` K/V rows,
-        a reference, not a serving path. Metadata is clamped (module docstring). K and V rows from
-        ``kv_len`` on are zeroed before use: a recycled page's stale rows (NaN or inf garbage) would
-        otherwise reach the output through ``0 * NaN``; scores are ``overflow_safe_scores``."""
+        a reference, not a serving path. Metadata is clamped (module docstring). Rows from ``kv_len``
+        on (a recycled page's stale rows, NaN or inf garbage) never count: their scores are masked,
+        and where some value of the product is not finite their V rows are zeroed first (``0 *
+        NaN`` would reach the output); scores as ``overflow_safe_scores`` (``finite_or_safe``)."""
         xp = array_namespace(q)
         num_tokens, num_q_heads, head_dim = q.shape
         num_pages, page_size, combined, _ = kv_pages.shape
@@ -284,16 +311,17 @@ class RaggedPagedAttention(CustomOp):
                                                        num_seqs)
         kv_pos = xp.arange(span, q)[None, :]
         cached = kv_pos < kv_len[:, None]  # [T, span]: positions past kv_len never count, whatever mask_value
-        kv = xp.take(kv_pages, pages, axis=0).reshape((num_tokens, span, combined, head_dim))
-        kv = xp.where(cached[:, :, None, None], xp.astype(kv, xp.float32), 0.0)
-        k = kv[:, :, 0::2, :]  # [T, span, Hkv, D]
-        v = kv[:, :, 1::2, :]
-        if k_scale is not None:
-            k = k * k_scale
-        if v_scale is not None:
-            v = v * v_scale
+
+        def rows(kv_pages, pages, half, scale):
+            """K (``half`` 0) or V (1) rows ``[T, span, Hkv, D]`` of each row's sequence, float32."""
+            x = xp.take(kv_pages[:, :, half::2, :], pages, axis=0).reshape((num_tokens, span, num_kv_heads, head_dim))
+            x = xp.astype(x, xp.float32)
+            return x if scale is None else x * scale
+
         qf = xp.astype(q, xp.float32).reshape((num_tokens, num_kv_heads, group, head_dim))
-        scores = overflow_safe_scores(xp, qf, k) * sm_scale  # [T, Hkv, G, span]
+        scores = finite_or_safe(  # [T, Hkv, G, span]; a stale K row's score is masked below
+            xp, lambda kv, p: xp.einsum("tkgd,tlkd->tkgl", qf, rows(kv, p, 0, k_scale)),
+            lambda kv, p: overflow_safe_scores(xp, qf, rows(kv, p, 0, k_scale)), kv_pages, pages) * sm_scale
         if soft_cap is not None:
             scores = soft_cap * xp.tanh(scores / soft_cap)
         allowed = (kv_pos <= position[:, None]) & cached
@@ -304,7 +332,12 @@ class RaggedPagedAttention(CustomOp):
         scores = xp.where(allowed[:, None, None, :], scores, fill)
         scores = xp.exp(scores - xp.amax(scores, axis=-1, keepdims=True))
         probs = scores / xp.sum(scores, axis=-1, keepdims=True)
-        out = xp.einsum("tkgl,tlkd->tkgd", probs, v).reshape((num_tokens, num_q_heads, head_dim))
+        # a stale V row weighs 0, but 0 * NaN is NaN: zeroed when some value is not finite
+        zeroed = cached[:, :, None, None]
+        out = finite_or_safe(
+            xp, lambda kv, p: xp.einsum("tkgl,tlkd->tkgd", probs, rows(kv, p, 1, v_scale)),
+            lambda kv, p: xp.einsum("tkgl,tlkd->tkgd", probs, xp.where(zeroed, rows(kv, p, 1, v_scale), 0.0)),
+            kv_pages, pages).reshape((num_tokens, num_q_heads, head_dim))
         out = xp.where(valid[:, None, None], out, 0.0)
         return xp.astype(out, q.dtype)
 
