@@ -529,3 +529,10 @@ def test_mixer_weights_of_another_dtype_run_as_native(platform):
     want = op.forward_native(**args())
     for g, w, what in zip(got, want, ("out", "conv_state", "ssm_state")):
         _assert_close(g, w, what)
+
+
+@pytest.mark.parametrize("eps", [float("nan"), float("inf"), -1.0])
+def test_mamba_mixer2_refuses_a_bad_rms_norm_eps_by_its_own_name(eps):
+    """The error names the mixer and its argument, not the inner gated norm's ``eps``."""
+    with pytest.raises(ValueError, match=r"^mamba_mixer2: rms_norm_eps must be a finite float"):
+        MambaMixer2(64, 16, 4, 128, True, False, n_groups=1, num_heads=8, head_dim=16, rms_norm_eps=eps)

@@ -14,7 +14,7 @@ from typing import Any, ClassVar
 from dualop.backends import array_namespace
 from dualop.custom_op import CustomOp
 from dualop.kernels import ssm_math
-from dualop.ops._checks import check_array, check_optional_like, check_positive_int, cpu_declines
+from dualop.ops._checks import check_array, check_finite_float, check_optional_like, check_positive_int, cpu_declines
 from dualop.ops._mixer import MixerPlatformMethods, mixer_batches, project, projection
 from dualop.ops.gated_norm import RMSNormGated
 from dualop.parallel import TensorParallel, current_tensor_parallel, divide
@@ -224,6 +224,8 @@ class MambaMixer2(MixerPlatformMethods, CustomOp):
         self.num_heads = check_positive_int(op, "num_heads", num_heads)
         self.head_dim = check_positive_int(op, "head_dim", head_dim)
         self.chunk_size = check_positive_int(op, "chunk_size", chunk_size)
+        # Checked here too, so the error names this op and its argument, not the inner norm's.
+        rms_norm_eps = check_finite_float(op, "rms_norm_eps", rms_norm_eps, minimum=0.0)
         if num_heads * head_dim != intermediate_size:
             raise ValueError(f"{op}: num_heads * head_dim = {num_heads} * {head_dim} must equal intermediate_size "
                              f"{intermediate_size}")
