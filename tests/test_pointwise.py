@@ -532,3 +532,24 @@ def test_triton_rejects_a_wrong_parameter_set(triton_kernel):
         triton_kernel.pointwise_activation(torch.ones(4), activation="xielu")
     with pytest.raises(ValueError, match="'quick_gelu' takes no parameters"):
         triton_kernel.pointwise_activation(torch.ones(4), torch.ones(1), torch.ones(1), activation="quick_gelu")
+
+
+@pytest.mark.parametrize("platform", ["cuda", "tpu"])
+@pytest.mark.parametrize("alpha_p", [-math.inf, math.nan, math.inf])
+def test_xielu_kernels_take_non_finite_parameters_as_the_native_body(platform, alpha_p):
+    """softplus(-inf) is 0, not NaN: a kernel must not carry the parameter through ``0 * a``."""
+    x = np.linspace(-4, 4, 64, dtype=np.float32).reshape(4, 16)
+    a_p, a_n = np.array([alpha_p], np.float32), np.array([ALPHAS[1]], np.float32)
+    op = XIELU()
+    if platform == "cuda":
+        args = [torch.from_numpy(v) for v in (x, a_p, a_n)]
+    else:
+        args = [jax.numpy.asarray(v) for v in (x, a_p, a_n)]
+    want = testing.to_numpy(op.forward_native(*args))
+    frontend = "torch" if platform == "cuda" else "jax"
+    with set_config(OpsConfig(["all"])), override_platform(platform):
+        op.last_fallback = None
+        got = testing.to_numpy(op(*args))
+        assert op.last_run(frontend)[0] != "forward_native"
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)

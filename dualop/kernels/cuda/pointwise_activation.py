@@ -31,9 +31,10 @@ def _log1p_of(e):
 
 @triton.jit
 def _softplus(a):
-    """torch's softplus: ``a`` above 20, else ``log(1 + exp(a))``. The clamp keeps exp finite;
-    ``0 * a`` carries a NaN that a GPU's fminf would drop."""
-    return tl.where(a > 20.0, a, _log1p_of(tl.exp(tl.minimum(a, 20.0))) + 0.0 * a)
+    """torch's softplus: ``a`` above 20, else ``log(1 + exp(a))``. The clamp keeps exp finite; a
+    NaN, which a GPU's fminf would drop, is selected back (a product ``0 * a`` would also turn
+    softplus(-inf) = 0 into NaN)."""
+    return tl.where(a > 20.0, a, tl.where(a != a, a, _log1p_of(tl.exp(tl.minimum(a, 20.0)))))
 
 
 @triton.jit
