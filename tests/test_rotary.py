@@ -377,3 +377,23 @@ def test_pallas_kernel_puts_non_finite_values_where_native_does(special):
     want, _ = op.forward_native(pos, jnp.asarray(q))
     _close(got, want)
     assert int(jnp.sum(~jnp.isfinite(got))) == int(jnp.sum(~jnp.isfinite(want))) == 2
+
+
+@pytest.mark.parametrize("neox, special", [(True, -np.inf), (False, np.nan), (False, np.inf)])
+def test_pallas_kernel_keeps_a_non_finite_angle_where_the_native_body_puts_it(neox, special):
+    """A non-finite cos/sin value reaches only the channels that read it (the kernel spreads cos/sin
+    over channels by a 0/1 product, where 0 * inf would make the whole head group NaN)."""
+    seq, heads, head = 4, 2, 64
+    x = jnp.asarray(_data((seq, heads, head), 3))
+    freqs = np.outer(np.arange(seq), 1.0 / 10000.0 ** (np.arange(0, head, 2) / head)).astype(np.float32)
+    cos, sin = np.cos(freqs), np.sin(freqs)
+    (cos if np.isnan(special) else sin)[1, 5] = special
+    op = ApplyRotaryEmb(is_neox_style=neox, enable_fp32_compute=True)
+    want = testing.to_numpy(op.forward_native(x, jnp.asarray(cos), jnp.asarray(sin)))
+    with set_config(OpsConfig(["all"])), override_platform("tpu"):
+        op.last_fallback = None
+        got = testing.to_numpy(op(x, jnp.asarray(cos), jnp.asarray(sin)))
+        assert op.last_run("jax")[0] == "forward_tpu"
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+    assert 0 < np.count_nonzero(~np.isfinite(want)) < want.size // 8
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)

@@ -13,9 +13,8 @@ by a 0/1 matrix ``E`` (no lane shuffles at unaligned offsets, which a head size 
 ``out = x * (cos @ E + pass) + (x @ P) * (sin @ E)``, ``pass`` being 1 on pass-through channels. The
 MXU products are exact: bfloat16 operands are multiplied by +-1 and 0 with float32 accumulation;
 float32 and float16 operands are split into three bfloat16 parts that sum back exactly.
-Non-finite channels are carried by a second product of small codes (``_swap``), so inf and NaN land
-where the native formula puts them. cos/sin (the op's cache, or ApplyRotaryEmb's arguments) must
-be finite: a non-finite angle spreads NaN over its head group's channels.
+Non-finite values are carried by a second product of small codes (``_moved``), in x's pair swap
+and in the cos/sin spread alike, so inf and NaN land where the native formula puts them.
 """
 
 from __future__ import annotations
@@ -100,14 +99,15 @@ def _exact_dot(a, m, split: bool):
     return dot(hi, m) + dot(mid, m) + dot(lo, m)
 
 
-def _swap(xf, perm, split: bool):
-    """``xf @ perm`` (the signed pair swap) with non-finite values moved, not smeared: the product
-    runs on the finite values (0 * inf would make the whole group NaN), and each non-finite value
-    travels as a small code (+-1: +-inf, 2: NaN) through a second, exact bfloat16 product."""
+def _moved(xf, m, split: bool):
+    """``xf @ m`` for a matrix ``m`` with at most one 0/+-1 entry per column (the signed pair swap,
+    the cos/sin spread) with non-finite values moved, not smeared: the product runs on the finite
+    values (0 * inf would make the whole group NaN), and each non-finite value travels as a small
+    code (+-1: +-inf, 2: NaN) through a second, exact bfloat16 product."""
     finite = jnp.abs(xf) < jnp.inf  # False for inf and NaN
-    rot = _exact_dot(jnp.where(finite, xf, 0.0), perm, split)
+    rot = _exact_dot(jnp.where(finite, xf, 0.0), m, split)
     code = jnp.where(finite, 0.0, jnp.where(xf != xf, 2.0, jnp.where(xf > 0, 1.0, -1.0)))
-    moved = _exact_dot(code, perm, False)
+    moved = _exact_dot(code, m, False)
     special = jnp.where(moved == 1.0, jnp.inf, jnp.where(moved == -1.0, -jnp.inf, jnp.nan))
     return jnp.where(moved == 0.0, rot, special)
 
@@ -124,12 +124,12 @@ def _kernel(cos_ref, sin_ref, *refs, widths: tuple[int, ...], head_size: int, ro
             w = min(group, width - start)
             if w not in made:  # the cos/sin spread over a group of this width, shared by query and key
                 spread, perm, keep = _matrices(w, head_size, rotary_dim, is_neox_style)
-                c = _exact_dot(cos, spread, cos_split) + keep
-                s = _exact_dot(sin, spread, cos_split)
+                c = _moved(cos, spread, cos_split) + keep
+                s = _moved(sin, spread, cos_split)
                 made[w] = (perm, c, s)
             perm, c, s = made[w]
             xf = x_ref[:, start:start + w].astype(jnp.float32)
-            out = xf * c + _swap(xf, perm, split) * s
+            out = xf * c + _moved(xf, perm, split) * s
             o_ref[:, start:start + w] = out.astype(o_ref.dtype)
 
 
