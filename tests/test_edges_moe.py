@@ -289,6 +289,29 @@ def test_experts_kernels_skip_unowned_slots(frontend, platform, method):
     assert result.ok, (method, frontend, result)
 
 
+@pytest.mark.parametrize("frontend, platform, method", EXPERTS_PATHS)
+@pytest.mark.parametrize("special", [NAN, INF])
+def test_an_experts_nonfinite_weights_reach_only_its_own_tokens(frontend, platform, method, special):
+    """A NaN/inf in one expert's weights (used or not) changes only the tokens routed to it:
+    XLA:CPU's ragged dot masked groups by multiplication and spread it to every token."""
+    rng = np.random.default_rng(3)
+    tokens, hidden, inter = 6, 16, 8
+    x = rng.normal(size=(tokens, hidden)).astype(np.float32)
+    w13 = (rng.normal(size=(E, 2 * inter, hidden)) * 0.3).astype(np.float32)
+    w2 = (rng.normal(size=(E, hidden, inter)) * 0.3).astype(np.float32)
+    ids = np.array([[0], [3], [3], [5], [0], [5]], np.int32)  # experts 1 and 2 unused
+    w2[2, 0, 0] = special  # unused expert
+    w13[5, 1, 2] = special  # used by tokens 3 and 5
+    args = [_arr(a, frontend) for a in (x, np.ones((tokens, 1), np.float32), ids, w13, w2)]
+    op = UnquantizedFusedMoEMethod()
+    got = _np(_run(op, frontend, platform, method, *args))
+    want = _np(op.forward_native(*args))
+    assert np.isfinite(want[[0, 1, 2, 4]]).all() and not np.isfinite(want[[3, 5]]).all()
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(want), err_msg=method)
+    result = testing.compare(got, want, "float32")
+    assert result.ok, (method, frontend, result)
+
+
 # refused options -------------------------------------------------------------------------------
 
 

@@ -37,12 +37,34 @@ def _ragged_linear(rows: Any, weights: Any, group_sizes: Any, on_cpu: bool) -> A
     if on_cpu:
         # XLA's CPU dot widens 16-bit operands to float32 anyway; widening here keeps XLA:CPU on its
         # float32 ragged dot (jax 0.7.1's XLA:CPU aborted compiling a 16-bit one, once, in a long run).
-        return dot(rows.astype(jnp.float32), weights.astype(jnp.float32))
+        # XLA:CPU's ragged dot masks every group's product by multiplication, so a NaN or inf in any
+        # expert's weights reached the same output column of every row (0 * NaN); weights that are
+        # not all finite take a loop over the groups that selects each group's rows instead.
+        f32 = jnp.float32
+        return jax.lax.cond(jnp.all(jnp.isfinite(weights)), lambda r, w: dot(r.astype(f32), w.astype(f32)),
+                            lambda r, w: _grouped_by_select(r.astype(f32), w.astype(f32), group_sizes), rows, weights)
     if rows.dtype == weights.dtype:
         return dot(rows, weights)
     # 16-bit matrix units: the float32 rows as a high and a low 16-bit half
     high = rows.astype(weights.dtype)
     return dot(high, weights) + dot((rows - high.astype(jnp.float32)).astype(weights.dtype), weights)
+
+
+def _grouped_by_select(rows: Any, weights: Any, group_sizes: Any) -> Any:
+    """float32 ``rows[r] @ weights[g(r)].T`` one group at a time, each group's rows selected by
+    ``where`` (rows past the groups give 0): non-finite weights reach only their own group's rows.
+    Every group multiplies every row (G times the ragged dot's work): the path for weights that
+    are not all finite only."""
+    ends = jnp.cumsum(group_sizes)
+    starts = ends - group_sizes
+    row = jnp.arange(rows.shape[0])
+
+    def one_group(g, out):
+        product = jnp.dot(rows, weights[g].T, preferred_element_type=jnp.float32)
+        inside = (row >= starts[g]) & (row < ends[g])
+        return jnp.where(inside[:, None], product, out)
+
+    return jax.lax.fori_loop(0, weights.shape[0], one_group, jnp.zeros((rows.shape[0], weights.shape[1]), jnp.float32))
 
 
 @functools.partial(jax.jit, static_argnames=("activation", "apply_router_weight_on_input", "float32_output", "on_cpu"))
