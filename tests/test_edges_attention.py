@@ -410,3 +410,25 @@ def test_edge_values_that_stay_accepted():
     for options in ({"mask_value": -INF}, {"mask_value": 1.0}, {"sm_scale": 1e-30}):
         out = RaggedPagedAttention()(*arrays, **{"sm_scale": 0.25, **options})
         assert torch.isfinite(out).all()
+
+
+@pytest.mark.parametrize("frontend", ["torch", "jax"])
+def test_native_body_never_reads_cu_q_lens_past_num_seqs(frontend):
+    """Entries of cu_q_lens past num_seqs + 1 mean nothing: a trailing 0 must not take row 0 from
+    sequence 0 (the native body counted it as a sequence ending before the row)."""
+    rng = np.random.default_rng(5)
+    q = rng.normal(size=(1, 2, 8)).astype(np.float32)
+    kv_pages = rng.normal(size=(2, 4, 2, 8)).astype(np.float32)
+    meta = [np.array(v, np.int32) for v in ([3, 0], [[0], [1]])]
+    import jax.numpy as jnp
+
+    conv = (lambda a: torch.from_numpy(np.ascontiguousarray(a))) if frontend == "torch" else jnp.asarray
+    op = RaggedPagedAttention()
+
+    def run(cu):
+        args = [conv(a) for a in (q, kv_pages, *meta, np.array(cu, np.int32), np.array([1], np.int32))]
+        return testing.to_numpy(op.forward_native(*args))
+
+    want = run([0, 1, 1])
+    assert np.abs(want).max() > 0
+    np.testing.assert_array_equal(run([0, 1, 0]), want)

@@ -170,8 +170,10 @@ def row_sequences(xp: Any, q: Any, num_pages: int, page_size: int, kv_lens: Any,
     rows = xp.arange(num_tokens, q)
     count = xp.clip(num_seqs[0], 0, max_seqs)
     cu = xp.clip(cu_q_lens, 0, num_tokens)
-    # sequence of each row: how many sequences end at or before it
-    seq = xp.astype(xp.sum(xp.astype(cu[None, 1:] <= rows[:, None], xp.int32), axis=1), xp.int32)
+    # sequence of each row: how many of the num_seqs sequences end at or before it (the entries of
+    # cu_q_lens past num_seqs + 1 mean nothing and are never read)
+    used = xp.arange(max_seqs, q)[None, :] < count
+    seq = xp.astype(xp.sum(xp.astype((cu[None, 1:] <= rows[:, None]) & used, xp.int32), axis=1), xp.int32)
     valid = (seq < count) & (rows >= cu[0])
     seq = xp.minimum(seq, max_seqs - 1)
     q_start, q_end = xp.take(cu, seq), xp.take(cu, seq + 1)
