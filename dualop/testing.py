@@ -75,8 +75,8 @@ def compare(got: np.ndarray, want: np.ndarray, dtype: str, *, normwise: bool = F
     ``atol + rtol * |want|``, or with ``normwise`` within ``atol + rtol * max|want|`` (for sums of
     products of large inputs, where an element's relative error measures cancellation, not the
     kernel: two summation orders of the same float32 terms differ by their sum of magnitudes'
-    rounding, not the result's). NaN must sit exactly where ``want`` has NaN, unless
-    ``widened_nonfinite``: for kernels that run a scan or a convolution as GEMMs over a masked
+    rounding, not the result's). NaN must sit exactly where ``want`` has NaN, and ``want``'s
+    infinities must be matched exactly, unless ``widened_nonfinite``: for kernels that run a scan or a convolution as GEMMs over a masked
     (triangular, banded) matrix, a non-finite input meets the mask's zeros (0 x inf = NaN) and
     turns more outputs of its chunk non-finite than the recurrence does, and the order of summing
     infinities picks NaN or +-inf; then every non-finite ``want`` must be non-finite in ``got``
@@ -97,8 +97,11 @@ def compare(got: np.ndarray, want: np.ndarray, dtype: str, *, normwise: bool = F
         return Comparison(False, float("nan"), float("nan"), "NaN positions differ")
     finite = ~nan_want
     g, w = got[finite], want[finite]
-    same_inf = (g == w)  # equal infinities compare as exact
-    diff = np.where(same_inf, 0.0, np.abs(g - w))
+    inf_want = np.isinf(w)  # an infinity is matched exactly (its tolerance would be infinite)
+    if np.any(g[inf_want] != w[inf_want]):
+        return Comparison(False, float("inf"), float("inf"), "an infinite output differs")
+    g, w = g[~inf_want], w[~inf_want]
+    diff = np.abs(g - w)
     rel = diff / np.maximum(np.abs(w), np.finfo(np.float32).tiny)
     finite_w = np.abs(w[np.isfinite(w)])
     scale = (finite_w.max() if finite_w.size else 0.0) if normwise else np.abs(w)

@@ -432,3 +432,63 @@ def test_native_body_never_reads_cu_q_lens_past_num_seqs(frontend):
     want = run([0, 1, 1])
     assert np.abs(want).max() > 0
     np.testing.assert_array_equal(run([0, 1, 0]), want)
+
+
+# --- cu_q_lens the kernels cannot check: past T, negative or out of order ---------------------------
+
+# Each becomes, on every path, cu_q_lens clipped to [0, T] and made non-decreasing (a running max).
+DISORDERED_CU = [[0, 5120, 1, 6], [0, 4, 2, 6], [2, 1, 5, 6], [-3, 2, 9, 3]]
+
+
+def _disordered_batch(op_name: str):
+    """Three sequences over 6 rows, each kv_len 8 (longer than any q_len the rule can give), and
+    the op with its options."""
+    rng = np.random.default_rng(11)
+    if op_name == "ragged_paged_mla_attention":
+        arrays = mla_batch(rng, [2, 2, 2], [8, 8, 8], num_tokens=6, heads=2, latent=16, rope_dim=8, page_size=4)
+        return RaggedPagedMLAAttention(16), arrays, {"sm_scale": 0.2}
+    arrays = paged_batch(rng, [2, 2, 2], [8, 8, 8], num_tokens=6, num_q_heads=4, num_kv_heads=2, head_dim=16,
+                         page_size=4)
+    return RaggedPagedAttention(), arrays, {"sm_scale": 0.25, "sliding_window": 5}
+
+
+def _kernel_without_checks(op_name: str, path: str):
+    """The path's kernel function itself (the op would refuse the metadata where it can read it)."""
+    import importlib
+
+    package = {"triton": "cuda", "cpu": "cpu", "pallas": "pallas"}[path]
+    module = importlib.import_module(f"dualop.kernels.{package}.{op_name}")
+    return getattr(module, op_name)
+
+
+@pytest.mark.parametrize("path", ["native-jit", "pallas-jit", "triton", "cpu"])
+@pytest.mark.parametrize("op_name", ["ragged_paged_attention", "ragged_paged_mla_attention"])
+def test_unchecked_cu_q_lens_read_the_same_on_every_path(op_name, path):
+    """cu_q_lens past T, negative or out of order, under jax.jit (values not visible, so nothing
+    refuses them) or handed to a kernel directly: every path gives the native body's answer for
+    the clipped running max, not rows attending with a q_len of 5120 (the Pallas kernel's zeros)
+    or one row in two sequences."""
+    import jax
+
+    op, (q, pages, kv_lens, table, _, num_seqs), options = _disordered_batch(op_name)
+    if path == "triton":
+        _skip_without_triton("cuda")
+    extra = {"kv_lora_rank": 16} if op_name == "ragged_paged_mla_attention" and path in ("triton", "cpu") else {}
+    for bad in DISORDERED_CU:
+        bad = np.array(bad, np.int32)
+        rule = np.maximum.accumulate(np.clip(bad, 0, q.shape[0])).astype(np.int32)
+        want = _run(op, ("torch", None), [q, pages, kv_lens, table, rule, num_seqs], **options)
+        arrays = [q, pages, kv_lens, table, bad, num_seqs]
+        if path == "native-jit":
+            got = jax.jit(lambda *a: op.forward_native(*a, **options))(*_on("jax", arrays))
+        elif path == "pallas-jit":
+            with override_platform("tpu"), set_config(OpsConfig(["all"])):
+                got = jax.jit(lambda *a: op(*a, **options))(*_on("jax", arrays))
+                assert op.last_run("jax", "tpu")[0] == "forward_tpu"
+        elif path == "triton":
+            got = _kernel_without_checks(op_name, path)(*_on("torch", arrays), **options, **extra)
+        else:
+            kernel = _kernel_without_checks(op_name, path)
+            got = kernel(*_on("torch", arrays), **options, **extra)
+        got = testing.to_numpy(got)
+        assert testing.compare(got, want, "float32").ok, (bad.tolist(), np.abs(got - want).max())

@@ -250,3 +250,16 @@ def test_ci_draw_has_no_failures():
     assert counts["skipped"] == 0, report
     assert len(results) == CI_BUDGET * len(fuzz.PATHS), report
     assert not fuzz.failed(results), report
+
+
+@pytest.mark.parametrize("got, want, ok", [
+    ([1.0, np.inf], [1.0, np.inf], True),
+    ([1.0, 5.0], [1.0, np.inf], False),  # the bound atol + rtol * |want| is infinite there
+    ([1.0, -np.inf], [1.0, np.inf], False),
+    ([1.0, np.inf], [1.0, 5.0], False),
+    ([1.0, np.nan], [1.0, np.inf], False),
+])
+def test_compare_matches_infinities_exactly(got, want, ok):
+    """``testing.compare`` (every kernel-against-native check) holds an infinite reference to the
+    same infinity, not to an infinite tolerance."""
+    assert testing.compare(*(np.asarray(v, np.float32) for v in (got, want)), "float32").ok is ok

@@ -38,10 +38,11 @@ metadata's values are visible (torch CPU/GPU tensors, jax arrays outside a trace
 ``T`` (over its first ``num_seqs + 1`` entries), ``0 <= num_seqs <= S``, ``q_len <= kv_len <=
 pages_per_seq * page_size`` per sequence, and every page index a sequence uses in
 ``[0, num_pages)``. Where they are not visible (under ``jax.jit``, torch_xla and torchax tensors)
-nothing reads out of bounds: ``num_seqs`` is clamped to ``[0, S]``, ``cu_q_lens`` to ``[0, T]``,
-``kv_lens`` to ``[0, pages_per_seq * page_size]`` and page indices to ``[0, num_pages)`` (the native
-body here; the Pallas and Triton kernels clamp the same way, each documents it), so bad metadata
-gives wrong numbers, never a fault.
+nothing reads out of bounds: ``num_seqs`` is clamped to ``[0, S]``, ``cu_q_lens`` to ``[0, T]`` and
+made non-decreasing (a running max: each row belongs to at most one sequence), ``kv_lens`` to
+``[0, pages_per_seq * page_size]`` and page indices to ``[0, num_pages)`` (the native body here; the
+Pallas, Triton and C++ kernels clamp the same way, each documents it), so bad metadata gives wrong
+numbers, the same on every path, never a fault.
 """
 
 from __future__ import annotations
@@ -162,14 +163,17 @@ def row_sequences(xp: Any, q: Any, num_pages: int, page_size: int, kv_lens: Any,
     ``(valid [T], kv_len [T], position [T], pages [T, pages_per_seq], seq [T])``: whether a sequence
     owns the row, that sequence's kv_len, the row's KV position, its page ids and the sequence. Each row finds its
     sequence by comparison with ``cu_q_lens`` (no loop over the runtime ``num_seqs``); metadata is
-    clamped (``num_seqs`` to ``[0, S]``, ``cu_q_lens`` to ``[0, T]``, ``kv_lens`` to the page table's
-    span, page ids to ``[0, num_pages)``)."""
+    clamped (``num_seqs`` to ``[0, S]``, ``cu_q_lens`` to ``[0, T]`` and non-decreasing, ``kv_lens``
+    to the page table's span, page ids to ``[0, num_pages)``)."""
     num_tokens = q.shape[0]
     max_seqs, pages_per_seq = page_indices.shape
     span = pages_per_seq * page_size
     rows = xp.arange(num_tokens, q)
     count = xp.clip(num_seqs[0], 0, max_seqs)
-    cu = xp.clip(cu_q_lens, 0, num_tokens)
+    # cu_q_lens clipped to [0, T] and made non-decreasing (a running max, as a masked max: S is small)
+    clipped = xp.clip(cu_q_lens, 0, num_tokens)
+    entries = xp.arange(max_seqs + 1, q)
+    cu = xp.amax(xp.where(entries[None, :] <= entries[:, None], clipped[None, :], 0), axis=1)
     # sequence of each row: how many of the num_seqs sequences end at or before it (the entries of
     # cu_q_lens past num_seqs + 1 mean nothing and are never read)
     used = xp.arange(max_seqs, q)[None, :] < count

@@ -52,7 +52,7 @@ def ragged_paged_mla_attention(q_latent: Any, latent_pages: Any, kv_lens: Any, p
     if tokens == 0 or max_seqs == 0 or pages_per_seq == 0:
         return out
     n = int(np.clip(int(num_seqs[0]), 0, max_seqs))
-    cu = np.clip(cu_q_lens.numpy().astype(np.int64), 0, tokens)
+    cu = np.maximum.accumulate(np.clip(cu_q_lens.numpy().astype(np.int64), 0, tokens))  # as ops/attention.py
     lens = np.clip(kv_lens.numpy().astype(np.int64), 0, pages_per_seq * page_size)
     table = page_indices.clamp(0, num_pages - 1)
     qf = q_latent.to(torch.float32)

@@ -30,7 +30,7 @@ is visited.
 Output rows no sequence owns (padding past ``cu_q_lens[num_seqs[0]]``) are zeros: the output starts
 zeroed and only owned rows are stored. The kernel assumes validated input (the op's check_inputs)
 but never reads out of bounds for any integer values: ``num_seqs`` is clamped to ``[0, S]``,
-``cu_q_lens`` to ``[0, T]`` (and non-decreasing per sequence), ``kv_lens`` to ``[0, pages_per_seq *
+``cu_q_lens`` to ``[0, T]`` and non-decreasing (``ordered_cu_q_lens``), ``kv_lens`` to ``[0, pages_per_seq *
 page_size]``, page ids to ``[0, num_pages - 1]``.
 
 KV loop: compiled, it runs over exactly the reachable tiles (runtime bounds). Triton 3.5's
@@ -254,6 +254,13 @@ def block_shape(num_tokens: int, max_seqs: int, group: int, head_dim: int, items
     return block_q, block_n, num_warps
 
 
+def ordered_cu_q_lens(cu_q_lens: torch.Tensor, num_tokens: int) -> torch.Tensor:
+    """``cu_q_lens`` as int32, clipped to ``[0, T]`` and made non-decreasing (a running max), as every
+    path reads it (``ops/attention.py``): each row then belongs to at most one sequence (the query
+    block search needs sorted starts)."""
+    return torch.cummax(cu_q_lens.to(torch.int32).clamp(0, num_tokens), 0).values.contiguous()
+
+
 def ragged_paged_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *, sm_scale=1.0,
                            sliding_window=None, soft_cap=None, mask_value=None, k_scale=None, v_scale=None):
     """Ragged paged attention (see the module docstring); returns a new ``[T, Hq, D]`` tensor in q's
@@ -270,7 +277,8 @@ def ragged_paged_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_se
         kv_pages = kv_pages.contiguous()
     if q.stride(-1) != 1:
         q = q.contiguous()
-    kv_lens, cu_q_lens, num_seqs = (a.to(torch.int32).contiguous() for a in (kv_lens, cu_q_lens, num_seqs))
+    kv_lens, num_seqs = (a.to(torch.int32).contiguous() for a in (kv_lens, num_seqs))
+    cu_q_lens = ordered_cu_q_lens(cu_q_lens, num_tokens)
     page_indices = page_indices.to(torch.int32).contiguous()
 
     fill = float(DEFAULT_MASK_VALUE if mask_value is None else mask_value)

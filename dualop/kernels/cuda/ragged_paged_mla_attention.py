@@ -15,8 +15,8 @@ from ``page_indices``. The row is loaded as its L channels (``k_nope``, also V) 
 channels (each padded to a power of two, at least 16 for ``tl.dot``); scores are the sum of the two
 products; ``p . k_nope`` accumulates the output. For 16-bit caches p enters that product as two
 16-bit halves (float32 accuracy, as ``ragged_paged_attention``'s kernels). Metadata is clamped
-(``num_seqs`` to ``[0, S]``, ``cu_q_lens`` to ``[0, T]``, ``kv_lens`` to the page table's span, page
-ids to ``[0, num_pages)``): no integer value reads out of bounds.
+(``num_seqs`` to ``[0, S]``, ``cu_q_lens`` to ``[0, T]`` and non-decreasing, ``kv_lens`` to the page
+table's span, page ids to ``[0, num_pages)``): no integer value reads out of bounds.
 
 Interpreted (no GPU): the KV loop runs a constexpr tile count and skips unreachable tiles, dot
 operands are upcast to float32, bfloat16 casts round to nearest even (``kernels/cuda/common``), as
@@ -31,7 +31,8 @@ import triton.language as tl
 
 from dualop.kernels.cuda import interpreting
 from dualop.kernels.cuda.common import _dot, cast_out, needs_exact_bf16
-from dualop.kernels.cuda.ragged_paged_attention import online_softmax_step, query_block, runtime_kv_loop
+from dualop.kernels.cuda.ragged_paged_attention import (
+    online_softmax_step, ordered_cu_q_lens, query_block, runtime_kv_loop)
 
 __all__ = ["ragged_paged_mla_attention", "block_shape"]
 
@@ -150,7 +151,8 @@ def ragged_paged_mla_attention(q_latent, latent_pages, kv_lens, page_indices, cu
         latent_pages = latent_pages.contiguous()
     if q_latent.stride(-1) != 1:
         q_latent = q_latent.contiguous()
-    kv_lens, cu_q_lens, num_seqs = (a.to(torch.int32).contiguous() for a in (kv_lens, cu_q_lens, num_seqs))
+    kv_lens, num_seqs = (a.to(torch.int32).contiguous() for a in (kv_lens, num_seqs))
+    cu_q_lens = ordered_cu_q_lens(cu_q_lens, num_tokens)
     page_indices = page_indices.to(torch.int32).contiguous()
     block_q, block_h, block_n, num_warps = block_shape(num_tokens, max_seqs, heads, latent, q_latent.element_size())
     grid = (num_tokens // block_q + max_seqs, triton.cdiv(heads, block_h))

@@ -8,7 +8,8 @@ positions count, see ``masked_positions_vanish``). The pages of each (sequence, 
 copied from HBM into one of two VMEM buffer sets, the next step's copies started before the
 current step is computed (double buffering, also across sequences). Metadata comes from SMEM
 (scalar prefetch) and is clamped, so no integer value makes the walk read out of bounds:
-sequence ids stop at ``min(num_seqs[0], S)``, ``kv_lens`` are clipped to ``[0, max_kv]``.
+sequence ids stop at ``min(num_seqs[0], S)``, ``kv_lens`` are clipped to ``[0, max_kv]`` and the
+wrappers pass ``cu_q_lens`` through ``ordered_cu_q_lens``.
 
 Loop conditions read no refs (the generic interpreter of JAX 0.7 cannot discharge them).
 """
@@ -23,7 +24,14 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-__all__ = ["SequenceWalk"]
+__all__ = ["SequenceWalk", "ordered_cu_q_lens"]
+
+
+def ordered_cu_q_lens(cu_q_lens: Any, num_tokens: int) -> jax.Array:
+    """``cu_q_lens`` clipped to ``[0, T]`` and made non-decreasing (a running max), as every path
+    reads it (``ops/attention.py``): traced metadata past T or out of order then gives each row at
+    most one sequence, the same one the native body gives it."""
+    return jax.lax.cummax(jnp.clip(cu_q_lens.astype(jnp.int32), 0, num_tokens), axis=0)
 
 
 @dataclasses.dataclass(frozen=True)

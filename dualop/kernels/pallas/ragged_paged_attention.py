@@ -27,9 +27,9 @@ buffer each) and two buffers with static names rather than one indexed by a trac
 
 Defensive reads (the op validates, but no int value may make the kernel read out of bounds):
 sequence ids stop at ``min(num_seqs[0], S)``; kv_lens are clipped to [0, pages_per_seq *
-page_size]; page-table columns to pages_per_seq - 1 and page ids to [0, num_pages - 1]. KV rows
-past kv_len (the last page's tail) score -inf and their V is zeroed, so stale cache data never
-reaches the output. A row that sees no position (kv_len < q_len, invalid) gets zeros.
+page_size]; cu_q_lens to [0, T] and non-decreasing (``ordered_cu_q_lens``); page-table columns
+to pages_per_seq - 1 and page ids to [0, num_pages - 1]. KV rows past kv_len (the last page's tail)
+score -inf and their V is zeroed, so stale cache data never reaches the output. A row that sees no position (kv_len < q_len, invalid) gets zeros.
 The page table (S * pages_per_seq int32) must fit in SMEM with the other metadata.
 """
 
@@ -45,7 +45,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from dualop.kernels import cost as cost_model
 from dualop.kernels.paged_attention_math import DEFAULT_MASK_VALUE, masked_positions_vanish
-from dualop.kernels.pallas.paged_walk import SequenceWalk
+from dualop.kernels.pallas.paged_walk import SequenceWalk, ordered_cu_q_lens
 from dualop.kernels.pallas.common import (
     compiler_params,
     cost_estimate,
@@ -307,7 +307,7 @@ def ragged_paged_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_se
     )(
         kv_lens.astype(jnp.int32),
         page_indices.astype(jnp.int32).reshape(-1),
-        cu_q_lens.astype(jnp.int32),
+        ordered_cu_q_lens(cu_q_lens, tokens),
         num_seqs.astype(jnp.int32).reshape(-1)[:1],
         q_heads_first,
         kv_pages.reshape(num_pages, page_size * combined, head_dim),

@@ -36,7 +36,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from dualop.kernels import cost as cost_model
 from dualop.kernels.pallas.common import compiler_params, cost_estimate, step_vmem_ceiling, sublane_tile, tpu_jit
-from dualop.kernels.pallas.paged_walk import SequenceWalk
+from dualop.kernels.pallas.paged_walk import SequenceWalk, ordered_cu_q_lens
 from dualop.kernels.pallas.ragged_paged_attention import _ANY, _LANES, KV_BLOCK_TOKENS, _p_times_v, _round_up
 
 __all__ = ["ragged_paged_mla_attention", "MlaBlocks", "choose_mla_blocks"]
@@ -222,7 +222,7 @@ def ragged_paged_mla_attention(q_latent, latent_pages, kv_lens, page_indices, cu
     )(
         kv_lens.astype(jnp.int32),
         page_indices.astype(jnp.int32).reshape(-1),
-        cu_q_lens.astype(jnp.int32),
+        ordered_cu_q_lens(cu_q_lens, tokens),
         num_seqs.astype(jnp.int32).reshape(-1)[:1],
         q_rows,
         latent_pages,

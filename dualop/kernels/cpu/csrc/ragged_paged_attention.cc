@@ -6,8 +6,8 @@
 // the query heads sharing that KV head), a block of KV positions at a time (one rescale per block,
 // the weights by a vectorised exp; the block's scores by block_scores). So decode reads every
 // cached K/V row once. Tasks run in parallel (OpenMP). Metadata is validated by the op; here it
-// is clamped anyway (num_seqs to [0, S], cu_q_lens to [0, T], kv_lens to [0, pages_per_seq *
-// page_size], page ids to [0, num_pages)), so no value reads out of bounds. Rows outside every
+// is clamped anyway (num_seqs to [0, S], cu_q_lens to [0, T] and non-decreasing, kv_lens to
+// [0, pages_per_seq * page_size], page ids to [0, num_pages)), so no value reads out of bounds. Rows outside every
 // sequence are left alone (the caller zeroes the padding rows); positions from kv_len on are
 // never read.
 #include <algorithm>
@@ -139,7 +139,7 @@ void run_task(const T* q, const T* kv, const int32_t* pages, T* out, const Shape
 }
 
 struct Task {
-  int64_t seq, head, row0, row1;
+  int64_t seq, head, row0, row1, start, end;  // rows [row0, row1) of the sequence's [start, end)
 };
 
 template <class T>
@@ -147,11 +147,14 @@ int run(const void* q, const void* kv, const int32_t* kv_lens, const int32_t* pa
         int32_t num_seqs, void* out, const Shape& s, const Options& o, int threads) {
   const int64_t count = clamp64(num_seqs, 0, s.max_seqs), span = s.pages_per_seq * s.page_size;
   std::vector<Task> tasks;
+  // cu_q_lens clipped to [0, T] and made non-decreasing (a running max), as every path reads it
+  int64_t end = count > 0 ? clamp64(cu[0], 0, s.tokens) : 0;
   for (int64_t i = 0; i < count; ++i) {
-    const int64_t start = clamp64(cu[i], 0, s.tokens), end = clamp64(cu[i + 1], start, s.tokens);
+    const int64_t start = end;
+    end = std::max(start, clamp64(cu[i + 1], 0, s.tokens));
     if (clamp64(kv_lens[i], 0, span) < end - start) continue;  // invalid (refused by the op): no row
     for (int64_t r = start; r < end; r += kRows)
-      for (int64_t h = 0; h < s.kv_heads; ++h) tasks.push_back({i, h, r, std::min(r + kRows, end)});
+      for (int64_t h = 0; h < s.kv_heads; ++h) tasks.push_back({i, h, r, std::min(r + kRows, end), start, end});
   }
   const auto* qt = static_cast<const T*>(q);
   const auto* kvt = static_cast<const T*>(kv);
@@ -159,9 +162,8 @@ int run(const void* q, const void* kv, const int32_t* kv_lens, const int32_t* pa
 #pragma omp parallel for schedule(dynamic) num_threads(threads)
   for (int64_t t = 0; t < static_cast<int64_t>(tasks.size()); ++t) {
     const Task& task = tasks[t];
-    const int64_t start = clamp64(cu[task.seq], 0, s.tokens), end = clamp64(cu[task.seq + 1], start, s.tokens);
-    run_task<T>(qt, kvt, pages, ot, s, o, task.seq, task.head, task.row0, task.row1, start, end - start,
-                clamp64(kv_lens[task.seq], 0, span));
+    run_task<T>(qt, kvt, pages, ot, s, o, task.seq, task.head, task.row0, task.row1, task.start,
+                task.end - task.start, clamp64(kv_lens[task.seq], 0, span));
   }
   return 0;
 }
