@@ -23,7 +23,7 @@ from dualop.config import OpsConfig, set_config
 from dualop.custom_op import CustomOp
 from dualop.platforms import override_platform
 
-__all__ = ["CellResult", "DEFAULT_CELLS", "STATUSES", "run_check", "default_cells", "frontend_missing"]
+__all__ = ["CellResult", "DEFAULT_CELLS", "STATUSES", "case_listing", "run_check", "default_cells", "frontend_missing"]
 
 # (frontend, platform) pairs that take a distinct path.
 DEFAULT_CELLS: tuple[tuple[str, str], ...] = (
@@ -147,6 +147,21 @@ def _run_cell(case: testing.OpCase, frontend: str, platform: str, dtype: str, se
                     res.detail = f"shape {shape}: {cmp.detail or 'outside tolerance'}"
             res.shapes += 1
     return res
+
+
+def case_listing(ops: list[str] | None = None) -> list[str]:
+    """``dualop check --list``: one sorted line per (case, shape): the op, the op built for the
+    shape, the call's options and its inputs (shapes, dtypes, digests of the values); the same
+    for every cell and dtype."""
+    testing.check_op_names(ops, "dualop check")
+    lines = []
+    for case in testing.cases_for(ops):
+        for shape in case.shapes:
+            inputs = case.make_inputs(tuple(shape), np.random.default_rng(0))
+            lines.append(f"{case.label} | op {case.op} | shape {tuple(shape)} | "
+                         f"{testing.listing_text(case.make_op(tuple(shape)))} | options "
+                         f"{testing.listing_text(case.options)} | inputs {testing.listing_text(inputs)}")
+    return sorted(lines)
 
 
 def run_check(

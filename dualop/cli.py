@@ -91,9 +91,17 @@ def cmd_report(args: argparse.Namespace) -> int:
     return 0
 
 
+def _print_lines(lines: list[str]) -> int:
+    """A ``--list`` listing: its lines, then nothing else (so two versions' outputs diff cleanly)."""
+    print("\n".join(lines))
+    return 0
+
+
 def cmd_check(args: argparse.Namespace) -> int:
     from dualop import check
 
+    if args.list:
+        return _print_lines(check.case_listing(_csv(args.ops) if args.ops else None))
     if args.fuzz:
         return _check_fuzz(args)
     fuzz_only = [flag for flag, given in (("--paths", args.paths), ("--budget", args.fuzz_budget),
@@ -164,6 +172,9 @@ def cmd_compile(args: argparse.Namespace) -> int:
 
     from dualop import aot
 
+    if args.list:
+        return _print_lines(aot.variant_listing(_csv(args.ops) if args.ops else None,
+                                                _csv(args.dtypes) if args.dtypes else None))
     if args.model is not None:
         return _compile_models(args)
     start = time.perf_counter()
@@ -242,6 +253,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     dtypes = throughput.check_dtypes(_csv(args.dtypes) if args.dtypes is not None else ["float32", "bfloat16"])
     if args.device is not None:
         roofline.check_device(args.device)
+    if args.list:
+        return _print_lines(bench_cases.case_listing(_csv(args.ops) if args.ops is not None else None, shapes))
 
     if args.roofline_only:
         devices = [args.device] if args.device else list(roofline.DEVICES)
@@ -419,6 +432,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --fuzz: seconds one case may take before its worker is killed (default 180)")
     s.add_argument("--item", action="append", metavar="LABEL/FAMILY#INDEX",
                    help="with --fuzz: run only this case (repeatable), e.g. 'rms_norm[weight]/nonfinite.nan#0'")
+    s.add_argument("--list", action="store_true", help="instead of running: print the sorted set of what would run, one line each (compare two versions byte for byte)")
     s.set_defaults(fn=cmd_check)
 
     s = sub.add_parser(
@@ -444,6 +458,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--dtypes", help="comma-separated: float32, bfloat16, float16 (default: float32,bfloat16)")
     s.add_argument("--json", action="store_true", help="print one JSON record per (variant, target) instead of tables")
     s.add_argument("--no-details", action="store_true", help="only the matrix, not the per-kernel table")
+    s.add_argument("--list", action="store_true", help="instead of running: print the sorted set of what would run, one line each (compare two versions byte for byte)")
     s.add_argument("--no-progress", action="store_true", help="no progress bar")
     s.set_defaults(fn=cmd_compile)
 
@@ -478,6 +493,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--batch", type=int, default=8, help="with --model: sequences per step (default 8)")
     s.add_argument("--device", help="tpu-v5e, tpu-v6e or h100: with --roofline-only, the device to predict "
                                     "for (default: all); when timing, add its predicted time to each record")
+    s.add_argument("--list", action="store_true", help="instead of running: print the sorted set of what would run, one line each (compare two versions byte for byte)")
     mode = s.add_mutually_exclusive_group()
     mode.add_argument("--roofline-only", action="store_true",
                       help="no timing: print each case's bytes, flops and predicted time on --device")

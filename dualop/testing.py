@@ -383,6 +383,30 @@ def check_op_names(names: list[str] | None, command: str) -> None:
         raise ValueError(f"{command}: unknown op(s) {unknown}; registered: {sorted(CustomOp.op_registry)}")
 
 
+def listing_text(value: Any) -> str:
+    """``value`` as the ``--list`` listings of ``dualop check``, ``compile`` and ``bench`` print it:
+    arrays by shape, dtype and a digest of their bytes; ops by class name and constructor
+    arguments; without module paths, so that moving code changes no listing."""
+    import hashlib
+    import re
+
+    if isinstance(value, Pinned):
+        return f"pinned({value.dtype}, {listing_text(value.array)})"
+    if isinstance(value, np.ndarray):
+        digest = hashlib.sha1(np.ascontiguousarray(value).tobytes()).hexdigest()[:12]
+        return f"{value.dtype}{list(value.shape)}#{digest}"
+    if isinstance(value, (tuple, list)):
+        return "(" + ", ".join(listing_text(v) for v in value) + ")"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{k}: {listing_text(v)}" for k, v in sorted(value.items())) + "}"
+    ctor = getattr(value, "_ctor", None)
+    if isinstance(ctor, str):
+        return re.sub(r'"[\w.]+:([\w.]+)"', r"\1", ctor)
+    if hasattr(value, "forward_native"):
+        return type(value).__qualname__
+    return re.sub(r"\b[\w.]+\.(\w+) object at 0x[0-9a-f]+", r"\1", repr(value))
+
+
 def cases_for(names: list[str] | None = None) -> Iterator[OpCase]:
     """The cases of the named ops (all registered ops with a case when None)."""
     if not CASES:

@@ -166,3 +166,25 @@ def test_bench_dispatch_records(tmp_path, capsys):
         assert r["reference_overhead_ns"] == pytest.approx(r["reference_call_ns"] - r["direct_ns"])
         assert r["call_ns"] > 0 and r["direct_ns"] > 0
     assert "overhead ns" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("command", ["check", "compile", "bench"])
+def test_list_prints_the_sorted_case_set(command, capsys):
+    """``--list``: what the command would run, one sorted line each, the same on every call, and
+    no line names a module path or an object address (moving code must not change a listing)."""
+    from dualop.custom_op import CustomOp
+    from dualop.testing import cases_for
+
+    assert cli.main([command, "--list"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines == sorted(lines) and len(set(lines)) == len(lines)
+    assert not any("dualop." in line or " at 0x" in line for line in lines)
+    assert cli.main([command, "--list"]) == 0
+    assert capsys.readouterr().out.splitlines() == lines
+    if command != "bench":  # check and compile cover every op with a check case
+        listed = {line.split(" | ")[1 if command == "compile" else 0] for line in lines}
+        assert {case.label for case in cases_for()} <= listed
+        assert {case.op for case in cases_for()} <= set(CustomOp.op_registry)
+    assert cli.main([command, "--list", "--ops", "rms_norm"]) == 0
+    only = capsys.readouterr().out.splitlines()
+    assert only and all("rms_norm" in line for line in only)

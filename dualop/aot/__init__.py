@@ -16,7 +16,7 @@ import collections
 from typing import Any
 
 from dualop.aot.result import STATUSES, KernelResult
-from dualop.aot.variants import SERVING_SHAPES, Variant, check_dtypes, variants_for
+from dualop.aot.variants import SERVING_SHAPES, InputSpec, Variant, check_dtypes, variants_for
 
 __all__ = [
     "DEFAULT_TARGETS",
@@ -24,6 +24,7 @@ __all__ = [
     "gpu_target_names",
     "check_targets",
     "run_compile",
+    "variant_listing",
     "format_matrix",
     "format_details",
     "format_collectives",
@@ -113,6 +114,30 @@ def run_compile(ops: list[str] | None = None, targets: list[str] | None = None, 
         for v in variants:
             rows.append(_row(v, t, by_key[(*v.key, t)]))
     return rows
+
+
+def variant_listing(ops: list[str] | None = None, dtypes: list[str] | None = None) -> list[str]:
+    """``dualop compile --list``: one sorted line per build, the same on every target: each kernel
+    variant (case, dtype, shape, check or serving shape, the op built for it, its abstract inputs)
+    and each sharded layer a topology target builds (small shapes always, model sizes with
+    ``--sharded-serving``)."""
+    from dualop import testing
+    from dualop.aot.sharded import layers_for
+
+    dtypes = check_dtypes(dtypes)
+    lines = []
+    for v in variants_for(ops, dtypes):
+        inputs = ", ".join(f"{s.dtype}{list(s.shape)}" if isinstance(s, InputSpec) else repr(s) for s in v.inputs)
+        lines.append(f"kernel | {v.case.label} | {v.dtype} | {'serving' if v.serving else 'check'} {v.shape} | "
+                     f"{testing.listing_text(v.make_op())} | options {testing.listing_text(v.case.options)} | "
+                     f"inputs ({inputs})")
+    for layer in layers_for(ops):
+        for dtype in dtypes:
+            for shape in layer.shapes:
+                lines.append(f"sharded | {layer.label} | op {layer.op} | {dtype} | check {tuple(shape)}")
+            for shape in layer.serving_shapes:
+                lines.append(f"sharded | {layer.label} | op {layer.op} | {dtype} | serving {tuple(shape)}")
+    return sorted(lines)
 
 
 def _compile_sharded(ops: list[str] | None, dtypes: list[str], targets: list[str], progress: bool,

@@ -19,7 +19,7 @@ import numpy as np
 from dualop.kernels import cost as cost_model
 from dualop.kernels.cost import KernelCost
 
-__all__ = ["BenchCase", "CASES", "DEFAULT_CASES", "ITEMSIZE", "select_cases", "rows_of"]
+__all__ = ["BenchCase", "CASES", "DEFAULT_CASES", "ITEMSIZE", "case_listing", "select_cases", "rows_of"]
 
 # The dtypes the bench runs, and their bytes per element (for the cost model, without a framework).
 ITEMSIZE: dict[str, int] = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -644,6 +644,28 @@ CASES = (*CASES, *(BenchCase(op_name, op_name, _linear_op(op_name), _linear_inpu
 
 
 DEFAULT_CASES: tuple[str, ...] = tuple(c.label for c in CASES if c.default)
+
+
+def case_listing(names: Iterable[str] | None = None, sizes: Iterable[tuple[int, int]] = ()) -> list[str]:
+    """``dualop bench --list``: one sorted line per (case, size, dtype): whether it runs by
+    default, its peers, the op it builds, the shape it runs and its cost model's numbers (what the
+    roofline divides)."""
+    from dualop.testing import listing_text
+
+    cases = CASES if names is None else select_cases(names)
+    lines = []
+    for c in cases:
+        peers = ",".join(p for p, fn in (("torch", c.torch_builtin), ("jax", c.jax_handwritten)) if fn) or "none"
+        for size in sizes:
+            shape = c.input_shape(tuple(size))
+            op = listing_text(c.make_op(shape[-1]))
+            for dtype in sorted(ITEMSIZE):
+                cost = c.kernel_cost(shape, dtype)
+                lines.append(f"{c.label} | op {c.op_name} | {'default' if c.default else 'on request'} | peers {peers} | "
+                             f"{'matrix' if c.matrix else 'vector'} | size {tuple(size)} -> shape {shape} | {dtype} | "
+                             f"{op} | bytes {cost.bytes_accessed} flops {cost.flops} "
+                             f"transcendentals {cost.transcendentals}")
+    return sorted(lines)
 
 
 def select_cases(names: Iterable[str] | None = None) -> list[BenchCase]:
