@@ -38,7 +38,7 @@ def cudnn_encoder_attention(query, key, value, cu_seqlens=None, *, num_heads: in
     mask = None
     if cu_seqlens is not None:
         from dualop.backends.xla import array_api as xp
-        from dualop.ops.encoder_attention import segment_ids
+        from dualop.kernels.encoder_attention_math import segment_ids
 
         seg = segment_ids(xp, cu_seqlens, s, query)
         mask = (seg[:, None] == seg[None, :])[None, None]

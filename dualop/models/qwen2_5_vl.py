@@ -38,13 +38,13 @@ import numpy as np
 
 from dualop import ops
 from dualop.backends import array_namespace
-from dualop.kernels.gate_math import gelu
 from dualop.models import params as P
 from dualop.models.checkpoint import Checkpoint
 from dualop.models.engine import ServingConfig, _Sequence
 from dualop.models.frontends import Frontend
 from dualop.models.llama import LlamaForCausalLM, rope_parameters
 from dualop.models.params import _concat
+from dualop.ops.activation import gelu
 
 __all__ = ["Qwen2_5_VLForConditionalGeneration", "vision_layout", "mrope_positions"]
 

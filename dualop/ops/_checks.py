@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from dualop.backends.torch.recording import decline_if_recording, records_grad  # noqa: F401  (the ops' names)
 from dualop.platforms import family_of, frontend_of
 
 __all__ = [
@@ -109,22 +110,6 @@ def check_optional_like(
         raise TypeError(f"{op}: argument '{arg}' has dtype {name}; expected {dtype_name(ref)} (the dtype of '{ref_arg}')")
     if name not in dtypes:
         raise TypeError(f"{op}: argument '{arg}' has dtype {name}; expected one of {', '.join(sorted(dtypes))}")
-
-
-def records_grad(*tensors: Any) -> bool:
-    """Whether torch autograd is recording for any of these (then CPU kernels, which have no
-    backward, step aside for the differentiable native body)."""
-    import torch
-
-    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
-
-
-def decline_if_recording(op: str, *tensors: Any) -> None:
-    """Raise NotImplementedError (dispatch then runs the differentiable native body and reports
-    why) when torch autograd is recording for any of ``tensors``: the C++ CPU kernels have no
-    backward."""
-    if records_grad(*tensors):
-        raise NotImplementedError(f"{op}: autograd is recording and the C++ CPU kernel has no backward")
 
 
 def cpu_declines(method: str, frontend: str) -> str | None:

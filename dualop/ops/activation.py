@@ -10,7 +10,7 @@ from dualop.backends import array_namespace
 from dualop.backends.torch.triton_launch import call_triton
 from dualop.backends.xla.pallas_bridge import call_pallas
 from dualop.custom_op import CustomOp
-from dualop.kernels.gate_math import GateSpec, apply_gate, gate_and_up
+from dualop.kernels.gate_math import GateSpec, apply_gate, gate_and_up, gelu  # noqa: F401  (gelu: models' nn.GELU)
 from dualop.kernels.registry import KernelRef
 from dualop.ops._checks import check_array, cpu_declines, decline_if_recording
 from dualop.platforms import frontend_of

@@ -31,7 +31,7 @@ from typing import Any
 from dualop.kernels import moe_math
 from dualop.kernels.cpu import gated_activation, load
 from dualop.kernels.cpu.common import dtype_code, pointer, threads_for
-from dualop.ops._checks import decline_if_recording
+from dualop.backends.torch.recording import decline_if_recording
 
 __all__ = ["fused_experts", "has_bf16_dot"]
 

@@ -138,7 +138,7 @@ def _attention_rows(query, key, value, cu_rows, *, num_heads: int, num_kv_heads:
                     scale: float, interpret):
     """The kernel call on [R, S, ...] inputs; ``cu_rows`` None or int32 [R, n + 1] (row r's packing)."""
     from dualop.backends.xla import array_api as xp
-    from dualop.ops.encoder_attention import isolate_nonfinite_values
+    from dualop.kernels.encoder_attention_math import isolate_nonfinite_values
 
     shape, dtype = query.shape, query.dtype
     b, s = shape[:2]
