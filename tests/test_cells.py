@@ -90,7 +90,7 @@ def test_token_table_cases_cover_zero_and_one_token():
         assert {0, 1} <= {s[0] for s in case.shapes}, case.label
 
 
-# Cases whose shape tuple is (tokens, sequences, widths...) of a packed serving batch (issue 12's
+# Cases whose shape tuple is (tokens, sequences, widths...) of a packed serving batch (the
 # state-space ops): every sequence has a token (no zero-token batch), so they cover a single token,
 # a decode step (T == B) and a multi-sequence prefill instead, at a width off the 128-lane multiple.
 PACKED_SEQUENCE_OPS = ("causal_conv1d", "short_conv", "selective_scan", "ssd_chunk_scan", "mamba_mixer",

@@ -1,5 +1,5 @@
-"""The real TPU and GPU compilers, run on this machine with no accelerator, on what the kernel
-fixes of issue 8 changed: the per-generation VMEM table against the compiler's own limits, the
+"""The real TPU and GPU compilers, run on this machine with no accelerator, on what the
+per-generation kernel layouts depend on: the VMEM table against the compiler's own limits, the
 wide-row layouts (quant_fp8 at hidden 53248, which Mosaic refused on v5e before; rms_norm with a
 residual on v4's 16 MiB), the membership-matmul group norm, and the Triton fp8 kernel per GPU.
 

@@ -144,7 +144,7 @@ SHARDED_LAYERS += [
 ]
 
 
-# --- tensor-parallel linear (issue 11) ----------------------------------------------------------
+# --- tensor-parallel linear ----------------------------------------------------------
 # Llama-3-70B's projections over the whole topology (tp = every chip): the fused QKV (hidden 8192 ->
 # (64 + 2 * 8) heads of 128; 8 kv heads split, or replicated past 8 chips), the merged gate_up
 # (8192 -> 2 * 28672), both column-parallel without a gather, and the row-parallel o_proj (8192 ->
@@ -214,7 +214,7 @@ SHARDED_LAYERS += [
 ]
 
 
-# --- tensor-parallel logits processor (issue 11) ------------------------------------------------------
+# --- tensor-parallel logits processor ------------------------------------------------------
 # (tokens, hidden, vocab): the LM head's rows sharded over every chip of the topology (4 on v5e:2x2,
 # 8 on v6e:2x4), each chip's logits computed by the fused kernel (soft cap 30, Gemma-2's) and
 # all-gathered along the vocabulary. Small: a 32000 vocabulary at hidden 1024; serving: Llama-3-70B's

@@ -593,7 +593,7 @@ def _short_conv_inputs(shape: tuple[int, ...]) -> tuple:
 SERVING_INPUTS["short_conv"] = _short_conv_inputs
 
 
-# --- issue 12: mamba_mixer: (tokens, sequences, hidden, intermediate, state), as its check cases -----
+# --- mamba_mixer: (tokens, sequences, hidden, intermediate, state), as its check cases -----
 # Falcon-Mamba-7B / Jamba's Mamba layers (hidden 4096, I 8192, N 16, K 4, R 256) with Jamba's dt/B/C
 # norms: an 8192-token prefill of 8 sequences and a 64-sequence decode step, over a 256-slot cache.
 _MAMBA_MIXER_SLOTS = 256
@@ -619,7 +619,7 @@ def _mamba_mixer_inputs(shape: tuple[int, ...]) -> tuple:
 SERVING_INPUTS["mamba_mixer"] = _mamba_mixer_inputs
 
 
-# --- issue 12, the Mamba-2 mixer (mamba_mixer2 module) ------------------------------------------------
+# --- the Mamba-2 mixer (mamba_mixer2 module) ------------------------------------------------
 # mixer2_gated_rms_norm: Nemotron-H-8B's mixer output (intermediate 8192, 8 groups; one group for
 # Mamba-2 / Bamba), an 8192-token prefill and a 64-sequence decode step.
 SERVING_SHAPES["mixer2_gated_rms_norm"] = ((8192, 8192), (64, 8192))

@@ -685,7 +685,7 @@ def select_cases(names: Iterable[str] | None = None) -> list[BenchCase]:
     return [c for c in CASES if c.label in wanted or c.op_name in wanted]
 
 
-# --- logits processor (issue 11) -------------------------------------------------------------------
+# --- logits processor -------------------------------------------------------------------
 # The LM head's logits with Gemma-2's final soft cap (30) on hidden states of (tokens, hidden): a
 # 32000-token vocabulary (Llama-2 / Mistral; pass smaller hidden sizes on a small host), decode
 # ``--sizes 16x4096`` and prefill ``512x4096``. The weight read dominates decode (the roofline's
@@ -817,7 +817,7 @@ CASES = (*CASES, *(BenchCase(label, label.split("[")[0], _patch_embed(label), _p
                    for label in PATCH_EMBEDS))
 
 
-# --- vocab_parallel_embedding: the token embedding gather (issue 11) --------------------------------
+# --- vocab_parallel_embedding: the token embedding gather --------------------------------
 # The bench size (tokens, D) is the ids' count and the embedding dim over Llama-3's vocabulary of
 # 128256 rows (one device: the whole padded table): ``64xD`` is a decode step, ``4096xD`` a prefill
 # (Llama-3-8B's D is 4096; the table then takes 1 GiB in bfloat16, 2 GiB in float32, so smoke runs
@@ -859,7 +859,7 @@ CASES = (*CASES, BenchCase("vocab_parallel_embedding", "vocab_parallel_embedding
                            _vocab_embedding_inputs, _vocab_embedding_cost, _torch_embedding, _jax_take, default=False))
 
 
-# --- causal_conv1d: the Mamba / LFM2 short convolution over packed sequences (issue 12) ------------
+# --- causal_conv1d: the Mamba / LFM2 short convolution over packed sequences ------------
 # The bench size (tokens, D) is x's shape at kernel width 4; the case fixes how the tokens are
 # split: one sequence, eight, or one token per sequence (a decode step; ``64xD``: 64 sequences).
 # Every sequence is new (no initial state), so repeated calls on the same inputs give the same
@@ -944,7 +944,7 @@ CASES = (*CASES, *(
     for split in ("prefill", "prefill_8seq", "decode")))
 
 
-# --- short_conv: LFM2's gated short convolution block (issue 12) -----------------------------------
+# --- short_conv: LFM2's gated short convolution block -----------------------------------
 # The bench size (tokens, hidden) at LFM2's conv width 3, no biases: ``[prefill_8seq]`` packs the
 # tokens into eight equal sequences, ``[decode]`` is one token per sequence (``64xH``: 64 sequences).
 # Every sequence starts fresh (no initial state; the torch cache is updated in place, so repeated
@@ -1019,7 +1019,7 @@ CASES = (*CASES, *(
     for split in ("prefill_8seq", "decode")))
 
 
-# --- mixer2_gated_rms_norm: the Mamba-2 mixers' output norm (issue 12) -------------------------------
+# --- mixer2_gated_rms_norm: the Mamba-2 mixers' output norm -------------------------------
 # The bench size (rows, hidden) in 8 groups (Nemotron-H-8B: hidden 8192 over 8 groups), gate like x,
 # the weight in x's dtype. Peers: transformers' NemotronHRMSNormGated (the weight set to the call's)
 # and the same math in jax.numpy under jit.
@@ -1076,7 +1076,7 @@ CASES = (*CASES, BenchCase("mixer2_gated_rms_norm", "mixer2_gated_rms_norm", _mi
                            _jax_gated_norm, default=False))
 
 
-# --- issue 12: mamba_mixer, the Mamba-1 mixer at the mixer level -----------------------------------
+# --- mamba_mixer, the Mamba-1 mixer at the mixer level -----------------------------------
 # A Mamba layer of hidden H (I = 2H, N 16, K 4, R = ceil(H / 16), conv bias, no norms) over packed
 # sequences with caches of one slot per sequence: ``--sizes 1024x1024`` is a prefill of 1024 tokens
 # (one sequence, or eight of 128: the [prefill_8seq] case), ``64x1024`` with the [decode] case a step of
@@ -1254,7 +1254,7 @@ CASES = (*CASES, *(BenchCase(f"mamba_mixer[{kind}]", "mamba_mixer", _mamba_mixer
                    for kind in _MAMBA_SEQS))
 
 
-# --- mamba_mixer2: the Mamba-2 mixer (issue 12) -------------------------------------------------------
+# --- mamba_mixer2: the Mamba-2 mixer -------------------------------------------------------
 # The bench size is (tokens, hidden): the mixer has intermediate 2 x hidden in heads of 64, 8 groups
 # (1 when the heads do not split into 8), state 128, kernel 4 (Nemotron-H-8B at hidden 4096). Three
 # cases: the tokens as a prefill of one sequence, of eight equal ones, and as a decode step (one
@@ -1359,7 +1359,7 @@ CASES = (*CASES, *(BenchCase(f"mamba_mixer2[{mode}]", "mamba_mixer2", _mixer2_op
                    for mode in _MIXER2_MODES))
 
 
-# --- plamo2_mamba_mixer: PLaMo 2's Mamba mixer over packed sequences (issue 12) ---------------------
+# --- plamo2_mamba_mixer: PLaMo 2's Mamba mixer over packed sequences ---------------------
 # The bench size (tokens, hidden) runs ``tokens`` packed into eight equal sequences (fewer tokens:
 # one token each, a decode step), each in its own slot of the two state caches: ``1024x4096`` is the
 # issue's prefill of eight sequences. (One case only: each case costs ~50 s of jit compiles in
@@ -1535,7 +1535,7 @@ CASES = (*CASES, BenchCase("plamo2_mamba_mixer[prefill_8seq]", "plamo2_mamba_mix
                            shape_of=_plamo2_shape(lambda tokens: min(8, tokens)), matrix=True))
 
 
-# --- selective_scan: Mamba-1's scan core (issue 12) -------------------------------------------------
+# --- selective_scan: Mamba-1's scan core -------------------------------------------------
 # The bench size (R, I) is R tokens over I channels with N = 16 (Mamba-1's state size; Falcon-Mamba-7B
 # and Jamba have I = 8192, so pass a smaller I on this host, e.g. ``--sizes 1024x512``): a prefill of
 # R tokens as one sequence (``[prefill]``) or eight equal ones (``[prefill_8seq]``), and a decode step
@@ -1644,7 +1644,7 @@ CASES = (*CASES, *(BenchCase(f"selective_scan[{kind}]", "selective_scan", _scan_
                    for kind in _SCAN_SEQS))
 
 
-# --- ssd_chunk_scan: Mamba-2's SSD scan core (issue 12) ---------------------------------------------
+# --- ssd_chunk_scan: Mamba-2's SSD scan core ---------------------------------------------
 # The bench size (tokens, sequences) is a serving batch of equal-length sequences: ``1024x1`` and
 # ``1024x8`` prefills, ``64x64`` a decode step (each sequence continuing from its cached state).
 # Widths are Mamba-2's head layout scaled to this host: 16 heads of 64 in 2 groups of state 64

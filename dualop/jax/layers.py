@@ -215,7 +215,7 @@ class FusedMoE(nnx.Module):
 __all__.append("FusedMoE")
 
 
-# --- tensor-parallel linear (issue 11) ---------------------------------------------------------
+# --- tensor-parallel linear ---------------------------------------------------------
 
 
 def _split_spec(ndim: int, split_dim: int | None, axis: Any, n: int):
@@ -392,7 +392,7 @@ __all__ += ["ReplicatedLinear", "ColumnParallelLinear", "MergedColumnParallelLin
             "RowParallelLinear", "linear_specs", "parallel_linear"]
 
 
-# --- issue 11: the logits processor (parameterless; the LM head's weight comes with the call) -------
+# --- the logits processor (parameterless; the LM head's weight comes with the call) -------
 class LogitsProcessor(nnx.Module):
     """The engine's ``LogitsProcessor(vocab_size, org_vocab_size=None, scale=1.0,
     logits_as_input=False, soft_cap=None)`` plus ``padding_size=64``, ``mesh=None``, ``axis="tp"``.
@@ -525,7 +525,7 @@ class Conv3dLayer(_ConvLayer):
 __all__ += ["Conv2dLayer", "Conv3dLayer"]
 
 
-# --- tensor-parallel vocabulary embedding and LM head (issue 11) ----------------------------------
+# --- tensor-parallel vocabulary embedding and LM head ----------------------------------
 
 
 class VocabParallelEmbedding(nnx.Module):
@@ -652,7 +652,7 @@ class ParallelLMHead(VocabParallelEmbedding):
 __all__ += ["VocabParallelEmbedding", "ParallelLMHead"]
 
 
-# --- issue 12: LFM2's short convolution ------------------------------------------------------------
+# --- LFM2's short convolution ------------------------------------------------------------
 class ShortConv(nnx.Module):
     """Twin of ``dualop.torch.layers.ShortConv``: ``in_proj_weight [3 Hd, Hd]``, ``conv_weight
     [Hd, L]``, ``out_proj_weight [Hd, Hd]`` (and, with ``bias``, their biases) as ``nnx.Param``s
@@ -709,7 +709,7 @@ class ShortConv(nnx.Module):
 __all__.append("ShortConv")
 
 
-# --- issue 12: the Mamba-1 mixer -----------------------------------------------------------------
+# --- the Mamba-1 mixer -----------------------------------------------------------------
 
 
 class MambaMixer(nnx.Module):
@@ -799,7 +799,7 @@ class MambaMixer(nnx.Module):
 __all__.append("MambaMixer")
 
 
-# --- issue 12: the Mamba-2 mixer -----------------------------------------------------------------------
+# --- the Mamba-2 mixer -----------------------------------------------------------------------
 
 
 class MambaMixer2(nnx.Module):
@@ -850,7 +850,7 @@ class MambaMixer2(nnx.Module):
 __all__ += ["MambaMixer2"]
 
 
-# --- issue 12: PLaMo 2's Mamba mixer ------------------------------------------------------------
+# --- PLaMo 2's Mamba mixer ------------------------------------------------------------
 
 
 class Plamo2MambaMixer(nnx.Module):

@@ -222,7 +222,7 @@ def embedding_gather_cost(tokens: int, dim: int, itemsize: int) -> KernelCost:
 
 
 def causal_conv1d_cost(tokens: int, dim: int, seqs: int, kernel_size: int, itemsize: int, silu: bool) -> KernelCost:
-    """Depthwise causal conv1d over packed sequences (issue 12): read x and write y, read each
+    """Depthwise causal conv1d over packed sequences: read x and write y, read each
     sequence's float32 starting state and write its final state (``K - 1`` values per channel),
     read the float32 weight and bias; a multiply-add per tap, one sigmoid per output with SiLU."""
     n = tokens * dim

@@ -55,7 +55,7 @@ __all__ = [
     *mamba_mixer2.__all__,
 ]
 
-# --- issue 12: state-space ops (causal conv) ---
+# --- state-space ops (causal conv) ---
 from dualop.ops.causal_conv1d import *  # noqa: F403,E402
 from dualop.ops import causal_conv1d  # noqa: E402
 
@@ -65,25 +65,25 @@ from dualop.ops import short_conv  # noqa: E402
 
 __all__ += [*short_conv.__all__]
 
-# issue 12: the Mamba-1 mixer
+# the Mamba-1 mixer
 from dualop.ops.mamba_mixer import *  # noqa: F403,E402
 from dualop.ops import mamba_mixer  # noqa: E402
 
 __all__ += mamba_mixer.__all__
 
-# issue 12: PLaMo 2's Mamba mixer
+# PLaMo 2's Mamba mixer
 from dualop.ops.plamo2 import *  # noqa: F403,E402
 from dualop.ops import plamo2  # noqa: E402
 
 __all__ += plamo2.__all__
 
-# issue 12: Mamba-1's selective scan
+# Mamba-1's selective scan
 from dualop.ops.selective_scan import *  # noqa: F403,E402
 from dualop.ops import selective_scan  # noqa: E402
 
 __all__ += selective_scan.__all__
 
-# --- issue 12: state-space ops (SSD chunk scan) ---
+# --- state-space ops (SSD chunk scan) ---
 from dualop.ops.ssd import *  # noqa: F403,E402
 from dualop.ops import ssd  # noqa: E402
 

@@ -1,5 +1,5 @@
 """The logits processor: the LM head's matmul, the vocabulary gather over tensor parallelism, the
-cut to the base vocabulary, and the final soft cap and scale (issue 11)."""
+cut to the base vocabulary, and the final soft cap and scale."""
 
 from __future__ import annotations
 

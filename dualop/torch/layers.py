@@ -237,7 +237,7 @@ class FusedMoE(nn.Module):
 __all__.append("FusedMoE")
 
 
-# --- tensor-parallel linear (issue 11) ---------------------------------------------------------
+# --- tensor-parallel linear ---------------------------------------------------------
 
 
 class _ParallelLinear(nn.Module):
@@ -325,7 +325,7 @@ RowParallelLinear = _parallel_linear(
 __all__ += ["ReplicatedLinear", "ColumnParallelLinear", "MergedColumnParallelLinear", "QKVParallelLinear",
             "RowParallelLinear"]
 
-# --- issue 11: the logits processor (parameterless; the LM head's weight comes with the call) -------
+# --- the logits processor (parameterless; the LM head's weight comes with the call) -------
 class LogitsProcessor(nn.Module):
     """The engine's ``LogitsProcessor(vocab_size, org_vocab_size=None, scale=1.0,
     logits_as_input=False, soft_cap=None)`` (plus ``padding_size=64`` and ``tp=None``: the current
@@ -433,7 +433,7 @@ class Conv3dLayer(_ConvLayer):
 __all__ += ["Conv2dLayer", "Conv3dLayer"]
 
 
-# --- tensor-parallel vocabulary embedding and LM head (issue 11) ----------------------------------
+# --- tensor-parallel vocabulary embedding and LM head ----------------------------------
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -528,7 +528,7 @@ class ParallelLMHead(VocabParallelEmbedding):
 __all__ += ["VocabParallelEmbedding", "ParallelLMHead"]
 
 
-# --- issue 12: LFM2's short convolution ------------------------------------------------------------
+# --- LFM2's short convolution ------------------------------------------------------------
 class ShortConv(nn.Module):
     """LFM2's ShortConv mixer (:class:`dualop.ops.ShortConv`) over packed tokens. Its parameters are
     named and shaped as transformers' ``Lfm2ShortConv`` (``in_proj``, ``out_proj`` Linears and the
@@ -557,7 +557,7 @@ class ShortConv(nn.Module):
 __all__.append("ShortConv")
 
 
-# --- issue 12: the Mamba-1 mixer -----------------------------------------------------------------
+# --- the Mamba-1 mixer -----------------------------------------------------------------
 
 
 class _NormWeight(nn.Module):
@@ -626,7 +626,7 @@ class MambaMixer(nn.Module):
 __all__ += ["MambaMixer"]
 
 
-# --- issue 12: the Mamba-2 mixer -----------------------------------------------------------------------
+# --- the Mamba-2 mixer -----------------------------------------------------------------------
 
 
 class MambaMixer2(nn.Module):
@@ -686,7 +686,7 @@ class MambaMixer2(nn.Module):
 __all__ += ["MambaMixer2"]
 
 
-# --- issue 12: PLaMo 2's Mamba mixer ------------------------------------------------------------
+# --- PLaMo 2's Mamba mixer ------------------------------------------------------------
 
 
 class Plamo2MambaMixer(nn.Module):
