@@ -1,8 +1,8 @@
 """fused_moe in bfloat16 on the CPU against transformers' ``MixtralExperts`` run in bfloat16 (eager),
-interleaved in one process: the comparison BENCHMARKS.md's MoE tables report.
+interleaved in one process: the comparison docs/BENCHMARKS.md's MoE tables report.
 
 ``dualop bench`` cannot time this peer: it only times peers that compute the op's value, and the
-bfloat16 block rounds its intermediate (see BENCHMARKS.md), so it is timed here. Both sides get the
+bfloat16 block rounds its intermediate (see docs/BENCHMARKS.md), so it is timed here. Both sides get the
 same weights and inputs and glibc set to reuse freed memory, as ``dualop bench`` does.
 
     python scripts/bench_moe_bf16_peer.py --threads 1 --rounds 8 --tokens 1,64,512 --families mixtral,qwen3

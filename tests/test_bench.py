@@ -452,7 +452,7 @@ def test_copy_fn_copies_in_the_timed_frontend_and_moves_twice_the_array():
 def test_a_jax_case_runs_without_torch():
     """Nothing of torch runs between the timed jax calls: with torch not importable at all, a jax
     case is checked and timed, its copy roofline included (a torch copy there once slowed the jax
-    call after it, see BENCHMARKS.md)."""
+    call after it, see docs/BENCHMARKS.md)."""
     proc = _python(
         "import sys; sys.modules['torch'] = None\n"
         "from dualop.bench import cases, throughput\n"

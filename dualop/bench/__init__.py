@@ -1,4 +1,4 @@
-"""``dualop bench``: measured speed (see BENCHMARKS.md).
+"""``dualop bench``: measured speed (see docs/BENCHMARKS.md).
 
 - throughput of each op against the peers a user would pick instead, with the copy roofline
   measured in the same rounds (``run_throughput``, ``format_throughput``, ``plot_throughput``);

@@ -546,7 +546,7 @@ def _torch_moe(op):
     """transformers' own experts (``MixtralExperts``, the module Mixtral's sparse block calls; its
     eager implementation) after the router's softmax and top-k. Run in float32: in bfloat16 the
     block rounds the intermediate to bfloat16 and so computes a different value from the op's
-    (float32 until the second matmul); its bfloat16 timings are in BENCHMARKS.md."""
+    (float32 until the second matmul); its bfloat16 timings are in docs/BENCHMARKS.md."""
     import torch
     from transformers import MixtralConfig
     from transformers.models.mixtral.modeling_mixtral import MixtralExperts

@@ -207,7 +207,7 @@ def copy_fn(shape: tuple[int, ...], dtype: str, frontend: str) -> tuple[Callable
     array, XLA's own copy into a fresh output, as every jax implementation writes one; returns the
     array, for ``measure``'s ``sync``. Each frontend's copy runs on its own runtime's threads: a
     torch copy between XLA calls leaves torch's OpenMP workers spinning on the cores the next XLA
-    call needs, which slowed whichever jax implementation ran after it (BENCHMARKS.md).
+    call needs, which slowed whichever jax implementation ran after it (docs/BENCHMARKS.md).
     """
     from dualop.bench.cases import ITEMSIZE
 

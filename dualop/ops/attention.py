@@ -373,7 +373,7 @@ class RaggedPagedAttention(CustomOp):
                     mask_value: float | None = None, k_scale: float | None = None,
                     v_scale: float | None = None) -> Any:
         """torch on the CPU: the C++ kernel (``kernels/cpu``), which reads each K/V row from its page
-        once per (sequence, KV head, block of query rows), no gathered copy (BENCHMARKS.md: about
+        once per (sequence, KV head, block of query rows), no gathered copy (docs/BENCHMARKS.md: about
         twice a gather-then-SDPA decode in float32 here). It declines while autograd records (no
         backward) and where the kernels cannot be built."""
         decline_if_recording(OP, q, kv_pages)

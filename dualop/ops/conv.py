@@ -292,7 +292,7 @@ class _ConvNd(CustomOp):
         as the rows of one ``[N·patches, C·k]`` GEMM (one copy of x), the output then laid out as
         the convolution's contiguous ``[N, out, *patches]`` (one copy of it). A 2-D convolution on the
         CPU in float32 with several patches per item declines to the native body: oneDNN's strided
-        conv2d reads x in place and is as fast or faster there (BENCHMARKS.md; its conv3d is not)."""
+        conv2d reads x in place and is as fast or faster there (docs/BENCHMARKS.md; its conv3d is not)."""
         import torch
 
         outs, split = _split_shape(x.shape, self.kernel_size)

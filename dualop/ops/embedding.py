@@ -227,7 +227,7 @@ class VocabParallelEmbedding(CustomOp):
         records (it has no backward) the native body runs. When this rank's shard is the whole
         vocabulary (tp 1, no added ids) nothing is masked and an id is its row: then ATen's own
         ``F.embedding`` is the lookup (the C++ loop measured 13–16% slower than it at 4096 ids,
-        BENCHMARKS.md)."""
+        docs/BENCHMARKS.md)."""
         from dualop.kernels.cpu.embedding import OutOfVocabulary, vocab_embedding
 
         decline_if_recording(type(self).name, weight_shard)

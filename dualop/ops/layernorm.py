@@ -75,7 +75,7 @@ class _RMSNormFamily(CustomOp):
 
     def forward_cpu(self, x: Any, weight: Any = None, residual: Any = None) -> Any:
         """torch on the CPU: the C++ row kernel (``kernels/cpu``: one read, one write; see
-        BENCHMARKS.md); it declines while autograd records (no backward), for a residual of
+        docs/BENCHMARKS.md); it declines while autograd records (no backward), for a residual of
         another dtype, and when the kernels cannot be built here."""
         decline_if_recording(type(self).name, x, weight, residual)
         return _CPU_RMS_NORM(x, weight, residual, spec=self.spec)

@@ -167,7 +167,7 @@ class RaggedPagedMLAAttention(CustomOp):
         """torch on the CPU: float32 GEMMs (oneDNN/MKL) per sequence on its gathered latent rows,
         decodes batched (``kernels/cpu/ragged_paged_mla_attention.py``). Every head reads the same
         row, so the work is GEMM-shaped (2H flops per cached element) and a BLAS GEMM beats a row
-        loop; BENCHMARKS.md has the measurement. Declines while autograd records."""
+        loop; docs/BENCHMARKS.md has the measurement. Declines while autograd records."""
         decline_if_recording(OP, q_latent, latent_pages)
         return _CPU_MLA(q_latent, latent_pages, kv_lens, page_indices, cu_q_lens, num_seqs,
                         kv_lora_rank=self.kv_lora_rank, sm_scale=float(sm_scale))

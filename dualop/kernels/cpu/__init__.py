@@ -2,7 +2,7 @@
 
 Why hand-written: on the CPU the reference-engine ops are memory-bound row loops, and torch's eager
 ops make several passes over memory (one per elementwise op), while ``torch.compile`` of the same
-body reaches only about half the copy bandwidth in bfloat16 (see BENCHMARKS.md). These kernels
+body reaches only about half the copy bandwidth in bfloat16 (see docs/BENCHMARKS.md). These kernels
 read each input once and write each output once, a row staying in cache between its statistic and
 its output, with OpenMP over rows and GCC-vectorised bodies.
 

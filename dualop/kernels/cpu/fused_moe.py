@@ -103,7 +103,7 @@ def _grouped_linear(rows: Any, weights: Any, used: list[int], counts: list[int])
 
     Groups of fewer than ``_KERNEL_MAX_ROWS`` rows (decode) go to the C++ kernel, which reads each
     weight once at its own size; larger groups are compute-bound and go to torch's float32
-    matmul with that expert's weights widened (measured crossover, BENCHMARKS.md). The kernel
+    matmul with that expert's weights widened (measured crossover, docs/BENCHMARKS.md). The kernel
     needs each weight row contiguous (``K`` innermost); other layouts (the transposed views of
     transformers' gpt-oss weights) take torch's matmul for every group rather than a copy of
     every expert."""

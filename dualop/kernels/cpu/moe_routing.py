@@ -3,7 +3,7 @@
 One pass per token row: scores, groups, ``top_k`` picks of the largest free score (ties to the
 lower expert index, ``moe_math``'s rule), renormalisation and scaling. The native body takes a
 dozen torch ops and a stable sort of every row; at decode sizes their launch cost dominates and at
-256 experts the sort does (see BENCHMARKS.md).
+256 experts the sort does (see docs/BENCHMARKS.md).
 """
 
 from __future__ import annotations
