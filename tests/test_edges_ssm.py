@@ -531,6 +531,20 @@ def test_mixer_weights_of_another_dtype_run_as_native(platform):
         _assert_close(g, w, what)
 
 
+def test_mixer_projection_casts_a_bias_of_another_dtype_alone():
+    """A bias in another dtype than x and its (same-dtype) weight is cast on its own: the vendor
+    GEMM saw a float32 bias with bfloat16 operands and raised torch's raw dtype error."""
+    from dualop.ops._mixer import project, projection
+
+    rng = _rng(31)
+    x, w, b = (torch.from_numpy(rng.standard_normal(s).astype(np.float32)) for s in ((3, 8), (4, 8), (4,)))
+    linear = projection(8, 4, bias=True)
+    got = project(linear, "forward_cpu", x.bfloat16(), w.bfloat16(), b)
+    want = project(linear, "forward_native", x.bfloat16(), w.bfloat16(), b)
+    assert got.dtype == want.dtype == torch.bfloat16
+    assert testing.compare(got.float().numpy(), want.float().numpy(), "bfloat16").ok
+
+
 @pytest.mark.parametrize("eps", [float("nan"), float("inf"), -1.0])
 def test_mamba_mixer2_refuses_a_bad_rms_norm_eps_by_its_own_name(eps):
     """The error names the mixer and its argument, not the inner gated norm's ``eps``."""

@@ -48,12 +48,12 @@ def projection(input_size: int, output_size: int, bias: bool = False) -> Replica
 
 def project(linear: ReplicatedLinear, method: str, x: Any, weight: Any, bias: Any = None) -> Any:
     """``linear``'s ``method`` (``forward_native`` or the mixer's own platform method) on ``x``. The
-    vendor GEMM takes operands of one dtype, so a platform method casts weights of another dtype to
-    x's; the reference multiplies them in float32 as given."""
-    if method != "forward_native" and weight.dtype != x.dtype:
+    vendor GEMM takes operands of one dtype, so a platform method casts a weight or bias of another
+    dtype (each on its own) to x's; the reference multiplies them in float32 as given."""
+    if method != "forward_native":
         xp = array_namespace(x)
-        weight = xp.astype(weight, x.dtype)
-        bias = None if bias is None else xp.astype(bias, x.dtype)
+        weight = weight if weight.dtype == x.dtype else xp.astype(weight, x.dtype)
+        bias = bias if bias is None or bias.dtype == x.dtype else xp.astype(bias, x.dtype)
     return getattr(linear, method)(x, weight, bias)
 
 
