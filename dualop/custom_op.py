@@ -29,6 +29,7 @@ ran is not ``forward_native``; ``CustomOp.last_run`` says which, and why.
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import inspect
 import logging
@@ -41,7 +42,7 @@ from dualop import config as _config
 from dualop import ctor_spec
 from dualop import platforms as _platforms
 
-__all__ = ["CustomOp", "dispatch_report", "PLATFORM_METHOD"]
+__all__ = ["CustomOp", "DEFAULT_SERVES", "PLATFORM_METHOD", "Serves", "dispatch_report"]
 
 logger = logging.getLogger("dualop")
 
@@ -63,6 +64,36 @@ _FALLBACKS = {
     "forward_tpu": ("forward_native",),
     "forward_oot": ("forward_native",),
     "forward_native": (),
+}
+
+
+
+@dataclasses.dataclass(frozen=True)
+class Serves:
+    """Which callers' arrays a platform method takes: ``frontends`` (names from
+    ``platforms.FRONTENDS``), and why it passes over the others (``why_not``, formatted with
+    ``frontend``). Declared once per op class (``CustomOp.serves``); the dispatcher reads it when
+    it resolves, so a method is never called with arrays it cannot take."""
+
+    frontends: tuple[str, ...]
+    why_not: str = "{frontend} arrays are not served here"
+
+    def passes_over(self, frontend: str) -> str | None:
+        return None if frontend in self.frontends else self.why_not.format(frontend=frontend)
+
+
+ALL_FRONTENDS = _platforms.FRONTENDS
+_TRITON_TAKES_TORCH = Serves(("torch",), "the Triton kernels take torch tensors ({frontend} arrays would need jax-triton)")
+# What a platform method serves unless its op declares otherwise: the C++ CPU kernels and the
+# Triton kernels take torch tensors; the Pallas kernels are reached from every frontend (the torch
+# ones through their bridges), as are the plugin platforms'.
+DEFAULT_SERVES: dict[str, Serves] = {
+    "forward_cpu": Serves(("torch",), "no CPU kernel for {frontend} arrays: XLA compiles the native body"),
+    "forward_cuda": _TRITON_TAKES_TORCH,
+    "forward_hip": _TRITON_TAKES_TORCH,
+    "forward_tpu": Serves(ALL_FRONTENDS),
+    "forward_xpu": Serves(ALL_FRONTENDS),
+    "forward_oot": Serves(ALL_FRONTENDS),
 }
 
 # (op class, frontend, platform) -> report row; see dispatch_report().
@@ -272,6 +303,9 @@ class CustomOp:
     op_registry: ClassVar[dict[str, type[CustomOp]]] = {}
     op_registry_oot: ClassVar[dict[str, type[CustomOp]]] = {}
     name: ClassVar[str | None] = None
+    # Platform method -> the frontends it serves, where that differs from DEFAULT_SERVES (a
+    # subclass inherits its parents' entries and may override any of them).
+    serves: ClassVar[dict[str, Serves]] = {}
 
     # ---------------------------------------------------------------- construction
 
@@ -419,14 +453,29 @@ class CustomOp:
         """Validate arguments before any path runs; raise ValueError/TypeError naming the op."""
 
     def declines(self, method: str, frontend: str) -> str | None:
-        """Why ``method`` has no kernel for ``frontend``'s arrays on this instance, or None if it has.
+        """Why ``method`` has no kernel on this instance, or None if it has: override it for a
+        constructor variant with no kernel. Which frontends a method serves is declared in
+        ``serves`` instead, and checked first (``passes_over``).
 
         Asked once when dispatch resolves (never per call): a method that declines is passed over
-        for its fallback, and the reason goes into the report. Override it for what is known before
-        any call (a frontend a method never serves, a constructor variant with no kernel); a decline
-        that depends on the call's arguments is the method's own ``NotImplementedError(reason)``.
+        for its fallback, and the reason goes into the report. A decline that depends on the
+        call's arguments is the method's own ``NotImplementedError(reason)``.
         """
         return None
+
+    @classmethod
+    def served_by(cls, method: str) -> Serves:
+        """What ``method`` serves on this class: the nearest class's ``serves`` entry, else the default."""
+        for klass in cls.__mro__:
+            entry = vars(klass).get("serves", {}).get(method)
+            if entry is not None:
+                return entry
+        return DEFAULT_SERVES.get(method, Serves(ALL_FRONTENDS))
+
+    def passes_over(self, method: str, frontend: str) -> str | None:
+        """Why dispatch passes ``method`` over for ``frontend``'s arrays on this instance (the
+        frontends it serves, then ``declines``), or None."""
+        return type(self).served_by(method).passes_over(frontend) or self.declines(method, frontend)
 
     # ---------------------------------------------------------------- dispatch
 
@@ -454,7 +503,7 @@ class CustomOp:
             if not cls._implements(candidate):
                 reason += f"; {candidate} not implemented"
                 continue
-            why = self.declines(candidate, frontend)
+            why = self.passes_over(candidate, frontend)
             if why is None:
                 break
             reason += f"; {candidate}: {why}"

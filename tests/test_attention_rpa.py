@@ -197,10 +197,10 @@ def test_bad_metadata_under_jit_is_clamped_not_a_fault():
 
 def test_jax_on_gpu_declines_with_its_reason():
     op = RaggedPagedAttention()
-    assert "jax-triton" in op.declines("forward_cuda", "jax")
-    assert "dot_product_attention" in op.declines("forward_cuda", "jax")
-    assert op.declines("forward_cuda", "torch") is None
-    assert op.declines("forward_cpu", "torch") is None and op.declines("forward_cpu", "jax") is not None
+    assert "jax-triton" in op.passes_over("forward_cuda", "jax")
+    assert "dot_product_attention" in op.passes_over("forward_cuda", "jax")
+    assert op.passes_over("forward_cuda", "torch") is None
+    assert op.passes_over("forward_cpu", "torch") is None and op.passes_over("forward_cpu", "jax") is not None
 
 
 # --- bad input: refused before any kernel launches ---------------------------------------------------

@@ -314,6 +314,48 @@ def test_declines_is_asked_once_per_resolution_not_per_call(clean_registry, monk
     assert asked == ["forward_cpu"]
 
 
+@pytest.mark.parametrize("platform", ["cpu", "cuda"])
+def test_what_a_method_serves_is_declared_once_and_read_at_resolution(clean_registry, platform):
+    """An op that declares nothing cannot route jax arrays into its CPU or Triton method (both take
+    torch tensors); one that declares jax on a method gets it; the reason names the frontend."""
+    import jax.numpy as jnp
+
+    from dualop.custom_op import Serves
+
+    @CustomOp.register("test_serves_default")
+    class Default(_Recorder):
+        def forward_cpu(self, x):
+            raise AssertionError("a jax array reached a torch kernel")
+
+        def forward_cuda(self, x):
+            raise AssertionError("a jax array reached a torch kernel")
+
+    @CustomOp.register("test_serves_jax")
+    class Declared(_Recorder):
+        serves = {"forward_cpu": Serves(("torch", "jax")), "forward_cuda": Serves(("torch", "jax"))}
+
+        def forward_cpu(self, x):
+            return "forward_cpu"
+
+        def forward_cuda(self, x):
+            return "forward_cuda"
+
+    class Narrower(Declared):  # a subclass overrides one entry and inherits the other
+        serves = {"forward_cuda": Serves(("torch",), "not for {frontend} arrays")}
+
+    x = jnp.zeros((2, 4))
+    with override_platform(platform):
+        op = Default()
+        assert op(x) == "forward_native"
+        method, reason = op.last_run("jax")
+        assert method == "forward_native" and "jax arrays" in reason and op.last_fallback is None
+        assert Declared()(x) == f"forward_{platform}"
+        narrow = Narrower()
+        assert narrow(x) == ("forward_cpu" if platform == "cpu" else "forward_native")
+        if platform == "cuda":
+            assert "not for jax arrays" in narrow.last_run("jax")[1]
+
+
 def test_last_fallback_is_kept_until_cleared(clean_registry):
     @CustomOp.register("test_declines_sometimes")
     class Sometimes(_Recorder):

@@ -465,7 +465,7 @@ def test_mixer_platform_body_with_stand_in_kernel_ops(monkeypatch):
     monkeypatch.setitem(sys.modules, "dualop.ops.causal_conv1d", types.SimpleNamespace(CausalConv1d=_StandInConv))
     monkeypatch.setitem(sys.modules, "dualop.ops.ssd", types.SimpleNamespace(SSDChunkScan=_StandInSSD))
     op = MambaMixer2(**mamba_mixer2._CASE_MIXER)
-    assert op.declines("forward_cpu", "torch") is None
+    assert op.passes_over("forward_cpu", "torch") is None
     rng = np.random.default_rng(5)
     args = mamba_mixer2.mixer_case_inputs(op, 12, rng, (5, 1, 6))
     for dtype in ("float32", "bfloat16"):

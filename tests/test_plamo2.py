@@ -337,9 +337,9 @@ def test_platform_methods_decline_only_where_no_kernel_serves():
     op = _op(CHECK_SHAPES[1])
     for method, frontend in (("forward_cpu", "torch"), ("forward_cuda", "torch"), ("forward_tpu", "jax"),
                              ("forward_tpu", "torch_xla")):
-        assert op.declines(method, frontend) is None
-    assert op.declines("forward_cpu", "jax") is not None
-    assert "jax-triton" in op.declines("forward_cuda", "jax")
+        assert op.passes_over(method, frontend) is None
+    assert op.passes_over("forward_cpu", "jax") is not None
+    assert "jax-triton" in op.passes_over("forward_cuda", "jax")
 
 
 class _ReferenceConv:

@@ -13,7 +13,7 @@ from dualop.backends.torch.recording import decline_if_recording, records_grad  
 from dualop.platforms import family_of, frontend_of
 
 __all__ = [
-    "FLOAT_DTYPES", "dtype_name", "check_array", "check_optional_like", "records_grad", "cpu_declines",
+    "FLOAT_DTYPES", "dtype_name", "check_array", "check_optional_like", "records_grad",
     "decline_if_recording", "concrete_values", "check_positive_int", "checked_before", "remember_checked",
     "check_writable_cache", "check_finite_float",
 ]
@@ -110,14 +110,6 @@ def check_optional_like(
         raise TypeError(f"{op}: argument '{arg}' has dtype {name}; expected {dtype_name(ref)} (the dtype of '{ref_arg}')")
     if name not in dtypes:
         raise TypeError(f"{op}: argument '{arg}' has dtype {name}; expected one of {', '.join(sorted(dtypes))}")
-
-
-def cpu_declines(method: str, frontend: str) -> str | None:
-    """The ops' shared rule for ``CustomOp.declines``: their ``forward_cpu`` serves torch tensors
-    only; jax, torchax and torch_xla arrays reach XLA, which compiles the native body itself."""
-    if method == "forward_cpu" and frontend != "torch":
-        return f"no CPU kernel for {frontend} arrays: XLA compiles the native body"
-    return None
 
 
 def concrete_values(x: Any):

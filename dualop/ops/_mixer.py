@@ -13,11 +13,9 @@ from __future__ import annotations
 from typing import Any
 
 from dualop.backends import array_namespace
-from dualop.ops._checks import cpu_declines
 from dualop.ops.linear import ReplicatedLinear
 from dualop.ops.ssm_batch import SSMBatch, ssm_batch
 from dualop.parallel import TensorParallel
-from dualop.platforms import family_of
 
 __all__ = ["projection", "project", "mixer_batches", "MixerPlatformMethods"]
 
@@ -62,13 +60,8 @@ class MixerPlatformMethods:
     ``_forward_kernels(method, *args, **kwargs)``: the projections' ``method`` around the kernel ops,
     each of which dispatches to its own kernel."""
 
-    def declines(self, method: str, frontend: str) -> str | None:
-        """As every op, ``forward_cpu`` declines arrays other than torch's; on a GPU the kernel ops'
-        Triton kernels take torch tensors, so jax arrays run the native body."""
-        why = cpu_declines(method, frontend)
-        if why is None and method in ("forward_cuda", "forward_hip") and family_of(frontend) == "jax":
-            why = "the kernel ops' Triton kernels take torch tensors (jax arrays would need jax-triton)"
-        return why
+    # What every op serves (DEFAULT_SERVES): forward_cpu and the GPU methods torch tensors (the
+    # kernel ops' C++ and Triton kernels take torch tensors), so jax arrays run the native body.
 
     def forward_cpu(self, *args: Any, **kwargs: Any) -> Any:
         """torch on the CPU: ``F.linear`` and the kernel ops' CPU kernels."""

@@ -12,7 +12,7 @@ from dualop.backends.xla.pallas_bridge import call_pallas
 from dualop.custom_op import CustomOp
 from dualop.kernels.gate_math import GateSpec, apply_gate, gate_and_up, gelu  # noqa: F401  (gelu: models' nn.GELU)
 from dualop.kernels.registry import KernelRef
-from dualop.ops._checks import check_array, cpu_declines, decline_if_recording
+from dualop.ops._checks import check_array, decline_if_recording
 from dualop.platforms import frontend_of
 
 __all__ = [
@@ -54,10 +54,7 @@ class _GatedActivation(CustomOp):
     def declines(self, method: str, frontend: str) -> str | None:
         """The C++ CPU kernel serves torch tensors and has the silu, gelu and gelu-tanh gates on
         either half; the other gates (sparse, interleaved, fatrelu) run the native body."""
-        why = cpu_declines(method, frontend)
-        if why is None and method == "forward_cpu":
-            why = _CPU_GATED_COVERS(self.spec)
-        return why
+        return _CPU_GATED_COVERS(self.spec) if method == "forward_cpu" else None
 
     def forward_cpu(self, x: Any) -> Any:
         """torch on the CPU: the C++ row kernel (``kernels/cpu``); it declines while autograd

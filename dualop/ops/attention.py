@@ -53,11 +53,11 @@ from typing import Any
 from dualop.backends import array_namespace
 from dualop.backends.torch.triton_launch import call_triton
 from dualop.backends.xla.pallas_bridge import call_pallas
-from dualop.custom_op import CustomOp
+from dualop.custom_op import CustomOp, Serves
 from dualop.kernels.paged_attention_math import DEFAULT_MASK_VALUE
 from dualop.kernels.registry import KernelRef
 from dualop.ops._checks import (
-    check_array, check_optional_like, checked_before, concrete_values, cpu_declines, decline_if_recording,
+    check_array, check_optional_like, checked_before, concrete_values, decline_if_recording,
     remember_checked,
 )
 from dualop.platforms import frontend_of
@@ -347,11 +347,9 @@ class RaggedPagedAttention(CustomOp):
         out = xp.where(valid[:, None, None], out, 0.0)
         return xp.astype(out, q.dtype)
 
-    def declines(self, method: str, frontend: str) -> str | None:
-        if method == "forward_cuda" and frontend == "jax":
-            return ("no Triton kernel for jax arrays (it would need jax-triton), and jax.nn.dot_product_attention "
-                    "does not apply: it takes padded [batch, seq] layouts, not ragged rows over a paged cache")
-        return cpu_declines(method, frontend)
+    serves = {"forward_cuda": Serves(("torch",), (
+        "no Triton kernel for {frontend} arrays (it would need jax-triton), and jax.nn.dot_product_attention "
+        "does not apply: it takes padded [batch, seq] layouts, not ragged rows over a paged cache"))}
 
     def forward_tpu(self, q: Any, kv_pages: Any, kv_lens: Any, page_indices: Any, cu_q_lens: Any, num_seqs: Any,
                     *, sm_scale: float = 1.0, sliding_window: int | None = None, soft_cap: float | None = None,

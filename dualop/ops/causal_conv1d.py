@@ -41,7 +41,7 @@ from dualop.backends.xla.pallas_bridge import call_pallas
 from dualop.custom_op import CustomOp
 from dualop.kernels import ssm_math
 from dualop.kernels.registry import KernelRef
-from dualop.ops._checks import check_array, check_optional_like, check_positive_int, cpu_declines
+from dualop.ops._checks import check_array, check_optional_like, check_positive_int
 from dualop.ops.ssm_batch import SSMBatch, random_serving_batch, ssm_batch
 from dualop.platforms import family_of, frontend_of
 
@@ -122,8 +122,6 @@ class CausalConv1d(CustomOp):
         seqs = 1 if cu_seqlens is None else cu_seqlens.shape[0] - 1
         return x.new_empty(x.shape), x.new_empty((seqs, *self.state_shape), dtype=_torch_float32())
 
-    def declines(self, method: str, frontend: str) -> str | None:
-        return cpu_declines(method, frontend)
 
     def _kernel_args(self, x, weight, bias, conv_state, cu_seqlens, state_indices, has_initial_state):
         batch = self._batch(x, conv_state, cu_seqlens, state_indices, has_initial_state)

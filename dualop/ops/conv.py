@@ -24,7 +24,7 @@ import math
 from typing import Any
 
 from dualop.backends.xla.pallas_bridge import call_pallas
-from dualop.custom_op import CustomOp
+from dualop.custom_op import ALL_FRONTENDS, CustomOp, Serves
 from dualop.kernels.registry import KernelRef
 from dualop.ops._checks import check_array, check_optional_like
 from dualop.platforms import family_of, frontend_of
@@ -269,8 +269,12 @@ class _ConvNd(CustomOp):
 
     # ---------------------------------------------------------------- the fast path
 
+    # The patch-embedding path serves every frontend on every platform (torch's GEMM for torch
+    # tensors, XLA's dot through the Pallas bridge for the others).
+    serves = {m: Serves(ALL_FRONTENDS) for m in ("forward_cpu", "forward_cuda", "forward_hip")}
+
     def declines(self, method: str, frontend: str) -> str | None:
-        """Only patch embeddings have a path of their own (on every platform and frontend)."""
+        """Only patch embeddings have a path of their own."""
         return self.why_not_patch_embed
 
     def _patch_embed(self, x: Any, weight: Any, bias: Any, on_cpu: bool = False) -> Any:

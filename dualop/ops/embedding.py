@@ -52,7 +52,7 @@ from dualop.backends.torch.triton_launch import call_triton
 from dualop.backends.xla.pallas_bridge import call_pallas
 from dualop.custom_op import CustomOp
 from dualop.kernels.registry import KernelRef
-from dualop.ops._checks import check_array, check_optional_like, cpu_declines, decline_if_recording, dtype_name
+from dualop.ops._checks import check_array, check_optional_like, decline_if_recording, dtype_name
 from dualop.parallel import TensorParallel, VocabShard, current_tensor_parallel, vocab_shard
 from dualop.platforms import family_of, frontend_of
 
@@ -219,8 +219,6 @@ class VocabParallelEmbedding(CustomOp):
         self._check_torch_cpu_ids(input_ids)
         return self._finish(masked_vocab_lookup(input_ids, weight_shard, self._bounds(input_ids)))
 
-    def declines(self, method: str, frontend: str) -> str | None:
-        return cpu_declines(method, frontend)
 
     def forward_cpu(self, input_ids: Any, weight_shard: Any) -> Any:
         """torch on the CPU: the C++ lookup (``kernels/cpu/embedding.py``), mask fused; while autograd

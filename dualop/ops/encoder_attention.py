@@ -32,10 +32,10 @@ from typing import Any
 from dualop.backends import array_namespace
 from dualop.backends.torch.triton_launch import call_triton
 from dualop.backends.xla.pallas_bridge import call_pallas
-from dualop.custom_op import CustomOp
+from dualop.custom_op import CustomOp, Serves
 from dualop.kernels.encoder_attention_math import isolate_nonfinite_values, segment_ids
 from dualop.kernels.registry import KernelRef
-from dualop.ops._checks import FLOAT_DTYPES, check_array, cpu_declines, decline_if_recording, dtype_name
+from dualop.ops._checks import FLOAT_DTYPES, check_array, decline_if_recording, dtype_name
 from dualop.platforms import family_of, frontend_of
 
 __all__ = ["MMEncoderAttention"]
@@ -198,13 +198,15 @@ class MMEncoderAttention(CustomOp):
         return dict(num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, head_size=self.head_size,
                     scale=self.scale)
 
+    # On a GPU, torch tensors take the Triton kernel and jax arrays cuDNN's flash attention.
+    serves = {"forward_cuda": Serves(("torch", "jax"))}
+
     def declines(self, method: str, frontend: str) -> str | None:
-        why = cpu_declines(method, frontend)
-        if why is None and method == "forward_cuda" and family_of(frontend) == "jax":
+        if method == "forward_cuda" and frontend == "jax":
             from dualop.kernels.jax_gpu import cudnn_declines
 
-            why = cudnn_declines(frontend)
-        return why
+            return cudnn_declines(frontend)
+        return None
 
     def forward_cpu(self, query: Any, key: Any, value: Any, cu_seqlens: Any = None,
                     max_seqlen: int | None = None) -> Any:

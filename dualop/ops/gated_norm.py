@@ -10,7 +10,7 @@ from dualop.backends.torch.triton_launch import call_triton
 from dualop.backends.xla.pallas_bridge import call_pallas
 from dualop.custom_op import CustomOp
 from dualop.kernels.registry import KernelRef
-from dualop.ops._checks import check_array, check_optional_like, cpu_declines, decline_if_recording
+from dualop.ops._checks import check_array, check_optional_like, decline_if_recording
 from dualop.platforms import frontend_of
 
 __all__ = ["RMSNormGated"]
@@ -124,8 +124,6 @@ class RMSNormGated(CustomOp):
             h = h * gate
         return xp.astype(h, x.dtype)
 
-    def declines(self, method: str, frontend: str) -> str | None:
-        return cpu_declines(method, frontend)
 
     def forward_cpu(self, x: Any, weight: Any, z: Any = None) -> Any:
         """torch on the CPU: one C++ pass over each row (``csrc/rms_norm.cc``); while autograd

@@ -47,7 +47,7 @@ from dualop.backends.xla.pallas_bridge import call_pallas
 from dualop.custom_op import CustomOp
 from dualop.kernels.registry import KernelRef
 from dualop.ops._checks import (
-    check_array, check_optional_like, check_writable_cache, checked_before, concrete_values, cpu_declines, dtype_name,
+    check_array, check_optional_like, check_writable_cache, checked_before, concrete_values, dtype_name,
     remember_checked,
 )
 from dualop.platforms import family_of, frontend_of
@@ -201,8 +201,6 @@ class ReshapeAndCache(CustomOp):
         index = (slot_mapping // page_size, slot_mapping % page_size)
         return xp.set_at_dropping(kv_pages, index, xp.astype(rows, kv_pages.dtype), keep)
 
-    def declines(self, method: str, frontend: str) -> str | None:
-        return cpu_declines(method, frontend)
 
     def forward_cpu(self, key: Any, value: Any, kv_pages: Any, slot_mapping: Any) -> Any:
         """torch on the CPU: ``index_copy_`` of the kept tokens' interleaved rows into the cache

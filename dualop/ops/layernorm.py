@@ -11,7 +11,7 @@ from dualop.backends.xla.pallas_bridge import call_pallas
 from dualop.custom_op import CustomOp
 from dualop.kernels.norm_math import NormSpec, rms_normalize
 from dualop.kernels.registry import KernelRef
-from dualop.ops._checks import check_array, check_optional_like, cpu_declines, decline_if_recording
+from dualop.ops._checks import check_array, check_optional_like, decline_if_recording
 from dualop.platforms import frontend_of
 
 __all__ = ["GemmaRMSNorm", "RMSNorm"]
@@ -68,10 +68,7 @@ class _RMSNormFamily(CustomOp):
 
     def declines(self, method: str, frontend: str) -> str | None:
         """The C++ CPU kernel serves torch tensors, with the statistic over the whole row."""
-        why = cpu_declines(method, frontend)
-        if why is None and method == "forward_cpu":
-            why = _CPU_RMS_NORM_COVERS(self.spec)
-        return why
+        return _CPU_RMS_NORM_COVERS(self.spec) if method == "forward_cpu" else None
 
     def forward_cpu(self, x: Any, weight: Any = None, residual: Any = None) -> Any:
         """torch on the CPU: the C++ row kernel (``kernels/cpu``: one read, one write; see

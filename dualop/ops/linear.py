@@ -37,9 +37,9 @@ from typing import Any
 
 from dualop.backends import array_namespace
 from dualop.backends.xla.pallas_bridge import call_pallas
-from dualop.custom_op import CustomOp
+from dualop.custom_op import ALL_FRONTENDS, CustomOp, Serves
 from dualop.kernels.registry import KernelRef
-from dualop.ops._checks import check_array, check_optional_like, cpu_declines
+from dualop.ops._checks import check_array, check_optional_like
 from dualop.parallel import TensorParallel, current_tensor_parallel, divide, qkv_layout
 from dualop.platforms import family_of, frontend_of
 
@@ -188,9 +188,9 @@ class _Linear(CustomOp):
         """The reference (``_native_gemm``) between the same input slicing and collectives."""
         return self._apply(_native_gemm, x, weight, bias)
 
-    def declines(self, method: str, frontend: str) -> str | None:
-        """``F.linear`` serves torch tensors on the CPU; jax arrays there run the native body."""
-        return cpu_declines(method, frontend)
+    # F.linear serves torch tensors on the CPU (the default); on a GPU, jax arrays take XLA's dot
+    # and the torch-API tensors F.linear.
+    serves = {"forward_cuda": Serves(ALL_FRONTENDS), "forward_hip": Serves(ALL_FRONTENDS)}
 
     def forward_cpu(self, x: Any, weight: Any, bias: Any = None) -> Any:
         """torch on the CPU: ``F.linear`` (oneDNN / MKL addmm, the bias in its epilogue)."""

@@ -13,7 +13,7 @@ from dualop.backends.xla.pallas_bridge import call_pallas
 from dualop.custom_op import CustomOp
 from dualop.kernels.logits_math import LogitsSpec, cap_and_scale
 from dualop.kernels.registry import KernelRef
-from dualop.ops._checks import check_array, check_optional_like, cpu_declines, decline_if_recording
+from dualop.ops._checks import check_array, check_optional_like, decline_if_recording
 from dualop.parallel import TensorParallel, current_tensor_parallel, vocab_shard, vocab_token_ids
 from dualop.platforms import family_of, frontend_of
 
@@ -185,7 +185,7 @@ class LogitsProcessor(CustomOp):
             raise NotImplementedError(why)
 
     def declines(self, method: str, frontend: str) -> str | None:
-        return self._no_kernel() or cpu_declines(method, frontend)
+        return self._no_kernel()
 
     def forward_cpu(self, lm_head_weight: Any, hidden_states: Any, embedding_bias: Any = None) -> Any:
         """torch on the CPU: ``F.linear`` (oneDNN/MKL, float32 accumulation), then the soft cap and

@@ -12,9 +12,9 @@ from __future__ import annotations
 from typing import Any, ClassVar
 
 from dualop.backends import array_namespace
-from dualop.custom_op import CustomOp
+from dualop.custom_op import ALL_FRONTENDS, CustomOp, Serves
 from dualop.kernels import ssm_math
-from dualop.ops._checks import check_array, check_finite_float, check_optional_like, check_positive_int, cpu_declines
+from dualop.ops._checks import check_array, check_finite_float, check_optional_like, check_positive_int
 from dualop.ops._mixer import MixerPlatformMethods, mixer_batches, project, projection
 from dualop.ops.gated_norm import RMSNormGated
 from dualop.parallel import TensorParallel, current_tensor_parallel, divide
@@ -137,7 +137,7 @@ class Mixer2RMSNormGated(CustomOp):
         if self.tp_mode == _ALL_GATHER:
             return (f"{self.full_n_groups} groups do not split over tp={self.tp.size}: the gated input is "
                     "all-gathered (native)")
-        return cpu_declines(method, frontend)
+        return None
 
     # The kernels: rms_norm_gated's (gate before the norm, cast before the weight).
     def forward_cpu(self, x: Any, gate: Any, weight: Any = None) -> Any:
@@ -362,10 +362,9 @@ class MambaMixer2(MixerPlatformMethods, CustomOp):
         out = project(self.out_proj, "forward_native", y, out_proj_weight, out_proj_bias)
         return self._zero_padding(xp, out, conv_b), conv_out, ssm_out
 
-    def declines(self, method: str, frontend: str) -> str | None:
-        """Only ``forward_cpu`` declines (arrays other than torch's): jax arrays on a GPU take the
-        platform body too, whose projections are XLA's dot and whose kernel ops fall back alone."""
-        return cpu_declines(method, frontend)
+    # forward_cpu serves torch tensors (the default); on a GPU every frontend takes the platform
+    # body, whose projections are XLA's dot for jax arrays and whose kernel ops fall back alone.
+    serves = {"forward_cuda": Serves(ALL_FRONTENDS), "forward_hip": Serves(ALL_FRONTENDS)}
 
     def _forward_platform(self, method, hidden_states, in_proj_weight, conv_weight, conv_bias, dt_bias, A_log, D,
                           norm_weight, out_proj_weight, in_proj_bias, out_proj_bias, conv_state, ssm_state, cu_seqlens,
@@ -391,7 +390,7 @@ class MambaMixer2(MixerPlatformMethods, CustomOp):
         y, ssm_out = self._ssd(x, dt, a, b, c, D=D, dt_bias=dt_bias, ssm_state=ssm_state, **meta)
         y = xp.reshape(y, (y.shape[0], self.intermediate_size))
         norm = self.norm
-        y = getattr(norm, method)(y, z, norm_weight) if norm.declines(method, frontend_of(y)) is None else \
+        y = getattr(norm, method)(y, z, norm_weight) if norm.passes_over(method, frontend_of(y)) is None else \
             norm.forward_native(y, z, norm_weight)
         out = project(self.out_proj, method, y, out_proj_weight, out_proj_bias)
         return self._zero_padding(xp, out, conv_b), conv_out, ssm_out

@@ -47,7 +47,7 @@ from dualop.custom_op import CustomOp
 from dualop.kernels.paged_attention_math import DEFAULT_MASK_VALUE
 from dualop.kernels.registry import KernelRef
 from dualop.ops._checks import (
-    check_array, check_optional_like, check_positive_int, check_writable_cache, concrete_values, cpu_declines,
+    check_array, check_optional_like, check_positive_int, check_writable_cache, concrete_values,
     decline_if_recording,
 )
 from dualop.ops.attention import (
@@ -146,11 +146,6 @@ class RaggedPagedMLAAttention(CustomOp):
         out = xp.where(valid[:, None, None], out, 0.0)
         return xp.astype(out, q_latent.dtype)
 
-    def declines(self, method: str, frontend: str) -> str | None:
-        if method in ("forward_cuda", "forward_hip") and frontend == "jax":
-            return "no Triton kernel for jax arrays (it would need jax-triton)"
-        return cpu_declines(method, frontend)
-
     def forward_tpu(self, q_latent: Any, latent_pages: Any, kv_lens: Any, page_indices: Any, cu_q_lens: Any,
                     num_seqs: Any, *, sm_scale: float = 1.0) -> Any:
         return call_pallas(frontend_of(q_latent), _PALLAS_MLA, q_latent, latent_pages, kv_lens, page_indices,
@@ -241,11 +236,6 @@ class ConcatAndCacheMLA(CustomOp):
         keep = (slot_mapping >= 0) & (slot_mapping < num_pages * page_size)
         index = (slot_mapping // page_size, slot_mapping % page_size)
         return xp.set_at_dropping(latent_pages, index, row, keep)
-
-    def declines(self, method: str, frontend: str) -> str | None:
-        if method in ("forward_cuda", "forward_hip") and frontend == "jax":
-            return "no Triton kernel for jax arrays (it would need jax-triton)"
-        return cpu_declines(method, frontend)
 
     @staticmethod
     def _pair(kv_c: Any, k_pe: Any, latent_pages: Any) -> tuple[Any, Any, Any]:
@@ -479,11 +469,6 @@ class MultiHeadLatentAttention(CustomOp):
                        mode: str = "auto") -> tuple[Any, Any]:
         return self._forward(True, positions, hidden_states, weights, latent_pages, slot_mapping, kv_lens,
                              page_indices, cu_q_lens, num_seqs, mode)
-
-    def declines(self, method: str, frontend: str) -> str | None:
-        if method in ("forward_cuda", "forward_hip") and family_of(frontend) == "jax":
-            return "the MLA Triton kernels take torch tensors (jax arrays would need jax-triton)"
-        return cpu_declines(method, frontend)
 
     def forward_cpu(self, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
         """torch on the CPU: each step's op on its CPU path (``F.linear``, the C++ norm and rope

@@ -39,10 +39,10 @@ from typing import Any
 from dualop.backends import array_namespace
 from dualop.backends.torch.triton_launch import call_triton
 from dualop.backends.xla.pallas_bridge import call_pallas
-from dualop.custom_op import CustomOp
+from dualop.custom_op import ALL_FRONTENDS, CustomOp, Serves
 from dualop.kernels import moe_math
 from dualop.kernels.registry import KernelRef
-from dualop.ops._checks import check_array, check_optional_like, concrete_values, cpu_declines, dtype_name
+from dualop.ops._checks import check_array, check_optional_like, concrete_values, dtype_name
 from dualop.platforms import family_of, frontend_of
 
 __all__ = ["GroupedTopk", "fused_topk", "UnquantizedFusedMoEMethod", "FusedMoE"]
@@ -207,8 +207,6 @@ class GroupedTopk(CustomOp):
         """torch on the CPU: the C++ routing kernel (``kernels/cpu/moe_routing.py``)."""
         return _CPU_TOPK(gating_output, e_score_correction_bias, **self.routing_options())
 
-    def declines(self, method: str, frontend: str) -> str | None:
-        return cpu_declines(method, frontend)
 
 
 def fused_topk(gating_output: Any, topk: int, renormalize: bool, scoring_func: str = "softmax",
@@ -405,10 +403,10 @@ class UnquantizedFusedMoEMethod(CustomOp):
                                    **self._options())
         return _CPU_EXPERTS(x, topk_weights, topk_ids, w13, w2, w13_bias, w2_bias, expert_map, **self._options())
 
-    def declines(self, method: str, frontend: str) -> str | None:
-        if method in ("forward_cpu", "forward_cuda") and frontend in ("torch_xla", "torchax", "torch_tpu"):
-            return f"no {method.removeprefix('forward_')} kernel for {frontend} tensors"
-        return None
+    # torch tensors take the C++ / Triton kernels, jax arrays XLA's ragged_dot (CPU and GPUs).
+    serves = {"forward_cpu": Serves(("torch", "jax"), "no cpu kernel for {frontend} tensors"),
+              "forward_cuda": Serves(("torch", "jax"), "no cuda kernel for {frontend} tensors"),
+              "forward_hip": Serves(("torch", "jax"), "no cuda kernel for {frontend} tensors")}
 
 
 @CustomOp.register(MOE_OP)
@@ -532,8 +530,11 @@ class FusedMoE(CustomOp):
         return self._fast("forward_cpu", hidden_states, router_logits, w13, w2, w13_bias, w2_bias,
                           e_score_correction_bias, expert_map)
 
+    # Whatever its experts' method serves (asked per instance below).
+    serves = {m: Serves(ALL_FRONTENDS) for m in ("forward_cpu", "forward_cuda", "forward_hip")}
+
     def declines(self, method: str, frontend: str) -> str | None:
-        return self.quant_method.declines(method, frontend)
+        return self.quant_method.passes_over(method, frontend)
 
 
 # ---------------------------------------------------------------------------------- check cases

@@ -33,7 +33,7 @@ import dataclasses
 from typing import Any, ClassVar
 
 from dualop.backends import array_namespace
-from dualop.custom_op import CustomOp
+from dualop.custom_op import ALL_FRONTENDS, CustomOp, Serves
 from dualop.ops.moe import UnquantizedFusedMoEMethod, _check_experts, _check_routing
 
 __all__ = ["PrepareAndFinalize", "Prepared", "SingleDevicePrepareAndFinalize", "FusedMoEModularMethod",
@@ -176,8 +176,11 @@ class FusedMoEModularMethod(CustomOp):
                     w2_bias: Any = None, expert_map: Any = None) -> Any:
         return self._run("forward_cpu", x, topk_weights, topk_ids, w13, w2, w13_bias, w2_bias, expert_map)
 
+    # Whatever its experts serve (asked per instance below).
+    serves = {m: Serves(ALL_FRONTENDS) for m in ("forward_cpu", "forward_cuda", "forward_hip")}
+
     def declines(self, method: str, frontend: str) -> str | None:
-        return self.experts.declines(method, frontend)
+        return self.experts.passes_over(method, frontend)
 
 
 def check_cases():

@@ -16,7 +16,7 @@ from dualop.backends.torch.triton_launch import call_triton
 from dualop.backends.xla.pallas_bridge import call_pallas
 from dualop.custom_op import CustomOp
 from dualop.kernels.registry import KernelRef
-from dualop.ops._checks import check_array, check_optional_like, cpu_declines, dtype_name
+from dualop.ops._checks import check_array, check_optional_like, dtype_name
 from dualop.platforms import frontend_of
 
 __all__ = ["FastGELU", "NewGELU", "QuickGELU", "ReLUSquaredActivation", "XIELU"]
@@ -72,10 +72,9 @@ class _PointwiseActivation(CustomOp):
         return xp.astype(_FUNCTIONS[self.activation](xp, xp.astype(x, xp.float32)), x.dtype)
 
     def declines(self, method: str, frontend: str) -> str | None:
-        why = cpu_declines(method, frontend)
-        if why is None and method == "forward_cpu" and type(self)._torch_cpu is _PointwiseActivation._torch_cpu:
-            why = f"no torch CPU body of its own for {self.activation}"
-        return why
+        if method == "forward_cpu" and type(self)._torch_cpu is _PointwiseActivation._torch_cpu:
+            return f"no torch CPU body of its own for {self.activation}"
+        return None
 
     def forward_cpu(self, x: Any) -> Any:
         """torch on the CPU: the subclass's float32 torch body (``_torch_cpu``)."""
@@ -219,10 +218,9 @@ class XIELU(_PointwiseActivation):
         return xp.astype(xp.where(xf > 0, pos, neg), x.dtype)
 
     def declines(self, method: str, frontend: str) -> str | None:
-        why = cpu_declines(method, frontend)
-        if why is None and method == "forward_cpu":
-            why = "no CPU kernel: torch has no fused xIELU, and the native body is a few vectorised float32 passes"
-        return why
+        if method == "forward_cpu":
+            return "no CPU kernel: torch has no fused xIELU, and the native body is a few vectorised float32 passes"
+        return None
 
     def forward_cuda(self, x: Any, alpha_p: Any, alpha_n: Any) -> Any:
         return call_triton(

@@ -57,7 +57,7 @@ from dualop.backends.torch.triton_launch import call_triton
 from dualop.backends.xla.pallas_bridge import call_pallas
 from dualop.custom_op import CustomOp
 from dualop.kernels.registry import KernelRef
-from dualop.ops._checks import check_array, check_optional_like, concrete_values, cpu_declines, dtype_name
+from dualop.ops._checks import check_array, check_optional_like, concrete_values, dtype_name
 from dualop.platforms import frontend_of, platform_of
 
 __all__ = ["QuantFP8", "GroupShape", "Fp8Format", "E4M3FN", "E4M3FNUZ", "fp8_format", "FP8_MAX", "FP8_MIN_SCALE"]
@@ -373,8 +373,6 @@ class QuantFP8(CustomOp):
             y = _round_to_fp8_grid(xp, y, fmt)
         return xp.astype(y, getattr(xp, fmt.dtype)).reshape(x.shape), scale
 
-    def declines(self, method: str, frontend: str) -> str | None:
-        return cpu_declines(method, frontend)
 
     def forward_cpu(self, x: Any, scale: Any = None, scale_ub: Any = None) -> Any:
         """torch on the CPU: one min/max pass (``aminmax``, no |x| temporary), the float32 copy

@@ -24,7 +24,7 @@ from dualop.custom_op import CustomOp
 from dualop.kernels.registry import KernelRef
 from dualop.kernels.rope_math import rotate
 from dualop.ops._checks import (
-    check_array, check_positive_int, checked_before, concrete_values, cpu_declines, decline_if_recording, dtype_name,
+    check_array, check_positive_int, checked_before, concrete_values, decline_if_recording, dtype_name,
     remember_checked,
 )
 from dualop.platforms import family_of, frontend_of
@@ -287,8 +287,6 @@ class RotaryEmbedding(CustomOp):
         OpenMP pass); it declines while autograd records (no backward)."""
         return self.forward_kernel("forward_cpu", positions, query, key)
 
-    def declines(self, method: str, frontend: str) -> str | None:
-        return cpu_declines(method, frontend)
 
     def extra_repr(self) -> str:
         return (
@@ -364,8 +362,6 @@ class ApplyRotaryEmb(CustomOp):
         """torch on the CPU: the C++ rotation kernel (declines while autograd records)."""
         return self._rotate("forward_cpu", x, cos, sin)
 
-    def declines(self, method: str, frontend: str) -> str | None:
-        return cpu_declines(method, frontend)
 
     def extra_repr(self) -> str:
         return f"is_neox_style={self.is_neox_style}, enable_fp32_compute={self.enable_fp32_compute}"

@@ -41,7 +41,7 @@ from dualop.kernels import ssm_math
 from dualop.backends import array_namespace
 from dualop.kernels.registry import KernelRef
 from dualop.ops._checks import (
-    check_array, check_optional_like, check_positive_int, cpu_declines, decline_if_recording, dtype_name,
+    check_array, check_optional_like, check_positive_int, decline_if_recording, dtype_name,
 )
 from dualop.ops.ssm_batch import SSMBatch, ssm_batch
 from dualop.platforms import family_of, frontend_of
@@ -124,8 +124,6 @@ class SelectiveScan(CustomOp):
             xp, x, dt, A, B, C, D, z, dt_bias, batch.state, batch.cu_seqlens, batch.state_indices,
             batch.has_initial_state, self.delta_softplus)
 
-    def declines(self, method: str, frontend: str) -> str | None:
-        return cpu_declines(method, frontend)
 
     def forward_cpu(self, x: Any, dt: Any, A: Any, B: Any, C: Any, D: Any = None, z: Any = None,
                     dt_bias: Any = None, ssm_state: Any = None, cu_seqlens: Any = None, state_indices: Any = None,

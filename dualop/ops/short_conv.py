@@ -27,7 +27,7 @@ from typing import Any, ClassVar
 from dualop.backends import array_namespace
 from dualop.custom_op import CustomOp
 from dualop.kernels import ssm_math
-from dualop.ops._checks import check_array, check_optional_like, check_positive_int, cpu_declines
+from dualop.ops._checks import check_array, check_optional_like, check_positive_int
 from dualop.ops.causal_conv1d import CausalConv1d
 from dualop.ops.ssm_batch import random_serving_batch
 from dualop.ops.ssm_batch import ssm_batch
@@ -118,11 +118,6 @@ class ShortConv(CustomOp):
                      has_initial_state: Any = None, in_proj_bias: Any = None, out_proj_bias: Any = None):
         """Empty results of the right shapes (torch.library's fake kernel), as ``causal_conv1d``'s."""
         return self.conv.forward_fake(hidden_states, conv_weight, conv_bias, conv_state, cu_seqlens)
-
-    def declines(self, method: str, frontend: str) -> str | None:
-        if method in ("forward_cuda", "forward_hip") and family_of(frontend) == "jax":
-            return "the causal_conv1d Triton kernel would need jax-triton: XLA compiles the native body"
-        return cpu_declines(method, frontend)
 
     def _platform(self, hidden_states: Any, in_proj_weight: Any, conv_weight: Any, out_proj_weight: Any,
                   conv_bias: Any = None, conv_state: Any = None, cu_seqlens: Any = None, state_indices: Any = None,

@@ -24,11 +24,11 @@ from typing import Any, ClassVar
 from dualop.backends import array_namespace
 from dualop.backends.torch.triton_launch import call_triton
 from dualop.backends.xla.pallas_bridge import call_pallas
-from dualop.custom_op import CustomOp
+from dualop.custom_op import CustomOp, Serves
 from dualop.kernels import ssm_math
 from dualop.kernels.registry import KernelRef
 from dualop.ops._checks import (
-    check_array, check_optional_like, check_positive_int, cpu_declines, decline_if_recording,
+    check_array, check_optional_like, check_positive_int, decline_if_recording,
 )
 from dualop.ops.ssm_batch import SSMBatch, random_serving_batch, ssm_batch
 from dualop.platforms import family_of, frontend_of
@@ -120,12 +120,10 @@ class SSDChunkScan(CustomOp):
             array_namespace(x), x, dt, A, B, C, D, z, dt_bias, batch.state, batch.cu_seqlens, batch.state_indices,
             batch.has_initial_state, self.delta_softplus, self.dt_limit)
 
-    def declines(self, method: str, frontend: str) -> str | None:
-        """jax arrays on the CPU and GPUs take the chunked form in ``jax.numpy`` (``kernels/xla_ssd``);
-        torch_xla and torchax tensors have no CPU path (they reach XLA through the TPU bridge)."""
-        if frontend == "jax" and method in ("forward_cpu", "forward_cuda", "forward_hip"):
-            return None
-        return cpu_declines(method, frontend)
+    # jax arrays on the CPU and GPUs take the chunked form in jax.numpy (kernels/xla_ssd); torch_xla
+    # and torchax tensors have no CPU or GPU path (they reach XLA through the TPU bridge).
+    serves = {m: Serves(("torch", "jax"), "no CPU kernel for {frontend} arrays: XLA compiles the native body")
+              for m in ("forward_cpu", "forward_cuda", "forward_hip")}
 
     def _kernel_args(self, x, dt, A, B, C, D, z, dt_bias, ssm_state, cu_seqlens, state_indices, has_initial_state):
         batch = self._batch(x, ssm_state, cu_seqlens, state_indices, has_initial_state)
