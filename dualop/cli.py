@@ -174,7 +174,8 @@ def cmd_compile(args: argparse.Namespace) -> int:
 
     if args.list:
         return _print_lines(aot.variant_listing(_csv(args.ops) if args.ops else None,
-                                                _csv(args.dtypes) if args.dtypes else None))
+                                                _csv(args.dtypes) if args.dtypes else None,
+                                                _csv(args.serving_dtypes) if args.serving_dtypes else None))
     if args.model is not None:
         return _compile_models(args)
     start = time.perf_counter()
@@ -184,6 +185,7 @@ def cmd_compile(args: argparse.Namespace) -> int:
         dtypes=_csv(args.dtypes) if args.dtypes else None,
         progress=not args.no_progress,
         sharded_serving=args.sharded_serving,
+        serving_dtypes=_csv(args.serving_dtypes) if args.serving_dtypes else None,
     )
     if args.json:
         print(json.dumps(rows, indent=2, default=str))
@@ -456,6 +458,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--sharded-serving", action="store_true",
                    help="on topology targets, also build the sharded layers at model sizes (minutes)")
     s.add_argument("--dtypes", help="comma-separated: float32, bfloat16, float16 (default: float32,bfloat16)")
+    s.add_argument("--serving-dtypes", help="comma-separated: build the serving shapes in these dtypes only (default: "
+                                            "all of --dtypes; the check shapes are built in every one)")
     s.add_argument("--json", action="store_true", help="print one JSON record per (variant, target) instead of tables")
     s.add_argument("--no-details", action="store_true", help="only the matrix, not the per-kernel table")
     s.add_argument("--list", action="store_true", help="instead of running: print the sorted set of what would run, one line each (compare two versions byte for byte)")

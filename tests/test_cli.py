@@ -188,3 +188,14 @@ def test_list_prints_the_sorted_case_set(command, capsys):
     assert cli.main([command, "--list", "--ops", "rms_norm"]) == 0
     only = capsys.readouterr().out.splitlines()
     assert only and all("rms_norm" in line for line in only)
+
+
+def test_compile_serving_dtypes_narrows_only_the_serving_builds(capsys):
+    assert cli.main(["compile", "--list"]) == 0
+    every = capsys.readouterr().out.splitlines()
+    assert cli.main(["compile", "--list", "--serving-dtypes", "bfloat16"]) == 0
+    narrowed = capsys.readouterr().out.splitlines()
+    kernels = [line for line in every if line.startswith("kernel |")]
+    assert any("| float32 | serving" in line for line in kernels)
+    assert [line for line in narrowed if line.startswith("kernel |")] == [
+        line for line in kernels if "| float32 | serving" not in line]

@@ -87,12 +87,16 @@ def _row(variant: Variant, target: str, result: KernelResult) -> dict[str, Any]:
 
 
 def run_compile(ops: list[str] | None = None, targets: list[str] | None = None, dtypes: list[str] | None = None,
-                progress: bool = True, sharded_serving: bool = False) -> list[dict[str, Any]]:
+                progress: bool = True, sharded_serving: bool = False,
+                serving_dtypes: list[str] | None = None) -> list[dict[str, Any]]:
     """Compile every variant for every target; one row per (variant, target). Topology targets
-    (``v5e:2x2``) build the sharded layers instead, at model sizes too with ``sharded_serving``."""
+    (``v5e:2x2``) build the sharded layers instead, at model sizes too with ``sharded_serving``.
+    Serving shapes are built in ``serving_dtypes`` only (default: all of ``dtypes``)."""
     targets = check_targets(targets)
     dtypes = check_dtypes(dtypes)
-    variants = variants_for(ops, dtypes)  # checks the op names
+    if serving_dtypes is not None:
+        serving_dtypes = check_dtypes(serving_dtypes)
+    variants = variants_for(ops, dtypes, serving_dtypes)  # checks the op names
     rows: list[dict[str, Any]] = []
     from dualop.aot.sharded import is_sharded_target
 
@@ -103,7 +107,7 @@ def run_compile(ops: list[str] | None = None, targets: list[str] | None = None, 
     if gpu:
         from dualop.aot.gpu import compile_in_child
 
-        by_key.update(compile_in_child(ops, dtypes, gpu, progress))
+        by_key.update(compile_in_child(ops, dtypes, gpu, progress, serving_dtypes))
     if tpu:
         by_key.update(_compile_tpu(variants, tpu, progress))
     layer_rows = _compile_sharded(ops, dtypes, sharded, progress, sharded_serving) if sharded else {}
@@ -116,7 +120,8 @@ def run_compile(ops: list[str] | None = None, targets: list[str] | None = None, 
     return rows
 
 
-def variant_listing(ops: list[str] | None = None, dtypes: list[str] | None = None) -> list[str]:
+def variant_listing(ops: list[str] | None = None, dtypes: list[str] | None = None,
+                    serving_dtypes: list[str] | None = None) -> list[str]:
     """``dualop compile --list``: one sorted line per build, the same on every target: each kernel
     variant (case, dtype, shape, check or serving shape, the op built for it, its abstract inputs)
     and each sharded layer a topology target builds (small shapes always, model sizes with
@@ -126,7 +131,7 @@ def variant_listing(ops: list[str] | None = None, dtypes: list[str] | None = Non
 
     dtypes = check_dtypes(dtypes)
     lines = []
-    for v in variants_for(ops, dtypes):
+    for v in variants_for(ops, dtypes, None if serving_dtypes is None else check_dtypes(serving_dtypes)):
         inputs = ", ".join(f"{s.dtype}{list(s.shape)}" if isinstance(s, InputSpec) else repr(s) for s in v.inputs)
         lines.append(f"kernel | {v.case.label} | {v.dtype} | {'serving' if v.serving else 'check'} {v.shape} | "
                      f"{testing.listing_text(v.make_op())} | options {testing.listing_text(v.case.options)} | "

@@ -206,7 +206,7 @@ def child_environment(cache_dir: str) -> dict[str, str]:
 
 
 def compile_in_child(ops: list[str] | None, dtypes: list[str], targets: list[str],
-                     progress: bool) -> dict[tuple, KernelResult]:
+                     progress: bool, serving_dtypes: list[str] | None = None) -> dict[tuple, KernelResult]:
     """Run ``python -m dualop.aot.gpu`` for ``targets``; results keyed by (case label, dtype,
     shape, target). If the child dies, every cell is ``unavailable`` with its last error line."""
     with tempfile.TemporaryDirectory(prefix="dualop-compile-") as tmp:
@@ -215,6 +215,8 @@ def compile_in_child(ops: list[str] | None, dtypes: list[str], targets: list[str
                "--dtypes", ",".join(dtypes), "--out", out]
         if ops:
             cmd += ["--ops", ",".join(ops)]
+        if serving_dtypes is not None:
+            cmd += ["--serving-dtypes", ",".join(serving_dtypes)]
         if not progress:
             cmd.append("--no-progress")
         proc = subprocess.run(cmd, env=child_environment(os.path.join(tmp, "triton-cache")),
@@ -224,7 +226,7 @@ def compile_in_child(ops: list[str] | None, dtypes: list[str], targets: list[str
                     or [f"exit status {proc.returncode} (its messages are above)"])
             why = f"the Triton compiling process failed: {tail[0]}"
             return {(v.case.label, v.dtype, v.shape, t): KernelResult(status="unavailable", message=why)
-                    for v in variants_for(ops, dtypes) for t in targets}
+                    for v in variants_for(ops, dtypes, serving_dtypes) for t in targets}
         with open(out) as fh:
             rows = json.load(fh)
     return {(r["case"], r["dtype"], tuple(r["shape"]), r["target"]): KernelResult(**r["result"]) for r in rows}
@@ -240,6 +242,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--targets", required=True)
     p.add_argument("--dtypes")
     p.add_argument("--ops")
+    p.add_argument("--serving-dtypes")
     p.add_argument("--out", required=True)
     p.add_argument("--no-progress", action="store_true")
     args = p.parse_args(argv)
@@ -256,7 +259,8 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         print(f"dualop.aot.gpu: unknown GPU target(s) {unknown}", file=sys.stderr)
         return 2
-    variants = variants_for(_csv(args.ops), check_dtypes(_csv(args.dtypes)))
+    serving = _csv(args.serving_dtypes)
+    variants = variants_for(_csv(args.ops), check_dtypes(_csv(args.dtypes)), None if serving is None else check_dtypes(serving))
     work = [(v, t) for t in targets for v in variants]
     rows = []
     for v, t in tqdm(work, desc="dualop compile (Triton)", unit="kernel", disable=args.no_progress,

@@ -207,8 +207,9 @@ def _serving_specs(case: testing.OpCase, shapes: list, templates: dict, shape: t
     return _scaled(case, probe, templates[probe], shape)
 
 
-def variants_for(ops: list[str] | None, dtypes: list[str]) -> list[Variant]:
-    """Every (case, dtype, shape) to build, check shapes first, without duplicates."""
+def variants_for(ops: list[str] | None, dtypes: list[str], serving_dtypes: list[str] | None = None) -> list[Variant]:
+    """Every (case, dtype, shape) to build, check shapes first, without duplicates; serving shapes
+    only in ``serving_dtypes`` (default: every one of ``dtypes``)."""
     testing.check_op_names(ops, "dualop compile")
     rng = np.random.default_rng(0)
     variants: dict[tuple, Variant] = {}
@@ -220,6 +221,8 @@ def variants_for(ops: list[str] | None, dtypes: list[str]) -> list[Variant]:
             serving = []
         for dtype in dtypes:
             served = serving if dtype in SERVING_DTYPES.get(case.op, (dtype,)) else []
+            if serving_dtypes is not None and dtype not in serving_dtypes:
+                served = []
             for shape in shapes + served:
                 is_serving = shape not in templates
                 specs = _serving_specs(case, shapes, templates, shape) if is_serving else templates[shape]
