@@ -82,6 +82,9 @@ KERNEL_OPS_IN_NATIVE_CELLS = {
     # ssd_chunk_scan: the chunked form in jax.numpy (kernels/xla_ssd.py) for jax arrays on the CPU and GPUs.
     **{("ssd_chunk_scan", "jax", platform): method for platform, method in (("cpu", "forward_cpu"),
                                                                             ("cuda", "forward_cuda"))},
+    # mamba_mixer2 on a GPU: XLA's dot for its projections around its kernel ops (each falling back
+    # to its native body alone, the Triton kernels taking torch tensors).
+    ("mamba_mixer2", "jax", "cuda"): "forward_cuda",
     # conv2d/conv3d: the patch-embedding matmul is the platform path for every frontend (XLA's dot for jax).
     **{(op, "jax", platform): method for op in ("conv2d", "conv3d")
        for platform, method in (("cpu", "forward_cpu"), ("cuda", "forward_cuda"))},
@@ -99,7 +102,7 @@ NATIVE_CASES = {
     **{(f"logits_processor[{variant}]", fe, pf): reason
        for variant, reason in (("plain", "the logits are the plain matmul"),
                                ("logits_as_input", "logits_as_input: no matmul to fuse into"))
-       for fe, pf in [*((f, p) for f, p, _ in KERNEL_CELLS), *NATIVE_CELLS]},
+       for fe, pf in ((f, p) for f, p, _ in KERNEL_CELLS)},
     # A convolution that is not a patch embedding runs the frontend's own convolution in every cell.
     **{(label, frontend, platform): "the patch-embedding matmul needs kernel_size == stride"
        for label in ("conv2d[general]", "conv3d[general]")

@@ -163,18 +163,22 @@ SWEEP_CASES = [c for c in bench_cases.CASES
 # there, which the sweep then covers too). Any other run takes every case.
 _SWEEP_SHARE = {"latest": 0, "xla": 1}.get(TEST_ENV)
 SWEEP_HERE = SWEEP_CASES if _SWEEP_SHARE is None else SWEEP_CASES[_SWEEP_SHARE::2]
+# There it runs bfloat16 only, the serving dtype, whose roundings are where a peer's semantics can
+# part from the op's (a peer computing another formula disagrees in both dtypes); about 150 s of CI.
+# Any other run takes float32 too.
+_SWEEP_DTYPES = ["bfloat16"] if _SWEEP_SHARE is not None else ["float32", "bfloat16"]
 
 
 def test_every_case_and_peer_agrees_with_forward_native():
     """The peers compute the op's own semantics (rounding of Llama's and Gemma's norms included):
     a peer that disagrees would be an error record."""
     recs = throughput.run_throughput(
-        SWEEP_HERE, [(8, 64)], ["float32", "bfloat16"], FRONTENDS, impls=NO_COMPILE,
+        SWEEP_HERE, [(8, 64)], _SWEEP_DTYPES, FRONTENDS, impls=NO_COMPILE,
         rounds=1, warmup=0, progress=False,
     )
     errors = {(r["op"], r["impl"], r["dtype"]) for r in recs if "error" in r}
     here = {c.label for c in SWEEP_HERE}
-    expected = {e for e in EXPECTED_DISAGREEMENTS if e[0] in here}
+    expected = {e for e in EXPECTED_DISAGREEMENTS if e[0] in here and e[2] in _SWEEP_DTYPES}
     assert errors == expected, [(r["op"], r["impl"], r["error"]) for r in recs if "error" in r]
     peers = {(r["op"], r["impl"]) for r in recs}
     for case in SWEEP_HERE:

@@ -304,6 +304,7 @@ def _child_env() -> dict[str, str]:
     return env
 
 
+@pytest.mark.once_in_xla  # the sharding logic is dualop's; one jax (50 s a run) is enough
 def test_jax_expert_parallel_matches_one_device():
     importlib.import_module("jax")
     proc = subprocess.run([sys.executable, "-c", _JAX_SCRIPT], env=_child_env(), capture_output=True, text=True,

@@ -176,7 +176,9 @@ def test_importing_torch_xla_later_rearms_the_fast_path_with_a_probe():
     code = (
         "import torch, dualop\n"
         "from dualop import CustomOp, platforms\n"
+        "from dualop.custom_op import Serves\n"
         "class Where(CustomOp):\n"
+        "    serves = {'forward_cpu': Serves(('torch', 'torch_xla'))}  # PJRT's CPU tensors too\n"
         "    def forward_native(self, x): return 'native'\n"
         "    def forward_cpu(self, x): return 'cpu'\n"
         "    def forward_tpu(self, x): return 'tpu'\n"
