@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import numpy as np
@@ -260,6 +260,12 @@ class OpCase:
     ``make_op(shape)`` builds the op for inputs of ``shape``; ``make_inputs(shape, rng)`` returns
     float32 numpy positional arguments (None for absent optional ones); ``options`` are the call's
     keyword arguments (static options such as attention's ``sm_scale``), the same for every shape.
+    ``traits`` name what the shared test sweeps must know about the case (``TRAITS`` says each
+    one's meaning). ``native_cells``: ``{(frontend, platform): reason}`` for kernel cells where
+    this case runs the native body (a part of the reason the cell reports); ``native_dtypes`` the
+    same per ``(frontend, platform, dtype)`` for a kernel that declines one dtype at run time;
+    ``kernel_in_native_cells``: ``{(frontend, platform): method}`` where the op has a kernel in a
+    cell that is native for other ops (``NATIVE_CELLS``).
     """
 
     op: str
@@ -268,6 +274,63 @@ class OpCase:
     make_inputs: Callable[[tuple[int, ...], np.random.Generator], tuple]
     shapes: tuple[tuple[int, ...], ...]
     options: dict[str, Any] = dataclasses.field(default_factory=dict, hash=False)
+    traits: frozenset[str] = frozenset()
+    native_cells: Mapping[tuple[str, str], str] = dataclasses.field(default_factory=dict, hash=False)
+    native_dtypes: Mapping[tuple[str, str, str], str] = dataclasses.field(default_factory=dict, hash=False)
+    kernel_in_native_cells: Mapping[tuple[str, str], str] = dataclasses.field(default_factory=dict, hash=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "traits", frozenset(self.traits))
+        unknown = sorted(self.traits - TRAITS.keys())
+        if unknown:
+            raise ValueError(f"OpCase {self.label}: unknown trait(s) {unknown}; known: {sorted(TRAITS)}")
+        cells = {(f, p) for f, p, _ in KERNEL_CELLS} | set(self.kernel_in_native_cells)
+        for where, field in ((self.native_cells, "native_cells"), (self.native_dtypes, "native_dtypes")):
+            stray = sorted(str(k) for k in where if tuple(k[:2]) not in cells)
+            if stray:
+                raise ValueError(f"OpCase {self.label}: {field} names no kernel cell: {stray}; cells: {sorted(cells)}")
+        stray = sorted(str(k) for k in self.kernel_in_native_cells if k not in NATIVE_CELLS)
+        if stray:
+            raise ValueError(f"OpCase {self.label}: kernel_in_native_cells names no native cell: {stray}")
+
+
+# The (frontend, platform) cells that run a kernel, with the method that runs there: every case
+# passes them against forward_native, except where its ``native_cells`` says it has no kernel
+# (ROCm runs the same Triton kernels as CUDA).
+KERNEL_CELLS: tuple[tuple[str, str, str], ...] = (
+    ("torch", "cpu", "forward_cpu"),
+    ("torch", "cuda", "forward_cuda"),
+    ("jax", "tpu", "forward_tpu"),
+    ("torch_xla", "tpu", "forward_tpu"),
+    ("torchax", "tpu", "forward_tpu"),
+)
+# Cells where ops have no kernel, with (a part of) the reason each reports; a case's
+# ``kernel_in_native_cells`` names the method of an op that does have one there.
+NATIVE_CELLS: dict[tuple[str, str], str] = {
+    ("jax", "cpu"): "no CPU kernel for jax arrays: XLA compiles the native body",
+    ("jax", "cuda"): "would need jax-triton",
+}
+
+# What an OpCase's ``traits`` may say, and what each means to the shared test sweeps.
+TRAITS: dict[str, str] = {
+    "structured_inputs": "inputs are not rows of one hidden size (attention over a paged cache, a mixer's packed "
+                         "sequences and state caches): the property sweep leaves the case to its op's own tests",
+    "case_shapes_only": "the shape tuple is structured (experts, packed sequences, images, a vocabulary): the "
+                        "property sweep draws only the case's own shapes",
+    "contraction": "outputs sum products over an input dim (GEMMs, convolutions, scans, attention): at large "
+                   "magnitudes compared against the output's scale (compare(normwise=True))",
+    "cancelling": "outputs cancel large terms element by element (a tanh GELU's 1 + tanh(z), a sparse gate's "
+                  "g - (mean + k std)): at large magnitudes compared against the output's scale",
+    "soft_capped": "logits under a soft cap: drawn at unit scale only (the cap saturates large ones)",
+    "widens_nonfinite": "kernels run a scan or a causal convolution as GEMMs over a masked matrix: a non-finite "
+                        "input widens to the rest of its chunk (compare(widened_nonfinite=True))",
+    "spatial": "the shape tuple is x's [N, C, *spatial] (a convolution)",
+    "token_table": "the shape tuple is (tokens, vocab, org_vocab, dim), not an input's shape",
+    "packed_sequences": "the shape tuple is (tokens, sequences, widths...) of a packed serving batch",
+    "mixer": "a whole Mamba mixer: its kernel ops have cells of their own, it interprets several Pallas kernels "
+             "per shape",
+    "not_differentiable": "no gradient to check: a rounding op, or one writing a cache in place",
+}
 
 
 # Shapes most cases use: a hidden size off the 128-lane grid, a single token, zero tokens, 3-D.
@@ -344,31 +407,11 @@ def release_compiled_code_near_map_limit(fraction: float = 0.5) -> bool:
     return True
 
 
-def _op_modules() -> list[str]:
-    """Modules defining registered ops, in registry order, each followed by the dualop modules of
-    its subclasses (variants sharing the registered name, e.g. the scaled rotary embeddings)."""
-    from dualop.custom_op import CustomOp
-
-    def with_subclasses(cls: type) -> Iterator[str]:
-        yield cls.__module__
-        for sub in cls.__subclasses__():
-            if sub.__module__.startswith("dualop."):
-                yield from with_subclasses(sub)
-
-    return list(dict.fromkeys(m for cls in CustomOp.op_registry.values() for m in with_subclasses(cls)))
-
-
 def _build_cases() -> list[OpCase]:
     """Every op module's ``check_cases()``, in registry order (an op family defines its own)."""
-    import importlib
+    from dualop.spec import collect
 
-    modules = _op_modules()
-    cases: list[OpCase] = []
-    for name in modules:
-        provider = getattr(importlib.import_module(name), "check_cases", None)
-        if provider is not None:
-            cases.extend(provider())
-    return cases
+    return collect("check_cases")
 
 
 CASES: list[OpCase] = []

@@ -17,8 +17,9 @@ from typing import Any
 import numpy as np
 
 from dualop import testing
+from dualop.spec import InputSpec, Serving, collect
 
-__all__ = ["InputSpec", "Variant", "SERVING_SHAPES", "SERVING_INPUTS", "variants_for", "check_dtypes"]
+__all__ = ["InputSpec", "Variant", "SERVING_SHAPES", "SERVING_INPUTS", "servings", "variants_for", "check_dtypes"]
 
 # Prefill of 8192 tokens and a 16-token decode batch at the widths of Llama-3-70B (hidden 8192,
 # intermediate 28672) and Llama-3-405B (hidden 16384, intermediate 53248). Gated activations take
@@ -123,14 +124,6 @@ _SERVING_MAKE_OP.update({
 
 
 @dataclasses.dataclass(frozen=True)
-class InputSpec:
-    """An abstract input: what a ``jax.ShapeDtypeStruct`` or a torch meta tensor is made from."""
-
-    shape: tuple[int, ...]
-    dtype: str | None
-
-
-@dataclasses.dataclass(frozen=True)
 class Variant:
     """One kernel build: an op case at one dtype and shape. ``inputs`` are the op's positional
     arguments as ``InputSpec``s (None for an absent optional one)."""
@@ -146,7 +139,7 @@ class Variant:
         return (self.case.label, self.dtype, self.shape)
 
     def make_op(self):
-        make = _SERVING_MAKE_OP.get(self.case.label) if self.serving else None
+        make = servings().get(self.case.op, _NO_SERVING).make_op.get(self.case.label) if self.serving else None
         return (make or self.case.make_op)(self.shape)
 
 
@@ -195,14 +188,14 @@ def _scaled(case: testing.OpCase, probe: tuple[int, ...], probe_inputs: tuple, s
 def _serving_specs(case: testing.OpCase, shapes: list, templates: dict, shape: tuple[int, ...]) -> tuple:
     """A serving shape's inputs: the op's own ``SERVING_INPUTS`` function, else the case's first
     2-D check shape scaled up."""
-    describe = SERVING_INPUTS.get(case.op)
+    describe = servings()[case.op].inputs
     if describe is not None:
         return tuple(describe(shape))
     probe = next((s for s in shapes if len(s) == 2), None)
     if probe is None:
         raise ValueError(
             f"dualop compile: case {case.label} has no 2-D check shape to scale to {shape}; "
-            f"give its op a SERVING_INPUTS entry"
+            f"give its Serving an inputs function"
         )
     return _scaled(case, probe, templates[probe], shape)
 
@@ -216,11 +209,12 @@ def variants_for(ops: list[str] | None, dtypes: list[str], serving_dtypes: list[
     for case in testing.cases_for(ops):
         shapes = [tuple(s) for s in case.shapes if s and s[0] > 0]
         templates = {s: _templates(case.make_inputs(s, rng)) for s in shapes}
-        serving = [tuple(s) for s in SERVING_SHAPES.get(case.op, ()) if tuple(s) not in templates]
-        if case.label not in SERVING_CASES.get(case.op, (case.label,)):
+        declared = servings().get(case.op, _NO_SERVING)
+        serving = [tuple(s) for s in declared.shapes if tuple(s) not in templates]
+        if case.label not in (declared.cases or (case.label,)):
             serving = []
         for dtype in dtypes:
-            served = serving if dtype in SERVING_DTYPES.get(case.op, (dtype,)) else []
+            served = serving if dtype in (declared.dtypes or (dtype,)) else []
             if serving_dtypes is not None and dtype not in serving_dtypes:
                 served = []
             for shape in shapes + served:
@@ -788,3 +782,19 @@ def _concat_and_cache_mla_inputs(shape: tuple[int, ...]) -> tuple:
 
 
 SERVING_INPUTS["concat_and_cache_mla"] = _concat_and_cache_mla_inputs
+
+
+_NO_SERVING = Serving(())
+_SERVINGS: dict[str, Serving] = {}
+
+
+def servings() -> dict[str, Serving]:
+    """Every op's serving shapes: what its module declares (``serving()``), else the tables above."""
+    if not _SERVINGS:
+        for op, shapes in SERVING_SHAPES.items():
+            _SERVINGS[op] = Serving(
+                tuple(shapes), SERVING_INPUTS.get(op),
+                _SERVING_MAKE_OP,
+                SERVING_DTYPES.get(op), SERVING_CASES.get(op))
+        _SERVINGS.update(collect("serving"))
+    return _SERVINGS

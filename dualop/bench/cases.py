@@ -18,72 +18,14 @@ import numpy as np
 
 from dualop.kernels import cost as cost_model
 from dualop.kernels.cost import KernelCost
+from dualop.spec import ITEMSIZE, BenchCase, collect, rows_of
 
 __all__ = ["BenchCase", "CASES", "DEFAULT_CASES", "ITEMSIZE", "case_listing", "select_cases", "rows_of"]
-
-# The dtypes the bench runs, and their bytes per element (for the cost model, without a framework).
-ITEMSIZE: dict[str, int] = {"float32": 4, "bfloat16": 2, "float16": 2}
-
-
-def rows_of(shape: tuple[int, ...]) -> int:
-    """Rows of a row-wise op: the product of every dim but the last."""
-    return math.prod(shape[:-1])
-
-
-@dataclasses.dataclass(frozen=True)
-class BenchCase:
-    """One way to call one op.
-
-    label: the name in tables and ``--ops`` (``rms_norm[residual]``); op_name: the registered op's
-    name (``--ops`` matches either). make_op(hidden): the op for inputs whose last dim is
-    ``hidden``. make_inputs(shape, rng): float32 numpy positional arguments. cost(op, shape,
-    itemsize): the kernel's cost model for one call. torch_builtin(op) / jax_handwritten(op): the
-    peer's function, called with the same arguments as the op, or None when there is none.
-    default: run when ``--ops`` is not given. shape_of: see ``input_shape``. matrix: the flops
-    are matmuls on the matrix units (the roofline then takes the device's 16-bit matrix peak for
-    16-bit inputs, rather than its float32 vector peak).
-    """
-
-    label: str
-    op_name: str
-    make_op: Callable[[int], Any]
-    make_inputs: Callable[[tuple[int, ...], np.random.Generator], tuple]
-    cost: Callable[[Any, tuple[int, ...], int], KernelCost]
-    torch_builtin: Callable[[Any], Callable[..., Any]] | None = None
-    jax_handwritten: Callable[[Any], Callable[..., Any]] | None = None
-    default: bool = True
-    shape_of: Callable[[tuple[int, ...]], tuple[int, ...]] | None = None
-    matrix: bool = False
-
-    def input_shape(self, size: tuple[int, ...]) -> tuple[int, ...]:
-        """The shape this case runs for a bench size (``small``, ``RxC``, ...): the size itself,
-        the shape of x, for row-wise ops; ``shape_of(size)`` for a case whose inputs are not rows
-        (attention over a paged cache), whose ``make_inputs`` and cost read that shape."""
-        return tuple(self.shape_of(tuple(size))) if self.shape_of is not None else tuple(size)
-
-    def kernel_cost(self, shape: tuple[int, ...], dtype: str) -> KernelCost:
-        """The cost model's numbers for one call on ``x`` of ``shape`` in ``dtype``."""
-        return self.cost(self.make_op(shape[-1]), tuple(shape), ITEMSIZE[dtype])
-
-    def bytes_moved(self, shape: tuple[int, ...], itemsize: int) -> int:
-        """Bytes one call must move: every input read once, every output written once."""
-        return self.cost(self.make_op(shape[-1]), tuple(shape), itemsize).bytes_accessed
-
-    def inputs(self, shape: tuple[int, ...], dtype: str, frontend: str, rng: np.random.Generator) -> tuple:
-        """The positional arguments as ``frontend`` arrays in ``dtype``."""
-        from dualop.testing import to_frontend
-
-        return tuple(to_frontend(a, frontend, dtype) for a in self.make_inputs(tuple(shape), rng))
-
 
 # --- inputs ------------------------------------------------------------------------------------
 
 
-def _normal(shape: tuple[int, ...], rng: np.random.Generator, scale: float = 1.0) -> np.ndarray:
-    out = rng.standard_normal(shape, dtype=np.float32)
-    if scale != 1.0:
-        out *= np.float32(scale)
-    return out
+from dualop.spec import float32_normal as _normal  # noqa: E402
 
 
 def _norm_inputs(residual: bool) -> Callable[[tuple[int, ...], np.random.Generator], tuple]:
@@ -1836,3 +1778,17 @@ def _jax_mla_decode(op):
 CASES = (*CASES, BenchCase("ragged_paged_mla_attention[decode]", "ragged_paged_mla_attention", _mla_op,
                            _mla_decode_inputs, _mla_decode_cost, _torch_mla_sdpa, _jax_mla_decode, default=False,
                            shape_of=_mla_decode_shape, matrix=True))
+
+
+# Cases an op module declares (its ``bench_cases()``) replace the ones above with the same label.
+_LISTED_HERE = CASES
+
+
+def _all_cases() -> tuple[BenchCase, ...]:
+    declared = collect("bench_cases")
+    labels = {c.label for c in declared}
+    return (*(c for c in _LISTED_HERE if c.label not in labels), *declared)
+
+
+CASES = _all_cases()
+DEFAULT_CASES = tuple(c.label for c in CASES if c.default)
