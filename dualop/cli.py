@@ -29,6 +29,11 @@ def cmd_ops(args: argparse.Namespace) -> int:
     from dualop import CustomOp
     from dualop.custom_op import PLATFORM_METHOD
 
+    if args.markdown:
+        from dualop.reference import op_reference_markdown
+
+        sys.stdout.write(op_reference_markdown())
+        return 0
     rows = []
     for name, cls in sorted(CustomOp.op_registry.items()):
         implemented = [m.removeprefix("forward_") for m in ("forward_native", *PLATFORM_METHOD.values())
@@ -404,6 +409,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("ops", help="list registered ops and the platform methods each implements")
     s.add_argument("--json", action="store_true", help="print JSON")
+    s.add_argument("--markdown", action="store_true",
+                   help="print the documentation's op reference page (docs/reference.md): constructors, calls, "
+                        "what each platform runs and why, tolerances, cases")
     s.set_defaults(fn=cmd_ops)
 
     s = sub.add_parser("report", help="which method each op case runs per frontend, whether a kernel, and why")
