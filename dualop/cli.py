@@ -191,6 +191,7 @@ def cmd_compile(args: argparse.Namespace) -> int:
         progress=not args.no_progress,
         sharded_serving=args.sharded_serving,
         serving_dtypes=_csv(args.serving_dtypes) if args.serving_dtypes else None,
+        serving_targets=_csv(args.serving_targets) if args.serving_targets else None,
     )
     if args.json:
         print(json.dumps(rows, indent=2, default=str))
@@ -468,6 +469,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--dtypes", help="comma-separated: float32, bfloat16, float16 (default: float32,bfloat16)")
     s.add_argument("--serving-dtypes", help="comma-separated: build the serving shapes in these dtypes only (default: "
                                             "all of --dtypes; the check shapes are built in every one)")
+    s.add_argument("--serving-targets", help="comma-separated, among --targets: build the serving shapes for these "
+                                             "targets only (default: every target; the check shapes are built for all)")
     s.add_argument("--json", action="store_true", help="print one JSON record per (variant, target) instead of tables")
     s.add_argument("--no-details", action="store_true", help="only the matrix, not the per-kernel table")
     s.add_argument("--list", action="store_true", help="instead of running: print the sorted set of what would run, one line each (compare two versions byte for byte)")
@@ -558,7 +561,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.fn(args)
     except ValueError as err:
-        print(f"dualop {args.command}: {err}", file=sys.stderr)
+        prefix = f"dualop {args.command}: "
+        message = str(err)
+        print(message if message.startswith(prefix) else prefix + message, file=sys.stderr)
         return 2
 
 

@@ -88,11 +88,17 @@ def _row(variant: Variant, target: str, result: KernelResult) -> dict[str, Any]:
 
 def run_compile(ops: list[str] | None = None, targets: list[str] | None = None, dtypes: list[str] | None = None,
                 progress: bool = True, sharded_serving: bool = False,
-                serving_dtypes: list[str] | None = None) -> list[dict[str, Any]]:
+                serving_dtypes: list[str] | None = None,
+                serving_targets: list[str] | None = None) -> list[dict[str, Any]]:
     """Compile every variant for every target; one row per (variant, target). Topology targets
     (``v5e:2x2``) build the sharded layers instead, at model sizes too with ``sharded_serving``.
-    Serving shapes are built in ``serving_dtypes`` only (default: all of ``dtypes``)."""
+    Serving shapes are built in ``serving_dtypes`` only (default: all of ``dtypes``) and for
+    ``serving_targets`` only (default: every target; the check shapes are built for all)."""
     targets = check_targets(targets)
+    if serving_targets is not None:
+        stray = [t for t in serving_targets if t not in targets]
+        if stray:
+            raise ValueError(f"dualop compile: --serving-targets {stray} are not among --targets {targets}")
     dtypes = check_dtypes(dtypes)
     if serving_dtypes is not None:
         serving_dtypes = check_dtypes(serving_dtypes)
@@ -107,17 +113,24 @@ def run_compile(ops: list[str] | None = None, targets: list[str] | None = None, 
     if gpu:
         from dualop.aot.gpu import compile_in_child
 
-        by_key.update(compile_in_child(ops, dtypes, gpu, progress, serving_dtypes))
+        by_key.update(compile_in_child(ops, dtypes, gpu, progress, serving_dtypes, serving_targets))
     if tpu:
-        by_key.update(_compile_tpu(variants, tpu, progress))
+        by_key.update(_compile_tpu(variants, tpu, progress, serving_targets))
     layer_rows = _compile_sharded(ops, dtypes, sharded, progress, sharded_serving) if sharded else {}
     for t in targets:
         if t in sharded:
             rows += layer_rows[t]
             continue
         for v in variants:
-            rows.append(_row(v, t, by_key[(*v.key, t)]))
+            if builds_here(v, t, serving_targets):
+                rows.append(_row(v, t, by_key[(*v.key, t)]))
     return rows
+
+
+def builds_here(variant: Variant, target: str, serving_targets: list[str] | None) -> bool:
+    """Whether ``variant`` is built for ``target``: check shapes everywhere, serving shapes on the
+    serving targets (every target when None)."""
+    return not variant.serving or serving_targets is None or target in serving_targets
 
 
 def variant_listing(ops: list[str] | None = None, dtypes: list[str] | None = None,
@@ -166,7 +179,8 @@ def _compile_sharded(ops: list[str] | None, dtypes: list[str], targets: list[str
     return out
 
 
-def _compile_tpu(variants: list[Variant], targets: list[str], progress: bool) -> dict[tuple, KernelResult]:
+def _compile_tpu(variants: list[Variant], targets: list[str], progress: bool,
+                 serving_targets: list[str] | None = None) -> dict[tuple, KernelResult]:
     from tqdm import tqdm
 
     from dualop.aot import tpu
@@ -176,7 +190,7 @@ def _compile_tpu(variants: list[Variant], targets: list[str], progress: bool) ->
         return {(*v.key, t): KernelResult(status="unavailable", message=why) for v in variants for t in targets}
     out = {}
     with tpu.quiet_native_stderr() as visible:
-        work = [(v, t) for t in targets for v in variants]
+        work = [(v, t) for t in targets for v in variants if builds_here(v, t, serving_targets)]
         for v, t in tqdm(work, desc="dualop compile (Pallas)", unit="kernel", disable=not progress,
                          file=visible, dynamic_ncols=True):
             out[(*v.key, t)] = tpu.compile_variant(v, t)

@@ -206,7 +206,8 @@ def child_environment(cache_dir: str) -> dict[str, str]:
 
 
 def compile_in_child(ops: list[str] | None, dtypes: list[str], targets: list[str],
-                     progress: bool, serving_dtypes: list[str] | None = None) -> dict[tuple, KernelResult]:
+                     progress: bool, serving_dtypes: list[str] | None = None,
+                     serving_targets: list[str] | None = None) -> dict[tuple, KernelResult]:
     """Run ``python -m dualop.aot.gpu`` for ``targets``; results keyed by (case label, dtype,
     shape, target). If the child dies, every cell is ``unavailable`` with its last error line."""
     with tempfile.TemporaryDirectory(prefix="dualop-compile-") as tmp:
@@ -217,6 +218,9 @@ def compile_in_child(ops: list[str] | None, dtypes: list[str], targets: list[str
             cmd += ["--ops", ",".join(ops)]
         if serving_dtypes is not None:
             cmd += ["--serving-dtypes", ",".join(serving_dtypes)]
+        gpu_serving = None if serving_targets is None else [t for t in serving_targets if t in targets]
+        if gpu_serving is not None:
+            cmd += ["--serving-targets", ",".join(gpu_serving)]
         if not progress:
             cmd.append("--no-progress")
         proc = subprocess.run(cmd, env=child_environment(os.path.join(tmp, "triton-cache")),
@@ -243,6 +247,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtypes")
     p.add_argument("--ops")
     p.add_argument("--serving-dtypes")
+    p.add_argument("--serving-targets")
     p.add_argument("--out", required=True)
     p.add_argument("--no-progress", action="store_true")
     args = p.parse_args(argv)
@@ -261,7 +266,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     serving = _csv(args.serving_dtypes)
     variants = variants_for(_csv(args.ops), check_dtypes(_csv(args.dtypes)), None if serving is None else check_dtypes(serving))
-    work = [(v, t) for t in targets for v in variants]
+    from dualop.aot import builds_here
+
+    serving_targets = None if args.serving_targets is None else _csv(args.serving_targets) or []
+    work = [(v, t) for t in targets for v in variants if builds_here(v, t, serving_targets)]
     rows = []
     for v, t in tqdm(work, desc="dualop compile (Triton)", unit="kernel", disable=args.no_progress,
                      dynamic_ncols=True):
