@@ -25,7 +25,8 @@ import numpy as np
 
 from dualop.kernels.cost import KernelCost
 
-__all__ = ["BenchCase", "ITEMSIZE", "InputSpec", "Serving", "collect", "float32_normal", "op_modules", "rows_of"]
+__all__ = ["BenchCase", "ITEMSIZE", "InputSpec", "Serving", "collect", "float32_normal", "op_modules", "rows_of",
+           "x_only_inputs"]
 
 # The dtypes the bench runs, and their bytes per element (for the cost model, without a framework).
 ITEMSIZE: dict[str, int] = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -43,6 +44,11 @@ def float32_normal(shape: tuple[int, ...], rng: np.random.Generator, scale: floa
     if scale != 1.0:
         out *= np.float32(scale)
     return out
+
+
+def x_only_inputs(shape: tuple[int, ...], rng: np.random.Generator) -> tuple[np.ndarray]:
+    """``make_inputs`` of a bench case called as ``op(x)``: x at scale 3."""
+    return (float32_normal(shape, rng, 3.0),)
 
 
 # --- serving shapes -------------------------------------------------------------------------------

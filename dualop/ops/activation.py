@@ -14,6 +14,9 @@ from dualop.kernels.gate_math import GateSpec, apply_gate, gate_and_up, gelu  # 
 from dualop.kernels.registry import KernelRef
 from dualop.ops._checks import check_array, decline_if_recording
 from dualop.platforms import frontend_of
+from dualop.kernels import cost as cost_model
+from dualop.kernels.cost import KernelCost
+from dualop.spec import BenchCase, Serving, rows_of, x_only_inputs
 
 __all__ = [
     "FatreluAndMul",
@@ -177,3 +180,70 @@ def check_cases():
         OpCase("fatrelu_and_mul", "fatrelu_and_mul[0.3]", lambda s: FatreluAndMul(0.3), x_only(), GATED_SHAPES),
         OpCase("swigluoai_and_mul", "swigluoai_and_mul", lambda s: SwigluOAIAndMul(), x_only(4.0), GATED_SHAPES),
     ]
+
+
+# --- spec: what dualop bench times and dualop compile builds (check_cases above) -----------
+
+
+def _gated_cost(op, shape, itemsize) -> KernelCost:
+    return cost_model.gated_activation_cost(rows_of(shape), shape[-1] // 2, itemsize, op.spec)
+
+
+def _torch_gated(activation: str, act_on_first: bool = True, **kw: Any):
+    def builtin(op):
+        import torch.nn.functional as F
+
+        act = getattr(F, activation)
+
+        def gated(x):
+            d = x.shape[-1] // 2
+            a, b = x[..., :d], x[..., d:]
+            return act(a, **kw) * b if act_on_first else a * act(b, **kw)
+
+        return gated
+
+    return builtin
+
+
+def _jax_gated(act_name: str, act_on_first: bool = True, **kw: Any):
+    def handwritten(op):
+        import jax
+        import jax.numpy as jnp
+
+        act = getattr(jax.nn, act_name)
+
+        def gated(x):
+            d = x.shape[-1] // 2
+            xf = x.astype(jnp.float32)
+            a, b = xf[..., :d], xf[..., d:]
+            return (act(a, **kw) * b if act_on_first else a * act(b, **kw)).astype(x.dtype)
+
+        return gated
+
+    return handwritten
+
+
+
+def bench_cases():
+    """The gated activations against torch's ``F.silu``/``F.gelu`` times up, and hand-written ``jax.numpy``."""
+    return [
+        BenchCase("silu_and_mul", "silu_and_mul", lambda hidden: SiluAndMul(), x_only_inputs, _gated_cost,
+                  _torch_gated("silu"), _jax_gated("silu")),
+        BenchCase("gelu_and_mul", "gelu_and_mul", lambda hidden: GeluAndMul(), x_only_inputs, _gated_cost,
+                  _torch_gated("gelu"), _jax_gated("gelu", approximate=False)),
+        # not run by default; ask with --ops
+        BenchCase("mul_and_silu", "mul_and_silu", lambda hidden: MulAndSilu(), x_only_inputs, _gated_cost,
+                  _torch_gated("silu", act_on_first=False), _jax_gated("silu", act_on_first=False), default=False),
+        BenchCase("gelu_tanh_and_mul", "gelu_and_mul", lambda hidden: GeluAndMul("tanh"), x_only_inputs, _gated_cost,
+                  _torch_gated("gelu", approximate="tanh"), _jax_gated("gelu", approximate=True), default=False),
+    ]
+
+
+# Prefill of 8192 tokens and a 16-token decode batch at the widths of Llama-3-70B (intermediate
+# 28672) and Llama-3-405B (53248); gate and up side by side.
+SERVING_GATED_SHAPES = ((8192, 2 * 28672), (16, 2 * 53248))
+
+
+def serving():
+    return {op: Serving(SERVING_GATED_SHAPES) for op in ("silu_and_mul", "mul_and_silu", "gelu_and_mul",
+                                                       "gelu_and_mul_sparse", "fatrelu_and_mul", "swigluoai_and_mul")}

@@ -13,6 +13,11 @@ from dualop.kernels.norm_math import NormSpec, rms_normalize
 from dualop.kernels.registry import KernelRef
 from dualop.ops._checks import check_array, check_optional_like, decline_if_recording
 from dualop.platforms import frontend_of
+from collections.abc import Callable
+import numpy as np
+from dualop.kernels import cost as cost_model
+from dualop.kernels.cost import KernelCost
+from dualop.spec import BenchCase, Serving, float32_normal as _normal, rows_of
 
 __all__ = ["GemmaRMSNorm", "RMSNorm"]
 
@@ -166,3 +171,102 @@ def check_cases():
         OpCase("gemma_rms_norm", "gemma_rms_norm[residual]", lambda s: GemmaRMSNorm(s[-1]), inputs(True, True),
                NORM_SHAPES),
     ]
+
+
+# --- spec: what dualop bench times and dualop compile builds (check_cases above) -----------
+
+
+def _norm_inputs(residual: bool) -> Callable[[tuple[int, ...], np.random.Generator], tuple]:
+    """x (scale 3), a weight around 1, and a residual when asked (as the op's own check cases)."""
+
+    def make(shape, rng):
+        x = _normal(shape, rng, 3.0)
+        w = 1.0 + _normal(shape[-1:], rng, 0.5)
+        return (x, w, _normal(shape, rng)) if residual else (x, w)
+
+    return make
+
+
+def _norm_cost(residual: bool) -> Callable[[Any, tuple[int, ...], int], KernelCost]:
+    def cost(op, shape, itemsize):
+        return cost_model.rms_norm_cost(rows_of(shape), shape[-1], itemsize, True, residual)
+
+    return cost
+
+
+def _torch_rms_norm(residual: bool):
+    def builtin(op):
+        import torch.nn.functional as F
+
+        shape, eps = (op.hidden_size,), op.eps
+        if not residual:
+            return lambda x, w: F.rms_norm(x, shape, w, eps)
+
+        def fused(x, w, r):
+            s = x + r
+            return F.rms_norm(s, shape, w, eps), s
+
+        return fused
+
+    return builtin
+
+
+def _torch_gemma_rms_norm(op):
+    import torch.nn.functional as F
+
+    shape, eps = (op.hidden_size,), op.eps
+
+    def gemma(x, w):
+        return (F.rms_norm(x.float(), shape, None, eps) * (1.0 + w.float())).to(x.dtype)
+
+    return gemma
+
+
+def _jax_rms_norm(residual: bool, gemma: bool = False):
+    """Llama's RMSNorm (round to x's dtype, then times the weight), or Gemma's (times 1 + weight in
+    float32, one cast); with a residual, the float32 sum is normalised and returned cast."""
+
+    def handwritten(op):
+        import jax
+        import jax.numpy as jnp
+
+        eps = op.eps
+
+        def normalise(xf, w, dtype):
+            y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+            if gemma:
+                return (y * (1.0 + w.astype(jnp.float32))).astype(dtype)
+            return y.astype(dtype) * w
+
+        if not residual:
+            return lambda x, w: normalise(x.astype(jnp.float32), w, x.dtype)
+
+        def fused(x, w, r):
+            s = x.astype(jnp.float32) + r.astype(jnp.float32)
+            return normalise(s, w, x.dtype), s.astype(x.dtype)
+
+        return fused
+
+    return handwritten
+
+
+
+def bench_cases():
+    """The norms against torch's ``F.rms_norm`` and hand-written ``jax.numpy``."""
+    return [
+        BenchCase("rms_norm", "rms_norm", RMSNorm, _norm_inputs(False), _norm_cost(False),
+                  _torch_rms_norm(False), _jax_rms_norm(False)),
+        BenchCase("rms_norm[residual]", "rms_norm", RMSNorm, _norm_inputs(True), _norm_cost(True),
+                  _torch_rms_norm(True), _jax_rms_norm(True)),
+        BenchCase("gemma_rms_norm", "gemma_rms_norm", GemmaRMSNorm, _norm_inputs(False), _norm_cost(False),
+                  _torch_gemma_rms_norm, _jax_rms_norm(False, gemma=True)),
+    ]
+
+
+# Prefill of 8192 tokens and a 16-token decode batch at the widths of Llama-3-70B (hidden 8192) and
+# Llama-3-405B (hidden 16384).
+SERVING_NORM_SHAPES = ((8192, 8192), (16, 16384))
+
+
+def serving():
+    return {"rms_norm": Serving(SERVING_NORM_SHAPES), "gemma_rms_norm": Serving(SERVING_NORM_SHAPES)}

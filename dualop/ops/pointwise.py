@@ -18,6 +18,10 @@ from dualop.custom_op import CustomOp
 from dualop.kernels.registry import KernelRef
 from dualop.ops._checks import check_array, check_optional_like, dtype_name
 from dualop.platforms import frontend_of
+from collections.abc import Callable
+from dualop.kernels import cost as cost_model
+from dualop.kernels.cost import KernelCost
+from dualop.spec import BenchCase, Serving, x_only_inputs
 
 __all__ = ["FastGELU", "NewGELU", "QuickGELU", "ReLUSquaredActivation", "XIELU"]
 
@@ -274,3 +278,59 @@ def check_cases():
         )
     ]
     return [*simple, OpCase("xielu", "xielu", lambda s: XIELU(), xielu_inputs, _POINTWISE_SHAPES)]
+
+
+# --- spec: what dualop bench times and dualop compile builds (check_cases above) -----------
+
+
+def _pointwise_cost(activation: str) -> Callable[[Any, tuple[int, ...], int], KernelCost]:
+    def cost(op, shape, itemsize):
+        return cost_model.pointwise_activation_cost(math.prod(shape), itemsize, activation)
+
+    return cost
+
+
+def _torch_gelu_new(op):
+    import torch.nn.functional as F
+
+    return lambda x: F.gelu(x, approximate="tanh")
+
+
+def _torch_relu2(op):
+    import torch
+    import torch.nn.functional as F
+
+    return lambda x: torch.square(F.relu(x))
+
+
+def _jax_pointwise(body: Callable[[Any, Any], Any]):
+    """``body(jax, xf)`` on the float32 upcast of x, cast back."""
+
+    def handwritten(op):
+        import jax
+        import jax.numpy as jnp
+
+        return lambda x: body(jax, x.astype(jnp.float32)).astype(x.dtype)
+
+    return handwritten
+
+
+
+def bench_cases():
+    """Not run by default (ask with --ops): against torch's functions and hand-written ``jax.numpy``."""
+    return [
+        BenchCase("gelu_new", "gelu_new", lambda hidden: NewGELU(), x_only_inputs, _pointwise_cost("gelu_new"),
+                  _torch_gelu_new, _jax_pointwise(lambda jax, x: jax.nn.gelu(x, approximate=True)), default=False),
+        BenchCase("quick_gelu", "quick_gelu", lambda hidden: QuickGELU(), x_only_inputs, _pointwise_cost("quick_gelu"),
+                  None, _jax_pointwise(lambda jax, x: x * jax.nn.sigmoid(1.702 * x)), default=False),
+        BenchCase("relu2", "relu2", lambda hidden: ReLUSquaredActivation(), x_only_inputs, _pointwise_cost("relu2"),
+                  _torch_relu2, _jax_pointwise(lambda jax, x: jax.numpy.square(jax.nn.relu(x))), default=False),
+    ]
+
+
+# Prefill of 8192 tokens and a 16-token decode batch at Llama-3-70B's and -405B's intermediate widths.
+SERVING_POINTWISE_SHAPES = ((8192, 28672), (16, 53248))
+
+
+def serving():
+    return {op: Serving(SERVING_POINTWISE_SHAPES) for op in ("gelu_new", "gelu_fast", "quick_gelu", "relu2", "xielu")}
