@@ -28,6 +28,10 @@ from dualop.custom_op import ALL_FRONTENDS, CustomOp, Serves
 from dualop.kernels.registry import KernelRef
 from dualop.ops._checks import check_array, check_optional_like
 from dualop.platforms import family_of, frontend_of
+from collections.abc import Callable
+from dualop.kernels import cost as cost_model
+from dualop.kernels.cost import KernelCost
+from dualop.spec import BenchCase, InputSpec, Serving, float32_normal as _normal
 
 __all__ = ["Conv2dLayer", "Conv3dLayer"]
 
@@ -395,3 +399,116 @@ def check_cases():
     ):
         cases.append(OpCase(op, label, make_op(kwargs, out, with_bias), inputs(kwargs, out, with_bias), shapes))
     return cases
+
+
+# --- spec: what dualop bench times and dualop compile builds (check_cases above) -----------
+
+
+# --- patch embeddings (conv2d / conv3d) ------------------------------------------------------------
+# x is a batch of images (or Qwen2.5-VL's patches) for a size ROWSxCOLS: ROWS items, COLS ignored.
+# Qwen2.5-VL's vision tower: Conv3d(3, 1280, (2, 14, 14), stride = kernel, no bias) on x [L, 3, 2, 14,
+# 14], one patch per item (``--sizes 1024x1280``); a CLIP-like ViT-B/16: Conv2d(3, 768, 16, stride
+# 16) on [N, 3, 224, 224] (``--sizes 1x768``). Peers: F.conv3d / F.conv2d, and the jax user's
+# ``lax.conv_general_dilated`` (float32 accumulation, one cast).
+PATCH_EMBEDS: dict[str, tuple[int, int, tuple[int, ...], tuple[int, ...], bool]] = {
+    # label: (in_channels, out_channels, kernel, item spatial size, bias)
+    "conv3d[qwen2.5-vl]": (3, 1280, (2, 14, 14), (2, 14, 14), False),
+    "conv2d[clip-b16]": (3, 768, (16, 16), (224, 224), True),
+}
+
+
+def _patch_embed(label: str) -> Callable[[int], Any]:
+    def make(_hidden: int):
+        from dualop.ops import Conv2dLayer, Conv3dLayer
+
+        c, out, kernel, _, bias = PATCH_EMBEDS[label]
+        return (Conv2dLayer if len(kernel) == 2 else Conv3dLayer)(c, out, kernel, stride=kernel, bias=bias)
+
+    return make
+
+
+def _patch_embed_shape(label: str) -> Callable[[tuple[int, ...]], tuple[int, ...]]:
+    c, _, _, spatial, _ = PATCH_EMBEDS[label]
+    return lambda size: (size[0], c, *spatial)
+
+
+def _patch_embed_inputs(shape, rng):
+    label = next(k for k, v in PATCH_EMBEDS.items() if len(v[2]) == len(shape) - 2)
+    c, out, kernel, _, bias = PATCH_EMBEDS[label]
+    fan_in = c * math.prod(kernel)
+    w = _normal((out, c, *kernel), rng, fan_in ** -0.5)
+    return (_normal(shape, rng), w, _normal((out,), rng) if bias else None)
+
+
+def _patch_embed_cost(op, shape, itemsize) -> KernelCost:
+    patches = shape[0] * math.prod(s // k for s, k in zip(shape[2:], op.kernel_size))
+    return cost_model.patch_embed_cost(patches, op.patch_size, op.out_channels, itemsize, op.has_bias,
+                                       math.prod(shape))
+
+
+def _torch_conv(op):
+    """torch's own strided convolution (oneDNN / cuDNN)."""
+    import torch.nn.functional as F
+
+    conv = F.conv2d if op.num_dim == 2 else F.conv3d
+    return lambda x, weight, bias=None: conv(x, weight, bias, op.stride)
+
+
+def _jax_conv(op):
+    """What a jax user writes (flax's Conv does the same): ``lax.conv_general_dilated`` in NCHW with
+    float32 accumulation, the bias, one cast."""
+    import jax
+    import jax.numpy as jnp
+
+    spec = ("NCHW", "OIHW", "NCHW") if op.num_dim == 2 else ("NCDHW", "OIDHW", "NCDHW")
+
+    def conv(x, weight, bias=None):
+        y = jax.lax.conv_general_dilated(x, weight, op.stride, "VALID", dimension_numbers=spec,
+                                         preferred_element_type=jnp.float32)
+        if bias is not None:
+            y = y + bias.astype(jnp.float32).reshape(-1, *(1,) * op.num_dim)
+        return y.astype(x.dtype)
+
+    return conv
+
+
+def _patch_embed_parts(shape: tuple[int, ...]) -> tuple[tuple[int, ...], int, tuple[int, ...]]:
+    """x's shape, out_channels and the kernel of one conv SERVING_SHAPES entry."""
+    num_dim = (len(shape) - 3) // 2
+    return shape[:num_dim + 2], shape[num_dim + 2], shape[num_dim + 3:]
+
+
+def _serving_patch_embed_inputs(shape: tuple[int, ...]) -> tuple:
+    x_shape, out_channels, kernel = _patch_embed_parts(shape)
+    bias = InputSpec((out_channels,), None) if len(kernel) == 2 else None
+    return (InputSpec(x_shape, None), InputSpec((out_channels, x_shape[1], *kernel), None), bias)
+
+
+def _serving_patch_embed_op(shape: tuple[int, ...]):
+    from dualop.ops import Conv2dLayer, Conv3dLayer
+
+    x_shape, out_channels, kernel = _patch_embed_parts(shape)
+    cls = Conv2dLayer if len(kernel) == 2 else Conv3dLayer
+    return cls(x_shape[1], out_channels, kernel, stride=kernel, bias=len(kernel) == 2)  # Qwen2.5-VL's has none
+
+
+def bench_cases():
+    """Not run by default: the patch embeddings against F.conv2d/F.conv3d and lax.conv_general_dilated."""
+    return [BenchCase(label, label.split("[")[0], _patch_embed(label), _patch_embed_inputs, _patch_embed_cost,
+                      _torch_conv, _jax_conv, default=False, shape_of=_patch_embed_shape(label), matrix=True)
+            for label in PATCH_EMBEDS]
+
+
+def serving():
+    """(N, C, *spatial, out_channels, *kernel) for x [N, C, *spatial] and a kernel equal to the
+    stride: Qwen2.5-VL's Conv3d(3, 1280, (2, 14, 14), bias=False) on 16384 patches, one per item as
+    its vision tower calls it ([L, 3, 2, 14, 14]); SigLIP-so400m's Conv2d(3, 1152, 14, stride 14)
+    on a batch of 8 384 x 384 images (27 x 27 patches; the last 6 pixel rows and columns fill no
+    patch). The fast path is a reshape and XLA's dot; vision encoders are served in 16-bit."""
+    make_op = {"conv2d[patch]": _serving_patch_embed_op, "conv3d[patch]": _serving_patch_embed_op}
+    return {
+        "conv3d": Serving(((16384, 3, 2, 14, 14, 1280, 2, 14, 14),), _serving_patch_embed_inputs, make_op,
+                          ("bfloat16",), ("conv3d[patch]",)),
+        "conv2d": Serving(((8, 3, 384, 384, 1152, 14, 14),), _serving_patch_embed_inputs, make_op,
+                          ("bfloat16",), ("conv2d[patch]",)),
+    }

@@ -47,6 +47,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
+
 from dualop.backends import array_namespace
 from dualop.backends.torch.triton_launch import call_triton
 from dualop.backends.xla.pallas_bridge import call_pallas
@@ -55,6 +57,9 @@ from dualop.kernels.registry import KernelRef
 from dualop.ops._checks import check_array, check_optional_like, decline_if_recording, dtype_name
 from dualop.parallel import TensorParallel, VocabShard, current_tensor_parallel, vocab_shard
 from dualop.platforms import family_of, frontend_of
+from dualop.kernels import cost as cost_model
+from dualop.kernels.cost import KernelCost
+from dualop.spec import BenchCase, InputSpec, Serving
 
 __all__ = ["VocabParallelEmbedding", "ParallelLMHead", "masked_vocab_lookup", "checkpoint_row_segments"]
 
@@ -325,3 +330,66 @@ def check_cases():
         OpCase("vocab_parallel_embedding", "vocab_parallel_embedding", make_op, make_inputs,
                ((0, 100, 100, 32), (1, 100, 100, 32), (37, 100, 100, 32), (21, 110, 100, 32), (64, 1026, 1010, 128))),
     ]
+
+
+# --- spec: what dualop bench times and dualop compile builds (check_cases above) -----------
+
+
+# --- vocab_parallel_embedding: the token embedding gather --------------------------------
+# The bench size (tokens, D) is the ids' count and the embedding dim over Llama-3's vocabulary of
+# 128256 rows (one device: the whole padded table): ``64xD`` is a decode step, ``4096xD`` a prefill
+# (Llama-3-8B's D is 4096; the table then takes 1 GiB in bfloat16, 2 GiB in float32, so smoke runs
+# here use a smaller D). Peers: ``F.embedding`` and ``jnp.take`` on the same table.
+EMBEDDING_VOCAB = 128256
+
+
+def _vocab_embedding(dim: int):
+    from dualop.ops import VocabParallelEmbedding
+
+    return VocabParallelEmbedding(EMBEDDING_VOCAB, dim)
+
+
+def _vocab_embedding_inputs(shape, rng):
+    from dualop.testing import Pinned
+
+    tokens, dim = shape
+    ids = Pinned(rng.integers(0, EMBEDDING_VOCAB, tokens).astype(np.int32), "int32")
+    return (ids, rng.standard_normal((EMBEDDING_VOCAB, dim), dtype=np.float32))
+
+
+def _vocab_embedding_cost(op, shape, itemsize) -> KernelCost:
+    return cost_model.embedding_gather_cost(shape[0], shape[1], itemsize)
+
+
+def _torch_embedding(op):
+    import torch.nn.functional as F
+
+    return lambda input_ids, weight: F.embedding(input_ids, weight)
+
+
+def _jax_take(op):
+    import jax.numpy as jnp
+
+    return lambda input_ids, weight: jnp.take(weight, input_ids, axis=0)
+
+
+def _serving_vocab_embedding_inputs(shape: tuple[int, ...]) -> tuple:
+    from dualop.parallel import vocab_shard
+
+    tokens, vocab, org, dim = shape
+    rows = vocab_shard(vocab, org).num_embeddings_per_partition
+    return (InputSpec((tokens,), "int32"), InputSpec((rows, dim), None))
+
+
+def bench_cases():
+    """Not run by default: the token embedding gather against F.embedding and jnp.take."""
+    return [BenchCase("vocab_parallel_embedding", "vocab_parallel_embedding", _vocab_embedding,
+                      _vocab_embedding_inputs, _vocab_embedding_cost, _torch_embedding, _jax_take, default=False)]
+
+
+def serving():
+    """(tokens, num_embeddings, org_num_embeddings, embedding_dim): Llama-3-70B's table (vocab
+    128256, hidden 8192) at one device, a 16-token decode batch and an 8192-token prefill; the ids
+    are int32, the table this rank's padded rows."""
+    return {"vocab_parallel_embedding": Serving(((16, 128256, 128256, 8192), (8192, 128256, 128256, 8192)),
+                                                _serving_vocab_embedding_inputs)}

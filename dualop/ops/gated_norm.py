@@ -12,6 +12,7 @@ from dualop.custom_op import CustomOp
 from dualop.kernels.registry import KernelRef
 from dualop.ops._checks import check_array, check_optional_like, decline_if_recording
 from dualop.platforms import frontend_of
+from dualop.spec import Serving
 
 __all__ = ["RMSNormGated"]
 
@@ -190,3 +191,18 @@ def check_cases():
             inputs(True), GROUPED_SHAPES,
         ),
     ]
+
+
+# --- spec: what dualop compile builds (check_cases above) ----------------------------------
+
+
+def _grouped_rms_norm_gated(shape):
+    from dualop.ops import RMSNormGated
+
+    return RMSNormGated(shape[-1], group_size=shape[-1] // 8)  # Mamba-2 style: 8 groups
+
+
+def serving():
+    """Prefill of 8192 tokens and a 16-token decode batch at hidden 8192 and 16384."""
+    return {"rms_norm_gated": Serving(((8192, 8192), (16, 16384)), None,
+                                      {"rms_norm_gated[z,group]": _grouped_rms_norm_gated})}

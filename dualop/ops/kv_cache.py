@@ -51,6 +51,7 @@ from dualop.ops._checks import (
     remember_checked,
 )
 from dualop.platforms import family_of, frontend_of
+from dualop.spec import InputSpec, Serving
 
 __all__ = ["ReshapeAndCache", "last_writes"]
 
@@ -257,3 +258,20 @@ def check_cases():
 
     shapes = ((0, 2, 64), (1, 1, 64), (7, 2, 128), (12, 1, 72), (5, 4, 32))
     return [OpCase("reshape_and_cache", "reshape_and_cache", lambda s: ReshapeAndCache(), make_inputs, shapes)]
+
+
+# --- spec: what dualop compile builds (check_cases above) ----------------------------------
+
+
+def _reshape_and_cache_inputs(shape):
+    """A step's tokens written into a paged cache of ``num_pages`` pages (Llama-3-70B's 8 KV heads of 128)."""
+    tokens, heads, head_dim, num_pages, page_size = shape
+    kv = InputSpec((tokens, heads, head_dim), None)
+    return (kv, kv, InputSpec((num_pages, page_size, 2 * heads, head_dim), None), InputSpec((tokens,), "int32"))
+
+
+def serving():
+    """(tokens, num_kv_heads, head_dim, num_pages, page_size): a step's 2048 tokens written into a
+    paged cache of 2048 pages of 16 and of 128 tokens."""
+    return {"reshape_and_cache": Serving(((2048, 8, 128, 2048, 16), (2048, 8, 128, 2048, 128)),
+                                         _reshape_and_cache_inputs)}

@@ -42,6 +42,10 @@ from dualop.kernels.registry import KernelRef
 from dualop.ops._checks import check_array, check_optional_like
 from dualop.parallel import TensorParallel, current_tensor_parallel, divide, qkv_layout
 from dualop.platforms import family_of, frontend_of
+from collections.abc import Callable
+from dualop.kernels import cost as cost_model
+from dualop.kernels.cost import KernelCost
+from dualop.spec import BenchCase, InputSpec, Serving, float32_normal as _normal, rows_of
 
 _XLA_LINEAR = KernelRef("dualop.kernels.xla_linear", "linear")
 
@@ -505,3 +509,86 @@ def check_cases():
         OpCase("row_parallel_linear", "row_parallel_linear[bias]", lambda s: RowParallelLinear(s[-1], 48),
                inputs(48, True), shapes),
     ]
+
+
+# --- spec: what dualop bench times and dualop compile builds (check_cases above) -----------
+
+
+def _bench_linear_op(op_name: str) -> Callable[[int], Any]:
+    def make(hidden: int):
+        from dualop import ops
+        from dualop.parallel import TensorParallel
+
+        cls = {"replicated_linear": ops.ReplicatedLinear, "column_parallel_linear": ops.ColumnParallelLinear,
+               "row_parallel_linear": ops.RowParallelLinear}[op_name]
+        return cls(hidden, hidden, bias=False, return_bias=False, tp=TensorParallel())
+
+    return make
+
+
+def _bench_linear_inputs(shape, rng):
+    hidden = shape[-1]
+    return (_normal(shape, rng), _normal((hidden, hidden), rng, hidden ** -0.5))
+
+
+def _bench_linear_cost(op, shape, itemsize) -> KernelCost:
+    return cost_model.linear_cost(rows_of(shape), op.input_size, op.output_size, itemsize, False)
+
+
+def _torch_linear_peer(op):
+    import torch.nn.functional as F
+
+    return lambda x, w: F.linear(x, w)
+
+
+def _jax_linear_peer(op):
+    """What a jax user writes: ``jnp.dot(x, w.T)``."""
+    import jax.numpy as jnp
+
+    return lambda x, w: jnp.dot(x, w.T)
+
+
+def _serving_linear_inputs(shape: tuple[int, ...]) -> tuple:
+    tokens, in_size, out_size = shape
+    return (InputSpec((tokens, in_size), None), InputSpec((out_size, in_size), None), None)  # Llama: no bias
+
+
+def _serving_linear_op(op_name: str):
+    def make(shape: tuple[int, ...]):
+        from dualop import ops
+
+        tokens, in_size, out_size = shape
+        cls = {"replicated_linear": ops.ReplicatedLinear, "column_parallel_linear": ops.ColumnParallelLinear,
+               "row_parallel_linear": ops.RowParallelLinear}[op_name]
+        return cls(in_size, out_size, bias=False)
+
+    return make
+
+
+_LINEAR_OPS = ("column_parallel_linear", "row_parallel_linear", "replicated_linear")
+
+
+def bench_cases():
+    """Not run by default (a 4096-wide GEMM is seconds on 2 cores): x (tokens, hidden) times a square
+    weight, no bias, against F.linear and a hand-written jnp.dot; the vendor GEMM is the path."""
+    return [BenchCase(op_name, op_name, _bench_linear_op(op_name), _bench_linear_inputs, _bench_linear_cost,
+                      _torch_linear_peer, _jax_linear_peer, default=False, matrix=True)
+            for op_name in _LINEAR_OPS]
+
+
+def serving():
+    """(tokens, input features, output features) of one chip's shard. Llama-3-70B at tp 8: the fused
+    QKV ((64 + 2 * 8) * 128 / 8 = 1280 rows) and merged gate_up (2 * 28672 / 8 = 7168 rows) shards
+    of column_parallel_linear, o_proj (8192 / 8 = 1024 -> 8192) and down (28672 / 8 = 3584 -> 8192)
+    of row_parallel_linear, and a whole 8192 x 8192 replicated projection; a 16-token decode batch
+    and an 8192-token prefill, in bfloat16 (the served dtype)."""
+    shapes = {
+        "replicated_linear": ((16, 8192, 8192), (8192, 8192, 8192)),
+        "column_parallel_linear": ((16, 8192, 1280), (8192, 8192, 1280), (16, 8192, 7168), (8192, 8192, 7168)),
+        "row_parallel_linear": ((16, 1024, 8192), (8192, 1024, 8192), (16, 3584, 8192), (8192, 3584, 8192)),
+    }
+    cases = {"replicated_linear": "replicated_linear", "column_parallel_linear": "column_parallel_linear[bias]",
+             "row_parallel_linear": "row_parallel_linear[bias]"}
+    return {op: Serving(shapes[op], _serving_linear_inputs, {cases[op]: _serving_linear_op(op)}, ("bfloat16",),
+                        (cases[op],))
+            for op in _LINEAR_OPS}

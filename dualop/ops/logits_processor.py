@@ -16,6 +16,9 @@ from dualop.kernels.registry import KernelRef
 from dualop.ops._checks import check_array, check_optional_like, decline_if_recording
 from dualop.parallel import TensorParallel, current_tensor_parallel, vocab_shard, vocab_token_ids
 from dualop.platforms import family_of, frontend_of
+from dualop.kernels import cost as cost_model
+from dualop.kernels.cost import KernelCost
+from dualop.spec import BenchCase, InputSpec, Serving, float32_normal as _normal, rows_of
 
 __all__ = ["LogitsProcessor"]
 
@@ -279,3 +282,93 @@ def check_cases():
         OpCase("logits_processor", "logits_processor[soft_cap]", lambda s: LogitsProcessor(1000, soft_cap=5.0),
                inputs(1000), NORM_SHAPES),
     ]
+
+
+# --- spec: what dualop bench times and dualop compile builds (check_cases above) -----------
+
+
+# --- logits processor -------------------------------------------------------------------
+# The LM head's logits with Gemma-2's final soft cap (30) on hidden states of (tokens, hidden): a
+# 32000-token vocabulary (Llama-2 / Mistral; pass smaller hidden sizes on a small host), decode
+# ``--sizes 16x4096`` and prefill ``512x4096``. The weight read dominates decode (the roofline's
+# bytes are the weight's); peers: F.linear then the cap in float32 (torch), a dot with float32
+# accumulation then the cap (jax), and torch.compile of the native body (the bench's torch-compile).
+LOGITS_VOCAB, LOGITS_SOFT_CAP = 32000, 30.0
+
+
+def _logits_processor(hidden: int):
+    from dualop.ops import LogitsProcessor
+
+    return LogitsProcessor(LOGITS_VOCAB, soft_cap=LOGITS_SOFT_CAP)
+
+
+def _logits_inputs(shape, rng):
+    from dualop.parallel import pad_vocab_size
+
+    hidden = shape[-1]
+    weight = _normal((pad_vocab_size(LOGITS_VOCAB), hidden), rng, 3.0 / hidden ** 0.5)
+    weight[LOGITS_VOCAB:] = 0.0  # the padding rows of the vocabulary-parallel layout
+    return (weight, _normal(shape, rng))
+
+
+def _logits_cost(op, shape, itemsize) -> KernelCost:
+    return cost_model.logits_processor_cost(rows_of(shape), shape[-1], op.org_vocab_size, itemsize, False, True)
+
+
+def _torch_logits(op):
+    import torch
+    import torch.nn.functional as F
+
+    cap, vocab = op.soft_cap, op.org_vocab_size
+
+    def logits(weight, hidden_states):
+        y = F.linear(hidden_states, weight[:vocab]).float()
+        return (torch.tanh(y / cap) * cap).to(hidden_states.dtype)
+
+    return logits
+
+
+def _jax_logits(op):
+    import jax
+    import jax.numpy as jnp
+
+    cap, vocab = op.soft_cap, op.org_vocab_size
+
+    def logits(weight, hidden_states):
+        y = jax.lax.dot_general(hidden_states, weight[:vocab], (((1,), (1,)), ((), ())),
+                                preferred_element_type=jnp.float32)
+        return (jnp.tanh(y / cap) * cap).astype(hidden_states.dtype)
+
+    return logits
+
+
+def _logits_processor_inputs(shape: tuple[int, ...]) -> tuple:
+    tokens, hidden, vocab = shape
+    from dualop.parallel import pad_vocab_size
+
+    return (InputSpec((pad_vocab_size(vocab, 64), hidden), None), InputSpec((tokens, hidden), None), None)
+
+
+def _logits_processor_op(shape: tuple[int, ...]):
+    from dualop.ops import LogitsProcessor
+
+    return LogitsProcessor(shape[2], soft_cap=30.0)
+
+
+def bench_cases():
+    """Not run by default: the LM head with Gemma-2's soft cap against F.linear then the cap (torch)
+    and a float32-accumulating dot then the cap (jax)."""
+    return [BenchCase("logits_processor[soft_cap]", "logits_processor", _logits_processor, _logits_inputs,
+                      _logits_cost, _torch_logits, _jax_logits, default=False, matrix=True)]
+
+
+def serving():
+    """(tokens, hidden, vocab): one chip's whole LM head with the fused soft cap of Gemma-2 (30):
+    Gemma-2-27B (hidden 4608, vocab 256000) and Llama-3-70B's width (hidden 8192, vocab 128256;
+    Llama itself has no cap, and its plain logits decline to XLA's dot, so the cap stands for any
+    epilogue at that width); a 16-token decode batch and an 8192-token prefill, in bfloat16 (a
+    float32 LM head at these sizes is not served)."""
+    return {"logits_processor": Serving(
+        ((16, 8192, 128256), (8192, 8192, 128256), (16, 4608, 256000), (8192, 4608, 256000)),
+        _logits_processor_inputs, {"logits_processor[soft_cap]": _logits_processor_op}, ("bfloat16",),
+        ("logits_processor[soft_cap]",))}

@@ -59,6 +59,7 @@ from dualop.custom_op import CustomOp
 from dualop.kernels.registry import KernelRef
 from dualop.ops._checks import check_array, check_optional_like, concrete_values, dtype_name
 from dualop.platforms import frontend_of, platform_of
+from dualop.spec import Serving
 
 __all__ = ["QuantFP8", "GroupShape", "Fp8Format", "E4M3FN", "E4M3FNUZ", "fp8_format", "FP8_MAX", "FP8_MIN_SCALE"]
 
@@ -458,3 +459,12 @@ def check_cases():
         OpCase("quant_fp8", "quant_fp8[dynamic,group128]", lambda s: QuantFP8(False, (1, 128)), dynamic, group_shapes),
         OpCase("quant_fp8", "quant_fp8[static,per_tensor]", lambda s: QuantFP8(True, "per_tensor"), static_tensor, NORM_SHAPES),
     ]
+
+
+# --- spec: what dualop compile builds (check_cases above) ----------------------------------
+
+
+def serving():
+    """fp8 quantisation sees the attention input (hidden 8192) in an 8192-token prefill and the down
+    projection's input (intermediate 53248) in a 16-token decode batch."""
+    return {"quant_fp8": Serving(((8192, 8192), (16, 53248)))}

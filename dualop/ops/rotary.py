@@ -28,6 +28,9 @@ from dualop.ops._checks import (
     remember_checked,
 )
 from dualop.platforms import family_of, frontend_of
+from dualop.kernels import cost as cost_model
+from dualop.kernels.cost import KernelCost
+from dualop.spec import BenchCase, InputSpec, Serving, float32_normal as _normal
 
 __all__ = ["RotaryEmbedding", "ApplyRotaryEmb", "DualChunkRotaryEmbedding"]
 
@@ -539,3 +542,113 @@ def check_cases():
                rope(64, 32, True, DualChunkRotaryEmbedding, dtype=None, chunk_size=16, local_size=4),
                rope_inputs(64, 1, offsets=True), ((0, 128), (1, 192), (9, 128), (5, 2, 64))),
     ]
+
+
+# --- spec: what dualop bench times and dualop compile builds (check_cases above) -----------
+
+
+# --- rope: x is the query (tokens, heads * 128) of a Llama-style attention with 8 query heads per
+# KV head; positions span an 8192-token cache. torch has no built-in rope: its peer is
+# torch.compile of the native body (the bench's torch-compile impl).
+_ROPE_HEAD, _ROPE_GROUP, _ROPE_POSITIONS = 128, 8, 8192
+
+
+def _rope(hidden: int):
+    from dualop.ops import RotaryEmbedding
+
+    head = _rope_head(hidden)
+    return RotaryEmbedding(head, head, _ROPE_POSITIONS, 500000.0, True)
+
+
+def _rope_head(hidden: int) -> int:
+    """Llama's head size 128 when x holds whole heads of it, else one head as wide as x."""
+    return _ROPE_HEAD if hidden % _ROPE_HEAD == 0 else hidden
+
+
+def _rope_key_width(hidden: int) -> int:
+    """The key's width: GQA with 8 query heads per KV head, at least one head."""
+    head = _rope_head(hidden)
+    return max(head, hidden // _ROPE_GROUP // head * head)
+
+
+def _rope_inputs(shape, rng):
+    from dualop.testing import Pinned
+
+    tokens, hidden = shape
+    positions = Pinned(rng.integers(0, _ROPE_POSITIONS, tokens).astype(np.int32), "int32")
+    return (positions, _normal(shape, rng), _normal((tokens, _rope_key_width(hidden)), rng))
+
+
+def _rope_cost(op, shape, itemsize) -> KernelCost:
+    tokens, hidden = shape
+    heads = (hidden + _rope_key_width(hidden)) // op.head_size
+    return cost_model.rotary_cost(tokens, heads, op.head_size, op.rotary_dim, itemsize)
+
+
+def _jax_rope(op):
+    """What a jax user writes: gather cos/sin rows of a float32 table, rotate halves in float32."""
+    import jax.numpy as jnp
+
+    table = jnp.asarray(op.cos_sin_cache)
+    half, head = op.rotary_dim // 2, op.head_size
+
+    def rope(positions, query, key):
+        cos, sin = jnp.split(table[positions], 2, axis=-1)
+        cos, sin = cos.astype(query.dtype).astype(jnp.float32)[:, None], sin.astype(query.dtype).astype(jnp.float32)[:, None]
+
+        def rotate(x):
+            xf = x.reshape(x.shape[0], -1, head).astype(jnp.float32)
+            x1, x2 = xf[..., :half], xf[..., half:]
+            return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1).astype(x.dtype).reshape(x.shape)
+
+        return rotate(query), rotate(key)
+
+    return rope
+
+# --- serving rope: (tokens, query width) -> positions, query and key of Llama-3-70B's attention ----
+_ROPE_KV_HEADS = 8
+
+
+def _serving_rope_inputs(shape, *, offsets: bool = False):
+    tokens, width = shape
+    positions = InputSpec((tokens,), "int32")
+    args = (positions, InputSpec((tokens, width), None), InputSpec((tokens, _ROPE_KV_HEADS * _ROPE_HEAD), None))
+    return (*args, positions) if offsets else args
+
+
+def _vision_rope_inputs(shape):
+    seq, heads, head_size = shape
+    return (InputSpec(shape, None), InputSpec((seq, head_size // 2), None), InputSpec((seq, head_size // 2), None))
+
+
+def _serving_rope(case_label: str):
+    def make(shape):
+        from dualop.ops import DualChunkRotaryEmbedding, RotaryEmbedding
+
+        neox = "gptj" not in case_label
+        rotary_dim = _ROPE_HEAD * 3 // 4 if "partial" in case_label else _ROPE_HEAD
+        if case_label.startswith("dual_chunk"):  # Qwen2.5-1M style chunks, at this cache's length
+            return DualChunkRotaryEmbedding(_ROPE_HEAD, rotary_dim, _ROPE_POSITIONS, 1e6, neox, None, 2048, 256)
+        return RotaryEmbedding(_ROPE_HEAD, rotary_dim, _ROPE_POSITIONS, 500000.0, neox)
+
+    return make
+
+
+def bench_cases():
+    """Not run by default (ask with --ops): against a hand-written ``jax.numpy`` rope."""
+    return [BenchCase("rotary_embedding", "rotary_embedding", _rope, _rope_inputs, _rope_cost, None, _jax_rope,
+                      default=False)]
+
+
+def serving():
+    """Llama-3-70B (64 query heads, 8 KV heads, head 128) for the text ropes, prefill 8192 and a
+    16-token decode batch; the Qwen2.5-VL vision encoder (4096 patches, 16 heads, head 80)."""
+    make_op = {label: _serving_rope(label)
+               for label in ("rotary_embedding[neox,d64]", "rotary_embedding[gptj,d80,partial]",
+                             "rotary_embedding[neox,d80,no_key]", "dual_chunk_rotary_embedding[neox,d64,partial]")}
+    text = ((8192, 64 * 128), (16, 64 * 128))
+    return {
+        "rotary_embedding": Serving(text, _serving_rope_inputs, make_op),
+        "dual_chunk_rotary_embedding": Serving(text, lambda shape: _serving_rope_inputs(shape, offsets=True), make_op),
+        "apply_rotary_emb": Serving(((4096, 16, 80),), _vision_rope_inputs, make_op),
+    }
