@@ -61,6 +61,9 @@ from dualop.ops._checks import (
     remember_checked,
 )
 from dualop.platforms import frontend_of
+from dualop.kernels import cost as cost_model
+from dualop.kernels.cost import KernelCost
+from dualop.spec import BenchCase, InputSpec, Serving
 
 __all__ = ["RaggedPagedAttention", "DEFAULT_MASK_VALUE"]
 
@@ -461,3 +464,120 @@ def check_cases():
         OpCase(OP, f"{OP}[k_scale,v_scale]", lambda s: RaggedPagedAttention(), inputs(1, 4), shapes,
                options={"sm_scale": 0.125, "k_scale": 0.5, "v_scale": 1.5}),
     ]
+
+
+# --- spec: what dualop bench times and dualop compile builds (check_cases above) -----------
+
+
+# --- ragged paged attention: decode over a paged KV cache ----------------------------------------
+# Shape (num_seqs, kv_len, 2 * Hkv * D): one query row per sequence (decode), every sequence kv_len
+# tokens long, Hkv = 8 KV heads of D = 128 (Llama-3-70B's), Hq = 32, pages of 16 tokens in random
+# order. The last two dims are the K/V rows the op must read, so the copy roofline copies exactly
+# those bytes. A bench size (R, C) maps to R // 128 sequences of C // 4 tokens (small: 32 x 1024).
+_RPA_HEAD_DIM, _RPA_GROUP, _RPA_PAGE = 128, 4, 16
+
+
+def _rpa_decode_shape(size: tuple[int, ...]) -> tuple[int, int, int]:
+    rows, cols = size[0], size[-1]
+    return (max(1, rows // 128), max(_RPA_PAGE, cols // 4 // _RPA_PAGE * _RPA_PAGE), 2 * 8 * _RPA_HEAD_DIM)
+
+
+def _rpa_heads(shape: tuple[int, ...]) -> tuple[int, int, int]:
+    """(Hq, Hkv, D) of a decode shape."""
+    num_kv_heads = shape[2] // (2 * _RPA_HEAD_DIM)
+    return _RPA_GROUP * num_kv_heads, num_kv_heads, _RPA_HEAD_DIM
+
+
+def _rpa_decode_inputs(shape, rng):
+    from dualop.ops.attention import paged_batch
+    from dualop.testing import Pinned
+
+    num_seqs, kv_len, _ = shape
+    num_q_heads, num_kv_heads, head_dim = _rpa_heads(shape)
+    arrays = paged_batch(rng, [1] * num_seqs, [kv_len] * num_seqs, num_tokens=num_seqs, num_q_heads=num_q_heads,
+                         num_kv_heads=num_kv_heads, head_dim=head_dim, page_size=_RPA_PAGE, spare_pages=0,
+                         q_scale=head_dim ** -0.5)  # the op's default sm_scale is 1: scale q instead
+    return (*arrays[:2], *(Pinned(a, "int32") for a in arrays[2:]))
+
+
+def _rpa_decode_cost(op, shape, itemsize) -> KernelCost:
+    num_seqs, kv_len, _ = shape
+    num_q_heads, num_kv_heads, head_dim = _rpa_heads(shape)
+    return cost_model.ragged_paged_attention_cost(num_seqs, num_seqs * kv_len, num_seqs * kv_len, num_q_heads,
+                                                  num_kv_heads, head_dim, itemsize)
+
+
+def _torch_gather_sdpa(op):
+    """What a torch user writes for a decode batch: gather each sequence's pages, then SDPA with a
+    length mask (GQA by ``enable_gqa``) and the op's default ``sm_scale`` 1, in float32 (SDPA's
+    bfloat16 CPU kernel rounds the probabilities to bfloat16, outside the tolerance table), one
+    cast back."""
+    import torch
+    import torch.nn.functional as F
+
+    def decode(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs):
+        num_seqs_, pages_per_seq = page_indices.shape
+        _, page_size, combined, head_dim = kv_pages.shape
+        kv = kv_pages[page_indices].reshape(num_seqs_, pages_per_seq * page_size, combined, head_dim).float()
+        k, v = kv[:, :, 0::2].transpose(1, 2), kv[:, :, 1::2].transpose(1, 2)
+        mask = torch.arange(pages_per_seq * page_size) < kv_lens[:, None]
+        out = F.scaled_dot_product_attention(q[:, :, None].float(), k, v, attn_mask=mask[:, None, None], scale=1.0,
+                                             enable_gqa=True)  # the op's default sm_scale
+        return out[:, :, 0].to(q.dtype)
+
+    return decode
+
+
+def _jax_paged_decode(op):
+    """A hand-written jax.numpy decode: gather pages per sequence, float32 softmax, one cast."""
+    import jax
+    import jax.numpy as jnp
+
+    def decode(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs):
+        num_seqs_, pages_per_seq = page_indices.shape
+        _, page_size, combined, head_dim = kv_pages.shape
+        num_kv_heads, span = combined // 2, pages_per_seq * page_size
+        kv = kv_pages[page_indices].reshape(num_seqs_, span, combined, head_dim).astype(jnp.float32)
+        qf = q.astype(jnp.float32).reshape(num_seqs_, num_kv_heads, -1, head_dim)
+        scores = jnp.einsum("skgd,slkd->skgl", qf, kv[:, :, 0::2])
+        scores = jnp.where((jnp.arange(span) < kv_lens[:, None])[:, None, None], scores, -jnp.inf)
+        out = jnp.einsum("skgl,slkd->skgd", jax.nn.softmax(scores, axis=-1), kv[:, :, 1::2])
+        return out.reshape(q.shape).astype(q.dtype)
+
+    return decode
+
+
+def _ragged_paged_attention_inputs(shape: tuple[int, ...]) -> tuple:
+    """q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs for one SERVING_SHAPES entry."""
+    tokens, seqs, pages, page_size, pages_per_seq, q_heads, kv_heads, head_dim = shape
+    return (
+        InputSpec((tokens, q_heads, head_dim), None),
+        InputSpec((pages, page_size, 2 * kv_heads, head_dim), None),
+        InputSpec((seqs,), "int32"),
+        InputSpec((seqs, pages_per_seq), "int32"),
+        InputSpec((seqs + 1,), "int32"),
+        InputSpec((1,), "int32"),
+    )
+
+
+def bench_cases():
+    """Not run by default: decode over a paged KV cache against gathered pages then SDPA (torch) and
+    a hand-written jax.numpy decode."""
+    return [BenchCase("ragged_paged_attention[decode]", "ragged_paged_attention", lambda hidden: RaggedPagedAttention(),
+                      _rpa_decode_inputs, _rpa_decode_cost, _torch_gather_sdpa, _jax_paged_decode, default=False,
+                      shape_of=_rpa_decode_shape)]
+
+
+def serving():
+    """(T, num_seqs, num_pages, page_size, pages_per_seq, Hq, Hkv, D). One mixed serving step of 2048
+    query tokens over 256 sequences (prefill chunks and many decodes) and a 2048-page cache,
+    Llama-3-8B heads (32 / 8, d 128) at pages of 16 and 128 tokens, then head dims 64 and 256
+    (Gemma: 16 / 8 heads); pages_per_seq bounds a sequence at 2048 (4096) positions. Built for two
+    of the three check variants: the scales of [k_scale,v_scale] are two multiplies on the same
+    blocks (its check shapes still build), while the window, soft cap and mask value add code paths;
+    a build at these shapes costs seconds each."""
+    shapes = ((2048, 256, 2048, 16, 128, 32, 8, 128), (2048, 256, 2048, 128, 32, 32, 8, 128),
+              (2048, 256, 2048, 16, 128, 32, 8, 64), (2048, 256, 2048, 16, 128, 16, 8, 256))
+    return {"ragged_paged_attention": Serving(
+        shapes, _ragged_paged_attention_inputs,
+        cases=("ragged_paged_attention[mixed,gqa2]", "ragged_paged_attention[gqa4,window,soft_cap,mask_value]"))}

@@ -29,6 +29,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import numpy as np
+
 from dualop.backends import array_namespace
 from dualop.backends.torch.triton_launch import call_triton
 from dualop.backends.xla.pallas_bridge import call_pallas
@@ -37,6 +39,9 @@ from dualop.kernels.encoder_attention_math import isolate_nonfinite_values, segm
 from dualop.kernels.registry import KernelRef
 from dualop.ops._checks import FLOAT_DTYPES, check_array, decline_if_recording, dtype_name
 from dualop.platforms import family_of, frontend_of
+from dualop.kernels import cost as cost_model
+from dualop.kernels.cost import KernelCost
+from dualop.spec import BenchCase, InputSpec, Serving, float32_normal as _normal
 
 __all__ = ["MMEncoderAttention"]
 
@@ -281,3 +286,112 @@ def check_cases():
         OpCase(_OP, "mm_encoder_attn[cu_seqlens]", lambda s: MMEncoderAttention(2, s[-1] // 2, scale=0.07),
                inputs(2, 2, False, True), tuple((1, *s[1:]) for s in _SHAPES_80)),
     ]
+
+
+# --- spec: what dualop bench times and dualop compile builds (check_cases above) -----------
+
+
+# --- mm_encoder_attn: a ViT's attention over packed images ---------------------------------------
+# The bench shape (tokens, hidden) is a packed batch of images, ``hidden = heads x 80`` (Qwen2.5-VL's
+# vision tower: 16 heads of 80 at hidden 1280; one head of ``hidden`` when 80 does not divide it),
+# each image ``ENCODER_IMAGE_TOKENS`` patches long (the last one shorter), as ``cu_seqlens``. Not run by default: its cost grows with tokens x image
+# size, not with the row sizes the other cases use; ask with ``--ops mm_encoder_attn --sizes 1024x1280``.
+ENCODER_HEAD_SIZE = 80
+
+
+ENCODER_IMAGE_TOKENS = 256
+
+
+def _encoder_segments(tokens: int) -> list[int]:
+    full, rest = divmod(tokens, ENCODER_IMAGE_TOKENS)
+    return [ENCODER_IMAGE_TOKENS] * full + ([rest] if rest else [])
+
+
+def _encoder_attention(hidden: int):
+    from dualop.ops import MMEncoderAttention
+
+    head_size = ENCODER_HEAD_SIZE if hidden % ENCODER_HEAD_SIZE == 0 else hidden
+    return MMEncoderAttention(hidden // head_size, head_size)
+
+
+def _encoder_inputs(shape, rng):
+    from dualop.testing import Pinned
+
+    tokens, hidden = shape
+    cu = np.cumsum([0, *_encoder_segments(tokens)]).astype(np.int32)
+    x = [_normal((1, tokens, hidden), rng) for _ in range(3)]
+    return (*x, Pinned(cu, "int32"), None)
+
+
+def _encoder_cost(op, shape, itemsize) -> KernelCost:
+    return cost_model.encoder_attention_cost(_encoder_segments(shape[0]), op.num_heads, op.num_kv_heads,
+                                             op.head_size, itemsize)
+
+
+def _torch_encoder_attention(op):
+    """What a user writes: ``F.scaled_dot_product_attention`` per image, in the input dtype."""
+    import torch
+    import torch.nn.functional as F
+
+    h, hkv, d = op.num_heads, op.num_kv_heads, op.head_size
+
+    def sdpa(q, k, v, cu_seqlens, max_seqlen=None):
+        s = q.shape[1]
+        qh, kh, vh = (t.reshape(s, n, d).transpose(0, 1) for t, n in ((q, h), (k, hkv), (v, hkv)))
+        bounds = cu_seqlens.tolist()
+        outs = [F.scaled_dot_product_attention(qh[:, a:b], kh[:, a:b], vh[:, a:b], scale=op.scale,
+                                               enable_gqa=h != hkv) for a, b in zip(bounds[:-1], bounds[1:])]
+        return torch.cat(outs, dim=1).transpose(0, 1).reshape(q.shape)
+
+    return sdpa
+
+
+def _jax_encoder_attention(op):
+    """What a user writes in jax.numpy: float32 logits over the packed sequence with a
+    block-diagonal mask from the segment ids, softmax, ``P @ V``, one cast."""
+    import jax
+    import jax.numpy as jnp
+
+    h, hkv, d = op.num_heads, op.num_kv_heads, op.head_size
+
+    def attention(q, k, v, cu_seqlens, max_seqlen=None):
+        s = q.shape[1]
+        seg = jnp.searchsorted(cu_seqlens[1:], jnp.arange(s), side="right")
+        qf = q.reshape(s, hkv, h // hkv, d).astype(jnp.float32)
+        kf, vf = (t.reshape(s, hkv, d).astype(jnp.float32) for t in (k, v))
+        logits = jnp.einsum("qkgd,tkd->kgqt", qf, kf) * op.scale
+        logits = jnp.where(seg[:, None] == seg[None, :], logits, -jnp.inf)
+        out = jnp.einsum("kgqt,tkd->qkgd", jax.nn.softmax(logits, axis=-1), vf)
+        return out.reshape(q.shape).astype(q.dtype)
+
+    return attention
+
+
+def _encoder_attention_inputs(shape: tuple[int, ...]) -> tuple:
+    b, s, heads, head_size, segments = shape
+    x = InputSpec((b, s, heads * head_size), None)
+    cu = InputSpec((segments + 1,), "int32") if segments else None
+    return (x, x, x, cu, s // segments if segments else None)
+
+
+def _encoder_attention_op(shape: tuple[int, ...]):
+    from dualop.ops import MMEncoderAttention
+
+    return MMEncoderAttention(shape[2], shape[3])
+
+
+def bench_cases():
+    """Not run by default (its cost grows with tokens x image size): against SDPA per image (torch)
+    and a hand-written jax.numpy attention; ask with ``--ops mm_encoder_attn --sizes 1024x1280``."""
+    return [BenchCase("mm_encoder_attn", "mm_encoder_attn", _encoder_attention, _encoder_inputs, _encoder_cost,
+                      _torch_encoder_attention, _jax_encoder_attention, default=False)]
+
+
+def serving():
+    """(B, S, heads, head size, packed segments; 0 = none): Qwen2.5-VL's vision tower (16 heads of
+    80; 4096 patches packed as 16 windows of 256 via cu_seqlens), SigLIP-so400m at 384 px (16 heads
+    of 72, 729 patches) and SigLIP at 512 px (16 heads of 64, 1024 patches), a batch of 8 images each."""
+    make_op = {label: _encoder_attention_op
+               for label in ("mm_encoder_attn", "mm_encoder_attn[gqa,bshd]", "mm_encoder_attn[cu_seqlens]")}
+    return {"mm_encoder_attn": Serving(((1, 4096, 16, 80, 16), (8, 729, 16, 72, 0), (8, 1024, 16, 64, 0)),
+                                       _encoder_attention_inputs, make_op)}

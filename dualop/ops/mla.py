@@ -40,6 +40,8 @@ from __future__ import annotations
 import math
 from typing import Any, ClassVar
 
+import numpy as np
+
 from dualop.backends import array_namespace
 from dualop.backends.torch.triton_launch import call_triton
 from dualop.backends.xla.pallas_bridge import call_pallas
@@ -59,6 +61,9 @@ from dualop.ops.linear import ColumnParallelLinear, ReplicatedLinear, RowParalle
 from dualop.ops.rotary import RotaryEmbedding
 from dualop.parallel import TensorParallel, current_tensor_parallel, divide
 from dualop.platforms import family_of, frontend_of
+from dualop.kernels import cost as cost_model
+from dualop.kernels.cost import KernelCost
+from dualop.spec import BenchCase, InputSpec, Serving
 
 __all__ = ["RaggedPagedMLAAttention", "ConcatAndCacheMLA", "MultiHeadLatentAttention", "MLA_WEIGHT_NAMES"]
 
@@ -641,3 +646,128 @@ def check_cases():
         OpCase(OP, f"{OP}[mixed]", attention_op, attention_inputs, attention_shapes, options={"sm_scale": 0.2}),
         OpCase(CACHE_OP, CACHE_OP, lambda s: ConcatAndCacheMLA(), cache_inputs, cache_shapes),
     ]
+
+
+# --- spec: what dualop bench times and dualop compile builds (check_cases above) -----------
+
+
+# --- multi-head latent attention: absorbed decode over a paged latent cache ------------------------
+# Shape (num_seqs, kv_len, L + R): one query row per sequence (decode), every sequence kv_len tokens
+# long, DeepSeek-V3's latent (L = 512, R = 64) and 16 heads (128 over tp 8), pages of 16 tokens in
+# random order. A bench size (R, C) maps to R // 128 sequences of C // 4 tokens (small: 32 x 1024).
+_MLA_HEADS, _MLA_LATENT, _MLA_ROPE, _MLA_PAGE = 16, 512, 64, 16
+
+
+def _mla_decode_shape(size: tuple[int, ...]) -> tuple[int, int, int]:
+    rows, cols = size[0], size[-1]
+    return (max(1, rows // 128), max(_MLA_PAGE, cols // 4 // _MLA_PAGE * _MLA_PAGE), _MLA_LATENT + _MLA_ROPE)
+
+
+def _mla_op(width: int):
+    from dualop.ops import RaggedPagedMLAAttention
+
+    return RaggedPagedMLAAttention(_MLA_LATENT)
+
+
+def _mla_decode_inputs(shape, rng):
+    from dualop.ops.mla import mla_batch
+    from dualop.testing import Pinned
+
+    num_seqs, kv_len, width = shape
+    q, pages, *meta = mla_batch(rng, [1] * num_seqs, [kv_len] * num_seqs, num_tokens=num_seqs, heads=_MLA_HEADS,
+                                latent=_MLA_LATENT, rope_dim=width - _MLA_LATENT, page_size=_MLA_PAGE)
+    # the op's default sm_scale is 1: scale q instead (DeepSeek's is (128 + 64) ** -0.5 times mscale squared)
+    return (q * np.float32(width ** -0.5), pages, *(Pinned(a, "int32") for a in meta))
+
+
+def _mla_decode_cost(op, shape, itemsize) -> KernelCost:
+    num_seqs, kv_len, width = shape
+    return cost_model.ragged_paged_mla_attention_cost(num_seqs, num_seqs * kv_len, num_seqs * kv_len, _MLA_HEADS,
+                                                      _MLA_LATENT, width - _MLA_LATENT, itemsize)
+
+
+def _torch_mla_sdpa(op):
+    """What a torch user writes: gather each sequence's pages, then SDPA with one KV head (K = the
+    whole latent row, V = its first L channels; ``enable_gqa``), a length mask and scale 1, in
+    float32 (SDPA's bfloat16 CPU kernel rounds the probabilities), one cast back."""
+    import torch
+    import torch.nn.functional as F
+
+    def decode(q, pages, kv_lens, page_indices, cu_q_lens, num_seqs):
+        seqs, pages_per_seq = page_indices.shape
+        _, page_size, width = pages.shape
+        rows = pages[page_indices].reshape(seqs, 1, pages_per_seq * page_size, width).float()
+        mask = torch.arange(pages_per_seq * page_size) < kv_lens[:, None]
+        out = F.scaled_dot_product_attention(q[:, :, None].float(), rows, rows[..., :_MLA_LATENT],
+                                             attn_mask=mask[:, None, None], scale=1.0, enable_gqa=True)
+        return out[:, :, 0].to(q.dtype)
+
+    return decode
+
+
+def _jax_mla_decode(op):
+    """A hand-written jax.numpy decode: gather pages per sequence, float32 scores and softmax, one cast."""
+    import jax
+    import jax.numpy as jnp
+
+    def decode(q, pages, kv_lens, page_indices, cu_q_lens, num_seqs):
+        seqs, pages_per_seq = page_indices.shape
+        _, page_size, width = pages.shape
+        span = pages_per_seq * page_size
+        rows = pages[page_indices].reshape(seqs, span, width).astype(jnp.float32)
+        scores = jnp.einsum("shd,sld->shl", q.astype(jnp.float32), rows)
+        scores = jnp.where((jnp.arange(span) < kv_lens[:, None])[:, None], scores, -jnp.inf)
+        out = jnp.einsum("shl,slc->shc", jax.nn.softmax(scores, axis=-1), rows[..., :_MLA_LATENT])
+        return out.astype(q.dtype)
+
+    return decode
+
+
+def _serving_mla_inputs(shape: tuple[int, ...]) -> tuple:
+    tokens, seqs, pages, page_size, pages_per_seq, heads, latent, rope = shape
+    return (
+        InputSpec((tokens, heads, latent + rope), None),
+        InputSpec((pages, page_size, latent + rope), None),
+        InputSpec((seqs,), "int32"),
+        InputSpec((seqs, pages_per_seq), "int32"),
+        InputSpec((seqs + 1,), "int32"),
+        InputSpec((1,), "int32"),
+    )
+
+
+def _serving_mla_op(shape: tuple[int, ...]):
+    from dualop.ops import RaggedPagedMLAAttention
+
+    return RaggedPagedMLAAttention(shape[6])
+
+
+def _concat_and_cache_mla_inputs(shape: tuple[int, ...]) -> tuple:
+    tokens, rope, latent, pages, page_size = shape
+    return (InputSpec((tokens, latent), None), InputSpec((tokens, rope), None),
+            InputSpec((pages, page_size, latent + rope), None), InputSpec((tokens,), "int32"))
+
+
+def bench_cases():
+    """Not run by default: MLA decode over a paged latent cache against gathered rows then SDPA
+    (torch) and a hand-written jax.numpy decode."""
+    return [BenchCase("ragged_paged_mla_attention[decode]", "ragged_paged_mla_attention", _mla_op,
+                      _mla_decode_inputs, _mla_decode_cost, _torch_mla_sdpa, _jax_mla_decode, default=False,
+                      shape_of=_mla_decode_shape, matrix=True)]
+
+
+def serving():
+    """ragged_paged_mla_attention: (T, num_seqs, num_pages, page_size, pages_per_seq, H, L, R). A
+    decode step of 256 sequences and a mixed step of 2048 tokens over 256 sequences, 16 heads per
+    chip (tp 8 of DeepSeek-V3's 128) with 64-token pages, and one chip holding all 128 heads with
+    16-token pages; sequences up to 4096 positions. concat_and_cache_mla: (tokens, rope,
+    kv_lora_rank, num_pages, page_size), a 2048-token step into a cache of 4096 pages of 64 tokens
+    (reshape_and_cache's kernels on K/V halves of 288 channels). bfloat16 only: the serving dtype
+    (the check shapes build float32)."""
+    bf16 = ("bfloat16",)
+    return {
+        "ragged_paged_mla_attention": Serving(
+            ((256, 256, 4096, 64, 64, 16, 512, 64), (2048, 256, 4096, 64, 64, 16, 512, 64),
+             (256, 256, 16384, 16, 256, 128, 512, 64)),
+            _serving_mla_inputs, {"ragged_paged_mla_attention[mixed]": _serving_mla_op}, bf16),
+        "concat_and_cache_mla": Serving(((2048, 64, 512, 4096, 64),), _concat_and_cache_mla_inputs, dtypes=bf16),
+    }

@@ -36,6 +36,8 @@ import functools
 import math
 from typing import Any
 
+import numpy as np
+
 from dualop.backends import array_namespace
 from dualop.backends.torch.triton_launch import call_triton
 from dualop.backends.xla.pallas_bridge import call_pallas
@@ -44,6 +46,10 @@ from dualop.kernels import moe_math
 from dualop.kernels.registry import KernelRef
 from dualop.ops._checks import check_array, check_optional_like, concrete_values, dtype_name
 from dualop.platforms import family_of, frontend_of
+from collections.abc import Callable
+from dualop.kernels import cost as cost_model
+from dualop.kernels.cost import KernelCost
+from dualop.spec import BenchCase, InputSpec, Serving, float32_normal as _normal
 
 __all__ = ["GroupedTopk", "fused_topk", "UnquantizedFusedMoEMethod", "FusedMoE"]
 
@@ -628,3 +634,187 @@ def check_cases():
     cases.append(OpCase(EXPERTS_OP, f"{EXPERTS_OP}[gelu,expert_map,E8,I128]",
                         lambda s: UnquantizedFusedMoEMethod("gelu"), experts_inputs, moe_shapes))
     return cases
+
+
+# --- spec: what dualop bench times and dualop compile builds (check_cases above) -----------
+
+
+# --- mixture of experts ------------------------------------------------------------------------
+# ``fused_moe`` (routing + experts) on x of (tokens, hidden), with the expert count, top-k and the
+# intermediate size per hidden size of two model families: Mixtral (8 experts, top-2, I = 3.5 H)
+# and Qwen3-MoE (top-8, I = 0.375 H; 64 experts here, half of Qwen3-30B-A3B's 128). Pass sizes
+# (``--sizes 1x1024,64x1024,512x1024``): the default sizes are for row-wise ops.
+MOE_FAMILIES: dict[str, tuple[int, int, float]] = {"mixtral": (8, 2, 3.5), "qwen3": (64, 8, 0.375)}
+
+
+def _moe_op(family: str) -> Callable[[int], Any]:
+    def make(hidden: int):
+        from dualop.ops import FusedMoE
+
+        experts, top_k, ratio = MOE_FAMILIES[family]
+        return FusedMoE(experts, top_k, hidden, max(1, round(hidden * ratio)), renormalize=True)
+
+    return make
+
+
+def _moe_inputs(family: str) -> Callable[[tuple[int, ...], np.random.Generator], tuple]:
+    def make(shape, rng):
+        tokens, hidden = shape
+        experts, _, ratio = MOE_FAMILIES[family]
+        inter = max(1, round(hidden * ratio))
+        return (_normal(shape, rng), _normal((tokens, experts), rng, 2.0),
+                _normal((experts, 2 * inter, hidden), rng, hidden ** -0.5),
+                _normal((experts, hidden, inter), rng, inter ** -0.5))
+
+    return make
+
+
+def _moe_cost(op, shape, itemsize) -> KernelCost:
+    return cost_model.fused_moe_cost(shape[0], op.top_k, op.num_experts, shape[1], op.intermediate_size, itemsize)
+
+
+def _torch_moe(op):
+    """transformers' own experts (``MixtralExperts``, the module Mixtral's sparse block calls; its
+    eager implementation) after the router's softmax and top-k. Run in float32: in bfloat16 the
+    block rounds the intermediate to bfloat16 and so computes a different value from the op's
+    (float32 until the second matmul); its bfloat16 timings are in docs/BENCHMARKS.md."""
+    import torch
+    from transformers import MixtralConfig
+    from transformers.models.mixtral.modeling_mixtral import MixtralExperts
+
+    config = MixtralConfig(hidden_size=op.hidden_size, intermediate_size=op.intermediate_size,
+                           num_local_experts=op.num_experts, num_experts_per_tok=op.top_k)
+    config._experts_implementation = "eager"
+    experts = MixtralExperts(config).requires_grad_(False)
+
+    def moe(hidden_states, router_logits, w13, w2):
+        # top-k as a stable sort: equal scores (frequent with 16-bit logits) go to the lower expert
+        # index, the op's rule (torch.topk leaves their order unspecified)
+        weights, ids = torch.sort(torch.softmax(router_logits.float(), dim=-1), dim=-1, descending=True, stable=True)
+        weights, ids = weights[:, :op.top_k], ids[:, :op.top_k]
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+        experts.gate_up_proj.data, experts.down_proj.data = w13.float(), w2.float()
+        return experts(hidden_states.float(), ids, weights).to(hidden_states.dtype)
+
+    return moe
+
+
+def _jax_moe(op):
+    """What a user writes with ``jax.lax.ragged_dot``: softmax and top-k, the routed rows sorted by
+    expert, both projections as ragged matmuls with float32 accumulation (the second in float32,
+    so the intermediate is not rounded), a scatter-add of the weighted rows."""
+    import jax
+    import jax.numpy as jnp
+
+    f32, top_k, num_experts = jnp.float32, op.top_k, op.num_experts
+
+    def moe(hidden_states, router_logits, w13, w2):
+        weights, ids = jax.lax.top_k(jax.nn.softmax(router_logits.astype(f32), axis=-1), top_k)
+        weights = weights / weights.sum(axis=-1, keepdims=True)
+        order = jnp.argsort(ids.reshape(-1), stable=True)
+        sizes = jnp.bincount(ids.reshape(-1), length=num_experts).astype(jnp.int32)
+        token = order // top_k
+        h = jax.lax.ragged_dot(hidden_states[token], jnp.swapaxes(w13, 1, 2), sizes, preferred_element_type=f32)
+        inter = w2.shape[2]
+        a = jax.nn.silu(h[:, :inter]) * h[:, inter:]
+        y = jax.lax.ragged_dot(a, jnp.swapaxes(w2, 1, 2).astype(f32), sizes, preferred_element_type=f32)
+        out = jnp.zeros(hidden_states.shape, f32).at[token].add(y * weights.reshape(-1)[order, None])
+        return out.astype(hidden_states.dtype)
+
+    return moe
+
+
+# --- mixture of experts ---------------------------------------------------------------------------
+# fused_moe / unquantized_fused_moe: (tokens, E_global, top_k, hidden, intermediate, E_local). One
+# chip's experts: DeepSeek-V3 (256 experts of 7168 -> 2048, top-8, grouped sigmoid routing) with
+# experts spread over 8 chips (32 local, the rest masked by expert_map), and Qwen3-235B-A22B (128
+# experts of 4096 -> 1536, top-8, softmax) whole; a 16-token decode batch and an 8192-token prefill.
+_MOE_SERVING = (
+    (16, 256, 8, 7168, 2048, 32), (8192, 256, 8, 7168, 2048, 32),
+    (16, 128, 8, 4096, 1536, 128), (8192, 128, 8, 4096, 1536, 128),
+)
+
+
+def _deepseek_like(num_experts: int) -> bool:
+    return num_experts == 256
+
+
+def _moe_weight_specs(shape: tuple[int, ...]) -> tuple:
+    tokens, experts, top_k, hidden, inter, local = shape
+    return (InputSpec((local, 2 * inter, hidden), None), InputSpec((local, hidden, inter), None))
+
+
+def _fused_moe_inputs(shape: tuple[int, ...]) -> tuple:
+    tokens, experts, top_k, hidden, inter, local = shape
+    w13, w2 = _moe_weight_specs(shape)
+    correction = InputSpec((experts,), "float32") if _deepseek_like(experts) else None
+    expert_map = InputSpec((experts,), "int32") if local < experts else None
+    return (InputSpec((tokens, hidden), None), InputSpec((tokens, experts), None), w13, w2, None, None, correction,
+            expert_map)
+
+
+def _fused_moe_op(shape: tuple[int, ...]):
+    from dualop.ops import FusedMoE
+
+    tokens, experts, top_k, hidden, inter, local = shape
+    if _deepseek_like(experts):
+        return FusedMoE(experts, top_k, hidden, inter, use_grouped_topk=True, num_expert_group=8, topk_group=4,
+                        scoring_func="sigmoid", routed_scaling_factor=2.5)
+    return FusedMoE(experts, top_k, hidden, inter)
+
+
+def _experts_inputs(shape: tuple[int, ...]) -> tuple:
+    tokens, experts, top_k, hidden, inter, local = shape
+    w13, w2 = _moe_weight_specs(shape)
+    routing = (InputSpec((tokens, top_k), "float32"), InputSpec((tokens, top_k), "int32"))
+    expert_map = InputSpec((experts,), "int32") if local < experts else None
+    return (InputSpec((tokens, hidden), None), *routing, w13, w2, None, None, expert_map)
+
+
+def _experts_op(shape: tuple[int, ...]):
+    from dualop.ops import UnquantizedFusedMoEMethod
+
+    return UnquantizedFusedMoEMethod("silu")
+
+
+def _grouped_topk_inputs(shape: tuple[int, ...]) -> tuple:
+    tokens, experts, groups, topk_group, top_k = shape
+    correction = InputSpec((experts,), "float32") if groups else None
+    return (InputSpec((tokens, 16), None), InputSpec((tokens, experts), None), correction)
+
+
+def _grouped_topk_op(shape: tuple[int, ...]):
+    from dualop.ops import GroupedTopk
+
+    tokens, experts, groups, topk_group, top_k = shape
+    if groups:
+        return GroupedTopk(top_k, True, groups, topk_group, "sigmoid", 2.5)
+    return GroupedTopk(top_k, True)
+
+
+def bench_cases():
+    """Not run by default: fused_moe per model family against a per-expert loop (torch) and a
+    hand-written jax.numpy MoE."""
+    return [BenchCase(f"fused_moe[{family}]", "fused_moe", _moe_op(family), _moe_inputs(family), _moe_cost,
+                      _torch_moe, _jax_moe, default=False, matrix=True) for family in MOE_FAMILIES]
+
+
+def serving():
+    """One chip's experts (``_MOE_SERVING``); the routing op at DeepSeek-V3's grouped sigmoid router
+    (8 groups, best 4, correction bias) and Qwen3-235B's plain softmax top-8, as (tokens,
+    num_experts, num_expert_group, topk_group, top_k). MoE models are served in 16-bit (a float32
+    DeepSeek-V3 or Qwen3-235B layer is not a shape anyone serves), and each MoE build at 8192 tokens
+    costs the compilers tens of seconds: bfloat16 only, one model-shaped case each. The experts op
+    runs the same kernels as fused_moe (which builds them at every serving shape): one decode step
+    of DeepSeek-V3's expert-parallel slice (the expert_map variant) is enough for it."""
+    bf16 = ("bfloat16",)
+    return {
+        "fused_moe": Serving(_MOE_SERVING, _fused_moe_inputs, {"fused_moe[silu,E8,I128]": _fused_moe_op}, bf16,
+                             ("fused_moe[silu,E8,I128]",)),
+        "unquantized_fused_moe": Serving(
+            _MOE_SERVING[:1], _experts_inputs, {"unquantized_fused_moe[gelu,expert_map,E8,I128]": _experts_op}, bf16,
+            ("unquantized_fused_moe[gelu,expert_map,E8,I128]",)),
+        "grouped_topk": Serving(((16, 256, 8, 4, 8), (8192, 256, 8, 4, 8), (16, 128, 0, 0, 8), (8192, 128, 0, 0, 8)),
+                                _grouped_topk_inputs, {"grouped_topk[softmax,k2]": _grouped_topk_op}, bf16,
+                                ("grouped_topk[softmax,k2]",)),
+    }

@@ -35,6 +35,7 @@ from typing import Any, ClassVar
 from dualop.backends import array_namespace
 from dualop.custom_op import ALL_FRONTENDS, CustomOp, Serves
 from dualop.ops.moe import UnquantizedFusedMoEMethod, _check_experts, _check_routing
+from dualop.spec import Serving
 
 __all__ = ["PrepareAndFinalize", "Prepared", "SingleDevicePrepareAndFinalize", "FusedMoEModularMethod",
            "expert_blocks", "expert_owner"]
@@ -204,3 +205,22 @@ def check_cases():
 
     return [OpCase(MODULAR_OP, f"{MODULAR_OP}[silu,expert_map,E8,I64]", lambda s: FusedMoEModularMethod(),
                    inputs, ((0, 2, 128), (1, 1, 200), (5, 2, 128)))]
+
+
+# --- spec: what dualop compile builds (check_cases above) ----------------------------------
+
+
+def _modular_experts_op(shape: tuple[int, ...]):
+    from dualop.ops import FusedMoEModularMethod
+
+    return FusedMoEModularMethod()
+
+
+def serving():
+    """The experts of unquantized_fused_moe between a single-device prepare and finalize, at
+    Qwen3-235B's decode step (fused_moe builds the other model shapes), in bfloat16."""
+    from dualop.ops.moe import _MOE_SERVING, _experts_inputs
+
+    label = "modular_fused_moe[silu,expert_map,E8,I64]"
+    return {"modular_fused_moe": Serving(_MOE_SERVING[2:3], _experts_inputs, {label: _modular_experts_op},
+                                         ("bfloat16",), (label,))}

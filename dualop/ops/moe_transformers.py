@@ -35,6 +35,7 @@ from dualop.custom_op import CustomOp
 from dualop.kernels import moe_math
 from dualop.ops._checks import check_array, check_optional_like
 from dualop.ops.moe import FusedMoE, _check_expert_map, _require
+from dualop.spec import InputSpec, Serving
 
 __all__ = ["TransformersFusedMoE", "hf_to_engine"]
 
@@ -318,3 +319,32 @@ def engine_weights_from_hf(op: TransformersFusedMoE | FusedMoE, source: Any, *, 
     if "e_score_correction_bias" in arrays:
         out["e_score_correction_bias"] = arrays["e_score_correction_bias"]
     return out
+
+
+# --- spec: what dualop compile builds (check_cases above) ----------------------------------
+
+
+def _transformers_fused_moe_inputs(shape: tuple[int, ...]) -> tuple:
+    tokens, experts, top_k, hidden, inter = shape
+    return (InputSpec((tokens, hidden), None), InputSpec((tokens, experts), None),
+            InputSpec((experts, hidden, 2 * inter), None), InputSpec((experts, inter, hidden), None),
+            InputSpec((experts, 2 * inter), None), InputSpec((experts, hidden), None), None, None)
+
+
+def _transformers_fused_moe_op(shape: tuple[int, ...]):
+    from dualop.ops import TransformersFusedMoE
+
+    tokens, experts, top_k, hidden, inter = shape
+    return TransformersFusedMoE(experts, top_k, hidden, inter, activation="swigluoai", has_bias=True,
+                                is_transposed=True, is_concatenated=False)
+
+
+def serving():
+    """gpt-oss-20b's experts as transformers stores them, (tokens, experts, top_k, hidden,
+    intermediate): 32 experts of 2880 -> 2880, top-4, swigluoai with biases, gate_up_proj [E, H, 2I]
+    interleaved and down_proj [E, I, H] (the transposed layout, so the program holds the transposes
+    XLA makes of them); a 16-token decode batch and an 8192-token prefill, in bfloat16."""
+    label = "transformers_fused_moe[gpt_oss,E4,I64]"
+    return {"transformers_fused_moe": Serving(((16, 32, 4, 2880, 2880), (8192, 32, 4, 2880, 2880)),
+                                              _transformers_fused_moe_inputs, {label: _transformers_fused_moe_op},
+                                              ("bfloat16",), (label,))}
