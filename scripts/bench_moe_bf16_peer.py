@@ -46,15 +46,15 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
-    from dualop.bench import cases
+    from dualop.ops import moe
     from dualop.bench.memory import reuse_freed_memory
 
     if not reuse_freed_memory():
         raise SystemExit("could not set glibc to reuse freed memory (dualop bench's setting)")
     for family in args.families.split(","):
         for tokens in (int(t) for t in args.tokens.split(",")):
-            op = cases._moe_op(family)(args.hidden)
-            arrays = cases._moe_inputs(family)((tokens, args.hidden), np.random.default_rng(0))
+            op = moe._moe_op(family)(args.hidden)
+            arrays = moe._moe_inputs(family)((tokens, args.hidden), np.random.default_rng(0))
             x, logits, w13, w2 = (torch.tensor(np.asarray(a, np.float32)).bfloat16() for a in arrays)
             peer = _peer(op, w13, w2)
             impls = {"dualop": lambda: op(x, logits, w13, w2), "transformers-bf16": lambda: peer(x, logits)}

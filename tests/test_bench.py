@@ -148,7 +148,7 @@ def test_torch_compile_records_its_warmup():
     assert "warmup_s" not in by_impl["torch-eager"]  # nothing compiles on an eager call
 
 
-# Peers that round at other points than the native body in 16-bit dtypes (dualop/bench/cases.py says
+# Peers that round at other points than the native body in 16-bit dtypes (the peers in the op modules say
 # where): their records there are errors, and must be exactly these.
 EXPECTED_DISAGREEMENTS = {
     (f"mamba_mixer[{kind}]", "torch-builtin", "bfloat16") for kind in ("prefill", "decode")

@@ -129,9 +129,9 @@ def test_native_without_caches_returns_fresh_float32_states():
 def test_native_matches_transformers_mamba2_functions():
     """Two sequences of 11 tokens continuing from their cached states (slots 2 and 0), then one
     decode step each: outputs and both caches against the transformers composition (the bench's
-    peer, ``dualop.bench.cases._torch_transformers_plamo2``: chunked scan with chunk 4, then
+    peer, ``dualop.ops.plamo2._torch_transformers_plamo2``: chunked scan with chunk 4, then
     transformers' single-step update functions)."""
-    from dualop.bench.cases import _torch_transformers_plamo2
+    from dualop.ops.plamo2 import _torch_transformers_plamo2
 
     shape = (22, 2, 24, 3, 8, 8, 8)
     length = 11

@@ -152,13 +152,14 @@ def test_block_sizes_fit_the_generation_vmem(generation):
 def test_compiles_for_v5e_at_a_serving_shape():
     """The real TPU compiler (libtpu's compile-only v5e) accepts the kernel at a serving shape."""
     from dualop.aot.tpu import compile_function, quiet_native_stderr, tpu_available
-    from dualop.aot.variants import SERVING_INPUTS, SERVING_SHAPES, InputSpec
+    from dualop.aot.variants import InputSpec, servings
 
     missing = tpu_available()
     if missing is not None:
         pytest.skip(f"no TPU compiler in this environment: {missing}")
-    shape = SERVING_SHAPES["ragged_paged_attention"][0]
-    specs = tuple(InputSpec(s.shape, s.dtype or "bfloat16") for s in SERVING_INPUTS["ragged_paged_attention"](shape))
+    serving = servings()["ragged_paged_attention"]
+    shape = serving.shapes[0]
+    specs = tuple(InputSpec(s.shape, s.dtype or "bfloat16") for s in serving.inputs(shape))
     with quiet_native_stderr():
         result = compile_function(lambda *a: ragged_paged_attention(*a, sm_scale=0.088), specs, "v5e")
     assert result.status == "ok", result.message

@@ -16,7 +16,7 @@ import collections
 from typing import Any
 
 from dualop.aot.result import STATUSES, KernelResult
-from dualop.aot.variants import SERVING_SHAPES, InputSpec, Variant, check_dtypes, variants_for
+from dualop.aot.variants import InputSpec, Variant, check_dtypes, servings, variants_for
 
 __all__ = [
     "DEFAULT_TARGETS",
@@ -30,7 +30,7 @@ __all__ = [
     "format_collectives",
     "format_summary",
     "exit_status",
-    "SERVING_SHAPES",
+    "servings",
     "STATUSES",
 ]
 

@@ -548,7 +548,7 @@ def _jax_paged_decode(op):
 
 
 def _ragged_paged_attention_inputs(shape: tuple[int, ...]) -> tuple:
-    """q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs for one SERVING_SHAPES entry."""
+    """q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs for one serving shape."""
     tokens, seqs, pages, page_size, pages_per_seq, q_heads, kv_heads, head_dim = shape
     return (
         InputSpec((tokens, q_heads, head_dim), None),

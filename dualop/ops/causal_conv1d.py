@@ -35,6 +35,8 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
+import numpy as np
+
 from dualop.backends import array_namespace
 from dualop.backends.torch.triton_launch import call_triton
 from dualop.backends.xla.pallas_bridge import call_pallas
@@ -42,8 +44,11 @@ from dualop.custom_op import CustomOp
 from dualop.kernels import ssm_math
 from dualop.kernels.registry import KernelRef
 from dualop.ops._checks import check_array, check_optional_like, check_positive_int
-from dualop.ops.ssm_batch import SSMBatch, random_serving_batch, ssm_batch
+from dualop.ops.ssm_batch import SSMBatch, conv_sequences, random_serving_batch, ssm_batch
 from dualop.platforms import family_of, frontend_of
+from dualop.kernels import cost as cost_model
+from dualop.kernels.cost import KernelCost
+from dualop.spec import BenchCase, InputSpec, Serving
 
 __all__ = ["CausalConv1d"]
 
@@ -185,3 +190,98 @@ def check_cases():
         OpCase(OP, f"{OP}[no_act,no_bias]", lambda s: CausalConv1d(s[2], CHECK_KERNEL_SIZE, activation=None),
                inputs(False), CHECK_SHAPES),
     ]
+
+
+# --- spec: what dualop bench times and dualop compile builds (check_cases above) -----------
+
+
+# --- causal_conv1d: the Mamba / LFM2 short convolution over packed sequences ------------
+# The bench size (tokens, D) is x's shape at kernel width 4; the case fixes how the tokens are
+# split: one sequence, eight, or one token per sequence (a decode step; ``64xD``: 64 sequences).
+# Every sequence is new (no initial state), so repeated calls on the same inputs give the same
+# outputs and final states (the torch cache is updated in place). Peers: transformers-style
+# grouped ``F.conv1d`` over the sequences behind their histories (torch), a ``lax.scan`` over the
+# tokens under jit (jax), and torch.compile of the native body (the bench's torch-compile impl).
+_CONV_WIDTH = 4
+
+
+def _causal_conv1d(dim: int):
+    from dualop.ops import CausalConv1d
+
+    return CausalConv1d(dim, _CONV_WIDTH)
+
+
+def _causal_conv1d_inputs(split: str):
+    def make(shape, rng):
+        from dualop.ops.ssm_batch import random_serving_batch
+        from dualop.testing import Pinned
+
+        tokens, dim = shape
+        cu, slots, _, num_slots = random_serving_batch(tokens, conv_sequences(split, tokens), rng, padding=False)
+        return (rng.standard_normal((tokens, dim), dtype=np.float32),
+                0.5 * rng.standard_normal((dim, _CONV_WIDTH), dtype=np.float32),
+                rng.standard_normal(dim, dtype=np.float32),
+                np.zeros((num_slots, dim, _CONV_WIDTH - 1), np.float32),
+                Pinned(cu, "int32"), Pinned(slots, "int32"), Pinned(np.zeros(len(slots), bool), "bool"))
+
+    return make
+
+
+def _causal_conv1d_cost(split: str):
+    def cost(op, shape, itemsize) -> KernelCost:
+        return cost_model.causal_conv1d_cost(shape[0], shape[1], conv_sequences(split, shape[0]), _CONV_WIDTH,
+                                             itemsize, True)
+
+    return cost
+
+
+def _torch_grouped_conv1d(op):
+    from dualop.kernels.cpu.causal_conv1d import causal_conv1d_grouped_conv
+
+    def run(x, weight, bias, conv_state, cu_seqlens, state_indices, has_initial_state):
+        return causal_conv1d_grouped_conv(x, weight, bias, conv_state, cu_seqlens, state_indices,
+                                          has_initial_state, activation=op.activation)
+
+    return run
+
+
+def _jax_conv_scan(op):
+    import jax
+
+    from dualop.backends.xla import array_api
+    from dualop.kernels import ssm_math
+
+    @jax.jit
+    def run(x, weight, bias, conv_state, cu_seqlens, state_indices, has_initial_state):
+        return ssm_math.causal_conv1d_reference(array_api, x, weight, bias, conv_state, cu_seqlens, state_indices,
+                                                has_initial_state, op.activation)
+
+    return run
+
+
+_CONV_SLOTS, _CONV_KERNEL = 256, 4
+
+
+def _serving_causal_conv1d_inputs(shape: tuple[int, ...]) -> tuple:
+    tokens, seqs, dim = shape
+    return (InputSpec((tokens, dim), None), InputSpec((dim, _CONV_KERNEL), None), InputSpec((dim,), None),
+            InputSpec((_CONV_SLOTS, dim, _CONV_KERNEL - 1), None), InputSpec((seqs + 1,), "int32"),
+            InputSpec((seqs,), "int32"), InputSpec((seqs,), "bool"))
+
+
+def bench_cases():
+    """Not run by default: one sequence, eight, or one token per sequence, against transformers-style
+    grouped F.conv1d (torch) and a lax.scan over the tokens (jax)."""
+    return [BenchCase(f"causal_conv1d[{split}]", "causal_conv1d", _causal_conv1d, _causal_conv1d_inputs(split),
+                      _causal_conv1d_cost(split), _torch_grouped_conv1d, _jax_conv_scan, default=False)
+            for split in ("prefill", "prefill_8seq", "decode")]
+
+
+def serving():
+    """(tokens, sequences, dim), as the check shapes: Mamba conv widths at kernel size 4
+    (Falcon-Mamba-7B / Jamba's intermediate 8192 and Nemotron-H-8B's Mamba-2 conv input I + 2GN =
+    8192 + 2 * 8 * 128); a 1024-token prefill of one and of eight sequences and a 64-sequence decode
+    step, over a 256-slot state cache."""
+    shapes = tuple((tokens, seqs, dim) for dim in (8192, 8192 + 2 * 8 * 128)
+                   for tokens, seqs in ((1024, 1), (1024, 8), (64, 64)))
+    return {"causal_conv1d": Serving(shapes, _serving_causal_conv1d_inputs, cases=("causal_conv1d",))}

@@ -473,7 +473,7 @@ def _jax_conv(op):
 
 
 def _patch_embed_parts(shape: tuple[int, ...]) -> tuple[tuple[int, ...], int, tuple[int, ...]]:
-    """x's shape, out_channels and the kernel of one conv SERVING_SHAPES entry."""
+    """x's shape, out_channels and the kernel of one conv serving shape."""
     num_dim = (len(shape) - 3) // 2
     return shape[:num_dim + 2], shape[num_dim + 2], shape[num_dim + 3:]
 

@@ -42,6 +42,8 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
+import numpy as np
+
 from dualop.backends import array_namespace
 from dualop.custom_op import CustomOp
 from dualop.kernels import ssm_math
@@ -51,6 +53,8 @@ from dualop.ops._mixer import MixerPlatformMethods, mixer_batches, project, proj
 from dualop.ops.causal_conv1d import CausalConv1d
 from dualop.ops.selective_scan import SelectiveScan
 from dualop.ops.ssm_batch import SSMBatch
+from dualop.kernels.cost import KernelCost
+from dualop.spec import BenchCase, InputSpec, Serving
 
 __all__ = ["MambaMixer"]
 
@@ -340,3 +344,216 @@ def check_cases():
     return [OpCase(_OP, f"{_OP}{label}", make_op(variant), make_inputs(variant), shapes)
             for variant, label, shapes in (("mamba", "", CHECK_SHAPES), ("jamba", "[jamba]", prefill),
                                            ("falcon", "[falcon_mamba,bias]", prefill))]
+
+
+# --- spec: what dualop bench times and dualop compile builds (check_cases above) -----------
+
+
+# --- mamba_mixer, the Mamba-1 mixer at the mixer level -----------------------------------
+# A Mamba layer of hidden H (I = 2H, N 16, K 4, R = ceil(H / 16), conv bias, no norms) over packed
+# sequences with caches of one slot per sequence: ``--sizes 1024x1024`` is a prefill of 1024 tokens
+# (one sequence, or eight of 128: the [prefill_8seq] case), ``64x1024`` with the [decode] case a step of
+# 64 one-token sequences. Every sequence starts from zeros (the caches are updated in place, so a call
+# that read them would not repeat itself); each call writes both states. Peers (returning the output
+# and the final states): transformers' MambaMixer (torch; the equal-length sequences as one batch) and
+# a hand-written jax lax.scan rounding where the native body does. In 16-bit dtypes transformers rounds
+# at other points (the SSM state to the input dtype before its product with C, the D skip in the input
+# dtype), so the bench's correctness check reports it outside the bfloat16 tolerance (an error record,
+# not timed; tests/test_bench.py expects exactly those): a 16-bit comparison with it is by hand.
+_MAMBA_SEQS = {"prefill": 1, "prefill_8seq": 8, "decode": 0}  # 0: one token per sequence
+
+
+def _mamba_shape(kind: str):
+    def shape_of(size):
+        tokens, hidden = size[0], size[-1]
+        seqs = _MAMBA_SEQS[kind] or tokens
+        if tokens % seqs:
+            raise ValueError(f"mamba_mixer[{kind}]: {tokens} tokens do not split into {seqs} equal sequences")
+        return (tokens, seqs, hidden)
+
+    return shape_of
+
+
+def _mamba_dims(hidden: int) -> tuple[int, int, int, int]:
+    """(intermediate, state, kernel, rank) of the bench's layer of width ``hidden``."""
+    return 2 * hidden, 16, 4, -(-hidden // 16)
+
+
+def _mamba_mixer(hidden: int):
+    from dualop.ops import MambaMixer
+
+    inner, state, kernel, rank = _mamba_dims(hidden)
+    return MambaMixer(hidden, state, kernel, inner, rank)
+
+
+def _mamba_inputs(shape, rng):
+    from dualop.testing import Pinned
+
+    tokens, seqs, hidden = shape
+    inner, state, kernel, rank = _mamba_dims(hidden)
+
+    def normal(shape_, scale):
+        return (rng.standard_normal(shape_) * scale).astype(np.float32)
+
+    a_log = np.log(np.broadcast_to(np.arange(1, state + 1, dtype=np.float32), (inner, state))).copy()
+    return (normal((tokens, hidden), 1.0), normal((2 * inner, hidden), hidden ** -0.5), normal((inner, kernel), 0.5),
+            normal((inner,), 0.1), normal((rank + 2 * state, inner), inner ** -0.5), normal((inner, rank), rank ** -0.5),
+            normal((inner,), 0.5) - 1.0, a_log, np.ones(inner, np.float32), normal((hidden, inner), inner ** -0.5),
+            None, None, None, None, None,
+            normal((seqs, inner, kernel - 1), 1.0), normal((seqs, inner, state), 0.5),
+            Pinned(np.arange(seqs + 1, dtype=np.int32) * (tokens // seqs), "int32"),
+            Pinned(np.arange(seqs, dtype=np.int32), "int32"), Pinned(np.zeros(seqs, bool), "bool"))
+
+
+def _mamba_cost(op, shape, itemsize) -> KernelCost:
+    """The four projections' GEMMs, the conv and the scan (about 6 flops per state element per
+    token), one exp per state element and the softplus and two SiLUs per channel; the weights, the
+    tokens in and out, and each sequence's states read and written once."""
+    tokens, seqs, hidden = shape
+    inner, state, kernel, rank = _mamba_dims(hidden)
+    gemm = 2 * tokens * (hidden * 2 * inner + inner * (rank + 2 * state) + rank * inner + inner * hidden)
+    flops = gemm + tokens * inner * (2 * kernel + 6 * state + 10)
+    weights = (2 * inner * hidden + inner * (kernel + 1) + (rank + 2 * state) * inner + inner * (rank + 1)
+               + inner * (state + 1) + hidden * inner) * itemsize
+    states = 2 * seqs * inner * (kernel - 1 + state) * itemsize
+    return KernelCost(flops=flops, transcendentals=tokens * inner * (state + 3),
+                      bytes_accessed=weights + 2 * tokens * hidden * itemsize + states)
+
+
+def _transformers_mamba(op):
+    """transformers' MambaMixer with the op's weights (loaded on the first call) on the packed tokens
+    as a batch of equal-length sequences from zero states, with a fresh cache for the final states."""
+    import torch
+    from transformers import DynamicCache, MambaConfig
+    from transformers.models.mamba.modeling_mamba import MambaMixer as HFMambaMixer
+
+    cfg = MambaConfig(hidden_size=op.hidden_size, state_size=op.ssm_state_size, conv_kernel=op.conv_kernel_size,
+                      intermediate_size=op.intermediate_size, time_step_rank=op.time_step_rank, num_hidden_layers=1)
+    held: dict[str, Any] = {}
+
+    def mixer(hidden_states, in_proj_weight, conv_weight, conv_bias, x_proj_weight, dt_proj_weight, dt_proj_bias,
+              A_log, D, out_proj_weight, in_proj_bias=None, out_proj_bias=None, dt_norm_weight=None,
+              b_norm_weight=None, c_norm_weight=None, conv_state=None, ssm_state=None, cu_seqlens=None,
+              state_indices=None, has_initial_state=None):
+        if "module" not in held:
+            module = HFMambaMixer(cfg, layer_idx=0, initialize_mixer_weights=False).eval()
+            weights = {"in_proj.weight": in_proj_weight, "conv1d.weight": conv_weight[:, None, :],
+                       "conv1d.bias": conv_bias, "x_proj.weight": x_proj_weight, "dt_proj.weight": dt_proj_weight,
+                       "dt_proj.bias": dt_proj_bias, "A_log": A_log, "D": D, "out_proj.weight": out_proj_weight}
+            module.load_state_dict({k: v.detach() for k, v in weights.items()})
+            held["module"] = module.to(device=hidden_states.device, dtype=hidden_states.dtype)
+        seqs = 1 if cu_seqlens is None else cu_seqlens.shape[0] - 1
+        batch = hidden_states.reshape(seqs, -1, hidden_states.shape[-1])
+        cache = DynamicCache(config=cfg)
+        with torch.no_grad():
+            out = held["module"](batch, cache_params=cache)
+        conv = cache.get_conv_state(0, state_idx=0)[:, :, 1:]  # it keeps K inputs, the op K - 1
+        return out.reshape(hidden_states.shape), conv, cache.get_recurrent_state(0, state_idx=0)
+
+    return mixer
+
+
+def _jax_mamba(op):
+    """What a user writes in jax: the projections as float32-accumulating dots, then one lax.scan
+    over the packed tokens for the conv and one for the SSM state, each reset at a sequence's start
+    from its cached state, the final states written into new caches."""
+    import jax
+    import jax.numpy as jnp
+
+    i_size, n, k, r = op.intermediate_size, op.ssm_state_size, op.conv_kernel_size, op.time_step_rank
+
+    def dot(x, w):  # float32 accumulation, rounded to the tokens' dtype (as the native body rounds)
+        return jnp.einsum("tk,nk->tn", x, w.astype(x.dtype), preferred_element_type=jnp.float32).astype(x.dtype)
+
+    def mixer(h, in_w, conv_w, conv_b, x_w, dt_w, dt_b, A_log, D, out_w, in_b=None, out_b=None, dt_nw=None,
+              b_nw=None, c_nw=None, conv_state=None, ssm_state=None, cu_seqlens=None, state_indices=None,
+              has_initial_state=None):
+        tokens = h.shape[0]
+        xz = dot(h, in_w)
+        x, z = xz[:, :i_size].astype(jnp.float32), xz[:, i_size:].astype(jnp.float32)
+        seq = jnp.searchsorted(cu_seqlens[1:], jnp.arange(tokens), side="right")
+        first = jnp.arange(tokens) == cu_seqlens[seq]
+        init = has_initial_state[seq][:, None, None]
+        conv0 = jnp.where(init, conv_state[state_indices[seq]].astype(jnp.float32), 0.0)
+        ssm0 = jnp.where(init, ssm_state[state_indices[seq]].astype(jnp.float32), 0.0)
+        a = -jnp.exp(A_log.astype(jnp.float32))
+        wc, bc = conv_w.astype(jnp.float32), conv_b.astype(jnp.float32)
+
+        def conv_step(window, inputs):
+            x_t, f, w0 = inputs
+            window = jnp.concatenate([jnp.where(f, w0, window), x_t[:, None]], axis=1)
+            y = jnp.sum(window * wc, axis=1) + bc
+            return window[:, 1:], y * jax.nn.sigmoid(y)
+
+        _, xc = jax.lax.scan(conv_step, jnp.zeros((i_size, k - 1), jnp.float32), (x, first, conv0))
+        xc = xc.astype(h.dtype).astype(jnp.float32)
+        dbc = dot(xc.astype(h.dtype), x_w)
+        dt = jax.nn.softplus(dot(dbc[:, :r], dt_w).astype(jnp.float32) + dt_b.astype(jnp.float32))
+        b, c = dbc[:, r:r + n].astype(jnp.float32), dbc[:, r + n:].astype(jnp.float32)
+
+        def scan_step(s, inputs):
+            d_t, x_t, b_t, c_t, f, s0 = inputs
+            s = jnp.exp(d_t[:, None] * a) * jnp.where(f, s0, s) + (d_t * x_t)[:, None] * b_t[None, :]
+            return s, s @ c_t
+
+        last = jnp.arange(tokens) == cu_seqlens[seq + 1] - 1
+
+        def scan_step(carry, inputs):
+            s, finals = carry
+            d_t, x_t, b_t, c_t, f, l_t, q, s0 = inputs
+            s = jnp.exp(d_t[:, None] * a) * jnp.where(f, s0, s) + (d_t * x_t)[:, None] * b_t[None, :]
+            finals = finals.at[q].set(jnp.where(l_t, s, finals[q]))
+            return (s, finals), s @ c_t
+
+        finals0 = jnp.zeros((cu_seqlens.shape[0] - 1, i_size, n), jnp.float32)
+        (_, finals), y = jax.lax.scan(scan_step, (jnp.zeros((i_size, n), jnp.float32), finals0),
+                                      (dt, xc, b, c, first, last, seq, ssm0))
+        y = (y + D.astype(jnp.float32) * xc) * jax.nn.silu(z)
+        out = dot(y.astype(h.dtype), out_w)
+        # each sequence's last K - 1 conv inputs (zeros before its start: it started from zeros)
+        ends = cu_seqlens[1:]
+        rows = ends[:, None] - (k - 1) + jnp.arange(k - 1)[None, :]  # [B, K - 1]
+        window = jnp.where((rows >= cu_seqlens[:-1, None])[..., None], x[jnp.maximum(rows, 0)], 0.0)
+        new_conv = conv_state.at[state_indices].set(jnp.swapaxes(window, 1, 2).astype(conv_state.dtype))
+        new_ssm = ssm_state.at[state_indices].set(finals.astype(ssm_state.dtype))
+        return out, new_conv, new_ssm
+
+    return mixer
+
+
+# --- mamba_mixer: (tokens, sequences, hidden, intermediate, state), as its check cases -----
+# Falcon-Mamba-7B / Jamba's Mamba layers (hidden 4096, I 8192, N 16, K 4, R 256) with Jamba's dt/B/C
+# norms: an 8192-token prefill of 8 sequences and a 64-sequence decode step, over a 256-slot cache.
+_MAMBA_MIXER_SLOTS = 256
+
+
+def _mamba_mixer_inputs(shape: tuple[int, ...]) -> tuple:
+    """The op's positional arguments (Jamba's: conv bias and norm weights, no projection biases)."""
+    tokens, seqs, hidden, inner, state = shape
+    rank, kernel = -(-hidden // 16), 4
+    w = InputSpec
+    return (
+        w((tokens, hidden), None), w((2 * inner, hidden), None), w((inner, kernel), None), w((inner,), None),
+        w((rank + 2 * state, inner), None), w((inner, rank), None), w((inner,), None), w((inner, state), None),
+        w((inner,), None), w((hidden, inner), None), None, None,
+        w((rank,), None), w((state,), None), w((state,), None),
+        w((_MAMBA_MIXER_SLOTS, inner, kernel - 1), None), w((_MAMBA_MIXER_SLOTS, inner, state), None),
+        w((seqs + 1,), "int32"), w((seqs,), "int32"), w((seqs,), "bool"),
+    )
+
+
+def bench_cases():
+    """Not run by default: against transformers' MambaMixer slow path (torch) and a hand-written jax mixer."""
+    return [BenchCase(f"mamba_mixer[{kind}]", "mamba_mixer", _mamba_mixer, _mamba_inputs, _mamba_cost,
+                      _transformers_mamba, _jax_mamba, default=False, shape_of=_mamba_shape(kind), matrix=True)
+            for kind in _MAMBA_SEQS]
+
+
+def serving():
+    """(tokens, sequences, hidden, intermediate, state), as the check cases: Falcon-Mamba-7B /
+    Jamba's Mamba layers (hidden 4096, I 8192, N 16, K 4, R 256) with Jamba's dt/B/C norms, an
+    8192-token prefill of 8 sequences and a 64-sequence decode step over a 256-slot cache. bfloat16
+    only: a mixer at serving size is its GEMMs around its kernel ops, whose own entries build the
+    kernels in float32 at serving shapes."""
+    return {"mamba_mixer": Serving(((8192, 8, 4096, 8192, 16), (64, 64, 4096, 8192, 16)), _mamba_mixer_inputs,
+                                   dtypes=("bfloat16",), cases=("mamba_mixer[jamba]",))}

@@ -11,6 +11,9 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
+import numpy as np
+import math
+
 from dualop.backends import array_namespace
 from dualop.custom_op import ALL_FRONTENDS, CustomOp, Serves
 from dualop.kernels import ssm_math
@@ -19,6 +22,9 @@ from dualop.ops._mixer import MixerPlatformMethods, mixer_batches, project, proj
 from dualop.ops.gated_norm import RMSNormGated
 from dualop.parallel import TensorParallel, current_tensor_parallel, divide
 from dualop.platforms import frontend_of
+from dualop.kernels import cost as cost_model
+from dualop.kernels.cost import KernelCost
+from dualop.spec import BenchCase, InputSpec, Serving
 
 __all__ = ["Mixer2RMSNormGated", "MambaMixer2"]
 
@@ -455,3 +461,209 @@ def check_cases():
                ((0, 256), (1, 256), (5, 200), (2, 3, 200))),
         *mixer,
     ]
+
+
+# --- spec: what dualop bench times and dualop compile builds (check_cases above) -----------
+
+
+# --- mixer2_gated_rms_norm: the Mamba-2 mixers' output norm -------------------------------
+# The bench size (rows, hidden) in 8 groups (Nemotron-H-8B: hidden 8192 over 8 groups), gate like x,
+# the weight in x's dtype. Peers: transformers' NemotronHRMSNormGated (the weight set to the call's)
+# and the same math in jax.numpy under jit.
+_GATED_NORM_GROUPS = 8
+
+
+def _mixer2_gated_norm(hidden: int):
+    from dualop.ops import Mixer2RMSNormGated
+
+    return Mixer2RMSNormGated(hidden, _GATED_NORM_GROUPS if hidden % _GATED_NORM_GROUPS == 0 else 1)
+
+
+def _mixer2_gated_norm_inputs(shape, rng):
+    rows, hidden = shape
+    return (rng.standard_normal((rows, hidden), dtype=np.float32),
+            rng.standard_normal((rows, hidden), dtype=np.float32),
+            1.0 + 0.1 * rng.standard_normal(hidden, dtype=np.float32))
+
+
+def _mixer2_gated_norm_cost(op, shape, itemsize) -> KernelCost:
+    return cost_model.rms_norm_gated_cost(shape[0], shape[1], op.group_size, itemsize, itemsize, True)
+
+
+def _torch_nemotron_h_gated_norm(op):
+    import torch
+    from transformers.models.nemotron_h.modeling_nemotron_h import NemotronHRMSNormGated
+
+    norm = NemotronHRMSNormGated(op.hidden_size, group_size=op.group_size, eps=op.eps)
+
+    def run(x, gate, weight):
+        with torch.no_grad():
+            norm.weight.data = weight
+            return norm(x, gate)
+
+    return run
+
+
+def _jax_gated_norm(op):
+    import jax
+    import jax.numpy as jnp
+
+    @jax.jit
+    def run(x, gate, weight):
+        h = x.astype(jnp.float32) * jax.nn.silu(gate.astype(jnp.float32))
+        g = h.reshape(*h.shape[:-1], -1, op.group_size)
+        g = g * jax.lax.rsqrt(jnp.mean(g * g, axis=-1, keepdims=True) + op.eps)
+        return weight * g.reshape(h.shape).astype(x.dtype)
+
+    return run
+
+
+# --- mamba_mixer2: the Mamba-2 mixer -------------------------------------------------------
+# The bench size is (tokens, hidden): the mixer has intermediate 2 x hidden in heads of 64, 8 groups
+# (1 when the heads do not split into 8), state 128, kernel 4 (Nemotron-H-8B at hidden 4096). Three
+# cases: the tokens as a prefill of one sequence, of eight equal ones, and as a decode step (one
+# token per sequence); the issue's sizes are ``1024x4096`` for the prefills and ``64x4096`` for the
+# decode step. Every sequence starts from a fresh state (no cache given: the op returns the final
+# states). Peers: transformers'
+# Mamba-2 torch path (its causal_conv1d_fn and mamba2_chunk_scan fallbacks and MambaRMSNormGated,
+# equal-length sequences as one batch), torch.compile of the native body (the bench's own), and for
+# jax the native body under jit (a lax.scan over tokens). Not run by default (the native body loops
+# over tokens in Python for torch): ``--ops mamba_mixer2 --sizes 1024x256``.
+_MIXER2_MODES = ("prefill", "prefill_8seq", "decode")
+
+
+def _mixer2_seqs(mode: str, tokens: int) -> int:
+    return {"prefill": 1, "prefill_8seq": 8, "decode": tokens}[mode]
+
+
+def _mixer2_op(hidden: int):
+    from dualop.ops import MambaMixer2
+
+    heads = 2 * hidden // 64
+    return MambaMixer2(hidden, 128, 4, 2 * hidden, True, False, n_groups=8 if heads % 8 == 0 else 1,
+                       num_heads=heads, head_dim=64)
+
+
+def _mixer2_inputs(mode: str):
+    def make(shape, rng):
+        from dualop.ops.mamba_mixer2 import mixer_case_inputs
+
+        tokens, seqs = shape[0], _mixer2_seqs(mode, shape[0])
+        if tokens % seqs:
+            raise ValueError(f"mamba_mixer2[{mode}]: {tokens} tokens do not split into {seqs} equal sequences")
+        return mixer_case_inputs(_mixer2_op(shape[-1]), tokens, rng, (tokens // seqs,) * seqs)
+
+    return make
+
+
+def _mixer2_cost(mode: str):
+    """The GEMMs, the conv, the scan (about 6 flops per state element per token) and the norm; bytes:
+    the weights, x and out, and each sequence's final states written in float32."""
+
+    def cost(op, shape, itemsize) -> KernelCost:
+        return _mixer2_call_cost(op, shape, itemsize, _mixer2_seqs(mode, shape[0]))
+
+    return cost
+
+
+def _mixer2_call_cost(op, shape, itemsize, seqs: int) -> KernelCost:
+    tokens, hidden = shape
+    inter, heads = op.intermediate_size, op.num_heads
+    states = op.num_heads * op.head_dim * op.ssm_state_size + op.conv_dim * (op.conv_kernel_size - 1)
+    flops = (2 * tokens * hidden * (op.projection_size + inter) + 2 * tokens * op.conv_dim * op.conv_kernel_size
+             + 6 * tokens * heads * op.head_dim * op.ssm_state_size + 6 * tokens * inter)
+    weights = sum(math.prod(s) for s in op.parameter_shapes().values())
+    return KernelCost(flops=flops, transcendentals=tokens * (op.conv_dim + 2 * heads + inter),
+                      bytes_accessed=(weights + 2 * tokens * hidden) * itemsize + 4 * seqs * states)
+
+
+def _transformers_mixer2(op):
+    """transformers' Mamba-2 torch path (its causal_conv1d_fn and mamba2_chunk_scan fallbacks, its
+    MambaRMSNormGated) over the batch's equal-length sequences, returning what the op returns (out,
+    the conv states, the SSD states in float32). The conv and the scan run on float32 copies and
+    their outputs are cast to x's dtype, where the engine's kernels round them (transformers' own
+    16-bit path keeps the scan in float32 through the norm and rounds elsewhere, so its 16-bit
+    results differ from the engine's by more than the tolerance table)."""
+    import torch
+    import torch.nn.functional as F
+    from transformers.models.mamba2 import modeling_mamba2 as hf
+
+    inter, conv_dim, heads = op.intermediate_size, op.conv_dim, op.num_heads
+    gn, k = op.n_groups * op.ssm_state_size, op.conv_kernel_size
+    norm = hf.MambaRMSNormGated(inter, inter // op.n_groups, op.norm.eps)
+
+    def run(x, w_in, w_conv, b_conv, dt_bias, a_log, d, w_norm, w_out, b_in, b_out, conv_state, ssm_state, cu):
+        seqs, f32 = cu.shape[0] - 1, torch.float32
+        length = x.shape[0] // seqs
+        z, xbc, dt = F.linear(x, w_in, b_in).view(seqs, length, -1).split([inter, conv_dim, heads], dim=-1)
+        xbc = xbc.transpose(1, 2).float()
+        conv_out = F.pad(xbc, (max(0, k - 1 - length), 0))[..., -(k - 1):]
+        bias = None if b_conv is None else b_conv.float()
+        xbc = hf.causal_conv1d_fn(xbc, w_conv.float(), bias, activation=op.activation).to(x.dtype).transpose(1, 2)
+        xs, b, c = (t.float() for t in xbc.split([inter, gn, gn], dim=-1))
+        y, final = hf.mamba2_chunk_scan(
+            xs.reshape(seqs, length, heads, op.head_dim), dt.float(), -torch.exp(a_log.float()),
+            b.reshape(seqs, length, op.n_groups, -1), c.reshape(seqs, length, op.n_groups, -1),
+            chunk_size=op.chunk_size, D=d.to(f32), dt_bias=dt_bias.to(f32), dt_softplus=True,
+            dt_limit=op.time_step_limit, return_final_states=True)
+        norm.weight.data = w_norm
+        y = norm(y.reshape(seqs, length, inter).to(x.dtype), z)
+        return F.linear(y, w_out, b_out).reshape(x.shape[0], -1), conv_out, final.float()
+
+    return run
+
+
+def _jax_mixer2(op):
+    return op.forward_native
+
+
+def _mixer2_norm_op(shape: tuple[int, ...]):
+    from dualop.ops import Mixer2RMSNormGated
+
+    return Mixer2RMSNormGated(shape[-1], 8)
+
+
+_NEMOTRON_H_8B_MIXER = dict(hidden_size=4096, ssm_state_size=128, conv_kernel_size=4, intermediate_size=8192,
+                            use_conv_bias=True, use_bias=False, n_groups=8, num_heads=128, head_dim=64)
+
+
+def _mamba_mixer2_op(shape: tuple[int, ...]):
+    from dualop.ops import MambaMixer2
+
+    return MambaMixer2(**_NEMOTRON_H_8B_MIXER)
+
+
+def _mamba_mixer2_inputs(shape: tuple[int, ...]) -> tuple:
+    tokens, seqs = shape
+    op = _mamba_mixer2_op(shape)
+    weights = {name: InputSpec(s, None) for name, s in op.parameter_shapes().items()}
+    return (InputSpec((tokens, op.hidden_size), None), weights["in_proj_weight"], weights["conv_weight"],
+            weights.get("conv_bias"), weights["dt_bias"], weights["A_log"], weights["D"], weights.get("norm_weight"),
+            weights["out_proj_weight"], None, None, None, None, InputSpec((seqs + 1,), "int32"))
+
+
+def bench_cases():
+    """Not run by default: the gated norm against Nemotron-H's norm (torch) and a jax body; the mixer
+    per mode against transformers' Mamba2Mixer slow path and a jax mixer."""
+    return [
+        BenchCase("mixer2_gated_rms_norm", "mixer2_gated_rms_norm", _mixer2_gated_norm, _mixer2_gated_norm_inputs,
+                  _mixer2_gated_norm_cost, _torch_nemotron_h_gated_norm, _jax_gated_norm, default=False),
+        *(BenchCase(f"mamba_mixer2[{mode}]", "mamba_mixer2", _mixer2_op, _mixer2_inputs(mode), _mixer2_cost(mode),
+                    _transformers_mixer2, _jax_mixer2, default=False, matrix=True)
+          for mode in _MIXER2_MODES),
+    ]
+
+
+def serving():
+    """mixer2_gated_rms_norm: Nemotron-H-8B's mixer output (intermediate 8192, 8 groups; one group
+    for Mamba-2 / Bamba), an 8192-token prefill and a 64-sequence decode step. mamba_mixer2:
+    (tokens, sequences) at Nemotron-H-8B's widths (hidden 4096, intermediate 8192, 128 heads of 64 in
+    8 groups of state 128, kernel 4), an 8192-token prefill of 8 sequences and a 64-sequence decode
+    step, no caches (fresh states); bfloat16 only (a float32 Nemotron-H mixer at 8192 tokens took
+    XLA:TPU over a minute; its kernel ops build float32 at serving shapes themselves)."""
+    return {
+        "mixer2_gated_rms_norm": Serving(((8192, 8192), (64, 8192)), None,
+                                         {"mixer2_gated_rms_norm[groups]": _mixer2_norm_op}),
+        "mamba_mixer2": Serving(((8192, 8), (64, 64)), _mamba_mixer2_inputs, {"mamba_mixer2": _mamba_mixer2_op},
+                                ("bfloat16",)),
+    }

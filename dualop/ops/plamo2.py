@@ -42,6 +42,8 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
+import numpy as np
+
 from dualop.backends import array_namespace
 from dualop.custom_op import CustomOp
 from dualop.kernels import ssm_math
@@ -51,6 +53,11 @@ from dualop.ops._mixer import MixerPlatformMethods, mixer_batches, project, proj
 from dualop.ops.causal_conv1d import CausalConv1d
 from dualop.ops.ssd import SSDChunkScan
 from dualop.ops.ssm_batch import SSMBatch
+from collections.abc import Callable
+from dualop.kernels import cost as cost_model
+from dualop.kernels.cost import KernelCost
+from dualop.spec import BenchCase, InputSpec, Serving, float32_normal as _normal
+from dualop.ops.ssm_batch import fresh_equal_sequences
 
 __all__ = ["Plamo2MambaMixer"]
 
@@ -309,3 +316,216 @@ def check_cases():
         return Plamo2MambaMixer(hidden, state, 4, heads, head_dim, time_step_rank=rank, chunk_size=8)
 
     return [OpCase(_OP, _OP, make_op, check_case_inputs, CHECK_CASE_SHAPES)]
+
+
+# --- spec: what dualop bench times and dualop compile builds (check_cases above) -----------
+
+
+# --- plamo2_mamba_mixer: PLaMo 2's Mamba mixer over packed sequences ---------------------
+# The bench size (tokens, hidden) runs ``tokens`` packed into eight equal sequences (fewer tokens:
+# one token each, a decode step), each in its own slot of the two state caches: ``1024x4096`` is the
+# issue's prefill of eight sequences. (One case only: each case costs ~50 s of jit compiles in
+# tests/test_bench.py's agreement sweep; one-sequence prefill and the 64-sequence decode are the
+# same case with ``_plamo2_shape(lambda tokens: 1)`` / ``(lambda tokens: tokens)``.) Widths from
+# hidden as PLaMo 2-8B's (hidden 4096: 64 heads of 128, d_state 64, conv 4, time-step rank 256):
+# ``hidden // 64`` heads of 128, d_state 64, rank ``max(64, hidden // 16)``. The sequences start
+# from zeros (``has_initial_state`` False: repeated calls then compute the same thing; a step from
+# a cached state costs the same). Peers: transformers' own Mamba-2 functions in PLaMo 2's wiring
+# (``causal_conv1d_fn``/``_update`` and ``mamba2_chunk_scan``/``mamba2_selective_state_update``,
+# their torch fallbacks; PLaMo 2 itself is not in transformers) and a hand-written jax version
+# (``vmap`` over the sequences of a ``lax.scan`` over their tokens). Not run by default; ask with
+# ``--ops plamo2_mamba_mixer --sizes 1024x4096``.
+PLAMO2_HEAD_DIM, PLAMO2_STATE, PLAMO2_CONV = 128, 64, 4
+
+
+def _plamo2_widths(hidden: int) -> tuple[int, int, int]:
+    """(heads, head_dim, rank) for a hidden size, as PLaMo 2-8B's."""
+    return max(1, hidden // 64), PLAMO2_HEAD_DIM, max(64, hidden // 16)
+
+
+def _plamo2(hidden: int):
+    from dualop.ops import Plamo2MambaMixer
+
+    heads, head_dim, rank = _plamo2_widths(hidden)
+    return Plamo2MambaMixer(hidden, PLAMO2_STATE, PLAMO2_CONV, heads, head_dim, time_step_rank=rank)
+
+
+def _plamo2_shape(seqs_of: Callable[[int], int]):
+    def shape_of(size: tuple[int, ...]) -> tuple[int, ...]:
+        tokens, hidden = size
+        return (tokens, seqs_of(tokens), hidden)
+
+    return shape_of
+
+
+def _plamo2_inputs(shape, rng):
+    tokens, seqs, hidden = shape
+    heads, head_dim, rank = _plamo2_widths(hidden)
+    inner, n = heads * head_dim, PLAMO2_STATE
+    return (
+        _normal((tokens, hidden), rng), _normal((2 * inner, hidden), rng, hidden ** -0.5),
+        _normal((inner, PLAMO2_CONV), rng, 0.5), _normal((2 * n + rank, inner), rng, inner ** -0.5),
+        _normal((heads, rank), rng, rank ** -0.5), _normal((heads,), rng, 0.5) - 1.0,
+        np.log(np.arange(1, heads + 1, dtype=np.float32)), 1.0 + _normal((heads,), rng, 0.1),
+        1.0 + _normal((rank,), rng, 0.2), 1.0 + _normal((n,), rng, 0.2), 1.0 + _normal((n,), rng, 0.2),
+        _normal((hidden, inner), rng, inner ** -0.5),
+        np.zeros((seqs, inner, PLAMO2_CONV - 1), np.float32), np.zeros((seqs, heads, head_dim, n), np.float32),
+        *fresh_equal_sequences(tokens, seqs),
+    )
+
+
+def _plamo2_cost(op, shape, itemsize) -> KernelCost:
+    tokens, seqs, hidden = shape
+    return cost_model.plamo2_mamba_mixer_cost(tokens, seqs, hidden, op.num_heads, op.head_dim, op.ssm_state_size,
+                                              op.time_step_rank, op.conv_kernel_size, itemsize)
+
+
+def _torch_transformers_plamo2(op):
+    """The mixer from transformers' Mamba-2 functions (equal-length sequences; a decode step when
+    each has one token), called with the op's arguments; caches updated in place. The functions
+    get float32 operands and their results are rounded where the op rounds (after the conv, the
+    norms, each matmul and the gated scan), so 16-bit runs compare too."""
+    import torch
+    import torch.nn.functional as F
+    from transformers.models.mamba2 import modeling_mamba2 as m2
+
+    heads, head_dim, n, eps, inner = op.num_heads, op.head_dim, op.ssm_state_size, op.rms_norm_eps, op.intermediate_size
+
+    def mixer(h, w_in, w_conv, w_bcdt, w_dt, dt_bias, a_log, d, w_dtn, w_bn, w_cn, w_out, conv_cache, ssm_cache,
+              cu_seqlens, state_indices, has_initial_state):
+        dtype, f32 = h.dtype, torch.float32
+        batch = state_indices.shape[0]
+        length = h.shape[0] // batch
+        slots = state_indices.long()
+        keep = has_initial_state[:, None, None]
+        conv = torch.where(keep, conv_cache[slots], 0).float()
+        ssm = torch.where(keep[..., None], ssm_cache[slots], 0).float()
+        proj = F.linear(h, w_in).reshape(batch, length, 2 * inner)
+        gate, x = proj[..., :inner].float(), proj[..., inner:].float()
+        if length == 1:
+            xc = m2.causal_conv1d_update(x.transpose(1, 2), conv, w_conv.float(), None, activation="silu")
+        else:
+            full = torch.cat([conv, x.transpose(1, 2)], dim=2)
+            xc = m2.causal_conv1d_fn(full, w_conv.float(), None, activation="silu")[:, :, -length:]
+            conv = full[:, :, -(w_conv.shape[1] - 1):]
+        xc = xc.transpose(1, 2).to(dtype)
+        bcdt = F.linear(xc, w_bcdt)
+
+        def norm(v, w):
+            return (F.rms_norm(v.float(), (v.shape[-1],), None, eps).to(dtype).float() * w.float()).to(dtype)
+
+        bv, cv = norm(bcdt[..., :n], w_bn).float(), norm(bcdt[..., n:2 * n], w_cn).float()
+        dt = F.linear(norm(bcdt[..., 2 * n:], w_dtn), w_dt).float()
+        a, xf = -torch.exp(a_log.float()), xc.float()
+        if length == 1:
+            y = m2.mamba2_selective_state_update(
+                ssm, xf[:, 0].reshape(batch, heads, head_dim), dt[:, 0, :, None].expand(-1, -1, head_dim),
+                a[:, None, None].expand(-1, head_dim, n), bv[:, 0, None], cv[:, 0, None],
+                D=d.float()[:, None].expand(-1, head_dim), dt_bias=dt_bias.float()[:, None].expand(-1, head_dim),
+                dt_softplus=True, z=gate[:, 0].reshape(batch, heads, head_dim))
+        else:
+            y, ssm = m2.mamba2_chunk_scan(
+                xf.reshape(batch, length, heads, head_dim), dt, a, bv[:, :, None], cv[:, :, None],
+                chunk_size=op.chunk_size, D=d.float(), dt_bias=dt_bias.float(), initial_states=ssm, dt_softplus=True,
+                return_final_states=True)
+            y = y.reshape(batch, length, inner) * F.silu(gate)
+        conv_cache[slots] = conv.to(conv_cache.dtype)
+        ssm_cache[slots] = ssm.to(ssm_cache.dtype)
+        return F.linear(y.reshape(h.shape[0], inner).to(dtype), w_out), conv_cache, ssm_cache
+
+    return mixer
+
+
+def _jax_plamo2(op):
+    """Hand-written jax: equal-length sequences, ``vmap`` over them of a ``lax.scan`` over tokens."""
+    import jax
+    import jax.numpy as jnp
+
+    heads, head_dim, n, eps, inner = op.num_heads, op.head_dim, op.ssm_state_size, op.rms_norm_eps, op.intermediate_size
+    f32 = jnp.float32
+
+    def mixer(h, w_in, w_conv, w_bcdt, w_dt, dt_bias, a_log, d, w_dtn, w_bn, w_cn, w_out, conv_cache, ssm_cache,
+              cu_seqlens, state_indices, has_initial_state):
+        dtype, tokens = h.dtype, h.shape[0]
+        batch = state_indices.shape[0]
+        length, width = tokens // batch, w_conv.shape[1]
+
+        def mm(v, w):
+            return jnp.dot(v, w.T.astype(v.dtype), preferred_element_type=f32).astype(dtype)
+
+        def rms(v, w):
+            vf = v.astype(f32)
+            normed = (vf * jax.lax.rsqrt(jnp.mean(vf * vf, axis=-1, keepdims=True) + eps)).astype(dtype)
+            return (normed.astype(f32) * w.astype(f32)).astype(dtype)
+
+        proj = mm(h, w_in)
+        gate, x = proj[:, :inner], proj[:, inner:]
+        conv0 = jnp.where(has_initial_state[:, None, None], conv_cache[state_indices], 0).astype(f32)
+        ssm0 = jnp.where(has_initial_state[:, None, None, None], ssm_cache[state_indices], 0).astype(f32)
+        full = jnp.concatenate([conv0.transpose(0, 2, 1), x.reshape(batch, length, inner).astype(f32)], axis=1)
+        xc = sum(full[:, k:k + length] * w_conv[:, k].astype(f32) for k in range(width))
+        xc = jax.nn.silu(xc).astype(dtype).reshape(tokens, inner)
+        bcdt = mm(xc, w_bcdt)
+        bv, cv = rms(bcdt[:, :n], w_bn).astype(f32), rms(bcdt[:, n:2 * n], w_cn).astype(f32)
+        delta = jax.nn.softplus(mm(rms(bcdt[:, 2 * n:], w_dtn), w_dt).astype(f32) + dt_bias.astype(f32))
+        a = -jnp.exp(a_log.astype(f32))
+        xh = xc.astype(f32).reshape(batch, length, heads, head_dim)
+
+        def sequence(state, xs, ds, bs, cs):
+            def step(s, inputs):
+                x_t, d_t, b_t, c_t = inputs
+                s = jnp.exp(d_t * a)[:, None, None] * s + (d_t[:, None] * x_t)[:, :, None] * b_t
+                return s, jnp.einsum("hpn,n->hp", s, c_t)
+
+            return jax.lax.scan(step, state, (xs, ds, bs, cs))
+
+        final, ys = jax.vmap(sequence)(ssm0, xh, delta.reshape(batch, length, heads), bv.reshape(batch, length, n),
+                                       cv.reshape(batch, length, n))
+        gf = gate.astype(f32).reshape(batch, length, heads, head_dim)
+        y = (ys + d.astype(f32)[:, None] * xh) * jax.nn.silu(gf)
+        out = mm(y.reshape(tokens, inner).astype(dtype), w_out)
+        last_inputs = full[:, -(width - 1):].transpose(0, 2, 1)
+        conv_cache = conv_cache.at[state_indices].set(last_inputs.astype(conv_cache.dtype))
+        ssm_cache = ssm_cache.at[state_indices].set(final.astype(ssm_cache.dtype))
+        return out, conv_cache, ssm_cache
+
+    return mixer
+
+
+_PLAMO2_SLOTS, _PLAMO2_CONV = 256, 4
+
+
+def _plamo2_mamba_mixer_inputs(shape: tuple[int, ...]) -> tuple:
+    tokens, seqs, hidden, heads, head_dim, state, rank = shape
+    inner = heads * head_dim
+    weights = ((2 * inner, hidden), (inner, _PLAMO2_CONV), (2 * state + rank, inner), (heads, rank), (heads,),
+               (heads,), (heads,), (rank,), (state,), (state,), (hidden, inner))
+    return (InputSpec((tokens, hidden), None), *(InputSpec(w, None) for w in weights),
+            InputSpec((_PLAMO2_SLOTS, inner, _PLAMO2_CONV - 1), None),
+            InputSpec((_PLAMO2_SLOTS, heads, head_dim, state), None), InputSpec((seqs + 1,), "int32"),
+            InputSpec((seqs,), "int32"), InputSpec((seqs,), "bool"))
+
+
+def _plamo2_mamba_mixer_op(shape: tuple[int, ...]):
+    from dualop.ops import Plamo2MambaMixer
+
+    _, _, hidden, heads, head_dim, state, rank = shape
+    return Plamo2MambaMixer(hidden, state, _PLAMO2_CONV, heads, head_dim, time_step_rank=rank, chunk_size=256)
+
+
+def bench_cases():
+    """Not run by default: against transformers' PLaMo 2 mixer math (torch) and a hand-written jax mixer."""
+    return [BenchCase("plamo2_mamba_mixer[prefill_8seq]", "plamo2_mamba_mixer", _plamo2, _plamo2_inputs, _plamo2_cost,
+                      _torch_transformers_plamo2, _jax_plamo2, default=False,
+                      shape_of=_plamo2_shape(lambda tokens: min(8, tokens)), matrix=True)]
+
+
+def serving():
+    """(tokens, sequences, hidden, heads, head_dim, state, time-step rank), the check cases' layout
+    (so the case's make_op builds the serving op too, with the SSD chunk of 256): PLaMo 2-8B-like
+    widths (hidden 4096, 64 Mamba heads of 128, d_state 64, conv 4, rank max(64, 4096 // 16) = 256);
+    a 1024-token prefill of one and of eight sequences and a 64-sequence decode step, over a
+    256-slot state cache; bfloat16 only, as the other mixers."""
+    shapes = tuple((tokens, seqs, 4096, 64, 128, 64, 256) for tokens, seqs in ((1024, 1), (1024, 8), (64, 64)))
+    return {"plamo2_mamba_mixer": Serving(shapes, _plamo2_mamba_mixer_inputs,
+                                          {"plamo2_mamba_mixer": _plamo2_mamba_mixer_op}, ("bfloat16",))}

@@ -34,6 +34,8 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
+import numpy as np
+
 from dualop.backends.torch.triton_launch import call_triton
 from dualop.backends.xla.pallas_bridge import call_pallas
 from dualop.custom_op import CustomOp
@@ -45,6 +47,9 @@ from dualop.ops._checks import (
 )
 from dualop.ops.ssm_batch import SSMBatch, ssm_batch
 from dualop.platforms import family_of, frontend_of
+from dualop.kernels import cost as cost_model
+from dualop.kernels.cost import KernelCost
+from dualop.spec import BenchCase, InputSpec, Serving
 
 __all__ = ["SelectiveScan"]
 
@@ -211,3 +216,135 @@ def check_cases():
         return make_scan_inputs(shape, rng, padding=(1,) if shape[1] > 1 else (), cache=False)
 
     return [OpCase(_OP, _OP, lambda s: SelectiveScan(s[2], s[3]), make_inputs, CHECK_SHAPES)]
+
+
+# --- spec: what dualop bench times and dualop compile builds (check_cases above) -----------
+
+
+# --- selective_scan: Mamba-1's scan core -------------------------------------------------
+# The bench size (R, I) is R tokens over I channels with N = 16 (Mamba-1's state size; Falcon-Mamba-7B
+# and Jamba have I = 8192, so pass a smaller I on this host, e.g. ``--sizes 1024x512``): a prefill of
+# R tokens as one sequence (``[prefill]``) or eight equal ones (``[prefill_8seq]``), and a decode step
+# of R sequences (``[decode]``, ``--sizes 64x512``). Every sequence starts fresh (no initial state)
+# and writes its slot: torch updates the cache in place, and the bench compares each call's output
+# with forward_native's on the same inputs, so repeated calls must not change them. Peers: a
+# torch loop like transformers' MambaMixer.slow_forward (its scan is inline there, so it cannot be
+# called on its own: exp(Δ A) and Δ B x for a whole sequence first, then the token loop), a jax
+# ``lax.scan`` over the packed tokens, and torch.compile of the native body (a Python token loop:
+# slow to compile at long T). Not run by default.
+SCAN_STATE = 16
+
+
+_SCAN_SEQS = {"prefill": 1, "prefill_8seq": 8, "decode": None}
+
+
+def _scan_shape(kind: str):
+    def shape_of(size):
+        tokens, dim = size
+        return (tokens, _SCAN_SEQS[kind] or tokens, dim)
+
+    return shape_of
+
+
+def _scan_op(dim: int):
+    from dualop.ops import SelectiveScan
+
+    return SelectiveScan(dim, SCAN_STATE)
+
+
+def _scan_inputs(shape, rng):
+    from dualop.ops.selective_scan import make_scan_inputs
+
+    tokens, seqs, dim = shape
+    lens = np.full(seqs, tokens // seqs)
+    lens[-1] += tokens - lens.sum()
+    return make_scan_inputs((tokens, seqs, dim, SCAN_STATE), rng, seq_lens=lens, slots=np.arange(seqs),
+                            has_initial=np.zeros(seqs, bool))
+
+
+def _scan_cost(op, shape, itemsize) -> KernelCost:
+    tokens, seqs, dim = shape
+    return cost_model.selective_scan_cost(tokens, dim, op.state_size, seqs, itemsize)
+
+
+def _torch_scan_loop(op):
+    """transformers' slow_forward scan per sequence, then the cache write."""
+    import torch
+    import torch.nn.functional as F
+
+    def scan(x, dt, A, B, C, D, z, dt_bias, ssm_state, cu_seqlens, state_indices, has_initial_state):
+        f32 = torch.float32
+        delta = F.softplus(dt.to(f32) + dt_bias.to(f32))
+        ys = []
+        bounds = cu_seqlens.tolist()
+        for b, slot in enumerate(state_indices.tolist()):
+            lo, hi = bounds[b], bounds[b + 1]
+            h = ssm_state[slot].to(f32) if bool(has_initial_state[b]) else x.new_zeros(A.shape, dtype=f32)
+            d = delta[lo:hi]
+            decay = torch.exp(d[:, :, None] * A[None])  # [L, I, N]
+            inject = (d * x[lo:hi].to(f32))[:, :, None] * B[lo:hi, None, :].to(f32)
+            rows = []
+            for t in range(hi - lo):
+                h = decay[t] * h + inject[t]
+                rows.append(h @ C[lo + t].to(f32))
+            ssm_state[slot] = h.to(ssm_state.dtype)
+            ys.append(torch.stack(rows))
+        y = torch.cat(ys) + x.to(f32) * D.to(f32)
+        return (y * F.silu(z.to(f32))).to(x.dtype), ssm_state
+
+    return scan
+
+
+def _jax_scan(op):
+    """A ``lax.scan`` over the packed tokens, restarting the state at each sequence's first token."""
+    import jax
+    import jax.numpy as jnp
+
+    def scan(x, dt, A, B, C, D, z, dt_bias, ssm_state, cu_seqlens, state_indices, has_initial_state):
+        f32 = jnp.float32
+        tokens = x.shape[0]
+        seq = jnp.searchsorted(cu_seqlens[1:], jnp.arange(tokens), side="right")
+        first = jnp.arange(tokens) == cu_seqlens[seq]
+        init = jnp.where(has_initial_state[:, None, None], ssm_state[state_indices].astype(f32), 0.0)
+        delta = jax.nn.softplus(dt.astype(f32) + dt_bias.astype(f32))
+
+        last = jnp.arange(tokens) == cu_seqlens[seq + 1] - 1
+
+        def step(carry, inputs):
+            h, finals = carry
+            s, f, e, d, xt, bt, ct = inputs
+            h = jnp.where(f, init[s], h)
+            h = jnp.exp(d[:, None] * A) * h + (d * xt)[:, None] * bt[None, :]
+            finals = jnp.where(e, finals.at[s].set(h), finals)
+            return (h, finals), h @ ct
+
+        (_, finals), ys = jax.lax.scan(step, (jnp.zeros(A.shape, f32), init),
+                                       (seq, first, last, delta, x.astype(f32), B.astype(f32), C.astype(f32)))
+        cache = ssm_state.at[state_indices].set(finals.astype(ssm_state.dtype))
+        y = (ys + x.astype(f32) * D.astype(f32)) * jax.nn.silu(z.astype(f32))
+        return y.astype(x.dtype), cache
+
+    return jax.jit(scan)
+
+
+def _selective_scan_inputs(shape: tuple[int, ...]) -> tuple:
+    tokens, seqs, dim, n = shape
+    rows, states = InputSpec((tokens, dim), None), InputSpec((tokens, n), None)
+    channel = InputSpec((dim,), None)
+    return (rows, rows, InputSpec((dim, n), "float32"), states, states, channel, rows, channel,
+            InputSpec((2 * seqs, dim, n), "float32"), InputSpec((seqs + 1,), "int32"), InputSpec((seqs,), "int32"),
+            InputSpec((seqs,), "bool"))
+
+
+def bench_cases():
+    """Not run by default: against a per-token loop (torch) and a lax.scan (jax)."""
+    return [BenchCase(f"selective_scan[{kind}]", "selective_scan", _scan_op, _scan_inputs, _scan_cost,
+                      _torch_scan_loop, _jax_scan, default=False, shape_of=_scan_shape(kind))
+            for kind in _SCAN_SEQS]
+
+
+def serving():
+    """(tokens, sequences, I, N), as the check shapes: Falcon-Mamba-7B / Jamba's Mamba-1 layer (I 8192,
+    N 16), a prefill of 8192 tokens packed as 8 sequences and a decode step of 64 sequences; a
+    float32 state cache of 2 slots per sequence."""
+    return {"selective_scan": Serving(((8192, 8, 8192, 16), (64, 64, 8192, 16)), _selective_scan_inputs)}

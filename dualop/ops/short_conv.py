@@ -24,6 +24,8 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
+import numpy as np
+
 from dualop.backends import array_namespace
 from dualop.custom_op import CustomOp
 from dualop.kernels import ssm_math
@@ -32,6 +34,10 @@ from dualop.ops.causal_conv1d import CausalConv1d
 from dualop.ops.ssm_batch import random_serving_batch
 from dualop.ops.ssm_batch import ssm_batch
 from dualop.platforms import family_of, frontend_of
+from dualop.kernels import cost as cost_model
+from dualop.kernels.cost import KernelCost
+from dualop.spec import BenchCase, InputSpec, Serving
+from dualop.ops.ssm_batch import conv_sequences, fresh_equal_sequences
 
 __all__ = ["ShortConv"]
 
@@ -177,3 +183,100 @@ def check_cases():
         OpCase(OP, OP, lambda s: ShortConv(s[2], CHECK_KERNEL), inputs(False), CHECK_SHAPES),
         OpCase(OP, f"{OP}[bias]", lambda s: ShortConv(s[2], CHECK_KERNEL, bias=True), inputs(True), CHECK_SHAPES),
     ]
+
+
+# --- spec: what dualop bench times and dualop compile builds (check_cases above) -----------
+
+
+# --- short_conv: LFM2's gated short convolution block -----------------------------------
+# The bench size (tokens, hidden) at LFM2's conv width 3, no biases: ``[prefill_8seq]`` packs the
+# tokens into eight equal sequences, ``[decode]`` is one token per sequence (``64xH``: 64 sequences).
+# Every sequence starts fresh (no initial state; the torch cache is updated in place, so repeated
+# calls compute the same thing). Peers: transformers' Lfm2ShortConv math written out in torch (its
+# slow path: in_proj, chunk into B, C, x, ``B * x``, a depthwise ``F.conv1d`` with ``L - 1`` zeros
+# of padding cut back to the sequence, ``C *``, out_proj) on the equal-length sequences as a batch,
+# in float32 like the op, and the native body under jit for jax.
+_SHORT_CONV_WIDTH = 3
+
+
+def _short_conv(hidden: int):
+    from dualop.ops import ShortConv
+
+    return ShortConv(hidden, _SHORT_CONV_WIDTH)
+
+
+def _short_conv_inputs(split: str):
+    def make(shape, rng):
+        tokens, hidden = shape
+        seqs = conv_sequences(split, tokens)
+        scale = hidden ** -0.5
+        return (rng.standard_normal((tokens, hidden), dtype=np.float32),
+                scale * rng.standard_normal((3 * hidden, hidden), dtype=np.float32),
+                0.5 * rng.standard_normal((hidden, _SHORT_CONV_WIDTH), dtype=np.float32),
+                scale * rng.standard_normal((hidden, hidden), dtype=np.float32),
+                None, np.zeros((seqs, hidden, _SHORT_CONV_WIDTH - 1), np.float32),
+                *fresh_equal_sequences(tokens, seqs))
+
+    return make
+
+
+def _short_conv_cost(split: str):
+    def cost(op, shape, itemsize) -> KernelCost:
+        return cost_model.short_conv_cost(shape[0], shape[1], conv_sequences(split, shape[0]),
+                                          _SHORT_CONV_WIDTH, itemsize)
+
+    return cost
+
+
+def _torch_lfm2_short_conv(op):
+    """transformers' Lfm2ShortConv slow path in float32 over equal-length sequences as a batch."""
+    import torch
+    import torch.nn.functional as F
+
+    width = op.conv_kernel
+
+    def run(h, in_w, conv_w, out_w, conv_bias, conv_state, cu_seqlens, state_indices, has_initial_state):
+        f32 = torch.float32
+        seqs, hidden = state_indices.shape[0], h.shape[1]
+        bcx = F.linear(h.to(f32), in_w.to(f32)).view(seqs, -1, 3 * hidden).transpose(1, 2)  # [B, 3H, L]
+        b, c, x = bcx.chunk(3, dim=1)
+        bx = b * x
+        length = bx.shape[-1]
+        conv = F.conv1d(bx, conv_w.to(f32)[:, None], padding=width - 1, groups=hidden)[..., :length]
+        out = F.linear((c * conv).transpose(1, 2).reshape(-1, hidden), out_w.to(f32))
+        history = F.pad(bx, (width - 1, 0))[..., -(width - 1):]  # the last L - 1 inputs, zeros before
+        conv_state[state_indices.long()] = history.to(conv_state.dtype)
+        return out.to(h.dtype), conv_state
+
+    return run
+
+
+def _jax_short_conv(op):
+    import jax
+
+    return jax.jit(op.forward_native)
+
+
+_SHORT_CONV_KERNEL, _SHORT_CONV_SLOTS = 3, 256  # LFM2's conv_L_cache; a 256-slot state cache
+
+
+def _serving_short_conv_inputs(shape: tuple[int, ...]) -> tuple:
+    tokens, seqs, hidden = shape
+    return (InputSpec((tokens, hidden), None), InputSpec((3 * hidden, hidden), None),
+            InputSpec((hidden, _SHORT_CONV_KERNEL), None), InputSpec((hidden, hidden), None), None,
+            InputSpec((_SHORT_CONV_SLOTS, hidden, _SHORT_CONV_KERNEL - 1), None), InputSpec((seqs + 1,), "int32"),
+            InputSpec((seqs,), "int32"), InputSpec((seqs,), "bool"), None, None)
+
+
+def bench_cases():
+    """Not run by default: against transformers' Lfm2ShortConv math (torch) and a hand-written jax body."""
+    return [BenchCase(f"short_conv[{split}]", "short_conv", _short_conv, _short_conv_inputs(split),
+                      _short_conv_cost(split), _torch_lfm2_short_conv, _jax_short_conv, default=False, matrix=True)
+            for split in ("prefill_8seq", "decode")]
+
+
+def serving():
+    """(tokens, sequences, hidden) at LFM2-1.2B's width (hidden 2048, conv_L_cache 3, no biases): the
+    same prefill and decode batches as causal_conv1d."""
+    return {"short_conv": Serving(((1024, 1, 2048), (1024, 8, 2048), (64, 64, 2048)), _serving_short_conv_inputs,
+                                  cases=("short_conv",))}

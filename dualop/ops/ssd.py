@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
+
 from dualop.backends import array_namespace
 from dualop.backends.torch.triton_launch import call_triton
 from dualop.backends.xla.pallas_bridge import call_pallas
@@ -32,6 +33,10 @@ from dualop.ops._checks import (
 )
 from dualop.ops.ssm_batch import SSMBatch, random_serving_batch, ssm_batch
 from dualop.platforms import family_of, frontend_of
+from dualop.kernels import cost as cost_model
+from dualop.kernels.cost import KernelCost
+from dualop.spec import BenchCase, InputSpec, Serving
+from dualop.ops.ssm_batch import fresh_equal_sequences
 
 __all__ = ["SSDChunkScan"]
 
@@ -212,3 +217,150 @@ def check_cases():
         return SSDChunkScan(shape[2], shape[3], shape[4], shape[5], chunk_size=CHECK_CHUNK, dt_limit=(0.0, 4.0))
 
     return [OpCase(OP, OP, make_op, make_ssd_inputs, CHECK_SHAPES)]
+
+
+# --- spec: what dualop bench times and dualop compile builds (check_cases above) -----------
+
+
+# --- ssd_chunk_scan: Mamba-2's SSD scan core ---------------------------------------------
+# The bench size (tokens, sequences) is a serving batch of equal-length sequences: ``1024x1`` and
+# ``1024x8`` prefills, ``64x64`` a decode step (each sequence continuing from its cached state).
+# Widths are Mamba-2's head layout scaled to this host: 16 heads of 64 in 2 groups of state 64
+# (Nemotron-H-8B has 128 heads, 8 groups of 128), chunks of 256. Peers: transformers'
+# ``mamba2_chunk_scan`` (the chunked scan its Mamba2Mixer's torch path runs) on the sequences as a
+# batch, and a hand-written jax chunked version of the same math. In 16-bit dtypes transformers adds
+# dt_bias, takes the softplus and clamps in the input dtype (dt rounded before the float32 scan; the
+# native body widens dt first, as the engine's kernels do), so the bench's check reports it outside
+# the bfloat16 tolerance (an error record, not timed; tests/test_bench.py expects it).
+SSD_BENCH_WIDTHS = dict(heads=16, head_dim=64, state=64, groups=2, chunk=256)
+
+
+def _ssd_op(_dim: int):
+    from dualop.ops import SSDChunkScan
+
+    w = SSD_BENCH_WIDTHS
+    return SSDChunkScan(w["heads"], w["head_dim"], w["state"], w["groups"], chunk_size=w["chunk"])
+
+
+def _ssd_shape(size: tuple[int, ...]) -> tuple[int, ...]:
+    w = SSD_BENCH_WIDTHS
+    # more sequences than tokens cannot be: a size such as 8x64 (the every-case sweep's) is 8 tokens
+    # as a decode step of 8 sequences
+    return (size[0], min(size[1], size[0]), w["heads"], w["head_dim"], w["state"], w["groups"])
+
+
+def _ssd_bench_inputs(shape, rng):
+    """The check case's generator with equal-length sequences, no padding slot, no z. Every
+    sequence starts from zeros (``has_initial_state`` False) so that repeated timed calls, which
+    update the cache in place on torch, all compute the same outputs; a cached start costs the
+    same work (one more read of each state)."""
+    from dualop.ops.ssd import make_ssd_inputs
+
+    tokens, seqs = shape[0], shape[1]
+    arrays = list(make_ssd_inputs(shape, rng, padding=False))
+    arrays[6] = None  # no z gate (transformers' scan has none)
+    arrays[9:12] = fresh_equal_sequences(tokens, seqs)
+    return tuple(arrays)
+
+
+def _ssd_cost(op, shape, itemsize) -> KernelCost:
+    tokens, seqs, heads, head_dim, state, groups = shape
+    return cost_model.ssd_chunk_scan_cost(tokens, heads, head_dim, state, groups, seqs,
+                                          min(op.chunk_size, tokens), itemsize)
+
+
+def _transformers_ssd(op):
+    """transformers' chunked scan on the equal-length sequences as a [B, L] batch."""
+    import torch
+    from transformers.models.mamba2.modeling_mamba2 import mamba2_chunk_scan
+
+    def scan(x, dt, A, B, C, D, z, dt_bias, ssm_state, cu_seqlens, state_indices, has_initial_state):
+        seqs = state_indices.shape[0]
+        batched = [t.reshape(seqs, -1, *t.shape[1:]) for t in (x, dt, B, C)]
+        y, finals = mamba2_chunk_scan(*batched[:2], A, *batched[2:], op.chunk_size, D=D, dt_bias=dt_bias,
+                                      initial_states=torch.where(has_initial_state[:, None, None, None],
+                                                                 ssm_state[state_indices.long()], 0.0),
+                                      dt_softplus=op.delta_softplus,
+                                      dt_limit=op.dt_limit, return_final_states=True)
+        ssm_state[state_indices.long()] = finals.to(ssm_state.dtype)
+        return y.reshape(x.shape).to(x.dtype), ssm_state
+
+    return scan
+
+
+def _jax_ssd(op):
+    """A hand-written jax chunked SSD (the Mamba-2 paper's minimal form) over the equal-length
+    sequences as a batch: intra-chunk masked C Bᵀ, chunk states, a scan over chunks, outputs
+    from the carried states."""
+    import jax
+    import jax.numpy as jnp
+
+    def segsum(a):  # [..., L] -> [..., L, L]: sum of a over (s, t], -inf above the diagonal
+        length = a.shape[-1]
+        mask = jnp.tril(jnp.ones((length, length), bool), -1)
+        seg = jnp.cumsum(jnp.where(mask, a[..., :, None], 0.0), axis=-2)
+        return jnp.where(jnp.tril(jnp.ones((length, length), bool)), seg, -jnp.inf)
+
+    def scan(x, dt, A, B, C, D, z, dt_bias, ssm_state, cu_seqlens, state_indices, has_initial_state):
+        seqs, heads = state_indices.shape[0], x.shape[1]
+        rep = heads // B.shape[1]
+        f32 = jnp.float32
+        delta = jax.nn.softplus(dt.astype(f32) + dt_bias.astype(f32))
+        delta = jnp.clip(delta, *op.dt_limit)
+        chunk = min(op.chunk_size, x.shape[0] // seqs)
+
+        def chunks(t):  # [T, ...] -> [B, c, L, ...]
+            return t.reshape(seqs, -1, chunk, *t.shape[1:])
+
+        xs = chunks(x.astype(f32) * delta[..., None])
+        da = chunks(delta * A).transpose(0, 1, 3, 2)  # [B, c, H, L]
+        bs = chunks(jnp.repeat(B.astype(f32), rep, axis=1))
+        cs = chunks(jnp.repeat(C.astype(f32), rep, axis=1))
+        cum = jnp.cumsum(da, axis=-1)
+        y_diag = jnp.einsum("bclhn,bcshn,bchls,bcshp->bclhp", cs, bs, jnp.exp(segsum(da)), xs)
+        decay_states = jnp.exp(jnp.flip(jnp.cumsum(jnp.flip(da, -1), axis=-1), -1) - da)  # over (l, L)
+        states = jnp.einsum("bclhn,bchl,bclhp->bchpn", bs, decay_states, xs)
+
+        def step(h, inputs):
+            s, total = inputs
+            return jnp.exp(total)[..., None, None] * h + s, h
+
+        h0 = jnp.where(has_initial_state[:, None, None, None], ssm_state[state_indices].astype(f32), 0.0)
+        final, entering = jax.lax.scan(step, h0, (states.transpose(1, 0, 2, 3, 4),
+                                                   cum[..., -1].transpose(1, 0, 2)))
+        y_off = jnp.einsum("bclhn,cbhpn,bchl->bclhp", cs, entering, jnp.exp(cum))
+        y = (y_diag + y_off).reshape(x.shape) + D.astype(f32)[:, None] * x.astype(f32)
+        return y.astype(x.dtype), ssm_state.at[state_indices].set(final.astype(ssm_state.dtype))
+
+    return scan
+
+
+def _serving_ssd_inputs(shape: tuple[int, ...]) -> tuple:
+    tokens, heads, seqs, head_dim, state, groups = shape
+    x = InputSpec((tokens, heads, head_dim), None)
+    bc = InputSpec((tokens, groups, state), None)
+    return (x, InputSpec((tokens, heads), None), InputSpec((heads,), "float32"), bc, bc, InputSpec((heads,), None), x,
+            InputSpec((heads,), None), InputSpec((2 * seqs + 1, heads, head_dim, state), "float32"),
+            InputSpec((seqs + 1,), "int32"), InputSpec((seqs,), "int32"), InputSpec((seqs,), "bool"))
+
+
+def _serving_ssd_op(shape: tuple[int, ...]):
+    from dualop.ops import SSDChunkScan
+
+    return SSDChunkScan(shape[1], shape[3], shape[4], shape[5], chunk_size=256)
+
+
+def bench_cases():
+    """Not run by default: against transformers' chunked SSD (torch) and a hand-written jax scan."""
+    return [BenchCase("ssd_chunk_scan", "ssd_chunk_scan", _ssd_op, _ssd_bench_inputs, _ssd_cost,
+                      _transformers_ssd, _jax_ssd, default=False, shape_of=_ssd_shape, matrix=True)]
+
+
+def serving():
+    """(tokens, heads, sequences, head_dim, state, groups): Nemotron-H-8B's Mamba-2 scan (128 heads of
+    64, 8 groups of state 128, chunks of 256), a 1024-token prefill of one and of eight sequences and
+    a 64-sequence decode step over a float32 cache of 2B + 1 slots; and one group of state 128 under
+    64 heads of 128 (a Falcon-H1-like layout) at prefill."""
+    shapes = ((1024, 128, 1, 64, 128, 8), (1024, 128, 8, 64, 128, 8), (64, 128, 64, 64, 128, 8),
+              (1024, 64, 8, 128, 128, 1))
+    return {"ssd_chunk_scan": Serving(shapes, _serving_ssd_inputs, {"ssd_chunk_scan": _serving_ssd_op})}

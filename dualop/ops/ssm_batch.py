@@ -50,7 +50,7 @@ from dualop.kernels import ssm_math
 from dualop.ops._checks import FLOAT_DTYPES, concrete_values, dtype_name
 from dualop.platforms import family_of, frontend_of
 
-__all__ = ["SSMBatch", "ssm_batch", "random_serving_batch"]
+__all__ = ["SSMBatch", "ssm_batch", "random_serving_batch", "fresh_equal_sequences", "conv_sequences"]
 
 _INDEX_DTYPES = ("int32", "int64")
 
@@ -240,3 +240,19 @@ def random_serving_batch(tokens: int, sequences: int, rng, *, padding: bool = Tr
         slots[rng.integers(sequences)] = -1
     init = rng.random(sequences) < 0.6
     return cu, slots, init, 2 * sequences + 1
+
+
+def fresh_equal_sequences(tokens: int, seqs: int) -> tuple:
+    """Serving metadata of ``seqs`` new sequences of equal length packed in ``tokens`` (slot b for
+    sequence b, no initial state): ``(cu_seqlens, state_indices, has_initial_state)``, pinned."""
+    from dualop.testing import Pinned
+
+    if seqs < 1 or tokens % seqs:
+        raise ValueError(f"bench: {tokens} tokens do not split into {seqs} equal sequences")
+    return (Pinned(np.arange(0, tokens + 1, tokens // seqs, dtype=np.int32), "int32"),
+            Pinned(np.arange(seqs, dtype=np.int32), "int32"), Pinned(np.zeros(seqs, bool), "bool"))
+
+
+def conv_sequences(split: str, tokens: int) -> int:
+    """How a bench case splits ``tokens``: one sequence, up to eight, or one token each (decode)."""
+    return {"prefill": 1, "prefill_8seq": min(8, tokens), "decode": tokens}[split]
