@@ -93,12 +93,6 @@ FAMILIES: dict[str, tuple[str, ...]] = {
 }
 # Draws per family per case (times ``draws``); the rest draw once.
 FAMILY_DRAWS = {"ctor": 3}
-# Ops whose kernels run a scan or a causal convolution as GEMMs over a masked matrix, so a
-# non-finite input widens to the rest of its chunk (``testing.compare``'s ``widened_nonfinite``,
-# the project's rule, as tests/test_properties.py applies it): the SSD scan, the causal convolution,
-# and the short convolution and the mixers, which run the convolution's kernels.
-WIDENS_NONFINITE = {"ssd_chunk_scan", "causal_conv1d", "short_conv", "mamba_mixer", "mamba_mixer2",
-                    "plamo2_mamba_mixer"}
 # (op, family) -> where the op documents that its kernel paths accept what forward_native refuses.
 ACCEPTS_WHAT_NATIVE_REFUSES: dict[tuple[str, str], str] = {}
 # Finite sentinel written into the gaps of a strided float view (a kernel that ignores the strides
@@ -317,7 +311,7 @@ def _fam_nonfinite(ctx: _Ctx) -> Mutation | None:
         where = f"element {_fmt_index(idx)}"
     return ctx.mutation(f"{value} in {where} of '{ctx.name(i)}'",
                         args=ctx.replace(i, dataclasses.replace(a, values=values)),
-                        widened=ctx.case.op in WIDENS_NONFINITE)
+                        widened="widens_nonfinite" in ctx.case.traits)
 
 
 def _fam_shape(ctx: _Ctx) -> Mutation | None:

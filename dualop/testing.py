@@ -408,10 +408,35 @@ def release_compiled_code_near_map_limit(fraction: float = 0.5) -> bool:
 
 
 def _build_cases() -> list[OpCase]:
-    """Every op module's ``check_cases()``, in registry order (an op family defines its own)."""
-    from dualop.spec import collect
+    """Every op module's ``check_cases()``, in registry order (an op family defines its own), with
+    the module's ``CASE_NOTES`` applied: ``{op name or case label: {OpCase field: value}}`` (traits
+    and cell expectations; an op's notes go to each of its cases, a label's to that case, traits
+    adding up)."""
+    import importlib
 
-    return collect("check_cases")
+    from dualop.spec import op_modules
+
+    cases: list[OpCase] = []
+    for name in op_modules():
+        module = importlib.import_module(name)
+        provider = getattr(module, "check_cases", None)
+        if provider is not None:
+            cases.extend(with_notes(case, getattr(module, "CASE_NOTES", {})) for case in provider())
+    return cases
+
+
+def with_notes(case: OpCase, notes: Mapping[str, Mapping[str, Any]]) -> OpCase:
+    """``case`` with the notes for its op, then for its label (see ``_build_cases``)."""
+    fields: dict[str, Any] = {}
+    for key in (case.op, case.label):
+        for field, value in notes.get(key, {}).items():
+            if field not in ("traits", "native_cells", "native_dtypes", "kernel_in_native_cells"):
+                raise ValueError(f"CASE_NOTES[{key!r}]: {field!r} is not a note an OpCase takes")
+            if field == "traits":
+                fields[field] = frozenset(fields.get(field, case.traits)) | frozenset(value)
+            else:
+                fields[field] = {**fields.get(field, getattr(case, field)), **value}
+    return dataclasses.replace(case, **fields) if fields else case
 
 
 CASES: list[OpCase] = []

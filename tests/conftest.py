@@ -49,72 +49,19 @@ testing.prepare_triton()
 TEST_ENV = os.environ.get("DUALOP_TEST_ENV", "")
 
 
-# The (frontend, platform) cells that run a kernel, with the method that must run: every op case
-# passes them against forward_native, except where NATIVE_CASES says the case has no kernel there.
-# ROCm runs the same Triton kernel as CUDA (no op has forward_hip); tests/test_cells.py checks that
-# path once per op rather than repeating the whole sweep.
-KERNEL_CELLS = [
-    ("torch", "cpu", "forward_cpu"),
-    ("torch", "cuda", "forward_cuda"),
-    ("jax", "tpu", "forward_tpu"),
-    ("torch_xla", "tpu", "forward_tpu"),
-    ("torchax", "tpu", "forward_tpu"),
-]
-# Cells where no op has a kernel, with (a part of) the reason each must report.
-NATIVE_CELLS = {
-    ("jax", "cpu"): "no CPU kernel for jax arrays: XLA compiles the native body",
-    ("jax", "cuda"): "would need jax-triton",
-}
-# Ops that do have a kernel in a NATIVE_CELLS cell: {(op, frontend, platform): the method that runs}.
-# The MoE experts run XLA's grouped matmul (jax.lax.ragged_dot) for jax arrays on the CPU and GPUs.
-KERNEL_OPS_IN_NATIVE_CELLS = {
-    **{(op, "jax", platform): method for op in ("fused_moe", "unquantized_fused_moe")
-       for platform, method in (("cpu", "forward_cpu"), ("cuda", "forward_cuda"))},
-    # transformers_fused_moe runs fused_moe's experts on the engine layout: the same kernels.
-    **{("transformers_fused_moe", "jax", platform): method
-       for platform, method in (("cpu", "forward_cpu"), ("cuda", "forward_cuda"))},
-    # modular_fused_moe runs the same experts (unquantized_fused_moe's paths) between prepare and finalize.
-    **{("modular_fused_moe", "jax", platform): method
-       for platform, method in (("cpu", "forward_cpu"), ("cuda", "forward_cuda"))},
-    # The linear ops run XLA's dot (cuBLAS) on the operands' dtype for jax arrays on GPUs.
-    **{(op, "jax", "cuda"): "forward_cuda"
-       for op in ("replicated_linear", "column_parallel_linear", "row_parallel_linear")},
-    # ssd_chunk_scan: the chunked form in jax.numpy (kernels/xla_ssd.py) for jax arrays on the CPU and GPUs.
-    **{("ssd_chunk_scan", "jax", platform): method for platform, method in (("cpu", "forward_cpu"),
-                                                                            ("cuda", "forward_cuda"))},
-    # mamba_mixer2 on a GPU: XLA's dot for its projections around its kernel ops (each falling back
-    # to its native body alone, the Triton kernels taking torch tensors).
-    ("mamba_mixer2", "jax", "cuda"): "forward_cuda",
-    # conv2d/conv3d: the patch-embedding matmul is the platform path for every frontend (XLA's dot for jax).
-    **{(op, "jax", platform): method for op in ("conv2d", "conv3d")
-       for platform, method in (("cpu", "forward_cpu"), ("cuda", "forward_cuda"))},
-}
-# Op cases (labels) with no kernel in a cell of KERNEL_CELLS: {(label, frontend, platform): reason}.
-NATIVE_CASES = {
-    **{(label, "torch", "cpu"): "no activation-sparsity gate"
-       for label in ("gelu_and_mul_sparse[0.95]", "gelu_and_mul_sparse[0.5,tanh]")},
-    ("fatrelu_and_mul[0.3]", "torch", "cpu"): "the C++ CPU kernel has no fatrelu gate",
-    ("swigluoai_and_mul", "torch", "cpu"): "the C++ CPU kernel has no swigluoai gate",
-    ("rms_norm[var_hidden_size]", "torch", "cpu"): "var_hidden_size < hidden_size",
-    ("xielu", "torch", "cpu"): "torch has no fused xIELU",
-    # logits_processor: a plain matmul (no soft cap, scale 1) is the vendor's; logits given as input
-    # leave only an elementwise epilogue. Every kernel cell declines both, to the native body.
-    **{(f"logits_processor[{variant}]", fe, pf): reason
-       for variant, reason in (("plain", "the logits are the plain matmul"),
-                               ("logits_as_input", "logits_as_input: no matmul to fuse into"))
-       for fe, pf in ((f, p) for f, p, _ in KERNEL_CELLS)},
-    # A convolution that is not a patch embedding runs the frontend's own convolution in every cell.
-    **{(label, frontend, platform): "the patch-embedding matmul needs kernel_size == stride"
-       for label in ("conv2d[general]", "conv3d[general]")
-       for frontend, platform in (("torch", "cpu"), ("torch", "cuda"), ("jax", "tpu"), ("torch_xla", "tpu"),
-                                  ("torchax", "tpu"), ("jax", "cpu"), ("jax", "cuda"))},
-}
-
-# Kernel cells that decline one dtype at run time, because the native body is the faster path there:
-# {(label, frontend, platform, dtype): (a part of) the reason the cell must report}.
-NATIVE_DTYPE_CASES = {
-    ("conv2d[patch]", "torch", "cpu", "float32"): "oneDNN's strided convolution",
-}
+# The kernel cells and the native cells (``dualop.testing``), and what each op case declares about
+# them in its module's ``CASE_NOTES``, as the views the tests key on: where a case has no kernel in a
+# kernel cell ({(label, frontend, platform): reason}), a kernel that declines one dtype at run time
+# ({(label, frontend, platform, dtype): reason}), and where an op does have a kernel in a native cell
+# ({(op, frontend, platform): method}). ROCm runs the same Triton kernels as CUDA; tests/test_cells.py
+# checks that path once per op rather than repeating the whole sweep.
+KERNEL_CELLS = list(testing.KERNEL_CELLS)
+NATIVE_CELLS = dict(testing.NATIVE_CELLS)
+NATIVE_CASES = {(c.label, f, p): reason for c in testing.cases_for(None) for (f, p), reason in c.native_cells.items()}
+NATIVE_DTYPE_CASES = {(c.label, *cell): reason for c in testing.cases_for(None)
+                      for cell, reason in c.native_dtypes.items()}
+KERNEL_OPS_IN_NATIVE_CELLS = {(c.op, f, p): method for c in testing.cases_for(None)
+                              for (f, p), method in c.kernel_in_native_cells.items()}
 
 
 def require_frontend(frontend: str) -> None:
@@ -191,7 +138,7 @@ def _torchax_mixer_cell(item) -> bool:
     params = getattr(getattr(item, "callspec", None), "params", {})
     case = params.get("case")
     return (item.originalname == "test_cell_matches_native" and params.get("frontend") == "torchax"
-            and case is not None and case.op in MIXER_OPS)
+            and case is not None and "mixer" in case.traits)
 
 
 # The kernel cells off the TPU (the C++ CPU kernels, Triton's interpreter, XLA's CPU and GPU paths
@@ -218,7 +165,6 @@ def _off_tpu_cell_in_the_other_envs_dtype(item) -> bool:
 # float32 instead: they compose kernel ops with cells of their own (causal_conv1d, selective_scan,
 # ssd_chunk_scan, mixer2_gated_rms_norm) and interpret two or three Pallas kernels per shape, so
 # their bfloat16 programs run once, through torch_xla. (The jax/tpu cells were 700 s of 'latest'.)
-MIXER_OPS = ("mamba_mixer", "mamba_mixer2", "plamo2_mamba_mixer")
 
 
 def _first_case_of_each_op() -> frozenset[str]:
@@ -230,9 +176,9 @@ def _first_case_of_each_op() -> frozenset[str]:
     return frozenset(first.values())
 
 
-def latest_jax_tpu_dtype(op: str) -> str:
-    """The dtype an op's jax/tpu kernel cells run in the 'latest' environment."""
-    return "float32" if op in MIXER_OPS else "bfloat16"
+def latest_jax_tpu_dtype(case) -> str:
+    """The dtype an op case's jax/tpu kernel cells run in the 'latest' environment."""
+    return "float32" if "mixer" in case.traits else "bfloat16"
 
 
 def _jax_tpu_cell_in_its_other_dtype(item) -> bool:
@@ -242,7 +188,7 @@ def _jax_tpu_cell_in_its_other_dtype(item) -> bool:
         return False
     if (case.label, "jax", "tpu", params.get("dtype")) in NATIVE_DTYPE_CASES:
         return False  # a run-time decline: the cell checks that it says so
-    return params.get("dtype") != latest_jax_tpu_dtype(case.op) or case.label not in _first_case_of_each_op()
+    return params.get("dtype") != latest_jax_tpu_dtype(case) or case.label not in _first_case_of_each_op()
 
 
 # Tests that run one dtype per environment, so each (case, dtype) runs once over the two:

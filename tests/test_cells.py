@@ -76,31 +76,24 @@ def test_rocm_runs_the_triton_kernel(case):
     assert result.status == "pass", result.detail
 
 
-# Ops whose case shapes are not rows: a convolution's are x's [N, C, *spatial] (tests/test_conv.py
-# checks that they hold no items, one item, and spatial sizes off the kernel's multiple).
-SPATIAL_OPS = ("conv2d", "conv3d")
-
-
-# Cases whose shape tuple is (tokens, vocab, org_vocab, dim), not an input's shape: zero and one token.
-TOKEN_TABLE_OPS = ("vocab_parallel_embedding",)
+# Case shapes that are not an input's rows, by trait (declared with each op, dualop.testing.TRAITS):
+# "spatial", a convolution's x [N, C, *spatial] (tests/test_conv.py checks that they hold no items,
+# one item, and spatial sizes off the kernel's multiple); "token_table", (tokens, vocab, org_vocab,
+# dim): zero and one token; "packed_sequences", (tokens, sequences, widths...) of a packed serving
+# batch: every sequence has a token (no zero-token batch), so they cover a single token, a decode step
+# (T == B) and a multi-sequence prefill instead, at a width off the 128-lane multiple.
+NOT_ROW_SHAPES = frozenset({"spatial", "token_table", "packed_sequences"})
 
 
 def test_token_table_cases_cover_zero_and_one_token():
-    for case in (c for c in CASES if c.op in TOKEN_TABLE_OPS):
+    for case in (c for c in CASES if "token_table" in c.traits):
         assert {0, 1} <= {s[0] for s in case.shapes}, case.label
-
-
-# Cases whose shape tuple is (tokens, sequences, widths...) of a packed serving batch (the
-# state-space ops): every sequence has a token (no zero-token batch), so they cover a single token,
-# a decode step (T == B) and a multi-sequence prefill instead, at a width off the 128-lane multiple.
-PACKED_SEQUENCE_OPS = ("causal_conv1d", "short_conv", "selective_scan", "ssd_chunk_scan", "mamba_mixer",
-                       "mamba_mixer2", "plamo2_mamba_mixer")
 
 
 def test_packed_sequence_cases_cover_one_token_decode_and_prefill():
     """Per op; a variant case (a mixer's other norms and biases: its own math, not the kernels')
     may run the packed prefill alone."""
-    for op in PACKED_SEQUENCE_OPS:
+    for op in sorted({c.op for c in CASES if "packed_sequences" in c.traits}):
         cases = [c for c in CASES if c.op == op]
         batches = {(s[0], s[1]) for c in cases for s in c.shapes}
         assert (1, 1) in batches, op
@@ -111,7 +104,7 @@ def test_packed_sequence_cases_cover_one_token_decode_and_prefill():
 
 
 def test_cells_cover_zero_one_ragged_and_3d_shapes():
-    for case in (c for c in CASES if c.op not in SPATIAL_OPS + TOKEN_TABLE_OPS + PACKED_SEQUENCE_OPS):
+    for case in (c for c in CASES if not NOT_ROW_SHAPES & c.traits):
         shapes = case.shapes
         assert any(math.prod(s) == 0 for s in shapes), case.label  # nothing to do: no launch
         assert any(math.prod(s[:-1]) == 1 for s in shapes), case.label  # a single token

@@ -247,3 +247,14 @@ SERVING_GATED_SHAPES = ((8192, 2 * 28672), (16, 2 * 53248))
 def serving():
     return {op: Serving(SERVING_GATED_SHAPES) for op in ("silu_and_mul", "mul_and_silu", "gelu_and_mul",
                                                        "gelu_and_mul_sparse", "fatrelu_and_mul", "swigluoai_and_mul")}
+
+# What the shared test sweeps know about these ops' check cases (``testing.with_notes``: keys are op
+# names or case labels; traits as ``dualop.testing.TRAITS`` defines them).
+CASE_NOTES = {
+    "gelu_and_mul[tanh]": {"traits": {"cancelling"}},
+    "gelu_and_mul_sparse[0.95]": {"traits": {"cancelling"}, "native_cells": {("torch", "cpu"): "no activation-sparsity gate"}},
+    "gelu_and_mul_sparse[0.5,tanh]": {"traits": {"cancelling"},
+                                      "native_cells": {("torch", "cpu"): "no activation-sparsity gate"}},
+    "fatrelu_and_mul[0.3]": {"native_cells": {("torch", "cpu"): "the C++ CPU kernel has no fatrelu gate"}},
+    "swigluoai_and_mul": {"native_cells": {("torch", "cpu"): "the C++ CPU kernel has no swigluoai gate"}},
+}

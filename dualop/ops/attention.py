@@ -581,3 +581,7 @@ def serving():
     return {"ragged_paged_attention": Serving(
         shapes, _ragged_paged_attention_inputs,
         cases=("ragged_paged_attention[mixed,gqa2]", "ragged_paged_attention[gqa4,window,soft_cap,mask_value]"))}
+
+# What the shared test sweeps know about these ops' check cases (``testing.with_notes``: keys are op
+# names or case labels; traits as ``dualop.testing.TRAITS`` defines them).
+CASE_NOTES = {"ragged_paged_attention": {"traits": {"structured_inputs"}}}

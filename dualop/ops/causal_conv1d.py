@@ -285,3 +285,7 @@ def serving():
     shapes = tuple((tokens, seqs, dim) for dim in (8192, 8192 + 2 * 8 * 128)
                    for tokens, seqs in ((1024, 1), (1024, 8), (64, 64)))
     return {"causal_conv1d": Serving(shapes, _serving_causal_conv1d_inputs, cases=("causal_conv1d",))}
+
+# What the shared test sweeps know about these ops' check cases (``testing.with_notes``: keys are op
+# names or case labels; traits as ``dualop.testing.TRAITS`` defines them).
+CASE_NOTES = {"causal_conv1d": {"traits": {"case_shapes_only", "contraction", "widens_nonfinite", "packed_sequences"}}}

@@ -32,6 +32,7 @@ from collections.abc import Callable
 from dualop.kernels import cost as cost_model
 from dualop.kernels.cost import KernelCost
 from dualop.spec import BenchCase, InputSpec, Serving, float32_normal as _normal
+from dualop.testing import KERNEL_CELLS
 
 __all__ = ["Conv2dLayer", "Conv3dLayer"]
 
@@ -512,3 +513,18 @@ def serving():
         "conv2d": Serving(((8, 3, 384, 384, 1152, 14, 14),), _serving_patch_embed_inputs, make_op,
                           ("bfloat16",), ("conv2d[patch]",)),
     }
+
+# jax arrays on the CPU and GPUs: XLA's own kernels (dot, ragged_dot) are the platform path
+JAX_XLA = {("jax", "cpu"): "forward_cpu", ("jax", "cuda"): "forward_cuda"}
+
+# What the shared test sweeps know about these ops' check cases (``testing.with_notes``: keys are op
+# names or case labels; traits as ``dualop.testing.TRAITS`` defines them).
+CASE_NOTES = {
+    **{op: {"traits": {"case_shapes_only", "contraction", "spatial"}, "kernel_in_native_cells": JAX_XLA}
+       for op in ("conv2d", "conv3d")},
+    # a convolution that is not a patch embedding runs the frontend's own convolution in every cell
+    **{label: {"native_cells": {cell: "the patch-embedding matmul needs kernel_size == stride"
+                                for cell in (*((f, p) for f, p, _ in KERNEL_CELLS), *JAX_XLA)}}
+       for label in ("conv2d[general]", "conv3d[general]")},
+    "conv2d[patch]": {"native_dtypes": {("torch", "cpu", "float32"): "oneDNN's strided convolution"}},
+}

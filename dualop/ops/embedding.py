@@ -393,3 +393,7 @@ def serving():
     are int32, the table this rank's padded rows."""
     return {"vocab_parallel_embedding": Serving(((16, 128256, 128256, 8192), (8192, 128256, 128256, 8192)),
                                                 _serving_vocab_embedding_inputs)}
+
+# What the shared test sweeps know about these ops' check cases (``testing.with_notes``: keys are op
+# names or case labels; traits as ``dualop.testing.TRAITS`` defines them).
+CASE_NOTES = {"vocab_parallel_embedding": {"traits": {"case_shapes_only", "token_table"}}}

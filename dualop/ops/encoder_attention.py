@@ -395,3 +395,7 @@ def serving():
                for label in ("mm_encoder_attn", "mm_encoder_attn[gqa,bshd]", "mm_encoder_attn[cu_seqlens]")}
     return {"mm_encoder_attn": Serving(((1, 4096, 16, 80, 16), (8, 729, 16, 72, 0), (8, 1024, 16, 64, 0)),
                                        _encoder_attention_inputs, make_op)}
+
+# What the shared test sweeps know about these ops' check cases (``testing.with_notes``: keys are op
+# names or case labels; traits as ``dualop.testing.TRAITS`` defines them).
+CASE_NOTES = {"mm_encoder_attn": {"traits": {"contraction"}}}

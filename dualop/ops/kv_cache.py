@@ -275,3 +275,7 @@ def serving():
     paged cache of 2048 pages of 16 and of 128 tokens."""
     return {"reshape_and_cache": Serving(((2048, 8, 128, 2048, 16), (2048, 8, 128, 2048, 128)),
                                          _reshape_and_cache_inputs)}
+
+# What the shared test sweeps know about these ops' check cases (``testing.with_notes``: keys are op
+# names or case labels; traits as ``dualop.testing.TRAITS`` defines them).
+CASE_NOTES = {"reshape_and_cache": {"traits": {"not_differentiable"}}}

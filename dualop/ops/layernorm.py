@@ -270,3 +270,7 @@ SERVING_NORM_SHAPES = ((8192, 8192), (16, 16384))
 
 def serving():
     return {"rms_norm": Serving(SERVING_NORM_SHAPES), "gemma_rms_norm": Serving(SERVING_NORM_SHAPES)}
+
+# What the shared test sweeps know about these ops' check cases (``testing.with_notes``: keys are op
+# names or case labels; traits as ``dualop.testing.TRAITS`` defines them).
+CASE_NOTES = {"rms_norm[var_hidden_size]": {"native_cells": {("torch", "cpu"): "var_hidden_size < hidden_size"}}}

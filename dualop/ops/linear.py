@@ -592,3 +592,8 @@ def serving():
     return {op: Serving(shapes[op], _serving_linear_inputs, {cases[op]: _serving_linear_op(op)}, ("bfloat16",),
                         (cases[op],))
             for op in _LINEAR_OPS}
+
+# What the shared test sweeps know about these ops' check cases (``testing.with_notes``: keys are op
+# names or case labels; traits as ``dualop.testing.TRAITS`` defines them).
+CASE_NOTES = {op: {"traits": {"contraction"}, "kernel_in_native_cells": {("jax", "cuda"): "forward_cuda"}}
+              for op in ("replicated_linear", "column_parallel_linear", "row_parallel_linear")}

@@ -19,6 +19,7 @@ from dualop.platforms import family_of, frontend_of
 from dualop.kernels import cost as cost_model
 from dualop.kernels.cost import KernelCost
 from dualop.spec import BenchCase, InputSpec, Serving, float32_normal as _normal, rows_of
+from dualop.testing import KERNEL_CELLS
 
 __all__ = ["LogitsProcessor"]
 
@@ -372,3 +373,16 @@ def serving():
         ((16, 8192, 128256), (8192, 8192, 128256), (16, 4608, 256000), (8192, 4608, 256000)),
         _logits_processor_inputs, {"logits_processor[soft_cap]": _logits_processor_op}, ("bfloat16",),
         ("logits_processor[soft_cap]",))}
+
+# What the shared test sweeps know about these ops' check cases (``testing.with_notes``: keys are op
+# names or case labels; traits as ``dualop.testing.TRAITS`` defines them).
+CASE_NOTES = {
+    "logits_processor": {"traits": {"contraction"}},
+    "logits_processor[soft_cap]": {"traits": {"soft_capped"}},
+    "logits_processor[soft_cap,scale,bias,added_vocab]": {"traits": {"soft_capped"}},
+    # a plain matmul (no soft cap, scale 1) is the vendor's; logits given as input leave only an
+    # elementwise epilogue: every kernel cell declines both, to the native body
+    "logits_processor[plain]": {"native_cells": {(f, p): "the logits are the plain matmul" for f, p, _ in KERNEL_CELLS}},
+    "logits_processor[logits_as_input]": {"native_cells": {(f, p): "logits_as_input: no matmul to fuse into"
+                                                            for f, p, _ in KERNEL_CELLS}},
+}

@@ -557,3 +557,8 @@ def serving():
     kernels in float32 at serving shapes."""
     return {"mamba_mixer": Serving(((8192, 8, 4096, 8192, 16), (64, 64, 4096, 8192, 16)), _mamba_mixer_inputs,
                                    dtypes=("bfloat16",), cases=("mamba_mixer[jamba]",))}
+
+# What the shared test sweeps know about these ops' check cases (``testing.with_notes``: keys are op
+# names or case labels; traits as ``dualop.testing.TRAITS`` defines them).
+CASE_NOTES = {"mamba_mixer": {"traits": {"structured_inputs", "widens_nonfinite", "packed_sequences", "mixer",
+                                    "not_differentiable"}}}

@@ -667,3 +667,8 @@ def serving():
         "mamba_mixer2": Serving(((8192, 8), (64, 64)), _mamba_mixer2_inputs, {"mamba_mixer2": _mamba_mixer2_op},
                                 ("bfloat16",)),
     }
+
+# What the shared test sweeps know about these ops' check cases (``testing.with_notes``: keys are op
+# names or case labels; traits as ``dualop.testing.TRAITS`` defines them).
+CASE_NOTES = {"mamba_mixer2": {"traits": {"structured_inputs", "widens_nonfinite", "packed_sequences", "mixer"},
+                  "kernel_in_native_cells": {("jax", "cuda"): "forward_cuda"}}}

@@ -771,3 +771,7 @@ def serving():
             _serving_mla_inputs, {"ragged_paged_mla_attention[mixed]": _serving_mla_op}, bf16),
         "concat_and_cache_mla": Serving(((2048, 64, 512, 4096, 64),), _concat_and_cache_mla_inputs, dtypes=bf16),
     }
+
+# What the shared test sweeps know about these ops' check cases (``testing.with_notes``: keys are op
+# names or case labels; traits as ``dualop.testing.TRAITS`` defines them).
+CASE_NOTES = {"concat_and_cache_mla": {"traits": {"case_shapes_only"}}}

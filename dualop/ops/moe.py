@@ -818,3 +818,15 @@ def serving():
                                 _grouped_topk_inputs, {"grouped_topk[softmax,k2]": _grouped_topk_op}, bf16,
                                 ("grouped_topk[softmax,k2]",)),
     }
+
+# jax arrays on the CPU and GPUs: XLA's own kernels (dot, ragged_dot) are the platform path
+JAX_XLA = {("jax", "cpu"): "forward_cpu", ("jax", "cuda"): "forward_cuda"}
+
+# What the shared test sweeps know about these ops' check cases (``testing.with_notes``: keys are op
+# names or case labels; traits as ``dualop.testing.TRAITS`` defines them).
+CASE_NOTES = {
+    "grouped_topk": {"traits": {"case_shapes_only"}},
+    # the experts run XLA's grouped matmul (jax.lax.ragged_dot) for jax arrays on the CPU and GPUs
+    **{op: {"traits": {"case_shapes_only", "contraction"}, "kernel_in_native_cells": JAX_XLA}
+       for op in ("fused_moe", "unquantized_fused_moe")},
+}

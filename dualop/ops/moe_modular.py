@@ -224,3 +224,10 @@ def serving():
     label = "modular_fused_moe[silu,expert_map,E8,I64]"
     return {"modular_fused_moe": Serving(_MOE_SERVING[2:3], _experts_inputs, {label: _modular_experts_op},
                                          ("bfloat16",), (label,))}
+
+# jax arrays on the CPU and GPUs: XLA's own kernels (dot, ragged_dot) are the platform path
+JAX_XLA = {("jax", "cpu"): "forward_cpu", ("jax", "cuda"): "forward_cuda"}
+
+# What the shared test sweeps know about these ops' check cases (``testing.with_notes``: keys are op
+# names or case labels; traits as ``dualop.testing.TRAITS`` defines them).
+CASE_NOTES = {"modular_fused_moe": {"traits": {"case_shapes_only", "contraction"}, "kernel_in_native_cells": JAX_XLA}}

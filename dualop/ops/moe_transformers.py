@@ -348,3 +348,10 @@ def serving():
     return {"transformers_fused_moe": Serving(((16, 32, 4, 2880, 2880), (8192, 32, 4, 2880, 2880)),
                                               _transformers_fused_moe_inputs, {label: _transformers_fused_moe_op},
                                               ("bfloat16",), (label,))}
+
+# jax arrays on the CPU and GPUs: XLA's own kernels (dot, ragged_dot) are the platform path
+JAX_XLA = {("jax", "cpu"): "forward_cpu", ("jax", "cuda"): "forward_cuda"}
+
+# What the shared test sweeps know about these ops' check cases (``testing.with_notes``: keys are op
+# names or case labels; traits as ``dualop.testing.TRAITS`` defines them).
+CASE_NOTES = {"transformers_fused_moe": {"traits": {"case_shapes_only", "contraction"}, "kernel_in_native_cells": JAX_XLA}}

@@ -529,3 +529,7 @@ def serving():
     shapes = tuple((tokens, seqs, 4096, 64, 128, 64, 256) for tokens, seqs in ((1024, 1), (1024, 8), (64, 64)))
     return {"plamo2_mamba_mixer": Serving(shapes, _plamo2_mamba_mixer_inputs,
                                           {"plamo2_mamba_mixer": _plamo2_mamba_mixer_op}, ("bfloat16",))}
+
+# What the shared test sweeps know about these ops' check cases (``testing.with_notes``: keys are op
+# names or case labels; traits as ``dualop.testing.TRAITS`` defines them).
+CASE_NOTES = {"plamo2_mamba_mixer": {"traits": {"structured_inputs", "widens_nonfinite", "packed_sequences", "mixer"}}}

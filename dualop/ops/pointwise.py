@@ -334,3 +334,11 @@ SERVING_POINTWISE_SHAPES = ((8192, 28672), (16, 53248))
 
 def serving():
     return {op: Serving(SERVING_POINTWISE_SHAPES) for op in ("gelu_new", "gelu_fast", "quick_gelu", "relu2", "xielu")}
+
+# What the shared test sweeps know about these ops' check cases (``testing.with_notes``: keys are op
+# names or case labels; traits as ``dualop.testing.TRAITS`` defines them).
+CASE_NOTES = {
+    "gelu_new": {"traits": {"cancelling"}},
+    "gelu_fast": {"traits": {"cancelling"}},
+    "xielu": {"native_cells": {("torch", "cpu"): "torch has no fused xIELU"}},
+}

@@ -468,3 +468,7 @@ def serving():
     """fp8 quantisation sees the attention input (hidden 8192) in an 8192-token prefill and the down
     projection's input (intermediate 53248) in a 16-token decode batch."""
     return {"quant_fp8": Serving(((8192, 8192), (16, 53248)))}
+
+# What the shared test sweeps know about these ops' check cases (``testing.with_notes``: keys are op
+# names or case labels; traits as ``dualop.testing.TRAITS`` defines them).
+CASE_NOTES = {"quant_fp8": {"traits": {"not_differentiable"}}}

@@ -348,3 +348,7 @@ def serving():
     N 16), a prefill of 8192 tokens packed as 8 sequences and a decode step of 64 sequences; a
     float32 state cache of 2 slots per sequence."""
     return {"selective_scan": Serving(((8192, 8, 8192, 16), (64, 64, 8192, 16)), _selective_scan_inputs)}
+
+# What the shared test sweeps know about these ops' check cases (``testing.with_notes``: keys are op
+# names or case labels; traits as ``dualop.testing.TRAITS`` defines them).
+CASE_NOTES = {"selective_scan": {"traits": {"case_shapes_only", "contraction", "packed_sequences"}}}

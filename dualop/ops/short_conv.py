@@ -280,3 +280,7 @@ def serving():
     same prefill and decode batches as causal_conv1d."""
     return {"short_conv": Serving(((1024, 1, 2048), (1024, 8, 2048), (64, 64, 2048)), _serving_short_conv_inputs,
                                   cases=("short_conv",))}
+
+# What the shared test sweeps know about these ops' check cases (``testing.with_notes``: keys are op
+# names or case labels; traits as ``dualop.testing.TRAITS`` defines them).
+CASE_NOTES = {"short_conv": {"traits": {"case_shapes_only", "contraction", "widens_nonfinite", "packed_sequences"}}}

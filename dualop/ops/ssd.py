@@ -364,3 +364,11 @@ def serving():
     shapes = ((1024, 128, 1, 64, 128, 8), (1024, 128, 8, 64, 128, 8), (64, 128, 64, 64, 128, 8),
               (1024, 64, 8, 128, 128, 1))
     return {"ssd_chunk_scan": Serving(shapes, _serving_ssd_inputs, {"ssd_chunk_scan": _serving_ssd_op})}
+
+# jax arrays on the CPU and GPUs: XLA's own kernels (dot, ragged_dot) are the platform path
+JAX_XLA = {("jax", "cpu"): "forward_cpu", ("jax", "cuda"): "forward_cuda"}
+
+# What the shared test sweeps know about these ops' check cases (``testing.with_notes``: keys are op
+# names or case labels; traits as ``dualop.testing.TRAITS`` defines them).
+CASE_NOTES = {"ssd_chunk_scan": {"traits": {"case_shapes_only", "contraction", "widens_nonfinite", "packed_sequences"},
+                    "kernel_in_native_cells": JAX_XLA}}
