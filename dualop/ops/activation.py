@@ -40,6 +40,7 @@ class _GatedActivation(CustomOp):
     and serves the native body and the Pallas kernel alike."""
 
     spec: GateSpec = GateSpec()
+    parameterless = True  # the layer modules wrap the op as it is (dualop.torch/jax.layers)
 
     def check_inputs(self, x: Any) -> None:
         op = type(self).name

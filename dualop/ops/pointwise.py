@@ -64,6 +64,7 @@ class _PointwiseActivation(CustomOp):
     forward_native, so it counts as the CPU kernel; without one, forward_cpu declines."""
 
     activation: str = "relu2"
+    parameterless = True  # the layer modules wrap the op as it is (dualop.torch/jax.layers)
 
     def __init__(self, *, enforce_enable: bool = False) -> None:
         super().__init__(enforce_enable=enforce_enable)
@@ -155,6 +156,8 @@ class XIELU(_PointwiseActivation):
     (1,) in float32 or x's dtype, passed on every call (the op holds no state); a layer creates
     them from ``initial_parameters()``. ``beta`` and ``eps`` are fixed constants.
     """
+
+    parameterless = False  # its alphas are learnt: the layers hold them
 
     activation = "xielu"
 

@@ -274,6 +274,8 @@ class QuantFP8(CustomOp):
     a torch body of its own for torch tensors (jax arrays run the native body, which XLA fuses).
     """
 
+    parameterless = True  # the layer modules wrap the op as it is (dualop.torch/jax.layers)
+
     def __init__(self, static: bool, group_shape: Any = GroupShape.PER_TENSOR, *, enforce_enable: bool = False) -> None:
         super().__init__(enforce_enable=enforce_enable)
         if not isinstance(static, bool):

@@ -50,7 +50,7 @@ from dualop.kernels import ssm_math
 from dualop.ops._checks import FLOAT_DTYPES, concrete_values, dtype_name
 from dualop.platforms import family_of, frontend_of
 
-__all__ = ["SSMBatch", "ssm_batch", "random_serving_batch", "fresh_equal_sequences", "conv_sequences"]
+__all__ = ["SSMBatch", "ssm_batch", "random_serving_batch"]
 
 _INDEX_DTYPES = ("int32", "int64")
 
