@@ -69,13 +69,13 @@ def _torch_kernel():
 
 def _ragged_kernel(args):
     jnp = importlib.import_module("jax.numpy")
-    from dualop.kernels import ragged_moe
+    from dualop.kernels.xla import fused_moe as xla_fused_moe
 
     def run(*a, **kw):
         conv = [None if t is None else jnp.asarray(t.float().numpy()).astype(
             jnp.bfloat16 if t.dtype == torch.bfloat16 else (jnp.int32 if not t.is_floating_point() else jnp.float32))
             for t in a]
-        out = ragged_moe.fused_experts(*conv, **kw)
+        out = xla_fused_moe.fused_experts(*conv, **kw)
         return torch.tensor(np.asarray(out.astype(jnp.float32))).to(a[0].dtype)
 
     return run

@@ -143,7 +143,7 @@ def test_xla_kernel_long_prefill_and_decode(dtype):
     decode step."""
     import jax
 
-    from dualop.kernels import xla_ssd
+    from dualop.kernels.xla import ssd as xla_ssd
 
     op = SSDChunkScan(2, 16, 16, 2)
     for arrays in (_long_case(), _inputs(64, 2, 64, 16, 16, 2, seed=4)):
@@ -157,7 +157,7 @@ def test_xla_kernel_long_prefill_and_decode(dtype):
 def test_xla_kernel_chunk_table_bound():
     """The static bound on the logical chunks holds with equality for sequences of one token over
     a chunk's length, and never undercounts (every sequence's chunks, summed, over random splits)."""
-    from dualop.kernels.xla_ssd import num_chunks
+    from dualop.kernels.xla.ssd import num_chunks
 
     assert num_chunks(8 * 65, 8, 64) == 16  # eight sequences of 65 tokens: two chunks each
     assert num_chunks(5, 5, 64) == 5

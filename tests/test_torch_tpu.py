@@ -140,7 +140,7 @@ def test_every_op_case_reaches_a_registered_pallas_op_on_tpu_tensors(tpu_device,
 def test_one_registered_op_per_kernel_inputs_and_static_options(tpu_device):
     """Calls that differ only in shape or dtype share one op; another optional input present or
     another static option is another op; names are ``dualop::pallas_<kernel>_<hash>``."""
-    from dualop.backends.xla.pallas_bridge import torch_tpu_op
+    from dualop.backends.xla.jax_bridge import torch_tpu_op
     from dualop.kernels.norm_math import NormSpec
     from dualop.ops.layernorm import _PALLAS_RMS_NORM
 
@@ -163,7 +163,7 @@ def test_one_registered_op_per_kernel_inputs_and_static_options(tpu_device):
 def test_torch_compile_graph_holds_the_registered_op(tpu_device):
     """A graph captured by torch.compile (a backend that only records it) keeps the registered
     op opaque; meta inputs, so nothing runs on a device."""
-    from dualop.backends.xla.pallas_bridge import torch_tpu_op
+    from dualop.backends.xla.jax_bridge import torch_tpu_op
     from dualop.kernels.gate_math import GateSpec
     from dualop.ops.activation import _PALLAS_GATED
 
@@ -188,15 +188,15 @@ def test_recording_autograd_declines_so_the_native_body_runs(tpu_device):
     NotImplementedError before registering or calling anything, which the dispatcher turns into
     a reported run of forward_native (that torch differentiates). Meta tensors: autograd on fake
     ``tpu`` tensors would make torch_tpu try to open a TPU runtime."""
-    from dualop.backends.xla.pallas_bridge import call_pallas
+    from dualop.backends.xla.jax_bridge import call_jax_function
     from dualop.kernels.gate_math import GateSpec
     from dualop.ops.activation import _PALLAS_GATED
 
     x = torch.empty(4, 256, device="meta", requires_grad=True)
     with pytest.raises(NotImplementedError, match="no backward pass"):
-        call_pallas("torch_tpu", _PALLAS_GATED, x, spec=GateSpec("silu"))
+        call_jax_function("torch_tpu", _PALLAS_GATED, x, spec=GateSpec("silu"))
     with torch.no_grad():
-        assert call_pallas("torch_tpu", _PALLAS_GATED, x, spec=GateSpec("silu")).shape == (4, 128)
+        assert call_jax_function("torch_tpu", _PALLAS_GATED, x, spec=GateSpec("silu")).shape == (4, 128)
 
 
 def test_bridge_imports_torch_tpu_only_for_tpu_tensors():
@@ -233,13 +233,13 @@ def test_registered_names_are_the_same_in_every_process(tpu_device):
     """A compiled graph or a cache keyed by op name must find the same op in the next process."""
     code = (
         "import torch\n"
-        "from dualop.backends.xla.pallas_bridge import torch_tpu_op\n"
+        "from dualop.backends.xla.jax_bridge import torch_tpu_op\n"
         "from dualop.kernels.norm_math import NormSpec\n"
         "from dualop.ops.layernorm import _PALLAS_RMS_NORM\n"
         "x = torch.empty(4, 128, device='meta')\n"
         "print(torch_tpu_op(_PALLAS_RMS_NORM, (x, None, x), {'spec': NormSpec(eps=1e-6)})._qualname)\n"
     )
-    from dualop.backends.xla.pallas_bridge import torch_tpu_op
+    from dualop.backends.xla.jax_bridge import torch_tpu_op
     from dualop.kernels.norm_math import NormSpec
     from dualop.ops.layernorm import _PALLAS_RMS_NORM
 

@@ -8,7 +8,7 @@ from typing import Any
 
 from dualop.backends import array_namespace
 from dualop.backends.torch.triton_launch import call_triton
-from dualop.backends.xla.pallas_bridge import call_pallas
+from dualop.backends.xla.jax_bridge import call_jax_function
 from dualop.custom_op import CustomOp
 from dualop.kernels.gate_math import GateSpec, apply_gate, gate_and_up, gelu  # noqa: F401  (gelu: models' nn.GELU)
 from dualop.kernels.registry import KernelRef
@@ -70,7 +70,7 @@ class _GatedActivation(CustomOp):
         return call_triton(frontend_of(x), _TRITON_GATED, x, spec=self.spec)
 
     def forward_tpu(self, x: Any) -> Any:
-        return call_pallas(frontend_of(x), _PALLAS_GATED, x, spec=self.spec, native=self.forward_native)
+        return call_jax_function(frontend_of(x), _PALLAS_GATED, x, spec=self.spec, native=self.forward_native)
 
     def extra_repr(self) -> str:
         return repr(self.spec)

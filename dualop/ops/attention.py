@@ -52,7 +52,7 @@ from typing import Any
 
 from dualop.backends import array_namespace
 from dualop.backends.torch.triton_launch import call_triton
-from dualop.backends.xla.pallas_bridge import call_pallas
+from dualop.backends.xla.jax_bridge import call_jax_function
 from dualop.custom_op import CustomOp, Serves
 from dualop.kernels.paged_attention_math import DEFAULT_MASK_VALUE
 from dualop.kernels.registry import KernelRef
@@ -359,7 +359,7 @@ class RaggedPagedAttention(CustomOp):
                     mask_value: float | None = None, k_scale: float | None = None,
                     v_scale: float | None = None) -> Any:
         options = _options(sm_scale, sliding_window, soft_cap, mask_value, k_scale, v_scale)
-        return call_pallas(frontend_of(q), _PALLAS_RPA, q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs,
+        return call_jax_function(frontend_of(q), _PALLAS_RPA, q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs,
                            native=_NativeWithOptions(self, options), **options)
 
     def forward_cuda(self, q: Any, kv_pages: Any, kv_lens: Any, page_indices: Any, cu_q_lens: Any, num_seqs: Any,
@@ -384,7 +384,7 @@ class RaggedPagedAttention(CustomOp):
 
 class _NativeWithOptions:
     """``forward_native`` with the call's keyword options bound: the backward pass of the Pallas
-    path (``call_pallas``'s ``native``) is the VJP of the same computation."""
+    path (``call_jax_function``'s ``native``) is the VJP of the same computation."""
 
     def __init__(self, op: RaggedPagedAttention, options: dict[str, Any]) -> None:
         self.op, self.options = op, options

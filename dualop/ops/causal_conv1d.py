@@ -39,7 +39,7 @@ import numpy as np
 
 from dualop.backends import array_namespace
 from dualop.backends.torch.triton_launch import call_triton
-from dualop.backends.xla.pallas_bridge import call_pallas
+from dualop.backends.xla.jax_bridge import call_jax_function
 from dualop.custom_op import CustomOp
 from dualop.kernels import ssm_math
 from dualop.kernels.registry import KernelRef
@@ -152,7 +152,7 @@ class CausalConv1d(CustomOp):
         def native(*arrays):
             return ssm_math.causal_conv1d_reference(array_namespace(arrays[0]), *arrays, self.activation)
 
-        y, new_state = call_pallas(fe, _PALLAS_CAUSAL_CONV1D, *args, native=native,
+        y, new_state = call_jax_function(fe, _PALLAS_CAUSAL_CONV1D, *args, native=native,
                                    activation=self.activation, decode=batch.decode)
         if family_of(fe) == "torch" and conv_state is not None:
             conv_state.copy_(new_state)

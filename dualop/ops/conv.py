@@ -23,7 +23,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from dualop.backends.xla.pallas_bridge import call_pallas
+from dualop.backends.xla.jax_bridge import call_jax_function
 from dualop.custom_op import ALL_FRONTENDS, CustomOp, Serves
 from dualop.kernels.registry import KernelRef
 from dualop.ops._checks import check_array, check_optional_like
@@ -291,7 +291,7 @@ class _ConvNd(CustomOp):
         frontend = frontend_of(x)
         if frontend == "torch":
             return self._torch_patch_embed(x, weight, bias, on_cpu)
-        return call_pallas(frontend, _XLA_PATCH_EMBED, x, weight, bias, native=self.forward_native,
+        return call_jax_function(frontend, _XLA_PATCH_EMBED, x, weight, bias, native=self.forward_native,
                            kernel_size=self.kernel_size)
 
     def _torch_patch_embed(self, x: Any, weight: Any, bias: Any, on_cpu: bool) -> Any:

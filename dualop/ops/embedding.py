@@ -51,7 +51,7 @@ import numpy as np
 
 from dualop.backends import array_namespace
 from dualop.backends.torch.triton_launch import call_triton
-from dualop.backends.xla.pallas_bridge import call_pallas
+from dualop.backends.xla.jax_bridge import call_jax_function
 from dualop.custom_op import CustomOp
 from dualop.kernels.registry import KernelRef
 from dualop.ops._checks import check_array, check_optional_like, decline_if_recording, dtype_name
@@ -264,7 +264,7 @@ class VocabParallelEmbedding(CustomOp):
             raise NotImplementedError(f"{type(self).name}: the Pallas kernel reads 16-bit rows in pairs and needs an "
                                       f"even row count per shard (got {weight_shard.shape[0]})")
         bounds = self._bounds(input_ids, as_array=True)
-        return self._finish(call_pallas(fe, _PALLAS_EMBEDDING, input_ids, weight_shard, bounds,
+        return self._finish(call_jax_function(fe, _PALLAS_EMBEDDING, input_ids, weight_shard, bounds,
                                         native=masked_vocab_lookup))
 
     def extra_repr(self) -> str:

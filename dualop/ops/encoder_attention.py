@@ -33,7 +33,7 @@ import numpy as np
 
 from dualop.backends import array_namespace
 from dualop.backends.torch.triton_launch import call_triton
-from dualop.backends.xla.pallas_bridge import call_pallas
+from dualop.backends.xla.jax_bridge import call_jax_function
 from dualop.custom_op import CustomOp, Serves
 from dualop.kernels.encoder_attention_math import isolate_nonfinite_values, segment_ids
 from dualop.kernels.registry import KernelRef
@@ -208,7 +208,7 @@ class MMEncoderAttention(CustomOp):
 
     def declines(self, method: str, frontend: str) -> str | None:
         if method == "forward_cuda" and frontend == "jax":
-            from dualop.kernels.jax_gpu import cudnn_declines
+            from dualop.kernels.xla.cudnn_attention import cudnn_declines
 
             return cudnn_declines(frontend)
         return None
@@ -228,7 +228,7 @@ class MMEncoderAttention(CustomOp):
         attention through ``jax.nn.dot_product_attention`` (no jax-triton for Python 3.11)."""
         fe = frontend_of(query)
         if family_of(fe) == "jax":
-            from dualop.kernels.jax_gpu import cudnn_encoder_attention
+            from dualop.kernels.xla.cudnn_attention import cudnn_encoder_attention
 
             return cudnn_encoder_attention(query, key, value, cu_seqlens, **self._static())
         return call_triton(fe, _TRITON_ENCODER_ATTENTION, query, key, value, cu_seqlens,
@@ -236,7 +236,7 @@ class MMEncoderAttention(CustomOp):
 
     def forward_tpu(self, query: Any, key: Any, value: Any, cu_seqlens: Any = None,
                     max_seqlen: int | None = None) -> Any:
-        return call_pallas(frontend_of(query), _PALLAS_ENCODER_ATTENTION, query, key, value, cu_seqlens,
+        return call_jax_function(frontend_of(query), _PALLAS_ENCODER_ATTENTION, query, key, value, cu_seqlens,
                            native=self.forward_native, **self._static())
 
     def extra_repr(self) -> str:

@@ -7,7 +7,7 @@ from typing import Any
 
 from dualop.backends import array_namespace
 from dualop.backends.torch.triton_launch import call_triton
-from dualop.backends.xla.pallas_bridge import call_pallas
+from dualop.backends.xla.jax_bridge import call_jax_function
 from dualop.custom_op import CustomOp
 from dualop.kernels.registry import KernelRef
 from dualop.ops._checks import check_array, check_optional_like, decline_if_recording
@@ -143,7 +143,7 @@ class RMSNormGated(CustomOp):
         )
 
     def forward_tpu(self, x: Any, weight: Any, z: Any = None) -> Any:
-        return call_pallas(
+        return call_jax_function(
             frontend_of(x), _PALLAS_RMS_NORM_GATED, x, weight, z,
             eps=self.eps, group_size=self._group, norm_before_gate=self.norm_before_gate,
             cast_before_weight=self.cast_before_weight,

@@ -43,7 +43,7 @@ from typing import Any, ClassVar
 
 from dualop.backends import array_namespace
 from dualop.backends.torch.triton_launch import call_triton
-from dualop.backends.xla.pallas_bridge import call_pallas
+from dualop.backends.xla.jax_bridge import call_jax_function
 from dualop.custom_op import CustomOp
 from dualop.kernels.registry import KernelRef
 from dualop.ops._checks import (
@@ -231,7 +231,7 @@ class ReshapeAndCache(CustomOp):
         """The Pallas kernel; the torch frontends get its new array written back into ``kv_pages``
         (``copy_``), so torch callers see the update in place on every device."""
         fe = frontend_of(key)
-        new = call_pallas(fe, _PALLAS_RESHAPE_AND_CACHE, key, value, kv_pages, last_writes(slot_mapping))
+        new = call_jax_function(fe, _PALLAS_RESHAPE_AND_CACHE, key, value, kv_pages, last_writes(slot_mapping))
         if family_of(fe) == "torch":
             kv_pages.copy_(new)
             return kv_pages

@@ -7,7 +7,7 @@ from typing import Any
 
 from dualop.backends import array_namespace
 from dualop.backends.torch.triton_launch import call_triton
-from dualop.backends.xla.pallas_bridge import call_pallas
+from dualop.backends.xla.jax_bridge import call_jax_function
 from dualop.custom_op import CustomOp
 from dualop.kernels.norm_math import NormSpec, rms_normalize
 from dualop.kernels.registry import KernelRef
@@ -86,7 +86,7 @@ class _RMSNormFamily(CustomOp):
         return call_triton(frontend_of(x), _TRITON_RMS_NORM, x, weight, residual, spec=self.spec)
 
     def forward_tpu(self, x: Any, weight: Any = None, residual: Any = None) -> Any:
-        return call_pallas(
+        return call_jax_function(
             frontend_of(x), _PALLAS_RMS_NORM, x, weight, residual, spec=self.spec, native=self.forward_native
         )
 

@@ -18,7 +18,7 @@ GEMM written here:
 - torch on the CPU / CUDA / ROCm: ``F.linear`` (one addmm: oneDNN / cuBLAS / hipBLASLt on the
   operands' own dtype, the bias in the GEMM's epilogue);
 - on a TPU (jax, torch_xla, torchax, torch_tpu arrays, through the Pallas bridge) and for jax
-  arrays on a GPU: ``kernels/xla_linear``, ``jax.lax.dot_general`` on the operands' own dtype with
+  arrays on a GPU: ``kernels/xla/linear``, ``jax.lax.dot_general`` on the operands' own dtype with
   float32 accumulation (``preferred_element_type``), the bias added in float32 (XLA fuses it into
   the dot's output fusion), then the cast. For 16-bit inputs that is one pass of the matrix unit,
   where the native body's float32 operands take several (that, and not a GEMM of its own, is why
@@ -36,7 +36,7 @@ import dataclasses
 from typing import Any
 
 from dualop.backends import array_namespace
-from dualop.backends.xla.pallas_bridge import call_pallas
+from dualop.backends.xla.jax_bridge import call_jax_function
 from dualop.custom_op import ALL_FRONTENDS, CustomOp, Serves
 from dualop.kernels.registry import KernelRef
 from dualop.ops._checks import check_array, check_optional_like
@@ -47,7 +47,7 @@ from dualop.kernels import cost as cost_model
 from dualop.kernels.cost import KernelCost
 from dualop.spec import BenchCase, InputSpec, Serving, float32_normal as _normal, rows_of
 
-_XLA_LINEAR = KernelRef("dualop.kernels.xla_linear", "linear")
+_XLA_LINEAR = KernelRef("dualop.kernels.xla.linear", "linear")
 
 __all__ = [
     "ReplicatedLinear",
@@ -206,11 +206,11 @@ class _Linear(CustomOp):
 
     def forward_tpu(self, x: Any, weight: Any, bias: Any = None) -> Any:
         """On a TPU: XLA's dot on the operands' dtype with float32 accumulation
-        (``kernels/xla_linear``), reached from jax, torch_xla, torchax and torch_tpu through the
+        (``kernels/xla/linear``), reached from jax, torch_xla, torchax and torch_tpu through the
         Pallas bridge (jax gets the native body's gradient)."""
 
         def gemm(x, weight, bias):
-            return call_pallas(frontend_of(x), _XLA_LINEAR, x, weight, bias, native=_native_gemm)
+            return call_jax_function(frontend_of(x), _XLA_LINEAR, x, weight, bias, native=_native_gemm)
 
         return self._apply(gemm, x, weight, bias)
 

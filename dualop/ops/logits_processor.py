@@ -9,7 +9,7 @@ from typing import Any
 
 from dualop.backends import array_namespace
 from dualop.backends.torch.triton_launch import call_triton
-from dualop.backends.xla.pallas_bridge import call_pallas
+from dualop.backends.xla.jax_bridge import call_jax_function
 from dualop.custom_op import CustomOp
 from dualop.kernels.logits_math import LogitsSpec, cap_and_scale
 from dualop.kernels.registry import KernelRef
@@ -207,7 +207,7 @@ class LogitsProcessor(CustomOp):
 
     def forward_tpu(self, lm_head_weight: Any, hidden_states: Any, embedding_bias: Any = None) -> Any:
         self._require_kernel()
-        local = call_pallas(frontend_of(hidden_states), _PALLAS_LOGITS, lm_head_weight, hidden_states,
+        local = call_jax_function(frontend_of(hidden_states), _PALLAS_LOGITS, lm_head_weight, hidden_states,
                             embedding_bias, spec=self.spec, rows=self.local_rows, native=self._local_logits)
         return self._finish(local)
 

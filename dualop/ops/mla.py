@@ -44,7 +44,7 @@ import numpy as np
 
 from dualop.backends import array_namespace
 from dualop.backends.torch.triton_launch import call_triton
-from dualop.backends.xla.pallas_bridge import call_pallas
+from dualop.backends.xla.jax_bridge import call_jax_function
 from dualop.custom_op import CustomOp
 from dualop.kernels.paged_attention_math import DEFAULT_MASK_VALUE
 from dualop.kernels.registry import KernelRef
@@ -153,7 +153,7 @@ class RaggedPagedMLAAttention(CustomOp):
 
     def forward_tpu(self, q_latent: Any, latent_pages: Any, kv_lens: Any, page_indices: Any, cu_q_lens: Any,
                     num_seqs: Any, *, sm_scale: float = 1.0) -> Any:
-        return call_pallas(frontend_of(q_latent), _PALLAS_MLA, q_latent, latent_pages, kv_lens, page_indices,
+        return call_jax_function(frontend_of(q_latent), _PALLAS_MLA, q_latent, latent_pages, kv_lens, page_indices,
                            cu_q_lens, num_seqs, native=_NativeMLA(self, sm_scale), kv_lora_rank=self.kv_lora_rank,
                            sm_scale=float(sm_scale))
 
@@ -272,7 +272,7 @@ class ConcatAndCacheMLA(CustomOp):
         frontends get the result written back into ``latent_pages`` (``copy_``)."""
         fe = frontend_of(kv_c)
         key, value, view = self._pair(kv_c, k_pe, latent_pages)
-        new = call_pallas(fe, _PALLAS_CACHE, key, value, view, last_writes(slot_mapping)).reshape(latent_pages.shape)
+        new = call_jax_function(fe, _PALLAS_CACHE, key, value, view, last_writes(slot_mapping)).reshape(latent_pages.shape)
         if family_of(fe) == "torch":
             latent_pages.copy_(new)
             return latent_pages
@@ -564,7 +564,7 @@ def _product(xp: Any, native: bool, subscripts: str, a: Any, b: Any) -> Any:
     dtype: float32 operands in the native body; on the platform paths the operands' own dtype with
     float32 accumulation (XLA's ``preferred_element_type``; torch's matmul accumulates in float32).
     XLA:CPU (a TPU path interpreted on a CPU host) has no 16-bit x 16-bit -> float32 dot ("Unsupported
-    element type for DotThunk"), so there the operands are upcast first, as ``kernels/xla_linear``
+    element type for DotThunk"), so there the operands are upcast first, as ``kernels/xla/linear``
     does: products of 16-bit values are exact in float32, so the sums are the same ones."""
     if native or xp.name == "torch":
         return xp.astype(xp.einsum(subscripts, xp.astype(a, xp.float32), xp.astype(b, xp.float32)), a.dtype)

@@ -40,7 +40,7 @@ import numpy as np
 
 from dualop.backends import array_namespace
 from dualop.backends.torch.triton_launch import call_triton
-from dualop.backends.xla.pallas_bridge import call_pallas
+from dualop.backends.xla.jax_bridge import call_jax_function
 from dualop.custom_op import ALL_FRONTENDS, CustomOp, Serves
 from dualop.kernels import moe_math
 from dualop.kernels.registry import KernelRef
@@ -66,7 +66,7 @@ _PALLAS_EXPERTS = KernelRef("dualop.kernels.pallas.fused_moe", "fused_experts")
 _TRITON_EXPERTS = KernelRef("dualop.kernels.cuda.fused_moe", "fused_experts")
 _CPU_EXPERTS = KernelRef("dualop.kernels.cpu.fused_moe", "fused_experts")
 _CPU_TOPK = KernelRef("dualop.kernels.cpu.moe_routing", "grouped_topk")
-_RAGGED_EXPERTS = KernelRef("dualop.kernels.ragged_moe", "fused_experts")
+_RAGGED_EXPERTS = KernelRef("dualop.kernels.xla.fused_moe", "fused_experts")
 
 
 def _check_int(op: str, name: str, value: Any, *, minimum: int) -> int:
@@ -200,7 +200,7 @@ class GroupedTopk(CustomOp):
     def forward_tpu(self, hidden_states: Any, gating_output: Any,
                     e_score_correction_bias: Any = None) -> tuple[Any, Any]:
         # hidden_states only fixes the token count: the native body (JAX's gradient) does not read it.
-        return call_pallas(frontend_of(gating_output), _PALLAS_TOPK, gating_output, e_score_correction_bias,
+        return call_jax_function(frontend_of(gating_output), _PALLAS_TOPK, gating_output, e_score_correction_bias,
                            native=functools.partial(self.forward_native, None), **self.routing_options())
 
     def forward_cuda(self, hidden_states: Any, gating_output: Any,
@@ -388,7 +388,7 @@ class UnquantizedFusedMoEMethod(CustomOp):
 
     def forward_tpu(self, x: Any, topk_weights: Any, topk_ids: Any, w13: Any, w2: Any, w13_bias: Any = None,
                     w2_bias: Any = None, expert_map: Any = None) -> Any:
-        return call_pallas(frontend_of(x), _PALLAS_EXPERTS, x, topk_weights, topk_ids, w13, w2, w13_bias, w2_bias,
+        return call_jax_function(frontend_of(x), _PALLAS_EXPERTS, x, topk_weights, topk_ids, w13, w2, w13_bias, w2_bias,
                            expert_map, native=self.forward_native, **self._options())
 
     def forward_cuda(self, x: Any, topk_weights: Any, topk_ids: Any, w13: Any, w2: Any, w13_bias: Any = None,

@@ -13,7 +13,7 @@ from typing import Any
 
 from dualop.backends import array_namespace
 from dualop.backends.torch.triton_launch import call_triton
-from dualop.backends.xla.pallas_bridge import call_pallas
+from dualop.backends.xla.jax_bridge import call_jax_function
 from dualop.custom_op import CustomOp
 from dualop.kernels.registry import KernelRef
 from dualop.ops._checks import check_array, check_optional_like, dtype_name
@@ -95,7 +95,7 @@ class _PointwiseActivation(CustomOp):
         return call_triton(frontend_of(x), _TRITON_POINTWISE, x, activation=self.activation)
 
     def forward_tpu(self, x: Any) -> Any:
-        return call_pallas(
+        return call_jax_function(
             frontend_of(x), _PALLAS_POINTWISE, x, activation=self.activation, native=self.forward_native
         )
 
@@ -235,7 +235,7 @@ class XIELU(_PointwiseActivation):
         )
 
     def forward_tpu(self, x: Any, alpha_p: Any, alpha_n: Any) -> Any:
-        return call_pallas(
+        return call_jax_function(
             frontend_of(x), _PALLAS_POINTWISE, x, alpha_p, alpha_n,
             activation="xielu", beta=self.beta, eps=self.eps, native=self.forward_native,
         )

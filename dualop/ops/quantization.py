@@ -54,7 +54,7 @@ from typing import Any, ClassVar
 
 from dualop.backends import array_namespace
 from dualop.backends.torch.triton_launch import call_triton
-from dualop.backends.xla.pallas_bridge import call_pallas
+from dualop.backends.xla.jax_bridge import call_jax_function
 from dualop.custom_op import CustomOp
 from dualop.kernels.registry import KernelRef
 from dualop.ops._checks import check_array, check_optional_like, concrete_values, dtype_name
@@ -421,7 +421,7 @@ class QuantFP8(CustomOp):
         )
 
     def forward_tpu(self, x: Any, scale: Any = None, scale_ub: Any = None) -> Any:
-        return call_pallas(
+        return call_jax_function(
             frontend_of(x), _PALLAS_QUANT, x, scale, scale_ub,
             granularity=self._granularity, group_size=max(self.group_shape.col, 0),
             native=self.forward_native,

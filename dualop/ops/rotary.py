@@ -19,7 +19,7 @@ import numpy as np
 
 from dualop.backends import array_namespace
 from dualop.backends.torch.triton_launch import call_triton
-from dualop.backends.xla.pallas_bridge import call_pallas
+from dualop.backends.xla.jax_bridge import call_jax_function
 from dualop.custom_op import CustomOp
 from dualop.kernels.registry import KernelRef
 from dualop.kernels.rope_math import rotate
@@ -67,9 +67,9 @@ def rotate_heads(method: str, query: Any, key: Any, cos: Any, sin: Any, rotary_d
     if method == "forward_tpu":
         if key is None:  # one output: no None for the bridges to carry
             native = lambda q, c, s: rotate_pair(q, None, c, s, **static)[0]  # noqa: E731
-            return call_pallas(fe, _PALLAS_ROTARY_QUERY, query, cos, sin, native=native, **static), None
+            return call_jax_function(fe, _PALLAS_ROTARY_QUERY, query, cos, sin, native=native, **static), None
         native = functools.partial(rotate_pair, **static)
-        return call_pallas(fe, _PALLAS_ROTARY, query, key, cos, sin, native=native, **static)
+        return call_jax_function(fe, _PALLAS_ROTARY, query, key, cos, sin, native=native, **static)
     if method == "forward_cuda":
         return call_triton(fe, _TRITON_ROTARY, query, key, cos, sin, **static)
     if method == "forward_cpu":

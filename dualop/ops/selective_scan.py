@@ -37,7 +37,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from dualop.backends.torch.triton_launch import call_triton
-from dualop.backends.xla.pallas_bridge import call_pallas
+from dualop.backends.xla.jax_bridge import call_jax_function
 from dualop.custom_op import CustomOp
 from dualop.kernels import ssm_math
 from dualop.backends import array_namespace
@@ -158,7 +158,7 @@ class SelectiveScan(CustomOp):
         (``copy_``), so torch callers see the update in place on every device."""
         fe = frontend_of(x)
         batch = self._batch(x, cu_seqlens, state_indices, has_initial_state, ssm_state)
-        y, state = call_pallas(fe, _PALLAS_SELECTIVE_SCAN, x, dt, A, B, C, D, z, dt_bias, batch.state,
+        y, state = call_jax_function(fe, _PALLAS_SELECTIVE_SCAN, x, dt, A, B, C, D, z, dt_bias, batch.state,
                                batch.cu_seqlens, batch.state_indices, batch.has_initial_state,
                                native=self.forward_native, delta_softplus=self.delta_softplus, decode=batch.decode)
         if ssm_state is not None and family_of(fe) == "torch":

@@ -24,7 +24,7 @@ from typing import Any, ClassVar
 
 from dualop.backends import array_namespace
 from dualop.backends.torch.triton_launch import call_triton
-from dualop.backends.xla.pallas_bridge import call_pallas
+from dualop.backends.xla.jax_bridge import call_jax_function
 from dualop.custom_op import CustomOp, Serves
 from dualop.kernels import ssm_math
 from dualop.kernels.registry import KernelRef
@@ -44,7 +44,7 @@ OP = "ssd_chunk_scan"
 _PALLAS_SSD = KernelRef("dualop.kernels.pallas.ssd", "ssd_chunk_scan")
 _TRITON_SSD = KernelRef("dualop.kernels.cuda.ssd", "ssd_chunk_scan")
 _CPU_SSD = KernelRef("dualop.kernels.cpu.ssd", "ssd_chunk_scan")
-_XLA_SSD = KernelRef("dualop.kernels.xla_ssd", "ssd_chunk_scan")
+_XLA_SSD = KernelRef("dualop.kernels.xla.ssd", "ssd_chunk_scan")
 
 
 @CustomOp.register(OP)
@@ -125,7 +125,7 @@ class SSDChunkScan(CustomOp):
             array_namespace(x), x, dt, A, B, C, D, z, dt_bias, batch.state, batch.cu_seqlens, batch.state_indices,
             batch.has_initial_state, self.delta_softplus, self.dt_limit)
 
-    # jax arrays on the CPU and GPUs take the chunked form in jax.numpy (kernels/xla_ssd); torch_xla
+    # jax arrays on the CPU and GPUs take the chunked form in jax.numpy (kernels/xla/ssd); torch_xla
     # and torchax tensors have no CPU or GPU path (they reach XLA through the TPU bridge).
     serves = {m: Serves(("torch", "jax"), "no CPU kernel for {frontend} arrays: XLA compiles the native body")
               for m in ("forward_cpu", "forward_cuda", "forward_hip")}
@@ -145,7 +145,7 @@ class SSDChunkScan(CustomOp):
         """torch on the CPU: the chunked form as batched torch matmuls (``kernels/cpu/ssd.py``);
         while autograd records, the native recurrence runs (its gradients are the reference's: the
         chunked form's differ by more than the 16-bit tolerance). jax arrays: the chunked form in
-        ``jax.numpy`` (``kernels/xla_ssd.py``)."""
+        ``jax.numpy`` (``kernels/xla/ssd.py``)."""
         args = self._kernel_args(x, dt, A, B, C, D, z, dt_bias, ssm_state, cu_seqlens, state_indices,
                                  has_initial_state)
         if frontend_of(x) == "jax":
@@ -157,7 +157,7 @@ class SSDChunkScan(CustomOp):
                      dt_bias: Any = None, ssm_state: Any = None, cu_seqlens: Any = None, state_indices: Any = None,
                      has_initial_state: Any = None) -> tuple[Any, Any]:
         """torch on a GPU: the Triton kernels; jax arrays: the chunked form in ``jax.numpy``
-        (``kernels/xla_ssd.py``; a Triton launch would need jax-triton)."""
+        (``kernels/xla/ssd.py``; a Triton launch would need jax-triton)."""
         args = self._kernel_args(x, dt, A, B, C, D, z, dt_bias, ssm_state, cu_seqlens, state_indices,
                                  has_initial_state)
         if frontend_of(x) == "jax":
@@ -176,7 +176,7 @@ class SSDChunkScan(CustomOp):
         def native(*arrays):
             return ssm_math.ssd_reference(array_namespace(arrays[0]), *arrays, self.delta_softplus, self.dt_limit)
 
-        y, new_state = call_pallas(fe, _PALLAS_SSD, *args, native=native, **self._static)
+        y, new_state = call_jax_function(fe, _PALLAS_SSD, *args, native=native, **self._static)
         if family_of(fe) == "torch" and ssm_state is not None:
             ssm_state.copy_(new_state)
             return y, ssm_state

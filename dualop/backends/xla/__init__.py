@@ -1,2 +1,3 @@
-"""The XLA side: the jax array namespace (``array_api``) and the Pallas bridges (``pallas_bridge``)
-that reach a Pallas kernel from JAX, from torch_xla tensors and from torchax tensors."""
+"""The XLA side: the jax array namespace (``array_api``) and the JAX bridge (``jax_bridge``) that
+calls a JAX function, a Pallas kernel or a plain XLA program, from jax arrays and from torch_xla,
+torchax and torch_tpu tensors."""

@@ -1,4 +1,5 @@
-"""Reach a Pallas kernel (a JAX function) from every frontend that can hold TPU arrays.
+"""Call a JAX function, a Pallas kernel or a plain XLA program (``kernels/pallas/``,
+``kernels/xla/``), from every frontend that can hold TPU arrays.
 
 - ``jax``: call it (works under ``jit``, ``vmap``, ``shard_map``).
 - ``torch_xla``: ``torch_xla.core.xla_builder.call_jax``; on a TPU this lowers to a Mosaic custom
@@ -23,12 +24,12 @@ from typing import Any, Callable
 
 from dualop.kernels.registry import KernelRef
 
-__all__ = ["call_pallas", "torch_tpu_op"]
+__all__ = ["call_jax_function", "torch_tpu_op"]
 
 _BRIDGED_FRONTENDS = ("jax", "torch_xla", "torchax", "torch_tpu")
 
 
-def call_pallas(frontend: str, kernel_ref: KernelRef, *arrays: Any, native: Callable | None = None, **static: Any) -> Any:
+def call_jax_function(frontend: str, kernel_ref: KernelRef, *arrays: Any, native: Callable | None = None, **static: Any) -> Any:
     """Run ``kernel(*arrays, interpret=..., **static)`` on the caller's arrays, returning the
     caller's array type. ``arrays`` may hold None for absent optional inputs.
 
