@@ -1,4 +1,7 @@
-"""Normalisation ops."""
+"""RMS normalisation: ``RMSNorm`` (optionally fused with the residual add) and ``GemmaRMSNorm``.
+
+The module keeps the reference serving engine's name (its ``layernorm.py`` holds the same RMS
+norms); there is no LayerNorm here. The gated group norm is ``gated_norm.py``."""
 
 from __future__ import annotations
 
