@@ -6,6 +6,11 @@ body reaches only about half the copy bandwidth in bfloat16 (see docs/BENCHMARKS
 read each input once and write each output once, a row staying in cache between its statistic and
 its output, with OpenMP over rows and GCC-vectorised bodies.
 
+Each C entry point is declared once, as its C prototype, in the kernel module that calls it
+(``abi.c_function``); the build force-includes those declarations into every source, so a
+definition that differs fails to compile, and the Python side calls the function by parameter name.
+Every ``csrc/*.cc`` is built: a new kernel adds its ``.cc`` and its module, nothing here.
+
 The library is compiled on first use with the system C++ compiler (``$CXX``, else ``g++``/``c++``),
 for the host CPU (``-march=native``), into ``$DUALOP_CACHE_DIR`` (default ``~/.cache/dualop``),
 keyed by a hash of the sources, the flags, the compiler and the CPU. OpenMP comes from the
@@ -27,11 +32,9 @@ import tempfile
 import threading
 from pathlib import Path
 
-__all__ = ["KernelUnavailable", "load", "library_path", "DTYPE_CODES"]
+__all__ = ["KernelUnavailable", "load", "library_path", "compile_command", "DTYPE_CODES"]
 
-_SOURCES = ("rms_norm.cc", "gated_activation.cc", "ragged_paged_attention.cc", "rotary.cc", "moe.cc", "embedding.cc",
-            "selective_scan.cc")
-_HEADERS = ("common.h",)
+_CSRC = Path(__file__).parent / "csrc"
 # -fno-trapping-math lets GCC if-convert (and so vectorise) the branch-free selects; results are
 # unchanged (it only assumes no floating-point trap handler is installed). No -ffast-math: NaN,
 # infinities and rounding behave as in torch.
@@ -66,64 +69,47 @@ def _cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+def _sources() -> list[Path]:
+    return sorted(_CSRC.glob("*.cc"))
+
+
 def library_path(compiler: str) -> Path:
-    """Where the library for these sources, flags, compiler and CPU lives."""
-    src = Path(__file__).parent / "csrc"
+    """Where the library for these sources, declarations, flags, compiler and CPU lives."""
+    from dualop.kernels.cpu.abi import header_text
+
     digest = hashlib.sha256()
-    for name in (*_HEADERS, *_SOURCES):
-        digest.update((src / name).read_bytes())
+    for path in (*sorted(_CSRC.glob("*.h")), *_sources()):
+        digest.update(path.name.encode())
+        digest.update(path.read_bytes())
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
-    for part in (" ".join(_FLAGS), compiler, version, _cpu_model()):
+    for part in (header_text(), " ".join(_FLAGS), compiler, version, _cpu_model()):
         digest.update(part.encode())
     root = Path(os.environ.get("DUALOP_CACHE_DIR") or Path.home() / ".cache" / "dualop")
     return root / "cpu_kernels" / f"dualop_cpu_{digest.hexdigest()[:16]}.so"
 
 
+def compile_command(compiler: str, sources: list[Path], header: Path, out: Path) -> list[str]:
+    """The compiler's command line: every source with the declarations header force-included."""
+    return [compiler, *_FLAGS, "-include", str(header), *(str(src) for src in sources), "-o", str(out)]
+
+
 def _build(compiler: str, target: Path) -> None:
+    from dualop.kernels.cpu.abi import header_text
+
     target.parent.mkdir(parents=True, exist_ok=True)
     with open(target.with_suffix(".lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # one build per machine, whichever process gets here first
         if target.exists():
             return
-        src = Path(__file__).parent / "csrc"
         with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+            header = Path(tmp) / "dualop_api.h"
+            header.write_text(header_text())
             out = Path(tmp) / target.name
-            cmd = [compiler, *_FLAGS, *(str(src / s) for s in _SOURCES), "-o", str(out)]
+            cmd = compile_command(compiler, _sources(), header, out)
             proc = subprocess.run(cmd, capture_output=True, text=True)
             if proc.returncode != 0:
                 raise KernelUnavailable(f"building dualop's CPU kernels failed: {' '.join(cmd)}\n{proc.stderr[-2000:]}")
             os.replace(out, target)
-
-
-def _declare(lib: ctypes.CDLL) -> None:
-    p, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
-    lib.dualop_rms_norm.argtypes = [i32, p, p, p, p, p, i64, i64, f32, i32, i32]
-    lib.dualop_rms_norm.restype = i32
-    lib.dualop_rms_norm_gated.argtypes = [i32, p, p, p, p, i64, i64, i64, f32, i32, i32, i32]
-    lib.dualop_rms_norm_gated.restype = i32
-    lib.dualop_gated_activation.argtypes = [i32, i32, p, p, i64, i64, i32, i32]
-    lib.dualop_gated_activation.restype = i32
-    lib.dualop_gated_table.argtypes = [i32, p, p, p, i64, i64, i32, i32]
-    lib.dualop_gated_table.restype = i32
-    lib.dualop_ragged_paged_attention.argtypes = [i32, p, p, p, p, p, i32, p, i64, i64, i64, i64, i64, i64, i64, i64,
-                                                  f32, i64, f32, i32, f32, f32, i32]
-    lib.dualop_ragged_paged_attention.restype = i32
-    lib.dualop_rotary.argtypes = [i32, i32, p, p, p, p, p, p, i64, i64, i64, i64, i64, i64, i64, i32, i32]
-    lib.dualop_rotary.restype = i32
-    lib.dualop_moe_grouped_linear.argtypes = [i32, p, p, p, p, p, i64, p, i64, i64, i32]
-    lib.dualop_moe_grouped_linear.restype = i32
-    lib.dualop_moe_has_bf16_dot.argtypes = []
-    lib.dualop_moe_has_bf16_dot.restype = i32
-    lib.dualop_moe_grouped_linear_bf16.argtypes = [p, p, p, p, p, p, i64, p, i64, i64, i32]
-    lib.dualop_moe_grouped_linear_bf16.restype = i32
-    lib.dualop_split_bf16.argtypes = [p, p, p, i64, i32]
-    lib.dualop_split_bf16.restype = i32
-    lib.dualop_grouped_topk.argtypes = [i32, p, p, p, p, i64, i64, i32, i32, i64, i32, i32, f32, i32]
-    lib.dualop_grouped_topk.restype = i32
-    lib.dualop_vocab_embedding.argtypes = [i32, p, p, i64, p, i64, i64, i64, i64, i64, i64, i64, i32, i64]
-    lib.dualop_vocab_embedding.restype = i32
-    lib.dualop_selective_scan.argtypes = [i32, i32, p, p, p, p, p, p, p, p, p, p, p, p, i64, i64, i64, i64, i32]
-    lib.dualop_selective_scan.restype = i32
 
 
 def load() -> ctypes.CDLL:
@@ -144,9 +130,7 @@ def load() -> ctypes.CDLL:
                 target = library_path(compiler)
                 if not target.exists():
                     _build(compiler, target)
-                lib = ctypes.CDLL(str(target))
-                _declare(lib)
-                _library = lib
+                _library = ctypes.CDLL(str(target))
             except (KernelUnavailable, OSError) as err:
                 _failure = str(err)
         if _library is None:

@@ -6,7 +6,7 @@ from typing import Any
 
 from dualop.kernels.cpu import DTYPE_CODES
 
-__all__ = ["dtype_code", "threads_for", "pointer"]
+__all__ = ["dtype_code", "threads_for"]
 
 # Below this many elements one thread is faster than waking the OpenMP team.
 _PARALLEL_MIN_ELEMENTS = 1 << 15
@@ -23,7 +23,3 @@ def threads_for(numel: int) -> int:
     import torch
 
     return 1 if numel < _PARALLEL_MIN_ELEMENTS else torch.get_num_threads()
-
-
-def pointer(t: Any | None) -> int | None:
-    return None if t is None else t.data_ptr()

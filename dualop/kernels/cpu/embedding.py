@@ -9,6 +9,13 @@ from typing import Any
 
 from dualop.kernels.cpu import load
 from dualop.kernels.cpu.common import threads_for
+from dualop.kernels.cpu.abi import c_function
+
+_C_VOCAB_EMBEDDING = c_function(
+    "int dualop_vocab_embedding(int ids_are_64, const void* ids, const void* weight, int64_t weight_row_stride, "
+    "void* out, int64_t tokens, int64_t row_bytes, int64_t org_start, int64_t org_end, int64_t added_start, "
+    "int64_t added_end, int64_t added_offset, int threads, int64_t num_embeddings)"
+)
 
 __all__ = ["vocab_embedding", "OutOfVocabulary"]
 
@@ -23,7 +30,7 @@ def vocab_embedding(input_ids: Any, weight: Any, bounds: tuple[int, int, int, in
     Raises ``OutOfVocabulary`` before writing when an id is outside ``[0, num_embeddings)``."""
     import torch
 
-    lib = load()
+    load()  # KernelUnavailable (the call declines) before any work if the library cannot be built
     if input_ids.device.type != "cpu" or weight.device.type != "cpu":
         raise NotImplementedError("the C++ embedding kernel takes CPU tensors")
     ids = input_ids if input_ids.ndim == 1 and input_ids.is_contiguous() else input_ids.reshape(-1).contiguous()
@@ -33,9 +40,12 @@ def vocab_embedding(input_ids: Any, weight: Any, bounds: tuple[int, int, int, in
     out = torch.empty((tokens, dim), dtype=weight.dtype)
     if tokens:
         itemsize = weight.element_size()
-        status = lib.dualop_vocab_embedding(
-            ids.dtype == torch.int64, ids.data_ptr(), weight.data_ptr(), weight.stride(0) * itemsize,
-            out.data_ptr(), tokens, dim * itemsize, *bounds, threads_for(tokens * dim), num_embeddings,
+        org_start, org_end, added_start, added_end, added_offset = bounds
+        status = _C_VOCAB_EMBEDDING(
+            ids_are_64=ids.dtype == torch.int64, ids=ids, weight=weight,
+            weight_row_stride=weight.stride(0) * itemsize, out=out, tokens=tokens, row_bytes=dim * itemsize,
+            org_start=org_start, org_end=org_end, added_start=added_start, added_end=added_end,
+            added_offset=added_offset, threads=threads_for(tokens * dim), num_embeddings=num_embeddings,
         )
         if status == 2:
             raise OutOfVocabulary

@@ -29,9 +29,27 @@ from __future__ import annotations
 from typing import Any
 
 from dualop.kernels import moe_math
-from dualop.kernels.cpu import gated_activation, load
-from dualop.kernels.cpu.common import dtype_code, pointer, threads_for
+from dualop.kernels.cpu import gated_activation
+from dualop.kernels.cpu.common import dtype_code, threads_for
 from dualop.backends.torch.recording import decline_if_recording
+from dualop.kernels.cpu.abi import c_function
+
+_C_SPLIT_BF16 = c_function(
+    "int dualop_split_bf16(const float* v, void* hi, void* lo, int64_t count, int threads)"
+)
+_C_MOE_GROUPED_LINEAR_BF16 = c_function(
+    "int dualop_moe_grouped_linear_bf16(const void* hi, const void* lo, const void* w, "
+    "const int64_t* group_expert, const int64_t* group_start, const int64_t* group_end, int64_t groups, "
+    "float* out, int64_t n, int64_t k, int threads)"
+)
+_C_MOE_HAS_BF16_DOT = c_function(
+    "int dualop_moe_has_bf16_dot()"
+)
+_C_MOE_GROUPED_LINEAR = c_function(
+    "int dualop_moe_grouped_linear(int dtype, const float* x, const void* w, const int64_t* group_expert, "
+    "const int64_t* group_start, const int64_t* group_end, int64_t groups, float* out, int64_t n, int64_t k, "
+    "int threads)"
+)
 
 __all__ = ["fused_experts", "has_bf16_dot"]
 
@@ -43,7 +61,7 @@ _KERNEL_MAX_ROWS = 16
 def has_bf16_dot() -> bool:
     """Whether the CPU kernel library was built with AVX512-BF16 (bfloat16 dot products with
     float32 sums): then bfloat16 experts run on ``dualop_moe_grouped_linear_bf16``."""
-    return bool(load().dualop_moe_has_bf16_dot())
+    return bool(_C_MOE_HAS_BF16_DOT())
 
 
 def _rows_contiguous(weights: Any) -> bool:
@@ -76,7 +94,7 @@ def split_bf16(values: Any) -> tuple[Any, Any]:
 
     values = values.contiguous()
     hi, lo = torch.empty_like(values, dtype=torch.bfloat16), torch.empty_like(values, dtype=torch.bfloat16)
-    load().dualop_split_bf16(pointer(values), pointer(hi), pointer(lo), values.numel(), threads_for(values.numel()))
+    _C_SPLIT_BF16(v=values, hi=hi, lo=lo, count=values.numel(), threads=threads_for(values.numel()))
     return hi, lo
 
 
@@ -89,9 +107,11 @@ def _grouped_linear_bf16(hi: Any, lo: Any | None, weights: Any, used: list[int],
     _, n, k = weights.shape
     out = torch.empty((hi.shape[0], n), dtype=torch.float32)
     group_expert, group_start, group_end = _group_tensors(_row_starts(counts), used, list(range(len(counts))))
-    status = load().dualop_moe_grouped_linear_bf16(
-        pointer(hi), pointer(lo), pointer(weights), pointer(group_expert), pointer(group_start), pointer(group_end),
-        len(counts), pointer(out), n, k, threads_for(sum(counts) * n * k * (1 if lo is None else 2)))
+    status = _C_MOE_GROUPED_LINEAR_BF16(
+        hi=hi, lo=lo, w=weights, group_expert=group_expert, group_start=group_start, group_end=group_end,
+        groups=len(counts), out=out, n=n, k=k,
+        threads=threads_for(sum(counts) * n * k * (1 if lo is None else 2)),
+    )
     if status != 0:
         raise NotImplementedError(f"dualop_moe_grouped_linear_bf16 returned {status}")
     return out
@@ -116,10 +136,11 @@ def _grouped_linear(rows: Any, weights: Any, used: list[int], counts: list[int])
     small = [g for g, count in enumerate(counts) if count < _KERNEL_MAX_ROWS and rows_contiguous]
     if small:
         group_expert, group_start, group_end = _group_tensors(starts, used, small)
-        status = load().dualop_moe_grouped_linear(
-            dtype_code(weights), pointer(rows), pointer(weights), pointer(group_expert), pointer(group_start),
-            pointer(group_end), len(small), pointer(out), n, k,
-            threads_for(sum(counts[g] for g in small) * n * k))
+        status = _C_MOE_GROUPED_LINEAR(
+            dtype=dtype_code(weights), x=rows, w=weights, group_expert=group_expert, group_start=group_start,
+            group_end=group_end, groups=len(small), out=out, n=n, k=k,
+            threads=threads_for(sum(counts[g] for g in small) * n * k),
+        )
         if status != 0:
             raise NotImplementedError(f"dualop_moe_grouped_linear returned {status}")
     for g, count in enumerate(counts):

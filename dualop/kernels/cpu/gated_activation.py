@@ -6,8 +6,18 @@ import functools
 from typing import Any
 
 from dualop.kernels.cpu import load
-from dualop.kernels.cpu.common import dtype_code, pointer, threads_for
+from dualop.kernels.cpu.common import dtype_code, threads_for
 from dualop.kernels.gate_math import ACTIVATIONS, GateSpec
+from dualop.kernels.cpu.abi import c_function
+
+_C_GATED_TABLE = c_function(
+    "int dualop_gated_table(int dtype, const float* table, const void* x, void* out, int64_t rows, int64_t d, "
+    "int act_on_first, int threads)"
+)
+_C_GATED_ACTIVATION = c_function(
+    "int dualop_gated_activation(int dtype, int activation, const void* x, void* out, int64_t rows, int64_t d, "
+    "int act_on_first, int threads)"
+)
 
 __all__ = ["gated_activation", "supports"]
 
@@ -52,7 +62,7 @@ def gated_activation(x: Any, *, spec: GateSpec = GateSpec()) -> Any:
     """``act(gate) * up`` over the two halves of ``x``'s last dim; returns shape ``(..., d)``."""
     import torch
 
-    lib = load()
+    load()  # KernelUnavailable (the call declines) before any work if the library cannot be built
     why = supports(x, spec)
     if why is not None:
         raise NotImplementedError(why)
@@ -62,13 +72,14 @@ def gated_activation(x: Any, *, spec: GateSpec = GateSpec()) -> Any:
     if out.numel():
         rows, first, threads = x.numel() // (2 * d), spec.act_on == "first", threads_for(x.numel())
         if x.dtype.itemsize == 2:
-            status = lib.dualop_gated_table(
-                dtype_code(x), pointer(_activation_table(spec.activation, x.dtype)), pointer(x), pointer(out),
-                rows, d, first, threads,
+            status = _C_GATED_TABLE(
+                dtype=dtype_code(x), table=_activation_table(spec.activation, x.dtype), x=x, out=out,
+                rows=rows, d=d, act_on_first=first, threads=threads,
             )
         else:
-            status = lib.dualop_gated_activation(
-                dtype_code(x), _ACTIVATION_CODES[spec.activation], pointer(x), pointer(out), rows, d, first, threads,
+            status = _C_GATED_ACTIVATION(
+                dtype=dtype_code(x), activation=_ACTIVATION_CODES[spec.activation], x=x, out=out, rows=rows,
+                d=d, act_on_first=first, threads=threads,
             )
         if status != 0:
             raise NotImplementedError(f"dualop_gated_activation returned {status}")

@@ -12,8 +12,15 @@ from typing import Any
 
 from dualop.kernels import moe_math
 from dualop.kernels.cpu import load
-from dualop.kernels.cpu.common import dtype_code, pointer, threads_for
+from dualop.kernels.cpu.common import dtype_code, threads_for
 from dualop.backends.torch.recording import decline_if_recording
+from dualop.kernels.cpu.abi import c_function
+
+_C_GROUPED_TOPK = c_function(
+    "int dualop_grouped_topk(int dtype, const void* logits, const float* bias, float* weights, int32_t* ids, "
+    "int64_t tokens, int64_t experts, int top_k, int renormalize, int64_t groups, int topk_group, int scoring, "
+    "float scale, int threads)"
+)
 
 __all__ = ["grouped_topk"]
 
@@ -30,7 +37,7 @@ def grouped_topk(gating_output: Any, e_score_correction_bias: Any, *, top_k: int
     decline_if_recording(_OP, gating_output, e_score_correction_bias)
     if dtype_code(gating_output) is None:
         raise NotImplementedError(f"{_OP}: dtype {gating_output.dtype} on {gating_output.device} has no CPU kernel")
-    lib = load()
+    load()  # KernelUnavailable (the call declines) before any work if the library cannot be built
     tokens, experts = gating_output.shape
     weights = torch.empty((tokens, top_k), dtype=torch.float32)
     ids = torch.empty((tokens, top_k), dtype=torch.int32)
@@ -39,10 +46,12 @@ def grouped_topk(gating_output: Any, e_score_correction_bias: Any, *, top_k: int
     logits = gating_output.contiguous()
     bias = None if e_score_correction_bias is None else e_score_correction_bias.to(torch.float32).contiguous()
     groups = num_expert_group if moe_math.uses_groups(experts, num_expert_group, topk_group) else 0
-    status = lib.dualop_grouped_topk(
-        dtype_code(logits), pointer(logits), pointer(bias), pointer(weights), pointer(ids), tokens, experts, top_k,
-        int(renormalize), groups, topk_group, _SCORING_CODES[scoring_func], routed_scaling_factor,
-        threads_for(tokens * experts * top_k))
+    status = _C_GROUPED_TOPK(
+        dtype=dtype_code(logits), logits=logits, bias=bias, weights=weights, ids=ids, tokens=tokens,
+        experts=experts, top_k=top_k, renormalize=int(renormalize), groups=groups, topk_group=topk_group,
+        scoring=_SCORING_CODES[scoring_func], scale=routed_scaling_factor,
+        threads=threads_for(tokens * experts * top_k),
+    )
     if status != 0:
         raise NotImplementedError(f"dualop_grouped_topk returned {status}")
     return weights, ids

@@ -6,7 +6,16 @@ from __future__ import annotations
 from typing import Any
 
 from dualop.kernels.cpu import load
-from dualop.kernels.cpu.common import dtype_code, pointer
+from dualop.kernels.cpu.common import dtype_code
+from dualop.kernels.cpu.abi import c_function
+
+_C_RAGGED_PAGED_ATTENTION = c_function(
+    "int dualop_ragged_paged_attention(int dtype, const void* q, const void* kv_pages, const int32_t* kv_lens, "
+    "const int32_t* page_indices, const int32_t* cu_q_lens, int32_t num_seqs, void* out, int64_t tokens, "
+    "int64_t q_heads, int64_t kv_heads, int64_t head_dim, int64_t num_pages, int64_t page_size, "
+    "int64_t pages_per_seq, int64_t max_seqs, float scale, int64_t window, float soft_cap, int custom_mask, "
+    "float mask_value, float v_scale, int threads)"
+)
 
 __all__ = ["ragged_paged_attention"]
 
@@ -19,7 +28,7 @@ def ragged_paged_attention(q: Any, kv_pages: Any, kv_lens: Any, page_indices: An
     by the op (``RaggedPagedAttention.check_inputs``)."""
     import torch
 
-    lib = load()
+    load()  # KernelUnavailable (the call declines) before any work if the library cannot be built
     code = dtype_code(q)
     if code is None:
         raise NotImplementedError(f"dtype {q.dtype} on {q.device} has no CPU kernel")
@@ -33,12 +42,15 @@ def ragged_paged_attention(q: Any, kv_pages: Any, kv_lens: Any, page_indices: An
     # (a caller past its checks) leaves unwritten, stay finite; one memset, small next to attention
     out = torch.zeros_like(q)
     if num_tokens:
-        status = lib.dualop_ragged_paged_attention(
-            code, pointer(q), pointer(kv_pages), pointer(kv_lens), pointer(page_indices), pointer(cu_q_lens), count,
-            pointer(out), num_tokens, num_q_heads, combined // 2, head_dim, num_pages, page_size, pages_per_seq,
-            max_seqs, sm_scale * (1.0 if k_scale is None else k_scale), sliding_window or 0, soft_cap or 0.0,
-            int(mask_value is not None), 0.0 if mask_value is None else mask_value,
-            1.0 if v_scale is None else v_scale, torch.get_num_threads(),
+        status = _C_RAGGED_PAGED_ATTENTION(
+            dtype=code, q=q, kv_pages=kv_pages, kv_lens=kv_lens, page_indices=page_indices,
+            cu_q_lens=cu_q_lens, num_seqs=count, out=out, tokens=num_tokens, q_heads=num_q_heads,
+            kv_heads=combined // 2, head_dim=head_dim, num_pages=num_pages, page_size=page_size,
+            pages_per_seq=pages_per_seq, max_seqs=max_seqs,
+            scale=sm_scale * (1.0 if k_scale is None else k_scale), window=sliding_window or 0,
+            soft_cap=soft_cap or 0.0, custom_mask=int(mask_value is not None),
+            mask_value=0.0 if mask_value is None else mask_value, v_scale=1.0 if v_scale is None else v_scale,
+            threads=torch.get_num_threads(),
         )
         if status != 0:
             raise NotImplementedError(f"dualop_ragged_paged_attention returned {status}")

@@ -5,8 +5,19 @@ from __future__ import annotations
 from typing import Any
 
 from dualop.kernels.cpu import load
-from dualop.kernels.cpu.common import dtype_code, pointer, threads_for
+from dualop.kernels.cpu.common import dtype_code, threads_for
 from dualop.kernels.norm_math import NormSpec
+from dualop.kernels.cpu.abi import c_function
+
+_C_RMS_NORM = c_function(
+    "int dualop_rms_norm(int dtype, const void* x, const void* residual, const float* weight, void* out, "
+    "void* residual_out, int64_t rows, int64_t hidden, float eps, int weight_mode, int threads)"
+)
+_C_RMS_NORM_GATED = c_function(
+    "int dualop_rms_norm_gated(int dtype, const void* x, const void* z, const float* weight, void* out, "
+    "int64_t rows, int64_t hidden, int64_t group, float eps, int norm_before_gate, int cast_before_weight, "
+    "int threads)"
+)
 
 __all__ = ["rms_norm", "rms_norm_gated", "supports"]
 
@@ -38,7 +49,7 @@ def rms_norm(x: Any, weight: Any = None, residual: Any = None, *, spec: NormSpec
     """``rms_normalize`` of ``x`` (plus ``residual``) with ``weight``; returns ``out`` or ``(out, x + residual)``."""
     import torch
 
-    lib = load()
+    load()  # KernelUnavailable (the call declines) before any work if the library cannot be built
     why = supports(x, weight, residual, spec)
     if why is not None:
         raise NotImplementedError(why)
@@ -58,9 +69,10 @@ def rms_norm(x: Any, weight: Any = None, residual: Any = None, *, spec: NormSpec
         w = w.contiguous()
         mode = _WEIGHT_IN_F32 if spec.weight_in_f32 else _WEIGHT_AFTER_CAST
     if x.numel():
-        status = lib.dualop_rms_norm(
-            dtype_code(x), pointer(x), pointer(residual), pointer(w), pointer(out), pointer(residual_out),
-            x.numel() // hidden, hidden, spec.eps, mode, threads_for(x.numel()),
+        status = _C_RMS_NORM(
+            dtype=dtype_code(x), x=x, residual=residual, weight=w, out=out, residual_out=residual_out,
+            rows=x.numel() // hidden, hidden=hidden, eps=spec.eps, weight_mode=mode,
+            threads=threads_for(x.numel()),
         )
         if status != 0:
             raise NotImplementedError(f"dualop_rms_norm returned {status}")
@@ -82,9 +94,11 @@ def rms_norm_gated(x: Any, weight: Any, z: Any = None, *, group_size: int, eps: 
     w = weight.to(torch.float32).contiguous()
     out = torch.empty_like(x)
     if x.numel():
-        status = load().dualop_rms_norm_gated(
-            code, pointer(x), pointer(z), pointer(w), pointer(out), x.numel() // hidden, hidden, group_size, eps,
-            int(norm_before_gate), int(cast_before_weight), threads_for(x.numel()))
+        status = _C_RMS_NORM_GATED(
+            dtype=code, x=x, z=z, weight=w, out=out, rows=x.numel() // hidden, hidden=hidden, group=group_size,
+            eps=eps, norm_before_gate=int(norm_before_gate), cast_before_weight=int(cast_before_weight),
+            threads=threads_for(x.numel()),
+        )
         if status != 0:
             raise NotImplementedError(f"dualop_rms_norm_gated returned {status}")
     return out

@@ -6,7 +6,14 @@ from __future__ import annotations
 from typing import Any
 
 from dualop.kernels.cpu import DTYPE_CODES, load
-from dualop.kernels.cpu.common import dtype_code, pointer, threads_for
+from dualop.kernels.cpu.common import dtype_code, threads_for
+from dualop.kernels.cpu.abi import c_function
+
+_C_ROTARY = c_function(
+    "int dualop_rotary(int dtype, int cos_dtype, const void* q, const void* k, const void* cos, "
+    "const void* sin, void* q_out, void* k_out, int64_t tokens, int64_t cos_rows, int64_t cos_stride, "
+    "int64_t q_heads, int64_t k_heads, int64_t head_size, int64_t rotary_dim, int is_neox, int threads)"
+)
 
 __all__ = ["rotary", "supports"]
 
@@ -36,7 +43,7 @@ def rotary(query: Any, key: Any, cos: Any, sin: Any, *, rotary_dim: int, is_neox
     ``[Tc, rotary_dim // 2]`` (token t takes row t % Tc); returns new ``(query, key)``."""
     import torch
 
-    lib = load()
+    load()  # KernelUnavailable (the call declines) before any work if the library cannot be built
     why = supports(query, cos)
     if why is not None:
         raise NotImplementedError(why)
@@ -49,11 +56,12 @@ def rotary(query: Any, key: Any, cos: Any, sin: Any, *, rotary_dim: int, is_neox
         k_out = torch.empty_like(key)
     if tokens and query.numel() + (0 if key is None else key.numel()):  # no query heads still rotates the key
         cos, sin, stride = _cos_sin_rows(cos, sin)
-        status = lib.dualop_rotary(
-            dtype_code(query), DTYPE_CODES[str(cos.dtype).removeprefix("torch.")],
-            pointer(query), pointer(key), pointer(cos), pointer(sin), pointer(q_out), pointer(k_out),
-            tokens, cos.shape[0], stride, q_heads, 0 if key is None else key.shape[1], head_size, rotary_dim,
-            int(is_neox_style), threads_for(query.numel() + (0 if key is None else key.numel())),
+        status = _C_ROTARY(
+            dtype=dtype_code(query), cos_dtype=DTYPE_CODES[str(cos.dtype).removeprefix("torch.")], q=query,
+            k=key, cos=cos, sin=sin, q_out=q_out, k_out=k_out, tokens=tokens, cos_rows=cos.shape[0],
+            cos_stride=stride, q_heads=q_heads, k_heads=0 if key is None else key.shape[1],
+            head_size=head_size, rotary_dim=rotary_dim, is_neox=int(is_neox_style),
+            threads=threads_for(query.numel() + (0 if key is None else key.numel())),
         )
         if status != 0:
             raise NotImplementedError(f"dualop_rotary returned {status}")

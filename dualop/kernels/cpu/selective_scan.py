@@ -13,8 +13,16 @@ from typing import Any
 
 from dualop.backends import array_namespace
 from dualop.kernels import ssm_math
-from dualop.kernels.cpu import load
-from dualop.kernels.cpu.common import dtype_code, pointer, threads_for
+
+from dualop.kernels.cpu.common import dtype_code, threads_for
+from dualop.kernels.cpu.abi import c_function
+
+_C_SELECTIVE_SCAN = c_function(
+    "int dualop_selective_scan(int dtype, int state_dtype, const void* x, const float* delta, const void* z, "
+    "const float* A, const float* B, const float* C, const float* D, void* cache, const int32_t* slots, "
+    "const uint8_t* has_init, const int32_t* cu, void* y, int64_t dim, int64_t n, int64_t groups, int64_t seqs, "
+    "int threads)"
+)
 
 __all__ = ["selective_scan", "scan_channels", "MAX_STATE"]
 
@@ -71,11 +79,12 @@ def scan_channels(op: str, x, delta, A, B, C, D, z, state, cu_seqlens, state_ind
     owned = int(cu[-1])
     if owned < tokens:  # tokens no sequence owns: zeros (the loop never reaches them)
         y[owned:] = 0
-    side = [_f32(t) for t in (A, B, C, D)]  # float32 copies, alive through the call
-    status = load().dualop_selective_scan(
-        code, state_code, pointer(x), pointer(delta), pointer(z), *map(pointer, side), pointer(cache),
-        pointer(slots), pointer(has_init), pointer(cu), pointer(y), dim, n, groups, cu.shape[0] - 1,
-        threads_for(tokens * dim * n))
+    a32, b32, c32, d32 = (_f32(t) for t in (A, B, C, D))  # float32 copies, alive through the call
+    status = _C_SELECTIVE_SCAN(
+        dtype=code, state_dtype=state_code, x=x, delta=delta, z=z, A=a32, B=b32, C=c32, D=d32, cache=cache,
+        slots=slots, has_init=has_init, cu=cu, y=y, dim=dim, n=n, groups=groups, seqs=cu.shape[0] - 1,
+        threads=threads_for(tokens * dim * n),
+    )
     if status != 0:
         raise RuntimeError(f"{op}: the CPU scan kernel returned {status}")
     if cache is not state:
