@@ -197,6 +197,38 @@ class _Missing:
 _MISSING = _Missing()
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Resolution:
+    """One entry of an op's dispatch cache: the bound method a (frontend, platform, config,
+    platform generation) resolves to, its name and why."""
+
+    method: Any
+    name: str
+    reason: str
+
+
+@dataclasses.dataclass(frozen=True)
+class _Armed:
+    """The dispatch cache's last hit, armed for the next call: the guard a call must pass to reuse
+    ``method`` without a lookup (the first array's type, the context's config override and the
+    resolved config, the platform generation, and a device probe for torch tensors or None)."""
+
+    array_type: type
+    override: Any
+    config: Any
+    generation: int
+    probe: Any
+    method: Any
+
+
+class _Unarmed:
+    """The type no first argument has: the disarmed cache's guard fails on its first check."""
+
+
+# The cache's last hit when there is none (cheaper to test than None in the fast path).
+_DISARMED = _Armed(_Unarmed, None, None, -1, None, None)
+
+
 def _without_missing(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     """The call as written: positional arguments up to the first one left out, given keywords."""
     for i, a in enumerate(args):
@@ -209,11 +241,11 @@ def _without_missing(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
 def _fast_call_source(cls: type) -> tuple[str, tuple, dict] | None:
     """Source of a ``__call__`` with forward_native's parameters, and its defaults.
 
-    The fast path: when Python (not Dynamo) runs the call, the first argument's type, the context's
-    config override and the platform generation are the ones the instance last resolved for, and
-    (for torch tensors) its device type passes the armed probe (``Tensor.is_cpu``, ``is_cuda``,
-    ...: a C attribute read), call the cached bound method directly (after ``check_inputs`` if the
-    class defines one). Anything else takes ``_dispatch``, which resolves, records and re-arms it.
+    The fast path: when Python (not Dynamo) runs the call and it passes the guard of the dispatch
+    cache's armed last hit (``_Armed``: the first argument's type, the context's config override,
+    the platform generation and, for torch tensors, a device probe such as ``Tensor.is_cpu``, a C
+    attribute read), call its bound method directly (after ``check_inputs`` if the class defines
+    one). Anything else takes ``_dispatch``, which looks up or resolves, records and re-arms.
     """
     sig = inspect.signature(cls.forward_native)
     params = list(sig.parameters.values())[1:]
@@ -240,14 +272,15 @@ def _fast_call_source(cls: type) -> tuple[str, tuple, dict] | None:
     present = "".join(f" and {name} is not _MISSING" for name in required)
     source = (
         f"def __call__(self, {sig_text}):\n"
-        f"    if _eager() and type({first}) is self._fast_type and _current_config() is self._fast_config "
-        f"and self._fast_generation == _generation "
-        f"and (self._fast_device is None or self._fast_device({first})){present}:\n"
+        f"    armed = self._armed\n"
+        f"    if (type({first}) is armed.array_type and _eager() "
+        f"and _current_config() is armed.override and armed.generation == _generation "
+        f"and (armed.probe is None or armed.probe({first})){present}):\n"
         f"{check}"
         f"        try:\n"
-        f"            return self._fast_method({call_args})\n"
+        f"            return armed.method({call_args})\n"
         f"        except NotImplementedError as err:\n"
-        f"            return self._declined(self._fast_method, err, ({pos_args},), {kw_dict})\n"
+        f"            return self._declined(armed.method, err, ({pos_args},), {kw_dict})\n"
         f"    return self._dispatch(({pos_args},), {kw_dict})\n"
     )
     defaults = tuple(_MISSING if p.default is p.empty else p.default for p in positional)
@@ -285,11 +318,9 @@ def _ctor_spec(cls: type, args: tuple, kwargs: dict) -> tuple[str | None, str | 
 def _fresh(cls: type, args: tuple = (), kwargs: dict | None = None) -> CustomOp:
     """A new instance with empty dispatch state (so subclasses that skip __init__ still work)."""
     obj = object.__new__(cls)
-    obj._dispatch_cache = {}  # (frontend, platform, config key, generation) -> (bound method, name, reason)
+    obj._resolutions = {}  # the dispatch cache: (frontend, platform, config key, generation) -> _Resolution
+    obj._armed = _DISARMED  # its last hit, guarded for reuse by the next call (_Armed)
     obj.last_fallback = None
-    obj._last_hit = None
-    obj._fast_type = obj._fast_method = None
-    obj._fast_config = obj._fast_generation = obj._fast_device = None
     obj.enforce_enable = False
     obj._ctor, obj._ctor_error = _ctor_spec(cls, args, kwargs or {})
     if _compile_hook is None and sys.modules.get("torch") is not None:
@@ -322,8 +353,8 @@ class CustomOp:
 
     def __init__(self, *, enforce_enable: bool = False) -> None:
         self.enforce_enable = bool(enforce_enable)
-        self._dispatch_cache.clear()
-        self._disarm()
+        self._resolutions.clear()
+        self._armed = _DISARMED
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -509,10 +540,10 @@ class CustomOp:
             reason += f"; {candidate}: {why}"
         if candidate != method:
             reason += f", so {candidate}"
-        bound = getattr(self, candidate)
-        self._dispatch_cache[(frontend, platform, cfg.dispatch_key, generation)] = (bound, candidate, reason)
+        resolution = _Resolution(getattr(self, candidate), candidate, reason)
+        self._resolutions[(frontend, platform, cfg.dispatch_key, generation)] = resolution
         self._record(frontend, platform, candidate, enabled, reason)
-        return bound
+        return resolution
 
     def _record(self, frontend: str, platform: str, method: str, enabled: bool, reason: str) -> None:
         cls = type(self)
@@ -542,12 +573,12 @@ class CustomOp:
         override = _current_config()
         cfg = override or _config._process_default
         # Same array type and device type, same config object, nothing re-registered since.
-        hit = self._last_hit
+        armed = self._armed
         if (
-            hit is not None and hit[0] is type(first) and hit[1] is cfg and hit[2] == _platforms._generation
-            and (hit[4] is None or hit[4](first))
+            armed.array_type is type(first) and armed.config is cfg
+            and armed.generation == _platforms._generation and (armed.probe is None or armed.probe(first))
         ):
-            method = hit[3]
+            method = armed.method
         else:
             method = self._lookup(first, cfg, override)
         self.check_inputs(*args, **kwargs)
@@ -562,15 +593,11 @@ class CustomOp:
         first = args[0] if args else next(iter(kwargs.values()), None)
         return self._fall_back(method.__name__, _platforms.frontend_of(first), err, args, kwargs)
 
-    def _disarm(self) -> None:
-        self._last_hit = None
-        self._fast_type = self._fast_method = self._fast_config = self._fast_generation = None
-        self._fast_device = None
-
     def _lookup(self, first: Any, cfg: _config.OpsConfig, override: _config.OpsConfig | None = None):
         """The cached method for (frontend and platform of ``first``, cfg, platform generation),
-        resolving on a miss. Arms the fast path of the generated ``__call__`` (keyed on ``override``,
-        the context's raw config value, so a context without an override compares ``None is None``)."""
+        resolving on a miss, and the cache's armed last hit set to it (its guard keyed also on
+        ``override``, the context's raw config value, so a context without an override compares
+        ``None is None`` in the generated ``__call__``)."""
         frontend = _platforms.frontend_of(first)
         if frontend is None:
             raise TypeError(
@@ -579,20 +606,16 @@ class CustomOp:
             )
         platform = _platforms.platform_of(first, frontend)
         gen = _platforms._generation
-        cached = self._dispatch_cache.get((frontend, platform, cfg.dispatch_key, gen))
-        method = cached[0] if cached is not None else self._resolve(frontend, cfg, gen, platform)
+        resolution = self._resolutions.get((frontend, platform, cfg.dispatch_key, gen))
+        if resolution is None:
+            resolution = self._resolve(frontend, cfg, gen, platform)
         if _compile_hook is None and frontend != "jax":
             _install_torch_support()
         # A torch tensor's frontend and platform follow its device type: where devices can
-        # differ, the fast path is armed with a probe for it (or not at all without a cheap one).
+        # differ, the hit is armed with a probe for it (or not at all without a cheap one).
         reusable, probe = _platforms.reuse_guard(first, frontend)
-        if not reusable:
-            self._disarm()
-            return method
-        self._last_hit = (type(first), cfg, gen, method, probe)
-        self._fast_type, self._fast_config, self._fast_generation = type(first), override, gen
-        self._fast_method, self._fast_device = method, probe
-        return method
+        self._armed = _Armed(type(first), override, cfg, gen, probe, resolution.method) if reusable else _DISARMED
+        return resolution.method
 
     forward = __call__
 
@@ -631,11 +654,10 @@ class CustomOp:
         gen = _platforms._generation
         if platform is None:
             platform = _platforms.current_platform(frontend)
-        key = (frontend, platform, cfg.dispatch_key, gen)
-        if key not in self._dispatch_cache:
-            self._resolve(frontend, cfg, gen, platform)
-        _, name, reason = self._dispatch_cache[key]
-        return name, reason
+        resolution = self._resolutions.get((frontend, platform, cfg.dispatch_key, gen))
+        if resolution is None:
+            resolution = self._resolve(frontend, cfg, gen, platform)
+        return resolution.name, resolution.reason
 
     def dispatched_method(self, frontend: str) -> str:
         """Name of the method a call from ``frontend`` resolves to under the active config, on that

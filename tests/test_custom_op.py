@@ -407,6 +407,28 @@ def test_dispatch_is_resolved_once_and_cached(op_classes, monkeypatch):
     assert len(calls) == 3
 
 
+def test_one_dispatch_cache_holds_what_ran_and_what_the_report_says(op_classes):
+    """Each resolution is one entry of the op's dispatch cache; the armed last hit is one of them;
+    ``resolution()`` reads the same entries; an invalidation (a registry or platform change) makes
+    the armed hit stale, so the next call resolves again."""
+    from dualop import custom_op, platforms
+
+    full, _ = op_classes
+    op = full()
+    with override_platform("cpu"):
+        assert op(_x()) == "forward_cpu"
+        ((_, entry),) = op._resolutions.items()
+        assert entry.name == "forward_cpu" and op._armed.method == entry.method
+        assert op.resolution("torch", "cpu") == (entry.name, entry.reason)
+        with set_config(OpsConfig(["none"])):
+            assert op(_x()) == "forward_native"
+            assert op.resolution("torch", "cpu")[0] == "forward_native"
+        assert sorted(e.name for e in op._resolutions.values()) == ["forward_cpu", "forward_native"]
+        platforms.invalidate()
+        assert op._armed.generation != custom_op._generation
+        assert op(_x()) == "forward_cpu" and op._armed.generation == custom_op._generation
+
+
 def test_config_switch_changes_dispatch_of_existing_instances(op_classes):
     full, _ = op_classes
     op = full()

@@ -154,7 +154,7 @@ def test_fast_path_checks_the_device_where_devices_differ(monkeypatch, no_env_pl
     op = _Where()
     cpu, meta = torch.zeros(2), torch.empty(2, device="meta")
     assert [op(t) for t in (cpu, cpu, meta, meta, cpu)] == ["cpu", "cpu", "xpu", "xpu", "cpu"]
-    assert op._fast_type is torch.Tensor and op._fast_device is not None  # armed, with a device probe
+    assert op._armed.array_type is torch.Tensor and op._armed.probe is not None  # armed, with a device probe
 
 
 def test_fast_path_checks_the_device_only_where_devices_can_differ(no_env_platform):
@@ -165,7 +165,7 @@ def test_fast_path_checks_the_device_only_where_devices_can_differ(no_env_platfo
     vary = "torch_xla" in sys.modules or torch._C._get_privateuse1_backend_name() == "tpu"
     assert platforms._torch_devices_vary() is vary
     op = _Where()
-    assert op(torch.zeros(2)) == "cpu" and (op._fast_device is not None) is vary
+    assert op(torch.zeros(2)) == "cpu" and (op._armed.probe is not None) is vary
     assert op(torch.empty(2, device="meta")) == "cpu"
     assert platforms.platform_of(torch.empty(2, device="meta")) == "cpu"
 
@@ -183,12 +183,12 @@ def test_importing_torch_xla_later_rearms_the_fast_path_with_a_probe():
         "    def forward_cpu(self, x): return 'cpu'\n"
         "    def forward_tpu(self, x): return 'tpu'\n"
         "op = Where()\n"
-        "assert op(torch.zeros(2)) == 'cpu' and op._fast_device is None\n"
+        "assert op(torch.zeros(2)) == 'cpu' and op._armed.probe is None\n"
         "gen = platforms.dispatch_generation()\n"
         "import torch_xla\n"
         "assert platforms.dispatch_generation() > gen\n"
         "xla = torch.zeros(2).to(torch_xla.device())\n"
-        "assert op(torch.zeros(2)) == 'cpu' and op._fast_device is not None\n"
+        "assert op(torch.zeros(2)) == 'cpu' and op._armed.probe is not None\n"
         "assert op(xla) == 'cpu' and op(torch.zeros(2)) == 'cpu'  # PJRT's CPU device here\n"
         "rows = {(r['frontend'], r['platform']) for r in dualop.dispatch_report()}\n"
         "assert rows == {('torch', 'cpu'), ('torch_xla', 'cpu')}, rows\n"

@@ -101,7 +101,7 @@ def dispatch_overhead(frontends: list[str], rounds: int = 7, calls: int = 20000,
         x = _tiny(fe)
         op = _EchoOp()
         op(x)  # resolve once
-        direct = next(iter(op._dispatch_cache.values()))[0]
+        direct = next(iter(op._resolutions.values())).method
         contenders = {
             "dualop": op,
             "direct": direct,
@@ -148,7 +148,7 @@ def format_dispatch(records: list[dict]) -> str:
         )
     lines.append(
         "overhead = op(x) - direct call; ratio = dualop's overhead / the reference's, per round, median "
-        f"over rounds; reference = the engine's forward(*args, **kwargs) -> bound method; fixed-arity = "
-        f"the same with the argument spelled out"
+        "over rounds; reference = the engine's forward(*args, **kwargs) -> bound method; fixed-arity = "
+        "the same with the argument spelled out"
     )
     return "\n".join(lines)
