@@ -53,7 +53,7 @@ TEST_ENV = os.environ.get("DUALOP_TEST_ENV", "")
 # them in its module's ``CASE_NOTES``, as the views the tests key on: where a case has no kernel in a
 # kernel cell ({(label, frontend, platform): reason}), a kernel that declines one dtype at run time
 # ({(label, frontend, platform, dtype): reason}), and where an op does have a kernel in a native cell
-# ({(op, frontend, platform): method}). ROCm runs the same Triton kernels as CUDA; tests/test_cells.py
+# ({(op, frontend, platform): method}). ROCm runs the same Triton kernels as CUDA; tests/sweeps/test_cells.py
 # checks that path once per op rather than repeating the whole sweep.
 KERNEL_CELLS = list(testing.KERNEL_CELLS)
 NATIVE_CELLS = dict(testing.NATIVE_CELLS)
@@ -108,7 +108,7 @@ def pytest_collection_modifyitems(config, items):
 
 
 def _jax_tpu_cell_covered_by_bridges(item) -> bool:
-    """A jax/tpu kernel cell of tests/test_cells.py in the 'xla' environment: there its torch_xla and
+    """A jax/tpu kernel cell of tests/sweeps/test_cells.py in the 'xla' environment: there its torch_xla and
     torchax cells run the same Pallas kernels, interpreted by the same jax (0.7), through the bridges;
     the jax frontend's own cell runs in 'latest' (jax 0.10). Half the interpreted Pallas time of CI."""
     params = getattr(getattr(item, "callspec", None), "params", {})
@@ -193,10 +193,10 @@ def _jax_tpu_cell_in_its_other_dtype(item) -> bool:
 
 # Tests that run one dtype per environment, so each (case, dtype) runs once over the two:
 # {test: {environment: dtype}}.
-# - tests/test_cells.py's native cells (no kernel there: the cell must say so, with the reason): the
+# - tests/sweeps/test_cells.py's native cells (no kernel there: the cell must say so, with the reason): the
 #   reason is one per cell whatever the dtype (a kernel that declines a dtype at run time is a kernel
 #   cell, NATIVE_DTYPE_CASES).
-# - tests/test_torch_library.py's opcheck (float32 at the first and the last shape in 'xla', torch 2.9;
+# - tests/sweeps/test_torch_library.py's opcheck (float32 at the first and the last shape in 'xla', torch 2.9;
 #   bfloat16 in 'latest', torch 2.13): the registration it checks (schema, fake kernel, autograd) is
 #   one per op.
 DTYPE_PER_ENV = {

@@ -1,7 +1,7 @@
 """conv2d / conv3d: the native bodies against torch.nn.Conv2d/Conv3d, float64 numpy and transformers'
 patch embeddings (Qwen2.5-VL, CLIP); the patch-embedding fast path runs exactly for kernel ==
 stride, no padding, dilation 1, groups 1, and says why otherwise; bad input; the layers of both
-frontends load a torch Conv state dict. tests/test_cells.py checks the fast path against the native
+frontends load a torch Conv state dict. tests/sweeps/test_cells.py checks the fast path against the native
 body in every (frontend, platform) cell."""
 
 from __future__ import annotations

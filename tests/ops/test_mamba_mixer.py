@@ -4,7 +4,7 @@ the cache against transformers' cached path), state continuity, padding slots, b
 layer under jit, gradients of the native body.
 
 The platform methods compose the kernel ops causal_conv1d and selective_scan: their cells run in
-tests/test_cells.py.
+tests/sweeps/test_cells.py.
 """
 
 from __future__ import annotations

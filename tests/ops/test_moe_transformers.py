@@ -1,5 +1,5 @@
 """transformers_fused_moe's layouts and the FusedMoE layers (no transformers needed: the layouts are
-built here from the engine layout with numpy; tests/test_moe_references.py runs the real blocks)."""
+built here from the engine layout with numpy; tests/ops/test_moe_references.py runs the real blocks)."""
 
 from __future__ import annotations
 

@@ -27,7 +27,7 @@ def test_ops_lists_every_registered_op(capsys):
 
 
 def test_report_under_platform_tpu():
-    # two ops: every op's TPU path is tests/test_cells.py's; here the platform override reaches report
+    # two ops: every op's TPU path is tests/sweeps/test_cells.py's; here the platform override reaches report
     proc = _dualop("report", "--json", "--ops", "rms_norm,silu_and_mul", DUALOP_PLATFORM="tpu")
     assert proc.returncode == 0, proc.stderr
     rows = {(r["case"], r["frontend"]): r for r in json.loads(proc.stdout)}

@@ -160,7 +160,7 @@ def test_alignment_and_launches_on_meta_tensors_need_no_values(tmp_path):
     script = tmp_path / "moe_meta_probe.py"
     script.write_text(_META_PROBE)
     env = child_environment(str(tmp_path / "triton-cache"))
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
     args = [str(v) for v in (tokens, top_k, hidden, inter, experts, local)]
     proc = subprocess.run([sys.executable, str(script), *args], env=env, capture_output=True, text=True, timeout=300)

@@ -20,7 +20,7 @@ CASES = [c for c in testing.cases_for(None) if "structured_inputs" not in c.trai
 # The jax/tpu cell (Pallas in interpret mode) is drawn in 'latest' only: 'xla''s jax 0.7 at XLA's CPU
 # optimisation level 0 (the tests' setting, conftest.py) stops tanh at 1 - 2^-23 near +-1, so its
 # native tanh GELUs of large negative inputs read -|x|·2^-24 for 0; its Pallas kernels run every
-# case in its cells (tests/test_cells.py).
+# case in its cells (tests/sweeps/test_cells.py).
 CELLS = [("torch", "cpu"), ("torch", "cuda")] + ([("jax", "tpu")] if TEST_ENV != "xla" else [])
 # At large magnitudes, outputs that sum products over an input dim (trait "contraction") or cancel
 # large terms element by element ("cancelling") are compared against the output's scale

@@ -19,7 +19,7 @@ from dualop import testing
 from dualop.parallel import TensorParallel
 from dualop.testing import free_port
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TESTS = os.path.dirname(os.path.abspath(__file__))
 
 # --- op 6: mixer2_gated_rms_norm --------------------------------------------------------------------

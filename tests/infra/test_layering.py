@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-PACKAGE = Path(__file__).resolve().parents[1] / "dualop"
+PACKAGE = Path(__file__).resolve().parents[2] / "dualop"
 TOOLS = ("dualop.bench", "dualop.aot", "dualop.check", "dualop.cli", "dualop.fuzz")
 LAYERS = ("dualop.torch", "dualop.jax")
 # (importing package, packages it must not import)

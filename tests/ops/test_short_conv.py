@@ -1,6 +1,6 @@
 """ShortConv (``short_conv``, LFM2): the op and the torch / jax layers against transformers'
 ``Lfm2ShortConv`` (prefill, and decode through transformers' own cache path), packed sequences
-against one call per sequence, bad input. The small cell sweep runs in tests/test_cells.py."""
+against one call per sequence, bad input. The small cell sweep runs in tests/sweeps/test_cells.py."""
 
 from __future__ import annotations
 

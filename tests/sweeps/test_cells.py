@@ -77,7 +77,7 @@ def test_rocm_runs_the_triton_kernel(case):
 
 
 # Case shapes that are not an input's rows, by trait (declared with each op, dualop.testing.TRAITS):
-# "spatial", a convolution's x [N, C, *spatial] (tests/test_conv.py checks that they hold no items,
+# "spatial", a convolution's x [N, C, *spatial] (tests/ops/test_conv.py checks that they hold no items,
 # one item, and spatial sizes off the kernel's multiple); "token_table", (tokens, vocab, org_vocab,
 # dim): zero and one token; "packed_sequences", (tokens, sequences, widths...) of a packed serving
 # batch: every sequence has a token (no zero-token batch), so they cover a single token, a decode step

@@ -13,7 +13,7 @@ transformers' ``Mamba2Mixer`` itself calls (``causal_conv1d_fn``/``causal_conv1d
 tokens) is a different algorithm from the op's token loop.
 
 The platform methods compose the kernel ops causal_conv1d and ssd_chunk_scan (their cells run in
-tests/test_cells.py); their wiring is also checked against forward_native with the kernel ops
+tests/sweeps/test_cells.py); their wiring is also checked against forward_native with the kernel ops
 replaced by the references.
 """
 

@@ -159,7 +159,7 @@ def test_fast_path_checks_the_device_where_devices_differ(monkeypatch, no_env_pl
 
 def test_fast_path_checks_the_device_only_where_devices_can_differ(no_env_platform):
     """This machine has no GPU, XPU or TPU: only an imported torch_xla (or a torch_tpu ``tpu``
-    device, which tests/test_torch_tpu.py names for fake tensors) makes torch tensors' devices
+    device, which tests/infra/test_torch_tpu.py names for fake tensors) makes torch tensors' devices
     differ, so only then does the fast path pay for a device probe. Meta tensors dispatch as CPU
     tensors do."""
     vary = "torch_xla" in sys.modules or torch._C._get_privateuse1_backend_name() == "tpu"

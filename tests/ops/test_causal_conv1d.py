@@ -2,7 +2,7 @@
 behind its cached history; every kernel (torch CPU, Triton, Pallas prefill and decode) against
 forward_native at T = 1024 with T blocks splitting sequences (once per kernel); state continuity
 (one prefill == a prefill continued == token-by-token decode from the cache); padding slots; bad
-input; jit / vmap / grad in JAX. The small cell sweep runs in tests/test_cells.py."""
+input; jit / vmap / grad in JAX. The small cell sweep runs in tests/sweeps/test_cells.py."""
 
 from __future__ import annotations
 

@@ -19,7 +19,7 @@ from dualop import OpsConfig, override_platform, set_config, testing
 from dualop.ops import FusedMoEModularMethod, UnquantizedFusedMoEMethod, expert_blocks, expert_owner
 from dualop.ops.moe_modular import Prepared, SingleDevicePrepareAndFinalize
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _experts_problem(rng, tokens=7, experts=10, top_k=3, hidden=32, inter=16, activation="silu"):
@@ -298,7 +298,7 @@ _JAX_SCRIPT = textwrap.dedent("""
 
 
 def _child_env() -> dict[str, str]:
-    path = [ROOT, os.path.join(ROOT, "tests"), os.environ.get("PYTHONPATH", "")]
+    path = [ROOT, os.path.dirname(os.path.abspath(__file__)), os.environ.get("PYTHONPATH", "")]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(path))
     env.setdefault("JAX_PLATFORMS", "cpu")
     return env

@@ -24,7 +24,7 @@ import pytest
 from dualop import OpsConfig, dispatch_report, override_platform, set_config, testing
 from dualop.testing import free_port
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TESTS = os.path.dirname(os.path.abspath(__file__))
 
 # Three prompts of different lengths; with 8 tokens per step the 19-token prompt is cut into

@@ -19,7 +19,7 @@ from dualop.testing import free_port
 from dualop import testing
 from dualop.parallel import TensorParallel
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TESTS = os.path.dirname(os.path.abspath(__file__))
 
 # (layer class name, constructor args, kwargs, how the checkpoint is loaded: "fused" = the whole

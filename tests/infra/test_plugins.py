@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-PLUGIN_SRC = Path(__file__).parent / "plugin_pkg"
+PLUGIN_SRC = Path(__file__).resolve().parents[1] / "plugin_pkg"
 
 
 @pytest.fixture(scope="module")

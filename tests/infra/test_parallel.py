@@ -16,7 +16,7 @@ import pytest
 from dualop.testing import free_port
 from dualop import parallel
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 # --- the vocabulary layout: the engine docstring's worked example ---------------------------------

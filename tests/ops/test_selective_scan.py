@@ -3,7 +3,7 @@ kernels against forward_native in float32 and bfloat16 (a packed prefill with a 
 a decode step, and once T = 1024 with sequences split across the kernels' chunks), state
 continuity (one prefill == a prefill then its continuation == step-by-step decode), bad input,
 and jit / vmap / grad of the native body in JAX. The native body itself is checked against
-float64 numpy in tests/test_ssm_math.py; the (frontend, platform) cells in tests/test_cells.py."""
+float64 numpy in tests/ops/test_ssm_math.py; the (frontend, platform) cells in tests/sweeps/test_cells.py."""
 
 from __future__ import annotations
 
@@ -58,7 +58,7 @@ def _check(kernel, shape, dtype, **kw):
 @pytest.mark.parametrize("kernel", ["cpu", "triton"])
 def test_kernel_matches_native(kernel, dtype):
     """A packed prefill with a padding sequence (zero outputs, its slot untouched) and a decode step.
-    The Pallas kernels run these shapes in the jax/tpu cells of tests/test_cells.py (interpreted
+    The Pallas kernels run these shapes in the jax/tpu cells of tests/sweeps/test_cells.py (interpreted
     Pallas is slow: not twice)."""
     args, y, cache = _check(kernel, PREFILL, dtype, padding=(1,))
     cu, slots = testing.to_numpy(args[9]).astype(int), testing.to_numpy(args[10]).astype(int)

@@ -4,7 +4,7 @@ prefill and decode) against
 forward_native at T = 1024 with chunk boundaries splitting sequences (once per kernel); results
 independent of chunk_size; state continuity (one prefill == a prefill continued == token-by-token
 decode from the cache); padding slots; bad input (H % G != 0 among them); jit / vmap / grad in
-JAX. The small cell sweep runs in tests/test_cells.py."""
+JAX. The small cell sweep runs in tests/sweeps/test_cells.py."""
 
 from __future__ import annotations
 

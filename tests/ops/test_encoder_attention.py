@@ -2,7 +2,7 @@
 ``F.scaled_dot_product_attention`` run per segment in float64, in both frontends, both layouts,
 GQA, packed sequences, under jit and vmap; the kernels under jit/vmap and with ``max_seqlen``;
 bad input refused before any kernel, naming the op and the argument. (Every kernel against
-forward_native in every cell: tests/test_cells.py with this op's check_cases.)"""
+forward_native in every cell: tests/sweeps/test_cells.py with this op's check_cases.)"""
 
 from __future__ import annotations
 

@@ -37,7 +37,7 @@ import pytest
 from dualop import OpsConfig, dispatch_report, override_platform, set_config, testing
 from dualop.models import CheckpointError, from_pretrained
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TESTS = os.path.dirname(os.path.abspath(__file__))
 
 IMAGE_TOKEN, VISION_START, VISION_END, EOS = 250, 252, 253, 255

@@ -267,7 +267,7 @@ def test_serving_launch_on_meta_tensors_compiles_for_sm80_sm90_gfx942(tmp_path):
     script = tmp_path / "rpa_probe.py"
     script.write_text(_COMPILE_PROBE)
     env = child_environment(str(tmp_path / "triton-cache"))
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
     targets = ("sm80", "sm90", "gfx942")
     proc = subprocess.run([sys.executable, str(script), *targets], env=env, capture_output=True, text=True, timeout=600)

@@ -19,7 +19,7 @@ from dualop.testing import free_port
 from dualop import ops, testing
 from dualop.parallel import TensorParallel, vocab_shard, vocab_token_ids
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 # (vocab_size, org_vocab_size, soft_cap, scale, bias): a vocabulary padded 1000 -> 1024; the engine
 # docstring's 1010 base + 16 added tokens (1088 rows; at tp 2 rank 0 holds base 0-511 and the added
@@ -277,7 +277,7 @@ _JAX_SCRIPT = textwrap.dedent("""
     os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
     import numpy as np, jax, jax.numpy as jnp
     from jax.sharding import NamedSharding, PartitionSpec as P
-    sys.path.insert(0, os.path.join(sys.argv[1], "tests"))
+    sys.path.insert(0, os.path.join(sys.argv[1], "tests", "ops"))
     from test_logits_processor import TP_CONFIGS, _full_checkpoint, shard_rows
     from dualop import ops, override_platform, testing
     from dualop.jax import layers

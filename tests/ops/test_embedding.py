@@ -1,7 +1,7 @@
 """vocab_parallel_embedding / parallel_lm_head: the native body against torch's and jax's own lookups,
 bad input, and the layers at tp 2 (two gloo processes) and tp 2 / 4 (8 host devices, one jax
 subprocess) against tp 1 from the same full checkpoint. The kernels against forward_native are in
-tests/test_cells.py (the op's check cases)."""
+tests/sweeps/test_cells.py (the op's check cases)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ import pytest
 from dualop.testing import free_port
 from dualop import ops, parallel
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _full_table(vocab: int, dim: int, seed: int = 0) -> np.ndarray:

@@ -4,7 +4,7 @@ other, a mixed serving batch against each sequence run alone, tp 2 against tp 1,
 against its native body; the ``ragged_paged_mla_attention`` kernels (Pallas in both interpreters,
 Triton's interpreter) against the native body with several query and KV blocks and stale NaN cache
 rows; and bad input refused before any kernel launches. (The check cases of both kernel ops run in
-every cell through tests/test_cells.py.)"""
+every cell through tests/sweeps/test_cells.py.)"""
 
 from __future__ import annotations
 
@@ -319,7 +319,7 @@ _TP_SCRIPT = textwrap.dedent("""
 
 
 def test_tp2_over_a_jax_mesh_equals_tp1():
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(os.path.dirname(__file__)),
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(os.path.dirname(os.path.dirname(__file__))),
                                                        os.path.dirname(__file__), os.environ.get("PYTHONPATH", "")]))
     env.setdefault("JAX_PLATFORMS", "cpu")
     proc = subprocess.run([sys.executable, "-c", _TP_SCRIPT], env=env, capture_output=True, text=True, timeout=300)
