@@ -163,7 +163,7 @@ class CausalConv1d(CustomOp):
 # (tokens, dim, sequences): one token; a decode step (T == B) with a padding slot, D off the
 # 128-lane grid; a packed prefill of new and continued sequences, some shorter than the window's
 # history (K - 1 = 3). Three shapes keep the interpreted cells quick; T 1024 with T blocks
-# splitting sequences runs once per kernel in tests/test_causal_conv1d.py.
+# splitting sequences runs once per kernel in tests/ops/test_causal_conv1d.py.
 CHECK_SHAPES = ((1, 1, 128), (5, 5, 136), (21, 4, 128))  # (tokens, sequences, dim)
 CHECK_KERNEL_SIZE = 4
 

@@ -369,7 +369,7 @@ GENERAL_3D_SHAPES = ((0, 4, 3, 5, 6), (1, 4, 3, 5, 6), (2, 4, 5, 6, 7))
 def check_cases():
     """One general convolution per op (padding, stride, dilation, groups: the native convolution,
     with the reason), then tiny patch embeddings (the fast path) in 2-D and 3-D. The patch cases
-    come last: the per-op checks (tests/test_cells.py's ROCm cell) take an op's last case."""
+    come last: the per-op checks (tests/sweeps/test_cells.py's ROCm cell) take an op's last case."""
     from dualop.testing import OpCase, normal
 
     def inputs(op_kwargs: dict, out_channels: int, with_bias: bool):

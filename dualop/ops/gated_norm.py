@@ -153,7 +153,7 @@ class RMSNormGated(CustomOp):
 
 # Shapes of the cases: zero tokens, one token, a 3-D input, hidden sizes off the 128-lane grid.
 # Two shapes that launch a kernel per case keep the interpreted cells quick; several row blocks
-# with a ragged last one are tested at kernel level (tests/test_rms_norm_gated.py).
+# with a ragged last one are tested at kernel level (tests/ops/test_rms_norm_gated.py).
 WHOLE_SHAPES = ((0, 136), (1, 200), (2, 3, 136))
 # For the grouped case, with the group size each hidden size is split into: lane-aligned groups
 # (384 = 3 x 128) and groups off the 128 grid (200 = 5 x 40).

@@ -483,7 +483,7 @@ class RowParallelLinear(_Linear):
 def check_cases():
     """Tiny shapes (zero tokens, one token, ragged, 3-D): the GEMM is the vendor's, so these check
     the paths' plumbing (bias placement, output tuple, dtype), not tiling. ``skip_bias_add`` (the
-    bias passed through, not computed) is tests/test_linear.py's, shared by every path."""
+    bias passed through, not computed) is tests/ops/test_linear.py's, shared by every path."""
     from dualop.testing import OpCase, normal
 
     shapes = ((0, 32), (1, 32), (5, 32), (2, 3, 40))

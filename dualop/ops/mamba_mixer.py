@@ -286,7 +286,7 @@ class MambaMixer(MixerPlatformMethods, CustomOp):
 # The widths of the check cases' shapes ``(tokens, sequences, hidden, intermediate, state)``: the
 # conv kernel is 4 and the time-step rank ceil(hidden / 16), as Mamba's configs derive it. Few
 # tokens: every cell interprets the two kernels per shape (long prefills that cross the kernels'
-# token blocks are tests/test_selective_scan.py's and tests/test_causal_conv1d.py's).
+# token blocks are tests/ops/test_selective_scan.py's and tests/ops/test_causal_conv1d.py's).
 CHECK_SHAPES = ((1, 1, 16, 32, 4), (9, 3, 24, 40, 8), (6, 6, 40, 72, 16))
 
 
@@ -359,7 +359,7 @@ def check_cases():
 # a hand-written jax lax.scan rounding where the native body does. In 16-bit dtypes transformers rounds
 # at other points (the SSM state to the input dtype before its product with C, the D skip in the input
 # dtype), so the bench's correctness check reports it outside the bfloat16 tolerance (an error record,
-# not timed; tests/test_bench.py expects exactly those): a 16-bit comparison with it is by hand.
+# not timed; tests/infra/test_bench.py expects exactly those): a 16-bit comparison with it is by hand.
 _MAMBA_SEQS = {"prefill": 1, "prefill_8seq": 8, "decode": 0}  # 0: one token per sequence
 
 

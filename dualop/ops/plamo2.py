@@ -274,7 +274,7 @@ class Plamo2MambaMixer(MixerPlatformMethods, CustomOp):
 # (conv kernel 4): a single token, packed prefill, a decode step (one token per sequence).
 CHECK_SHAPES = ((1, 1, 16, 2, 8, 4, 8), (9, 3, 24, 3, 8, 8, 8), (16, 16, 32, 4, 8, 8, 16), (37, 4, 40, 4, 16, 16, 8))
 # The cells' shapes (every cell interprets the conv and SSD kernels per shape): one token, a packed
-# prefill across a chunk boundary (chunk 8), a decode step; tests/test_plamo2.py runs all of the above.
+# prefill across a chunk boundary (chunk 8), a decode step; tests/ops/test_plamo2.py runs all of the above.
 CHECK_CASE_SHAPES = (CHECK_SHAPES[0], CHECK_SHAPES[1], (6, 6, 32, 4, 8, 8, 16))
 
 
@@ -325,7 +325,7 @@ def check_cases():
 # The bench size (tokens, hidden) runs ``tokens`` packed into eight equal sequences (fewer tokens:
 # one token each, a decode step), each in its own slot of the two state caches: ``1024x4096`` is the
 # issue's prefill of eight sequences. (One case only: each case costs ~50 s of jit compiles in
-# tests/test_bench.py's agreement sweep; one-sequence prefill and the 64-sequence decode are the
+# tests/infra/test_bench.py's agreement sweep; one-sequence prefill and the 64-sequence decode are the
 # same case with ``_plamo2_shape(lambda tokens: 1)`` / ``(lambda tokens: tokens)``.) Widths from
 # hidden as PLaMo 2-8B's (hidden 4096: 64 heads of 128, d_state 64, conv 4, time-step rank 256):
 # ``hidden // 64`` heads of 128, d_state 64, rank ``max(64, hidden // 16)``. The sequences start

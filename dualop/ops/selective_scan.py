@@ -201,15 +201,15 @@ def make_scan_inputs(shape, rng, *, seq_lens=None, slots=None, has_initial=None,
 
 # Check shapes (T, B, I, N): one token, a packed prefill with a padding sequence and a decode batch
 # (T == B, the step kernels); small and few, for the interpreters (one long prefill per kernel runs
-# in tests/test_selective_scan.py).
+# in tests/ops/test_selective_scan.py).
 CHECK_SHAPES = ((1, 1, 24, 4), (12, 3, 40, 8), (4, 4, 24, 4))
 
 
 def check_cases():
     """The serving call with every optional input (D, z, dt_bias, the packed batch with a padding
     sequence) but the cache: the fresh final states are returned. The cache is updated in place on
-    torch, which the torch.library op (tests/test_torch_library.py's opcheck) cannot declare yet
-    for an op that also returns outputs; the cache paths are tested in tests/test_selective_scan.py."""
+    torch, which the torch.library op (tests/sweeps/test_torch_library.py's opcheck) cannot declare yet
+    for an op that also returns outputs; the cache paths are tested in tests/ops/test_selective_scan.py."""
     from dualop.testing import OpCase
 
     def make_inputs(shape, rng):

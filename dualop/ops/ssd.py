@@ -231,7 +231,7 @@ def check_cases():
 # batch, and a hand-written jax chunked version of the same math. In 16-bit dtypes transformers adds
 # dt_bias, takes the softplus and clamps in the input dtype (dt rounded before the float32 scan; the
 # native body widens dt first, as the engine's kernels do), so the bench's check reports it outside
-# the bfloat16 tolerance (an error record, not timed; tests/test_bench.py expects it).
+# the bfloat16 tolerance (an error record, not timed; tests/infra/test_bench.py expects it).
 SSD_BENCH_WIDTHS = dict(heads=16, head_dim=64, state=64, groups=2, chunk=256)
 
 
