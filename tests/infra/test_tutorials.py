@@ -2,7 +2,8 @@
 ``<!-- tutorial-file: PATH -->``) goes into a copy of the repository, and the commands the tutorial
 says to run pass there. For "Write your own op" that is the whole claim of the page: the op's six new
 files, and no change elsewhere, give an op whose kernels run and pass in every kernel cell here, that
-the shared sweeps test and the real compilers build."""
+the shared sweeps test and the real compilers build. For "Write a plugin", the package installs and its usage script prints
+what the page says it prints."""
 
 from __future__ import annotations
 
@@ -95,3 +96,22 @@ def test_write_an_ops_kernels_pass_the_real_compilers(tmp_path):
                   "--no-progress", "--no-details"], copy, tmp_path)
     assert built.returncode == 0, built.stdout[-3000:] + built.stderr[-3000:]
     assert re.search(r"\d+ builds \(\d+ ok\)", built.stdout), built.stdout[-2000:]
+
+
+@pytest.mark.latest_only
+def test_write_a_plugin_installs_and_its_kernels_run_on_the_claimed_platform(tmp_path):
+    source = tmp_path / "my-dualop-plugin"
+    for path, text in tutorial_files("write-a-plugin.md").items():
+        (source / path).parent.mkdir(parents=True, exist_ok=True)
+        (source / path).write_text(text)
+    site = tmp_path / "site"
+    subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation",
+                    "--target", str(site), str(source)], check=True, cwd=tmp_path, capture_output=True, text=True)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("DUALOP_", "PYTEST"))}
+    env.update(PYTHONPATH=os.pathsep.join([str(site), str(ROOT)]), MY_DEVICE="1")
+    run = subprocess.run([sys.executable, str(source / "use_it.py")], cwd=tmp_path, env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
+    printed = run.stdout.splitlines()
+    expected = re.search(r"which prints\n\n```\n(.*?)\n```", (TUTORIALS / "write-a-plugin.md").read_text(), re.S)
+    assert printed == expected.group(1).splitlines()
