@@ -4,8 +4,8 @@ For every registered op: its class(es) and constructor, its call signature, the 
 its docstring, the method each (frontend, platform) cell resolves to with the dispatcher's reason,
 the cases where a kernel cell runs the native body instead (the case's ``native_cells``), the
 tolerance its kernels are held to, and the cases ``dualop check``, ``dualop compile`` and ``dualop
-bench`` run. ``dualop ops --markdown`` prints it; ``docs/reference.md`` is its committed output
-(a test keeps the two equal).
+bench`` run. ``dualop ops --markdown`` prints it; the documentation site writes its op reference
+page with it when it is built (``scripts/docs_hooks.py``).
 """
 
 from __future__ import annotations
@@ -88,7 +88,10 @@ def _op_section(name: str, cls: type) -> list[str]:
     summary = _summary(cls)
     if summary:
         lines += [summary, ""]
-    if cases:
+    if not cases:
+        lines += ["No check case of its own, so no cell table here: `dualop check` reaches its computation "
+                  "through the ops and layers built on it.", ""]
+    else:
         shape = next((s for s in cases[0].shapes if s and s[0] > 0), cases[0].shapes[0])
         op = cases[0].make_op(shape)
         lines += ["| frontend | platform | method | why |", "| --- | --- | --- | --- |"]
@@ -141,8 +144,8 @@ def op_reference_markdown() -> str:
     lines = [
         "# Op reference",
         "",
-        "Generated from the registry and each op's spec by `dualop ops --markdown` (do not edit by hand;",
-        "a test compares this page with the command's output). For each op: the constructor, the call,",
+        "Generated from the registry and each op's spec when this site is built (`dualop ops --markdown`",
+        "prints the same page). For each op: the constructor, the call,",
         "what each frontend and platform resolves to and why (per-call declines, such as a dtype a kernel",
         "does not take, are listed under the cases), the tolerance its kernels are held to against",
         "`forward_native`, and the cases `dualop check`, `dualop compile` and `dualop bench` run.",

@@ -15,7 +15,7 @@ repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 constraints="$repo/constraints/$name.txt"
 [ -f "$constraints" ] || { echo "env.sh: no constraint file $constraints" >&2; exit 2; }
 case "$name" in
-  latest) extras="torch,jax,triton,tpu,bench,dev" ;;
+  latest) extras="torch,jax,triton,tpu,bench,docs,dev" ;;
   xla)    extras="torch,jax,triton,xla,bench,dev" ;;
   *) echo "env.sh: unknown environment '$name' (expected latest or xla)" >&2; exit 2 ;;
 esac
