@@ -9,7 +9,8 @@ its output, with OpenMP over rows and GCC-vectorised bodies.
 Each C entry point is declared once, as its C prototype, in the kernel module that calls it
 (``abi.c_function``); the build force-includes those declarations into every source, so a
 definition that differs fails to compile, and the Python side calls the function by parameter name.
-Every ``csrc/*.cc`` is built: a new kernel adds its ``.cc`` and its module, nothing here.
+Arrays arrive as one ``DualopArray`` each (data, dtype, shape, strides; ``csrc/common.h``), from
+which an entry point reads its sizes and which it checks before touching an element. Every ``csrc/*.cc`` is built: a new kernel adds its ``.cc`` and its module, nothing here.
 
 The library is compiled on first use with the system C++ compiler (``$CXX``, else ``g++``/``c++``),
 for the host CPU (``-march=native``), into ``$DUALOP_CACHE_DIR`` (default ``~/.cache/dualop``),
@@ -32,6 +33,8 @@ import tempfile
 import threading
 from pathlib import Path
 
+from dualop.kernels.cpu import abi
+
 __all__ = ["KernelUnavailable", "load", "library_path", "compile_command", "DTYPE_CODES"]
 
 _CSRC = Path(__file__).parent / "csrc"
@@ -40,8 +43,8 @@ _CSRC = Path(__file__).parent / "csrc"
 # infinities and rounding behave as in torch.
 _FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-std=c++20",
           "-fPIC", "-shared")
-# float32, bfloat16, float16: the codes the C entry points take.
-DTYPE_CODES = {"float32": 0, "bfloat16": 1, "float16": 2}
+# The floating dtypes the kernels compute in (float32, bfloat16, float16), with their array codes.
+DTYPE_CODES = {name: code for name, code in abi.DTYPE_CODES.items() if "float" in name}
 
 _lock = threading.Lock()
 _library: ctypes.CDLL | None = None
@@ -75,27 +78,25 @@ def _sources() -> list[Path]:
 
 def library_path(compiler: str) -> Path:
     """Where the library for these sources, declarations, flags, compiler and CPU lives."""
-    from dualop.kernels.cpu.abi import header_text
-
     digest = hashlib.sha256()
     for path in (*sorted(_CSRC.glob("*.h")), *_sources()):
         digest.update(path.name.encode())
         digest.update(path.read_bytes())
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
-    for part in (header_text(), " ".join(_FLAGS), compiler, version, _cpu_model()):
+    for part in (abi.header_text(), " ".join(_FLAGS), compiler, version, _cpu_model()):
         digest.update(part.encode())
     root = Path(os.environ.get("DUALOP_CACHE_DIR") or Path.home() / ".cache" / "dualop")
     return root / "cpu_kernels" / f"dualop_cpu_{digest.hexdigest()[:16]}.so"
 
 
 def compile_command(compiler: str, sources: list[Path], header: Path, out: Path) -> list[str]:
-    """The compiler's command line: every source with the declarations header force-included."""
-    return [compiler, *_FLAGS, "-include", str(header), *(str(src) for src in sources), "-o", str(out)]
+    """The compiler's command line: every source with the declarations header force-included (it
+    includes ``csrc/common.h``, found by ``-I``)."""
+    return [compiler, *_FLAGS, "-I", str(_CSRC), "-include", str(header), *(str(src) for src in sources), "-o",
+            str(out)]
 
 
 def _build(compiler: str, target: Path) -> None:
-    from dualop.kernels.cpu.abi import header_text
-
     target.parent.mkdir(parents=True, exist_ok=True)
     with open(target.with_suffix(".lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # one build per machine, whichever process gets here first
@@ -103,7 +104,7 @@ def _build(compiler: str, target: Path) -> None:
             return
         with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
             header = Path(tmp) / "dualop_api.h"
-            header.write_text(header_text())
+            header.write_text(abi.header_text())
             out = Path(tmp) / target.name
             cmd = compile_command(compiler, _sources(), header, out)
             proc = subprocess.run(cmd, capture_output=True, text=True)

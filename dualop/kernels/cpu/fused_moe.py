@@ -35,20 +35,19 @@ from dualop.backends.torch.recording import decline_if_recording
 from dualop.kernels.cpu.abi import c_function
 
 _C_SPLIT_BF16 = c_function(
-    "int dualop_split_bf16(const float* v, void* hi, void* lo, int64_t count, int threads)"
+    "int dualop_split_bf16(const DualopArray* v, const DualopArray* hi, const DualopArray* lo, int threads)"
 )
 _C_MOE_GROUPED_LINEAR_BF16 = c_function(
-    "int dualop_moe_grouped_linear_bf16(const void* hi, const void* lo, const void* w, "
-    "const int64_t* group_expert, const int64_t* group_start, const int64_t* group_end, int64_t groups, "
-    "float* out, int64_t n, int64_t k, int threads)"
+    "int dualop_moe_grouped_linear_bf16(const DualopArray* hi, const DualopArray* lo, const DualopArray* w, "
+    "const DualopArray* group_expert, const DualopArray* group_start, const DualopArray* group_end, "
+    "const DualopArray* out, int threads)"
 )
 _C_MOE_HAS_BF16_DOT = c_function(
     "int dualop_moe_has_bf16_dot()"
 )
 _C_MOE_GROUPED_LINEAR = c_function(
-    "int dualop_moe_grouped_linear(int dtype, const float* x, const void* w, const int64_t* group_expert, "
-    "const int64_t* group_start, const int64_t* group_end, int64_t groups, float* out, int64_t n, int64_t k, "
-    "int threads)"
+    "int dualop_moe_grouped_linear(const DualopArray* x, const DualopArray* w, const DualopArray* group_expert, "
+    "const DualopArray* group_start, const DualopArray* group_end, const DualopArray* out, int threads)"
 )
 
 __all__ = ["fused_experts", "has_bf16_dot"]
@@ -94,7 +93,9 @@ def split_bf16(values: Any) -> tuple[Any, Any]:
 
     values = values.contiguous()
     hi, lo = torch.empty_like(values, dtype=torch.bfloat16), torch.empty_like(values, dtype=torch.bfloat16)
-    _C_SPLIT_BF16(v=values, hi=hi, lo=lo, count=values.numel(), threads=threads_for(values.numel()))
+    status = _C_SPLIT_BF16(v=values, hi=hi, lo=lo, threads=threads_for(values.numel()))
+    if status != 0:
+        raise NotImplementedError(f"dualop_split_bf16 returned {status}")
     return hi, lo
 
 
@@ -108,8 +109,7 @@ def _grouped_linear_bf16(hi: Any, lo: Any | None, weights: Any, used: list[int],
     out = torch.empty((hi.shape[0], n), dtype=torch.float32)
     group_expert, group_start, group_end = _group_tensors(_row_starts(counts), used, list(range(len(counts))))
     status = _C_MOE_GROUPED_LINEAR_BF16(
-        hi=hi, lo=lo, w=weights, group_expert=group_expert, group_start=group_start, group_end=group_end,
-        groups=len(counts), out=out, n=n, k=k,
+        hi=hi, lo=lo, w=weights, group_expert=group_expert, group_start=group_start, group_end=group_end, out=out,
         threads=threads_for(sum(counts) * n * k * (1 if lo is None else 2)),
     )
     if status != 0:
@@ -137,8 +137,7 @@ def _grouped_linear(rows: Any, weights: Any, used: list[int], counts: list[int])
     if small:
         group_expert, group_start, group_end = _group_tensors(starts, used, small)
         status = _C_MOE_GROUPED_LINEAR(
-            dtype=dtype_code(weights), x=rows, w=weights, group_expert=group_expert, group_start=group_start,
-            group_end=group_end, groups=len(small), out=out, n=n, k=k,
+            x=rows, w=weights, group_expert=group_expert, group_start=group_start, group_end=group_end, out=out,
             threads=threads_for(sum(counts[g] for g in small) * n * k),
         )
         if status != 0:

@@ -8,15 +8,15 @@ from typing import Any
 from dualop.kernels.cpu import load
 from dualop.kernels.cpu.common import dtype_code, threads_for
 from dualop.kernels.gate_math import ACTIVATIONS, GateSpec
-from dualop.kernels.cpu.abi import c_function
+from dualop.kernels.cpu.abi import MAX_DIMS, c_function
 
 _C_GATED_TABLE = c_function(
-    "int dualop_gated_table(int dtype, const float* table, const void* x, void* out, int64_t rows, int64_t d, "
+    "int dualop_gated_table(const DualopArray* table, const DualopArray* x, const DualopArray* out, "
     "int act_on_first, int threads)"
 )
 _C_GATED_ACTIVATION = c_function(
-    "int dualop_gated_activation(int dtype, int activation, const void* x, void* out, int64_t rows, int64_t d, "
-    "int act_on_first, int threads)"
+    "int dualop_gated_activation(const DualopArray* x, const DualopArray* out, int activation, int act_on_first, "
+    "int threads)"
 )
 
 __all__ = ["gated_activation", "supports"]
@@ -70,16 +70,18 @@ def gated_activation(x: Any, *, spec: GateSpec = GateSpec()) -> Any:
     x = x.contiguous()
     out = torch.empty((*x.shape[:-1], d), dtype=x.dtype, device=x.device)
     if out.numel():
-        rows, first, threads = x.numel() // (2 * d), spec.act_on == "first", threads_for(x.numel())
+        first, threads = spec.act_on == "first", threads_for(x.numel())
+        # the kernels read any rank as rows; an array argument has at most MAX_DIMS dimensions
+        rows_in, rows_out = (x, out) if x.ndim <= MAX_DIMS else (x.view(-1, 2 * d), out.view(-1, d))
         if x.dtype.itemsize == 2:
             status = _C_GATED_TABLE(
-                dtype=dtype_code(x), table=_activation_table(spec.activation, x.dtype), x=x, out=out,
-                rows=rows, d=d, act_on_first=first, threads=threads,
+                table=_activation_table(spec.activation, x.dtype), x=rows_in, out=rows_out, act_on_first=first,
+                threads=threads,
             )
         else:
             status = _C_GATED_ACTIVATION(
-                dtype=dtype_code(x), activation=_ACTIVATION_CODES[spec.activation], x=x, out=out, rows=rows,
-                d=d, act_on_first=first, threads=threads,
+                x=rows_in, out=rows_out, activation=_ACTIVATION_CODES[spec.activation], act_on_first=first,
+                threads=threads,
             )
         if status != 0:
             raise NotImplementedError(f"dualop_gated_activation returned {status}")

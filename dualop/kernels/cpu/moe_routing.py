@@ -17,9 +17,8 @@ from dualop.backends.torch.recording import decline_if_recording
 from dualop.kernels.cpu.abi import c_function
 
 _C_GROUPED_TOPK = c_function(
-    "int dualop_grouped_topk(int dtype, const void* logits, const float* bias, float* weights, int32_t* ids, "
-    "int64_t tokens, int64_t experts, int top_k, int renormalize, int64_t groups, int topk_group, int scoring, "
-    "float scale, int threads)"
+    "int dualop_grouped_topk(const DualopArray* logits, const DualopArray* bias, const DualopArray* weights, "
+    "const DualopArray* ids, int renormalize, int64_t groups, int topk_group, int scoring, float scale, int threads)"
 )
 
 __all__ = ["grouped_topk"]
@@ -47,8 +46,8 @@ def grouped_topk(gating_output: Any, e_score_correction_bias: Any, *, top_k: int
     bias = None if e_score_correction_bias is None else e_score_correction_bias.to(torch.float32).contiguous()
     groups = num_expert_group if moe_math.uses_groups(experts, num_expert_group, topk_group) else 0
     status = _C_GROUPED_TOPK(
-        dtype=dtype_code(logits), logits=logits, bias=bias, weights=weights, ids=ids, tokens=tokens,
-        experts=experts, top_k=top_k, renormalize=int(renormalize), groups=groups, topk_group=topk_group,
+        logits=logits, bias=bias, weights=weights, ids=ids, renormalize=int(renormalize), groups=groups,
+        topk_group=topk_group,
         scoring=_SCORING_CODES[scoring_func], scale=routed_scaling_factor,
         threads=threads_for(tokens * experts * top_k),
     )

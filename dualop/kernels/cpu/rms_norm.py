@@ -7,21 +7,26 @@ from typing import Any
 from dualop.kernels.cpu import load
 from dualop.kernels.cpu.common import dtype_code, threads_for
 from dualop.kernels.norm_math import NormSpec
-from dualop.kernels.cpu.abi import c_function
+from dualop.kernels.cpu.abi import MAX_DIMS, c_function
 
 _C_RMS_NORM = c_function(
-    "int dualop_rms_norm(int dtype, const void* x, const void* residual, const float* weight, void* out, "
-    "void* residual_out, int64_t rows, int64_t hidden, float eps, int weight_mode, int threads)"
+    "int dualop_rms_norm(const DualopArray* x, const DualopArray* residual, const DualopArray* weight, "
+    "const DualopArray* out, const DualopArray* residual_out, float eps, int weight_mode, int threads)"
 )
 _C_RMS_NORM_GATED = c_function(
-    "int dualop_rms_norm_gated(int dtype, const void* x, const void* z, const float* weight, void* out, "
-    "int64_t rows, int64_t hidden, int64_t group, float eps, int norm_before_gate, int cast_before_weight, "
-    "int threads)"
+    "int dualop_rms_norm_gated(const DualopArray* x, const DualopArray* z, const DualopArray* weight, "
+    "const DualopArray* out, int64_t group, float eps, int norm_before_gate, int cast_before_weight, int threads)"
 )
 
 __all__ = ["rms_norm", "rms_norm_gated", "supports"]
 
 _NO_WEIGHT, _WEIGHT_AFTER_CAST, _WEIGHT_IN_F32 = 0, 1, 2
+
+
+def _rows(t: Any) -> Any:
+    """``t`` as an array argument: itself up to ``MAX_DIMS`` dimensions (the kernels read any rank
+    as ``[rows, hidden]``), else viewed as ``[rows, hidden]``."""
+    return t if t is None or t.ndim <= MAX_DIMS else t.view(-1, t.shape[-1])
 
 
 def covers(spec: NormSpec) -> str | None:
@@ -53,7 +58,6 @@ def rms_norm(x: Any, weight: Any = None, residual: Any = None, *, spec: NormSpec
     why = supports(x, weight, residual, spec)
     if why is not None:
         raise NotImplementedError(why)
-    hidden = x.shape[-1]
     x = x.contiguous()
     out = torch.empty_like(x)
     residual_out = None
@@ -70,9 +74,8 @@ def rms_norm(x: Any, weight: Any = None, residual: Any = None, *, spec: NormSpec
         mode = _WEIGHT_IN_F32 if spec.weight_in_f32 else _WEIGHT_AFTER_CAST
     if x.numel():
         status = _C_RMS_NORM(
-            dtype=dtype_code(x), x=x, residual=residual, weight=w, out=out, residual_out=residual_out,
-            rows=x.numel() // hidden, hidden=hidden, eps=spec.eps, weight_mode=mode,
-            threads=threads_for(x.numel()),
+            x=_rows(x), residual=_rows(residual), weight=w, out=_rows(out), residual_out=_rows(residual_out),
+            eps=spec.eps, weight_mode=mode, threads=threads_for(x.numel()),
         )
         if status != 0:
             raise NotImplementedError(f"dualop_rms_norm returned {status}")
@@ -88,14 +91,13 @@ def rms_norm_gated(x: Any, weight: Any, z: Any = None, *, group_size: int, eps: 
     code = dtype_code(x)
     if code is None:
         raise NotImplementedError(f"dtype {x.dtype} on {x.device} has no CPU kernel")
-    hidden = x.shape[-1]
     x = x.contiguous()
     z = None if z is None else z.contiguous()
     w = weight.to(torch.float32).contiguous()
     out = torch.empty_like(x)
     if x.numel():
         status = _C_RMS_NORM_GATED(
-            dtype=code, x=x, z=z, weight=w, out=out, rows=x.numel() // hidden, hidden=hidden, group=group_size,
+            x=_rows(x), z=_rows(z), weight=w, out=_rows(out), group=group_size,
             eps=eps, norm_before_gate=int(norm_before_gate), cast_before_weight=int(cast_before_weight),
             threads=threads_for(x.numel()),
         )

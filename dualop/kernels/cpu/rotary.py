@@ -5,14 +5,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from dualop.kernels.cpu import DTYPE_CODES, load
+from dualop.kernels.cpu import load
 from dualop.kernels.cpu.common import dtype_code, threads_for
 from dualop.kernels.cpu.abi import c_function
 
 _C_ROTARY = c_function(
-    "int dualop_rotary(int dtype, int cos_dtype, const void* q, const void* k, const void* cos, "
-    "const void* sin, void* q_out, void* k_out, int64_t tokens, int64_t cos_rows, int64_t cos_stride, "
-    "int64_t q_heads, int64_t k_heads, int64_t head_size, int64_t rotary_dim, int is_neox, int threads)"
+    "int dualop_rotary(const DualopArray* q, const DualopArray* k, const DualopArray* cos, const DualopArray* sin, "
+    "const DualopArray* q_out, const DualopArray* k_out, int64_t rotary_dim, int is_neox, int threads)"
 )
 
 __all__ = ["rotary", "supports"]
@@ -31,11 +30,11 @@ def supports(query: Any, cos: Any) -> str | None:
     return None
 
 
-def _cos_sin_rows(cos: Any, sin: Any) -> tuple[Any, Any, int]:
+def _cos_sin_rows(cos: Any, sin: Any) -> tuple[Any, Any]:
     """cos and sin with unit last stride and one shared row stride (views of one cache row stay views)."""
     if cos.stride(-1) != 1 or sin.stride(-1) != 1 or cos.stride(0) != sin.stride(0) or cos.dtype != sin.dtype:
         cos, sin = cos.contiguous(), sin.to(cos.dtype).contiguous()
-    return cos, sin, cos.stride(0) if cos.shape[0] > 1 else cos.shape[-1]
+    return cos, sin
 
 
 def rotary(query: Any, key: Any, cos: Any, sin: Any, *, rotary_dim: int, is_neox_style: bool) -> tuple[Any, Any]:
@@ -47,7 +46,7 @@ def rotary(query: Any, key: Any, cos: Any, sin: Any, *, rotary_dim: int, is_neox
     why = supports(query, cos)
     if why is not None:
         raise NotImplementedError(why)
-    tokens, q_heads, head_size = query.shape
+    tokens = query.shape[0]
     query = query.contiguous()
     q_out = torch.empty_like(query)
     k_out = None
@@ -55,13 +54,10 @@ def rotary(query: Any, key: Any, cos: Any, sin: Any, *, rotary_dim: int, is_neox
         key = key.contiguous()
         k_out = torch.empty_like(key)
     if tokens and query.numel() + (0 if key is None else key.numel()):  # no query heads still rotates the key
-        cos, sin, stride = _cos_sin_rows(cos, sin)
+        cos, sin = _cos_sin_rows(cos, sin)
         status = _C_ROTARY(
-            dtype=dtype_code(query), cos_dtype=DTYPE_CODES[str(cos.dtype).removeprefix("torch.")], q=query,
-            k=key, cos=cos, sin=sin, q_out=q_out, k_out=k_out, tokens=tokens, cos_rows=cos.shape[0],
-            cos_stride=stride, q_heads=q_heads, k_heads=0 if key is None else key.shape[1],
-            head_size=head_size, rotary_dim=rotary_dim, is_neox=int(is_neox_style),
-            threads=threads_for(query.numel() + (0 if key is None else key.numel())),
+            q=query, k=key, cos=cos, sin=sin, q_out=q_out, k_out=k_out, rotary_dim=rotary_dim,
+            is_neox=int(is_neox_style), threads=threads_for(query.numel() + (0 if key is None else key.numel())),
         )
         if status != 0:
             raise NotImplementedError(f"dualop_rotary returned {status}")

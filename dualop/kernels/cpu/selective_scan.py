@@ -18,10 +18,10 @@ from dualop.kernels.cpu.common import dtype_code, threads_for
 from dualop.kernels.cpu.abi import c_function
 
 _C_SELECTIVE_SCAN = c_function(
-    "int dualop_selective_scan(int dtype, int state_dtype, const void* x, const float* delta, const void* z, "
-    "const float* A, const float* B, const float* C, const float* D, void* cache, const int32_t* slots, "
-    "const uint8_t* has_init, const int32_t* cu, void* y, int64_t dim, int64_t n, int64_t groups, int64_t seqs, "
-    "int threads)"
+    "int dualop_selective_scan(const DualopArray* x, const DualopArray* delta, const DualopArray* z, "
+    "const DualopArray* A, const DualopArray* B, const DualopArray* C, const DualopArray* D, "
+    "const DualopArray* cache, const DualopArray* slots, const DualopArray* has_init, const DualopArray* cu, "
+    "const DualopArray* y, int threads)"
 )
 
 __all__ = ["selective_scan", "scan_channels", "MAX_STATE"]
@@ -66,7 +66,6 @@ def scan_channels(op: str, x, delta, A, B, C, D, z, state, cu_seqlens, state_ind
     n = A.shape[1]
     if n > MAX_STATE:
         raise NotImplementedError(f"{op}: the CPU kernel holds states up to {MAX_STATE} wide, got {n}")
-    groups = 1 if B.ndim == 2 else B.shape[1]
     cache = state if state.is_contiguous() else state.contiguous()  # written back below when a copy
     # The C++ loop reads tokens cu[s] .. cu[s + 1] and writes slot slots[s] unchecked: bad metadata
     # (traced, or a direct call) is read as the native body reads it, every index in bounds.
@@ -81,8 +80,7 @@ def scan_channels(op: str, x, delta, A, B, C, D, z, state, cu_seqlens, state_ind
         y[owned:] = 0
     a32, b32, c32, d32 = (_f32(t) for t in (A, B, C, D))  # float32 copies, alive through the call
     status = _C_SELECTIVE_SCAN(
-        dtype=code, state_dtype=state_code, x=x, delta=delta, z=z, A=a32, B=b32, C=c32, D=d32, cache=cache,
-        slots=slots, has_init=has_init, cu=cu, y=y, dim=dim, n=n, groups=groups, seqs=cu.shape[0] - 1,
+        x=x, delta=delta, z=z, A=a32, B=b32, C=c32, D=d32, cache=cache, slots=slots, has_init=has_init, cu=cu, y=y,
         threads=threads_for(tokens * dim * n),
     )
     if status != 0:

@@ -13,12 +13,74 @@
 
 #define DUALOP_INLINE inline __attribute__((always_inline))
 
+// The most dimensions an array argument has (DualopArray::shape, ::strides).
+#define DUALOP_MAX_DIMS 4
+
+// One array argument of a C entry point: its data, element type (a dualop::dtype_code, stated in
+// dualop/kernels/cpu/abi.py), rank, and shape and strides in elements (the first ndim entries).
+// Mirrored field by field by abi.DualopArray (abi.ARRAY_FIELDS), which packs one per tensor.
+struct DualopArray {
+  void* data;
+  int32_t dtype;
+  int32_t ndim;
+  int64_t shape[DUALOP_MAX_DIMS];
+  int64_t strides[DUALOP_MAX_DIMS];
+};
+
 namespace dualop {
 
 // bfloat16 is stored as its bits (a plain uint16_t, which GCC vectorises; a wrapper struct it
 // does not); float16 is the compiler's _Float16.
 using bf16 = uint16_t;
 using f16 = _Float16;
+
+// What an entry point returns when its array arguments disagree with what it reads (element type,
+// rank or shape): it refuses before touching any element.
+constexpr int kBadArrays = -10;
+
+// An optional array's data, null when the array is absent.
+DUALOP_INLINE void* data_of(const DualopArray* a) { return a ? a->data : nullptr; }
+
+// Whether an array's elements are laid out row-major without gaps (what the row loops read).
+DUALOP_INLINE bool is_row_major(const DualopArray* a) {
+  int64_t expected = 1;
+  for (int32_t d = a->ndim - 1; d >= 0; --d) {
+    if (a->shape[d] == 0) return true;
+    if (a->shape[d] != 1 && a->strides[d] != expected) return false;
+    expected *= a->shape[d];
+  }
+  return true;
+}
+
+// Whether an array is present, of this element type and rank, and row-major.
+DUALOP_INLINE bool is_dense(const DualopArray* a, int32_t dtype, int32_t ndim) {
+  return a && a->dtype == dtype && a->ndim == ndim && is_row_major(a);
+}
+
+// Whether an optional array is absent, or present as is_dense says.
+DUALOP_INLINE bool is_absent_or_dense(const DualopArray* a, int32_t dtype, int32_t ndim) {
+  return !a || is_dense(a, dtype, ndim);
+}
+
+// Whether two arrays have one rank and shape.
+DUALOP_INLINE bool same_shape(const DualopArray* a, const DualopArray* b) {
+  if (a->ndim != b->ndim) return false;
+  for (int32_t d = 0; d < a->ndim; ++d)
+    if (a->shape[d] != b->shape[d]) return false;
+  return true;
+}
+
+// Whether b is present, row-major, and of a's element type, rank and shape.
+DUALOP_INLINE bool is_dense_like(const DualopArray* b, const DualopArray* a) {
+  return is_dense(b, a->dtype, a->ndim) && same_shape(a, b);
+}
+
+// How many elements an array holds.
+DUALOP_INLINE int64_t element_count(const DualopArray* a) {
+  int64_t count = 1;
+  for (int32_t d = 0; d < a->ndim; ++d) count *= a->shape[d];
+  return count;
+}
 
 DUALOP_INLINE float to_f32(float v) { return v; }
 DUALOP_INLINE float to_f32(f16 v) { return static_cast<float>(v); }

@@ -102,32 +102,58 @@ static void gated_table_rows(const float* __restrict table, const T* __restrict 
 
 }  // namespace dualop
 
-// 16-bit dtypes only (1 bfloat16, 2 float16); table: float32[65536], act of every gate bit pattern.
-extern "C" int dualop_gated_table(int dtype, const float* table, const void* x, void* out, int64_t rows, int64_t d,
+namespace dualop {
+namespace {
+
+// Whether x is row-major [..., 2 * d] of a float dtype and out row-major [..., d] of x's dtype and
+// leading shape; sets rows and d.
+bool gated_operands_agree(const DualopArray* x, const DualopArray* out, int64_t& rows, int64_t& d) {
+  if (!x || x->ndim < 1 || !is_row_major(x) || !is_dense(out, x->dtype, x->ndim)) return false;
+  const int32_t last = x->ndim - 1;
+  for (int32_t i = 0; i < last; ++i)
+    if (out->shape[i] != x->shape[i]) return false;
+  d = out->shape[last];
+  if (x->shape[last] != 2 * d) return false;
+  rows = d ? element_count(out) / d : 0;
+  return true;
+}
+
+}  // namespace
+}  // namespace dualop
+
+// x [..., 2 * d] and out [..., d] of a 16-bit dtype (bfloat16, float16); table float32 [65536]: act
+// of every gate bit pattern. Returns 0, -1 for another dtype, kBadArrays for arrays that disagree.
+extern "C" int dualop_gated_table(const DualopArray* table, const DualopArray* x, const DualopArray* out,
                                   int act_on_first, int threads) {
   using namespace dualop;
-  switch (dtype) {
-    case 1:
-      gated_table_rows<bf16>(table, static_cast<const bf16*>(x), static_cast<bf16*>(out), rows, d, act_on_first != 0,
-                             threads);
+  int64_t rows = 0, d = 0;
+  if (!gated_operands_agree(x, out, rows, d)) return kBadArrays;
+  if (!is_dense(table, dtype_code::float32, 1) || table->shape[0] != 65536) return kBadArrays;
+  const auto* t = static_cast<const float*>(table->data);
+  switch (x->dtype) {
+    case dtype_code::bfloat16:
+      gated_table_rows<bf16>(t, static_cast<const bf16*>(x->data), static_cast<bf16*>(out->data), rows, d,
+                             act_on_first != 0, threads);
       return 0;
-    case 2:
-      gated_table_rows<f16>(table, static_cast<const f16*>(x), static_cast<f16*>(out), rows, d, act_on_first != 0,
-                            threads);
+    case dtype_code::float16:
+      gated_table_rows<f16>(t, static_cast<const f16*>(x->data), static_cast<f16*>(out->data), rows, d,
+                            act_on_first != 0, threads);
       return 0;
     default: return -1;
   }
 }
 
-// dtype: 0 float32, 1 bfloat16, 2 float16; activation: 0 silu, 1 gelu (erf), 2 gelu (tanh).
-// Returns 0, or -1 for an unknown dtype or activation.
-extern "C" int dualop_gated_activation(int dtype, int activation, const void* x, void* out, int64_t rows, int64_t d,
-                                       int act_on_first, int threads) {
+// x [..., 2 * d] and out [..., d] of one float dtype; activation: 0 silu, 1 gelu (erf), 2 gelu
+// (tanh). Returns 0, -1 for an unknown dtype or activation, kBadArrays for arrays that disagree.
+extern "C" int dualop_gated_activation(const DualopArray* x, const DualopArray* out, int activation, int act_on_first,
+                                       int threads) {
   using namespace dualop;
-  switch (dtype) {
-    case 0: return by_activation<float>(activation, x, out, rows, d, act_on_first != 0, threads);
-    case 1: return by_activation<bf16>(activation, x, out, rows, d, act_on_first != 0, threads);
-    case 2: return by_activation<f16>(activation, x, out, rows, d, act_on_first != 0, threads);
+  int64_t rows = 0, d = 0;
+  if (!gated_operands_agree(x, out, rows, d)) return kBadArrays;
+  switch (x->dtype) {
+    case dtype_code::float32: return by_activation<float>(activation, x->data, out->data, rows, d, act_on_first != 0, threads);
+    case dtype_code::bfloat16: return by_activation<bf16>(activation, x->data, out->data, rows, d, act_on_first != 0, threads);
+    case dtype_code::float16: return by_activation<f16>(activation, x->data, out->data, rows, d, act_on_first != 0, threads);
     default: return -1;
   }
 }

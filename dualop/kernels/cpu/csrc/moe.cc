@@ -384,14 +384,54 @@ static void grouped_topk(const T* logits, const float* bias, float* weights, int
 
 }  // namespace dualop
 
-extern "C" int dualop_moe_grouped_linear(int dtype, const float* x, const void* w, const int64_t* group_expert,
-                                         const int64_t* group_start, const int64_t* group_end, int64_t groups,
-                                         float* out, int64_t n, int64_t k, int threads) {
+namespace dualop {
+namespace {
+
+// Whether group_expert, group_start, group_end are int64 [groups] each, every expert below
+// `experts` and every row range inside [0, rows): the grouped matmuls read them unchecked.
+bool groups_in_bounds(const DualopArray* expert, const DualopArray* start, const DualopArray* end, int64_t experts,
+                      int64_t rows) {
+  if (!is_dense(expert, dtype_code::int64, 1) || !is_dense_like(start, expert) || !is_dense_like(end, expert))
+    return false;
+  const auto* e = static_cast<const int64_t*>(expert->data);
+  const auto* r0 = static_cast<const int64_t*>(start->data);
+  const auto* r1 = static_cast<const int64_t*>(end->data);
+  for (int64_t g = 0; g < expert->shape[0]; ++g)
+    if (e[g] < 0 || e[g] >= experts || r0[g] < 0 || r0[g] > r1[g] || r1[g] > rows) return false;
+  return true;
+}
+
+// Whether the grouped matmul's operands agree: x [rows, k] of x_dtype, w row-major [experts, n, k],
+// out float32 [rows, n], and the groups in bounds.
+bool grouped_operands_agree(const DualopArray* x, int32_t x_dtype, const DualopArray* w, const DualopArray* out,
+                            const DualopArray* group_expert, const DualopArray* group_start,
+                            const DualopArray* group_end) {
+  return is_dense(x, x_dtype, 2) && w && w->ndim == 3 && is_row_major(w) && x->shape[1] == w->shape[2] &&
+         is_dense(out, dtype_code::float32, 2) && out->shape[0] == x->shape[0] && out->shape[1] == w->shape[1] &&
+         groups_in_bounds(group_expert, group_start, group_end, w->shape[0], x->shape[0]);
+}
+
+}  // namespace
+}  // namespace dualop
+
+// x float32 [rows, k]; w [experts, n, k] in any float dtype; out float32 [rows, n]; group_expert,
+// group_start, group_end int64 [groups]: rows group_start[g] .. group_end[g] times expert
+// group_expert[g]. Returns 0, -1 for an unknown dtype, kBadArrays for arrays that disagree.
+extern "C" int dualop_moe_grouped_linear(const DualopArray* x, const DualopArray* w, const DualopArray* group_expert,
+                                         const DualopArray* group_start, const DualopArray* group_end,
+                                         const DualopArray* out, int threads) {
   using namespace dualop;
-  switch (dtype) {
-    case 0: grouped_linear(x, static_cast<const float*>(w), group_expert, group_start, group_end, groups, out, n, k, threads); return 0;
-    case 1: grouped_linear(x, static_cast<const bf16*>(w), group_expert, group_start, group_end, groups, out, n, k, threads); return 0;
-    case 2: grouped_linear(x, static_cast<const f16*>(w), group_expert, group_start, group_end, groups, out, n, k, threads); return 0;
+  if (!grouped_operands_agree(x, dtype_code::float32, w, out, group_expert, group_start, group_end)) return kBadArrays;
+  const auto* xf = static_cast<const float*>(x->data);
+  const auto* ge = static_cast<const int64_t*>(group_expert->data);
+  const auto* gs = static_cast<const int64_t*>(group_start->data);
+  const auto* gend = static_cast<const int64_t*>(group_end->data);
+  const int64_t groups = group_expert->shape[0], n = w->shape[1], k = w->shape[2];
+  auto* o = static_cast<float*>(out->data);
+  switch (w->dtype) {
+    case dtype_code::float32: grouped_linear(xf, static_cast<const float*>(w->data), ge, gs, gend, groups, o, n, k, threads); return 0;
+    case dtype_code::bfloat16: grouped_linear(xf, static_cast<const bf16*>(w->data), ge, gs, gend, groups, o, n, k, threads); return 0;
+    case dtype_code::float16: grouped_linear(xf, static_cast<const f16*>(w->data), ge, gs, gend, groups, o, n, k, threads); return 0;
     default: return -1;
   }
 }
@@ -404,47 +444,74 @@ extern "C" int dualop_moe_has_bf16_dot() {
 #endif
 }
 
-// hi, w bfloat16; lo bfloat16 or null (no low half); out float32. -1 where the library has no
-// AVX512-BF16 (dualop_moe_has_bf16_dot() == 0).
-extern "C" int dualop_moe_grouped_linear_bf16(const void* hi, const void* lo, const void* w,
-                                              const int64_t* group_expert, const int64_t* group_start,
-                                              const int64_t* group_end, int64_t groups, float* out, int64_t n,
-                                              int64_t k, int threads) {
+// hi, and lo (or absent: no low half), bfloat16 [rows, k]; w bfloat16 [experts, n, k]; out and the
+// groups as for dualop_moe_grouped_linear. Returns 0, -1 where the library has no AVX512-BF16
+// (dualop_moe_has_bf16_dot() == 0), kBadArrays for arrays that disagree.
+extern "C" int dualop_moe_grouped_linear_bf16(const DualopArray* hi, const DualopArray* lo, const DualopArray* w,
+                                              const DualopArray* group_expert, const DualopArray* group_start,
+                                              const DualopArray* group_end, const DualopArray* out, int threads) {
 #if defined(__AVX512BF16__)
   using namespace dualop;
-  const auto* h = static_cast<const bf16*>(hi);
-  const auto* l = static_cast<const bf16*>(lo);
-  const auto* wb = static_cast<const bf16*>(w);
+  if (!grouped_operands_agree(hi, dtype_code::bfloat16, w, out, group_expert, group_start, group_end) ||
+      w->dtype != dtype_code::bfloat16 || (lo && !is_dense_like(lo, hi)))
+    return kBadArrays;
+  const auto* h = static_cast<const bf16*>(hi->data);
+  const auto* l = static_cast<const bf16*>(data_of(lo));
+  const auto* wb = static_cast<const bf16*>(w->data);
+  const auto* ge = static_cast<const int64_t*>(group_expert->data);
+  const auto* gs = static_cast<const int64_t*>(group_start->data);
+  const auto* gend = static_cast<const int64_t*>(group_end->data);
+  const int64_t groups = group_expert->shape[0], n = w->shape[1], k = w->shape[2];
+  auto* o = static_cast<float*>(out->data);
   if (l)
-    grouped_linear_bf16<true>(h, l, wb, group_expert, group_start, group_end, groups, out, n, k, threads);
+    grouped_linear_bf16<true>(h, l, wb, ge, gs, gend, groups, o, n, k, threads);
   else
-    grouped_linear_bf16<false>(h, l, wb, group_expert, group_start, group_end, groups, out, n, k, threads);
+    grouped_linear_bf16<false>(h, l, wb, ge, gs, gend, groups, o, n, k, threads);
   return 0;
 #else
-  (void)hi, (void)lo, (void)w, (void)group_expert, (void)group_start, (void)group_end, (void)groups, (void)out;
-  (void)n, (void)k, (void)threads;
+  (void)hi, (void)lo, (void)w, (void)group_expert, (void)group_start, (void)group_end, (void)out, (void)threads;
   return -1;
 #endif
 }
 
-extern "C" int dualop_split_bf16(const float* v, void* hi, void* lo, int64_t count, int threads) {
+// v float32; hi, lo bfloat16 of v's shape, all row-major. Returns 0, kBadArrays for arrays that
+// disagree.
+extern "C" int dualop_split_bf16(const DualopArray* v, const DualopArray* hi, const DualopArray* lo, int threads) {
   using namespace dualop;
-  split_bf16(v, static_cast<bf16*>(hi), static_cast<bf16*>(lo), count, threads);
+  if (!v || !is_dense(v, dtype_code::float32, v->ndim) || !is_dense(hi, dtype_code::bfloat16, v->ndim) ||
+      !is_dense(lo, dtype_code::bfloat16, v->ndim) || !same_shape(v, hi) || !same_shape(v, lo))
+    return kBadArrays;
+  split_bf16(static_cast<const float*>(v->data), static_cast<bf16*>(hi->data), static_cast<bf16*>(lo->data),
+             element_count(v), threads);
   return 0;
 }
 
-extern "C" int dualop_grouped_topk(int dtype, const void* logits, const float* bias, float* weights, int32_t* ids,
-                                   int64_t tokens, int64_t experts, int top_k, int renormalize, int64_t groups,
-                                   int topk_group, int scoring, float scale, int threads) {
+// logits [tokens, experts] in any float dtype; bias float32 [experts] or absent; weights float32 and
+// ids int32 [tokens, top_k]. Returns 0, -1 for an unknown dtype, -2 for a top_k or group count the
+// experts do not allow, kBadArrays for arrays that disagree.
+extern "C" int dualop_grouped_topk(const DualopArray* logits, const DualopArray* bias, const DualopArray* weights,
+                                   const DualopArray* ids, int renormalize, int64_t groups, int topk_group,
+                                   int scoring, float scale, int threads) {
   using namespace dualop;
+  if (!logits || logits->ndim != 2 || !is_row_major(logits)) return kBadArrays;
+  const int64_t tokens = logits->shape[0], experts = logits->shape[1];
+  if (!is_absent_or_dense(bias, dtype_code::float32, 1) || (bias && bias->shape[0] != experts)) return kBadArrays;
+  if (!is_dense(weights, dtype_code::float32, 2) || !is_dense(ids, dtype_code::int32, 2) ||
+      weights->shape[0] != tokens || !same_shape(weights, ids))
+    return kBadArrays;
+  const int64_t top_k = weights->shape[1];
   if (top_k < 1 || top_k > experts || (groups > 1 && experts % groups != 0)) return -2;
-  switch (dtype) {
-    case 0: grouped_topk(static_cast<const float*>(logits), bias, weights, ids, tokens, experts, top_k, renormalize,
-                         groups, topk_group, scoring, scale, threads); return 0;
-    case 1: grouped_topk(static_cast<const bf16*>(logits), bias, weights, ids, tokens, experts, top_k, renormalize,
-                         groups, topk_group, scoring, scale, threads); return 0;
-    case 2: grouped_topk(static_cast<const f16*>(logits), bias, weights, ids, tokens, experts, top_k, renormalize,
-                         groups, topk_group, scoring, scale, threads); return 0;
+  const auto* b = static_cast<const float*>(data_of(bias));
+  auto* w = static_cast<float*>(weights->data);
+  auto* id = static_cast<int32_t*>(ids->data);
+  const int k = static_cast<int>(top_k);
+  switch (logits->dtype) {
+    case dtype_code::float32: grouped_topk(static_cast<const float*>(logits->data), b, w, id, tokens, experts, k, renormalize,
+                                           groups, topk_group, scoring, scale, threads); return 0;
+    case dtype_code::bfloat16: grouped_topk(static_cast<const bf16*>(logits->data), b, w, id, tokens, experts, k, renormalize,
+                                            groups, topk_group, scoring, scale, threads); return 0;
+    case dtype_code::float16: grouped_topk(static_cast<const f16*>(logits->data), b, w, id, tokens, experts, k, renormalize,
+                                           groups, topk_group, scoring, scale, threads); return 0;
     default: return -1;
   }
 }

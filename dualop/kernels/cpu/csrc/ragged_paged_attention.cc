@@ -171,20 +171,33 @@ int run(const void* q, const void* kv, const int32_t* kv_lens, const int32_t* pa
 }  // namespace
 }  // namespace dualop
 
-extern "C" int dualop_ragged_paged_attention(int dtype, const void* q, const void* kv_pages, const int32_t* kv_lens,
-                                             const int32_t* page_indices, const int32_t* cu_q_lens, int32_t num_seqs,
-                                             void* out, int64_t tokens, int64_t q_heads, int64_t kv_heads,
-                                             int64_t head_dim, int64_t num_pages, int64_t page_size,
-                                             int64_t pages_per_seq, int64_t max_seqs, float scale, int64_t window,
-                                             float soft_cap, int custom_mask, float mask_value, float v_scale,
-                                             int threads) {
+// q, out: row-major [tokens, q_heads, head_dim] of one float dtype; kv_pages: row-major [num_pages,
+// page_size, 2 * kv_heads, head_dim] of q's dtype (K and V heads interleaved); kv_lens int32 [S],
+// page_indices int32 [S, pages_per_seq], cu_q_lens int32 [S + 1] (sequences past the shortest of
+// them are not read). Returns 0, 1 for an unknown dtype, kBadArrays for arrays that disagree.
+extern "C" int dualop_ragged_paged_attention(const DualopArray* q, const DualopArray* kv_pages,
+                                             const DualopArray* kv_lens, const DualopArray* page_indices,
+                                             const DualopArray* cu_q_lens, int32_t num_seqs, const DualopArray* out,
+                                             float scale, int64_t window, float soft_cap, int custom_mask,
+                                             float mask_value, float v_scale, int threads) {
   using namespace dualop;
-  const Shape s{tokens, q_heads, kv_heads, head_dim, num_pages, page_size, pages_per_seq, max_seqs};
+  if (!q || q->ndim != 3 || !is_row_major(q) || !is_dense_like(out, q)) return kBadArrays;
+  if (!is_dense(kv_pages, q->dtype, 4) || kv_pages->shape[3] != q->shape[2]) return kBadArrays;
+  if (!is_dense(kv_lens, dtype_code::int32, 1) || !is_dense(page_indices, dtype_code::int32, 2) ||
+      !is_dense(cu_q_lens, dtype_code::int32, 1))
+    return kBadArrays;
+  const int64_t max_seqs =
+      std::min({page_indices->shape[0], kv_lens->shape[0], std::max<int64_t>(cu_q_lens->shape[0] - 1, 0)});
+  const Shape s{q->shape[0],        q->shape[1],        kv_pages->shape[2] / 2,  q->shape[2],
+                kv_pages->shape[0], kv_pages->shape[1], page_indices->shape[1], max_seqs};
   const Options o{scale, window, soft_cap, custom_mask != 0, mask_value, v_scale};
-  switch (dtype) {
-    case 0: return run<float>(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, out, s, o, threads);
-    case 1: return run<bf16>(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, out, s, o, threads);
-    case 2: return run<f16>(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, out, s, o, threads);
+  const auto* lens = static_cast<const int32_t*>(kv_lens->data);
+  const auto* pages = static_cast<const int32_t*>(page_indices->data);
+  const auto* cu = static_cast<const int32_t*>(cu_q_lens->data);
+  switch (q->dtype) {
+    case dtype_code::float32: return run<float>(q->data, kv_pages->data, lens, pages, cu, num_seqs, out->data, s, o, threads);
+    case dtype_code::bfloat16: return run<bf16>(q->data, kv_pages->data, lens, pages, cu, num_seqs, out->data, s, o, threads);
+    case dtype_code::float16: return run<f16>(q->data, kv_pages->data, lens, pages, cu, num_seqs, out->data, s, o, threads);
     default: return 1;
   }
 }

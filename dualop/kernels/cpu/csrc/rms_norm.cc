@@ -190,35 +190,51 @@ static void rms_norm_gated_rows(const T* __restrict x, const T* __restrict z, co
 
 }  // namespace dualop
 
-// dtype: 0 float32, 1 bfloat16, 2 float16. weight: float32 (hidden,) with any offset already added,
-// or null. residual/residual_out: both null or both set. Returns 0, or -1 for an unknown dtype.
-extern "C" int dualop_rms_norm(int dtype, const void* x, const void* residual, const float* weight, void* out,
-                               void* residual_out, int64_t rows, int64_t hidden, float eps, int weight_mode,
+// x, out, and residual, residual_out (both absent or both present): row-major [..., hidden] of one
+// float dtype, read as [rows, hidden]. weight: float32 [hidden] with any offset already added, or absent (weight_mode 0).
+// Returns 0, -1 for an unknown dtype, kBadArrays for arrays that disagree.
+extern "C" int dualop_rms_norm(const DualopArray* x, const DualopArray* residual, const DualopArray* weight,
+                               const DualopArray* out, const DualopArray* residual_out, float eps, int weight_mode,
                                int threads) {
   using namespace dualop;
-  switch (dtype) {
-    case 0: by_residual<float>(x, residual, weight, out, residual_out, rows, hidden, eps, weight_mode, threads); return 0;
-    case 1: by_residual<bf16>(x, residual, weight, out, residual_out, rows, hidden, eps, weight_mode, threads); return 0;
-    case 2: by_residual<f16>(x, residual, weight, out, residual_out, rows, hidden, eps, weight_mode, threads); return 0;
+  if (!x || x->ndim < 1 || !is_row_major(x) || !is_dense_like(out, x)) return kBadArrays;
+  if (residual ? !is_dense_like(residual, x) || !is_dense_like(residual_out, x) : residual_out != nullptr)
+    return kBadArrays;
+  const int64_t hidden = x->shape[x->ndim - 1], rows = hidden ? element_count(x) / hidden : 0;
+  if (!is_absent_or_dense(weight, dtype_code::float32, 1) || (weight && weight->shape[0] != hidden)) return kBadArrays;
+  const void* r = data_of(residual);
+  void* ro = data_of(residual_out);
+  const auto* w = static_cast<const float*>(data_of(weight));
+  switch (x->dtype) {
+    case dtype_code::float32: by_residual<float>(x->data, r, w, out->data, ro, rows, hidden, eps, weight_mode, threads); return 0;
+    case dtype_code::bfloat16: by_residual<bf16>(x->data, r, w, out->data, ro, rows, hidden, eps, weight_mode, threads); return 0;
+    case dtype_code::float16: by_residual<f16>(x->data, r, w, out->data, ro, rows, hidden, eps, weight_mode, threads); return 0;
     default: return -1;
   }
 }
 
-// Gated group RMS norm: dtype as above (x, z, out); z may be null; weight float32 (hidden,);
-// group divides hidden. Returns 0, -1 for an unknown dtype, -2 for a group that does not divide.
-extern "C" int dualop_rms_norm_gated(int dtype, const void* x, const void* z, const float* weight, void* out,
-                                     int64_t rows, int64_t hidden, int64_t group, float eps, int norm_before_gate,
+// Gated group RMS norm: x, out, and z (or absent) row-major [..., hidden] of one float dtype;
+// weight float32 [hidden]; group divides hidden. Returns 0, -1 for an unknown dtype, -2 for a group
+// that does not divide, kBadArrays for arrays that disagree.
+extern "C" int dualop_rms_norm_gated(const DualopArray* x, const DualopArray* z, const DualopArray* weight,
+                                     const DualopArray* out, int64_t group, float eps, int norm_before_gate,
                                      int cast_before_weight, int threads) {
   using namespace dualop;
+  if (!x || x->ndim < 1 || !is_row_major(x) || !is_dense_like(out, x) || (z && !is_dense_like(z, x)))
+    return kBadArrays;
+  const int64_t hidden = x->shape[x->ndim - 1], rows = hidden ? element_count(x) / hidden : 0;
+  if (!is_dense(weight, dtype_code::float32, 1) || weight->shape[0] != hidden) return kBadArrays;
   if (group < 1 || hidden % group) return -2;
-#define DUALOP_GATED(T)                                                                                       \
-  rms_norm_gated_rows<T>(static_cast<const T*>(x), static_cast<const T*>(z), weight, static_cast<T*>(out), rows, \
-                         hidden, group, eps, norm_before_gate != 0, cast_before_weight != 0, threads);         \
+  const auto* w = static_cast<const float*>(weight->data);
+#define DUALOP_GATED(T)                                                                                          \
+  rms_norm_gated_rows<T>(static_cast<const T*>(x->data), static_cast<const T*>(data_of(z)), w,                    \
+                         static_cast<T*>(out->data), rows, hidden, group, eps, norm_before_gate != 0,             \
+                         cast_before_weight != 0, threads);                                                       \
   return 0;
-  switch (dtype) {
-    case 0: DUALOP_GATED(float)
-    case 1: DUALOP_GATED(bf16)
-    case 2: DUALOP_GATED(f16)
+  switch (x->dtype) {
+    case dtype_code::float32: DUALOP_GATED(float)
+    case dtype_code::bfloat16: DUALOP_GATED(bf16)
+    case dtype_code::float16: DUALOP_GATED(f16)
     default: return -1;
   }
 #undef DUALOP_GATED

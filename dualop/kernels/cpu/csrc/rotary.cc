@@ -67,27 +67,42 @@ static void rotary_tokens(int cos_dtype, const T* q, const T* k, const void* cos
 
 }  // namespace dualop
 
-// dtype / cos_dtype: 0 float32, 1 bfloat16, 2 float16. q/k/q_out/k_out contiguous [tokens, heads,
-// head_size] (k, k_out null when there is no key); cos/sin [cos_rows, half] rows cos_stride
-// elements apart. Returns 0, -1 for an unknown dtype, -2 for half > 1024.
-extern "C" int dualop_rotary(int dtype, int cos_dtype, const void* q, const void* k, const void* cos, const void* sin,
-                             void* q_out, void* k_out, int64_t tokens, int64_t cos_rows, int64_t cos_stride,
-                             int64_t q_heads, int64_t k_heads, int64_t head_size, int64_t rotary_dim, int is_neox,
-                             int threads) {
+// q, q_out row-major [tokens, q_heads, head_size] of one float dtype; k, k_out the same with k_heads
+// (or both absent). cos, sin: [cos_rows, >= rotary_dim / 2] of one float dtype (any of the three),
+// unit last stride and one row stride. Returns 0, -1 for an unknown dtype, -2 for
+// rotary_dim / 2 > 1024, kBadArrays for arrays that disagree.
+extern "C" int dualop_rotary(const DualopArray* q, const DualopArray* k, const DualopArray* cos,
+                             const DualopArray* sin, const DualopArray* q_out, const DualopArray* k_out,
+                             int64_t rotary_dim, int is_neox, int threads) {
   using namespace dualop;
   const int64_t half = rotary_dim / 2;
   if (half > 1024) return -2;
+  if (!q || q->ndim != 3 || !is_row_major(q) || !is_dense_like(q_out, q)) return kBadArrays;
+  const int64_t tokens = q->shape[0], q_heads = q->shape[1], head_size = q->shape[2];
+  if (k ? !is_dense(k, q->dtype, 3) || k->shape[0] != tokens || k->shape[2] != head_size || !is_dense_like(k_out, k)
+        : k_out != nullptr)
+    return kBadArrays;
+  const int64_t k_heads = k ? k->shape[1] : 0;
+  if (!cos || !sin || cos->ndim != 2 || sin->ndim != 2 || sin->dtype != cos->dtype || sin->shape[0] != cos->shape[0] ||
+      sin->shape[1] != cos->shape[1] || cos->shape[1] < half || cos->shape[0] < 1)
+    return kBadArrays;
+  const int64_t cos_rows = cos->shape[0];
+  // one row: its stride is never used to step (row t % 1 == 0), whatever the view says
+  const int64_t cos_stride = cos_rows > 1 ? cos->strides[0] : cos->shape[1];
+  if (half > 1 && (cos->strides[1] != 1 || sin->strides[1] != 1)) return kBadArrays;
+  if (cos_rows > 1 && sin->strides[0] != cos_stride) return kBadArrays;
+  const int cos_dtype = cos->dtype;
   if (cos_dtype < 0 || cos_dtype > 2) return -1;
-  switch (dtype) {
+  switch (q->dtype) {
 #define DUALOP_ROTARY_CASE(code, T)                                                                            \
   case code:                                                                                                   \
-    rotary_tokens<T>(cos_dtype, static_cast<const T*>(q), static_cast<const T*>(k), cos, sin,                  \
-                     static_cast<T*>(q_out), static_cast<T*>(k_out), tokens, cos_rows, cos_stride, q_heads,   \
-                     k_heads, head_size, half, is_neox != 0, threads);                                         \
+    rotary_tokens<T>(cos_dtype, static_cast<const T*>(q->data), static_cast<const T*>(data_of(k)), cos->data,  \
+                     sin->data, static_cast<T*>(q_out->data), static_cast<T*>(data_of(k_out)), tokens,         \
+                     cos_rows, cos_stride, q_heads, k_heads, head_size, half, is_neox != 0, threads);          \
     return 0;
-    DUALOP_ROTARY_CASE(0, float)
-    DUALOP_ROTARY_CASE(1, bf16)
-    DUALOP_ROTARY_CASE(2, f16)
+    DUALOP_ROTARY_CASE(dtype_code::float32, float)
+    DUALOP_ROTARY_CASE(dtype_code::bfloat16, bf16)
+    DUALOP_ROTARY_CASE(dtype_code::float16, f16)
 #undef DUALOP_ROTARY_CASE
     default: return -1;
   }

@@ -79,33 +79,59 @@ static void scan_rows(const T* __restrict x, const float* __restrict delta, cons
 
 }  // namespace dualop
 
-// dtype, state_dtype: 0 float32, 1 bfloat16, 2 float16 (dtype: x, z, y; state_dtype: the cache);
-// delta, A, B, C, D float32. Returns 0, -1 for an unknown dtype, -2 for a state wider than the
-// kernel holds, -3 for groups that do not divide the channels.
-extern "C" int dualop_selective_scan(int dtype, int state_dtype, const void* x, const float* delta, const void* z,
-                                     const float* A, const float* B, const float* C, const float* D, void* cache,
-                                     const int32_t* slots, const uint8_t* has_init, const int32_t* cu, void* y,
-                                     int64_t dim, int64_t n, int64_t groups, int64_t seqs, int threads) {
+// x, y, and z (or absent): row-major [tokens, dim] of one float dtype; delta float32 [tokens, dim];
+// A float32 [dim, n]; B, C float32 [tokens, n] or [tokens, groups, n]; D float32 [dim] or absent;
+// cache [slots, dim, n] in any float dtype, updated in place; cu int32 [seqs + 1]; slots int32 and
+// has_init uint8, one per sequence. Returns 0, -1 for an unknown dtype, -2 for a state wider than
+// the kernel holds, -3 for groups that do not divide the channels, kBadArrays for arrays that
+// disagree.
+extern "C" int dualop_selective_scan(const DualopArray* x, const DualopArray* delta, const DualopArray* z,
+                                     const DualopArray* A, const DualopArray* B, const DualopArray* C,
+                                     const DualopArray* D, const DualopArray* cache, const DualopArray* slots,
+                                     const DualopArray* has_init, const DualopArray* cu, const DualopArray* y,
+                                     int threads) {
   using namespace dualop;
+  if (!x || x->ndim != 2 || !is_row_major(x) || !is_dense_like(y, x) || (z && !is_dense_like(z, x))) return kBadArrays;
+  const int64_t tokens = x->shape[0], dim = x->shape[1];
+  if (!is_dense(delta, dtype_code::float32, 2) || delta->shape[0] != tokens || delta->shape[1] != dim) return kBadArrays;
+  if (!is_dense(A, dtype_code::float32, 2) || A->shape[0] != dim) return kBadArrays;
+  const int64_t n = A->shape[1];
+  if (!B || (B->ndim != 2 && B->ndim != 3) || !is_dense(B, dtype_code::float32, B->ndim) || !is_dense_like(C, B) ||
+      B->shape[0] != tokens || B->shape[B->ndim - 1] != n)
+    return kBadArrays;
+  const int64_t groups = B->ndim == 2 ? 1 : B->shape[1];
+  if (!is_absent_or_dense(D, dtype_code::float32, 1) || (D && D->shape[0] != dim)) return kBadArrays;
+  if (!cache || cache->ndim != 3 || !is_row_major(cache) || cache->shape[1] != dim || cache->shape[2] != n)
+    return kBadArrays;
+  if (!is_dense(cu, dtype_code::int32, 1) || cu->shape[0] < 1) return kBadArrays;
+  const int64_t seqs = cu->shape[0] - 1;
+  if (!is_dense(slots, dtype_code::int32, 1) || slots->shape[0] < seqs || !is_dense(has_init, dtype_code::uint8, 1) ||
+      has_init->shape[0] < seqs)
+    return kBadArrays;
   if (n > kScanMaxState) return -2;
   if (groups < 1 || dim % groups) return -3;
+  const int32_t dtype = x->dtype, state_dtype = cache->dtype;
   if (dtype < 0 || dtype > 2 || state_dtype < 0 || state_dtype > 2) return -1;
   const auto run = [&](auto x_type, auto state_type) {
     using T = decltype(x_type);
     using S = decltype(state_type);
-    scan_rows<T, S>(static_cast<const T*>(x), delta, static_cast<const T*>(z), A, B, C, D, static_cast<S*>(cache),
-                    slots, has_init, cu, static_cast<T*>(y), dim, n, groups, seqs, threads);
+    scan_rows<T, S>(static_cast<const T*>(x->data), static_cast<const float*>(delta->data),
+                    static_cast<const T*>(data_of(z)), static_cast<const float*>(A->data),
+                    static_cast<const float*>(B->data), static_cast<const float*>(C->data),
+                    static_cast<const float*>(data_of(D)), static_cast<S*>(cache->data),
+                    static_cast<const int32_t*>(slots->data), static_cast<const uint8_t*>(has_init->data),
+                    static_cast<const int32_t*>(cu->data), static_cast<T*>(y->data), dim, n, groups, seqs, threads);
   };
   const auto with_state = [&](auto x_type) {
     switch (state_dtype) {
-      case 0: run(x_type, float{}); break;
-      case 1: run(x_type, bf16{}); break;
+      case dtype_code::float32: run(x_type, float{}); break;
+      case dtype_code::bfloat16: run(x_type, bf16{}); break;
       default: run(x_type, f16{}); break;
     }
   };
   switch (dtype) {
-    case 0: with_state(float{}); break;
-    case 1: with_state(bf16{}); break;
+    case dtype_code::float32: with_state(float{}); break;
+    case dtype_code::bfloat16: with_state(bf16{}); break;
     default: with_state(f16{}); break;
   }
   return 0;
