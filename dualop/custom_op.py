@@ -197,36 +197,48 @@ class _Missing:
 _MISSING = _Missing()
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class _Resolution:
-    """One entry of an op's dispatch cache: the bound method a (frontend, platform, config,
-    platform generation) resolves to, its name and why."""
+class _Unarmed:
+    """The type no first argument has: an entry whose guard is this fails on its first check."""
 
+
+# No __slots__: the fast path reads five fields of the last hit, and CPython 3.11 reads a plain
+# instance's attributes faster (about 10 ns per call measured here).
+@dataclasses.dataclass(frozen=True, eq=False)
+class _Resolution:
+    """One entry of an op's dispatch cache: what calls from ``frontend`` on ``platform`` under a
+    config (``config_key``, its ``dispatch_key``) run in platform ``generation`` (the bound
+    ``method``, its ``name`` and why), and the guard under which a later call may reuse it without a
+    lookup: the first array's exact type, the context's config override object, and a device probe
+    for torch tensors or None. Any array that passes the guard has the entry's frontend, platform
+    and config, whichever call set it; an entry resolved without a call has ``array_type``
+    ``_Unarmed``, so its guard never passes. Compared by identity: the last hit is one entry."""
+
+    frontend: str
+    platform: str
+    config_key: str
+    generation: int
     method: Any
     name: str
     reason: str
+    array_type: type = _Unarmed
+    override: Any = None
+    probe: Any = None
+
+    @property
+    def key(self) -> tuple[str, str, str]:
+        """Where the entry lives in the dispatch cache; ``generation`` says whether it is current."""
+        return self.frontend, self.platform, self.config_key
+
+    def guarded_by(self, array_type: type, override: Any, probe: Any) -> _Resolution:
+        """This entry, its reuse guarded by (first array's type, config override, device probe)."""
+        if array_type is self.array_type and override is self.override and probe is self.probe:
+            return self
+        return dataclasses.replace(self, array_type=array_type, override=override, probe=probe)
 
 
-@dataclasses.dataclass(frozen=True)
-class _Armed:
-    """The dispatch cache's last hit, armed for the next call: the guard a call must pass to reuse
-    ``method`` without a lookup (the first array's type, the context's config override and the
-    resolved config, the platform generation, and a device probe for torch tensors or None)."""
-
-    array_type: type
-    override: Any
-    config: Any
-    generation: int
-    probe: Any
-    method: Any
-
-
-class _Unarmed:
-    """The type no first argument has: the disarmed cache's guard fails on its first check."""
-
-
-# The cache's last hit when there is none (cheaper to test than None in the fast path).
-_DISARMED = _Armed(_Unarmed, None, None, -1, None, None)
+# The dispatch cache's last hit before any call (its guard fails on the array type, then on the
+# generation): cheaper to test in the fast path than None.
+_NO_HIT = _Resolution("", "", "", -1, None, "", "no call yet")
 
 
 def _without_missing(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
@@ -242,7 +254,7 @@ def _fast_call_source(cls: type) -> tuple[str, tuple, dict] | None:
     """Source of a ``__call__`` with forward_native's parameters, and its defaults.
 
     The fast path: when Python (not Dynamo) runs the call and it passes the guard of the dispatch
-    cache's armed last hit (``_Armed``: the first argument's type, the context's config override,
+    cache's last hit (a ``_Resolution``: the first argument's type, the context's config override,
     the platform generation and, for torch tensors, a device probe such as ``Tensor.is_cpu``, a C
     attribute read), call its bound method directly (after ``check_inputs`` if the class defines
     one). Anything else takes ``_dispatch``, which looks up or resolves, records and re-arms.
@@ -272,15 +284,15 @@ def _fast_call_source(cls: type) -> tuple[str, tuple, dict] | None:
     present = "".join(f" and {name} is not _MISSING" for name in required)
     source = (
         f"def __call__(self, {sig_text}):\n"
-        f"    armed = self._armed\n"
-        f"    if (type({first}) is armed.array_type and _eager() "
-        f"and _current_config() is armed.override and armed.generation == _generation "
-        f"and (armed.probe is None or armed.probe({first})){present}):\n"
+        f"    hit = self._armed\n"
+        f"    if (type({first}) is hit.array_type and _eager() "
+        f"and _current_config() is hit.override and hit.generation == _generation "
+        f"and (hit.probe is None or hit.probe({first})){present}):\n"
         f"{check}"
         f"        try:\n"
-        f"            return armed.method({call_args})\n"
+        f"            return hit.method({call_args})\n"
         f"        except NotImplementedError as err:\n"
-        f"            return self._declined(armed.method, err, ({pos_args},), {kw_dict})\n"
+        f"            return self._declined(hit.method, err, ({pos_args},), {kw_dict})\n"
         f"    return self._dispatch(({pos_args},), {kw_dict})\n"
     )
     defaults = tuple(_MISSING if p.default is p.empty else p.default for p in positional)
@@ -318,8 +330,8 @@ def _ctor_spec(cls: type, args: tuple, kwargs: dict) -> tuple[str | None, str | 
 def _fresh(cls: type, args: tuple = (), kwargs: dict | None = None) -> CustomOp:
     """A new instance with empty dispatch state (so subclasses that skip __init__ still work)."""
     obj = object.__new__(cls)
-    obj._resolutions = {}  # the dispatch cache: (frontend, platform, config key, generation) -> _Resolution
-    obj._armed = _DISARMED  # its last hit, guarded for reuse by the next call (_Armed)
+    obj._resolutions = {}  # the dispatch cache: _Resolution.key -> _Resolution
+    obj._armed = _NO_HIT  # its last hit (one of its entries), reused by a call that passes its guard
     obj.last_fallback = None
     obj.enforce_enable = False
     obj._ctor, obj._ctor_error = _ctor_spec(cls, args, kwargs or {})
@@ -354,7 +366,7 @@ class CustomOp:
     def __init__(self, *, enforce_enable: bool = False) -> None:
         self.enforce_enable = bool(enforce_enable)
         self._resolutions.clear()
-        self._armed = _DISARMED
+        self._armed = _NO_HIT
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -540,10 +552,12 @@ class CustomOp:
             reason += f"; {candidate}: {why}"
         if candidate != method:
             reason += f", so {candidate}"
-        resolution = _Resolution(getattr(self, candidate), candidate, reason)
-        self._resolutions[(frontend, platform, cfg.dispatch_key, generation)] = resolution
+        entry = _Resolution(
+            frontend, platform, cfg.dispatch_key, generation, getattr(self, candidate), candidate, reason
+        )
+        self._resolutions[entry.key] = entry
         self._record(frontend, platform, candidate, enabled, reason)
-        return resolution
+        return entry
 
     def _record(self, frontend: str, platform: str, method: str, enabled: bool, reason: str) -> None:
         cls = type(self)
@@ -571,16 +585,16 @@ class CustomOp:
             return _compile_hook(self, args, kwargs)
         first = args[0] if args else next(iter(kwargs.values()), None)
         override = _current_config()
-        cfg = override or _config._process_default
-        # Same array type and device type, same config object, nothing re-registered since.
-        armed = self._armed
+        # The generated fast path's guard: same array type and device type, same config override,
+        # nothing re-registered or reconfigured since.
+        hit = self._armed
         if (
-            armed.array_type is type(first) and armed.config is cfg
-            and armed.generation == _platforms._generation and (armed.probe is None or armed.probe(first))
+            type(first) is hit.array_type and override is hit.override
+            and hit.generation == _platforms._generation and (hit.probe is None or hit.probe(first))
         ):
-            method = armed.method
+            method = hit.method
         else:
-            method = self._lookup(first, cfg, override)
+            method = self._lookup(first, override)
         self.check_inputs(*args, **kwargs)
         try:
             return method(*args, **kwargs)
@@ -593,11 +607,11 @@ class CustomOp:
         first = args[0] if args else next(iter(kwargs.values()), None)
         return self._fall_back(method.__name__, _platforms.frontend_of(first), err, args, kwargs)
 
-    def _lookup(self, first: Any, cfg: _config.OpsConfig, override: _config.OpsConfig | None = None):
-        """The cached method for (frontend and platform of ``first``, cfg, platform generation),
-        resolving on a miss, and the cache's armed last hit set to it (its guard keyed also on
-        ``override``, the context's raw config value, so a context without an override compares
-        ``None is None`` in the generated ``__call__``)."""
+    def _lookup(self, first: Any, override: _config.OpsConfig | None) -> Any:
+        """The method for (frontend and platform of ``first``, the active config), from the dispatch
+        cache or resolved on a miss; that entry becomes the last hit, guarded for reuse where
+        ``first`` allows a cheap guard. ``override`` is the context's raw config value (None without
+        one), what the guard compares by identity."""
         frontend = _platforms.frontend_of(first)
         if frontend is None:
             raise TypeError(
@@ -605,17 +619,26 @@ class CustomOp:
                 f"first argument, got {type(first).__module__}.{type(first).__qualname__}"
             )
         platform = _platforms.platform_of(first, frontend)
-        gen = _platforms._generation
-        resolution = self._resolutions.get((frontend, platform, cfg.dispatch_key, gen))
-        if resolution is None:
-            resolution = self._resolve(frontend, cfg, gen, platform)
+        entry = self._current_entry(frontend, platform, override or _config._process_default)
         if _compile_hook is None and frontend != "jax":
             _install_torch_support()
         # A torch tensor's frontend and platform follow its device type: where devices can
-        # differ, the hit is armed with a probe for it (or not at all without a cheap one).
+        # differ, the guard holds a probe for it (and there is none without a cheap probe).
         reusable, probe = _platforms.reuse_guard(first, frontend)
-        self._armed = _Armed(type(first), override, cfg, gen, probe, resolution.method) if reusable else _DISARMED
-        return resolution.method
+        if reusable:
+            entry = entry.guarded_by(type(first), override, probe)
+            self._resolutions[entry.key] = entry
+        self._armed = entry
+        return entry.method
+
+    def _current_entry(self, frontend: str, platform: str, cfg: _config.OpsConfig) -> _Resolution:
+        """The dispatch cache's entry for (frontend, platform, cfg) in the current platform
+        generation, resolved now if it is missing or stale."""
+        generation = _platforms._generation
+        entry = self._resolutions.get((frontend, platform, cfg.dispatch_key))
+        if entry is None or entry.generation != generation:
+            entry = self._resolve(frontend, cfg, generation, platform)
+        return entry
 
     forward = __call__
 
@@ -650,14 +673,10 @@ class CustomOp:
         """``(method, reason)``: what a call from ``frontend`` on ``platform`` (None: that frontend's
         process-wide platform, ``current_platform``) resolves to under the active config, resolving
         now if no call has; per-call declines are ``last_run``'s."""
-        cfg = _config.get_config()
-        gen = _platforms._generation
         if platform is None:
             platform = _platforms.current_platform(frontend)
-        resolution = self._resolutions.get((frontend, platform, cfg.dispatch_key, gen))
-        if resolution is None:
-            resolution = self._resolve(frontend, cfg, gen, platform)
-        return resolution.name, resolution.reason
+        entry = self._current_entry(frontend, platform, _config.get_config())
+        return entry.name, entry.reason
 
     def dispatched_method(self, frontend: str) -> str:
         """Name of the method a call from ``frontend`` resolves to under the active config, on that

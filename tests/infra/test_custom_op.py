@@ -407,26 +407,155 @@ def test_dispatch_is_resolved_once_and_cached(op_classes, monkeypatch):
     assert len(calls) == 3
 
 
-def test_one_dispatch_cache_holds_what_ran_and_what_the_report_says(op_classes):
-    """Each resolution is one entry of the op's dispatch cache; the armed last hit is one of them;
-    ``resolution()`` reads the same entries; an invalidation (a registry or platform change) makes
-    the armed hit stale, so the next call resolves again."""
-    from dualop import custom_op, platforms
+def _counting_resolutions(monkeypatch) -> list:
+    """Record the frontend of every resolution (a dispatch cache miss) from now on."""
+    calls = []
+    original = CustomOp._resolve
+
+    def counting(self, *args):
+        calls.append(args[0])
+        return original(self, *args)
+
+    monkeypatch.setattr(CustomOp, "_resolve", counting)
+    return calls
+
+
+def test_one_dispatch_cache_is_what_introspection_reports(op_classes):
+    """Each resolution is one entry of the op's dispatch cache; the last hit is that entry itself;
+    ``resolution()``, ``dispatched_method()``, ``last_run()`` and the report row read the same
+    entry, and asking before any call adds the entry the first call then reuses."""
+    from dualop.custom_op import report_row
 
     full, _ = op_classes
     op = full()
     with override_platform("cpu"):
         assert op(_x()) == "forward_cpu"
-        ((_, entry),) = op._resolutions.items()
-        assert entry.name == "forward_cpu" and op._armed.method == entry.method
-        assert op.resolution("torch", "cpu") == (entry.name, entry.reason)
+        (entry,) = op._resolutions.values()
+        assert op._armed is entry and entry.key == ("torch", "cpu", dualop.get_config().dispatch_key)
+        assert entry.method == op.forward_cpu and entry.array_type is torch.Tensor
+        assert op.resolution("torch", "cpu") == (entry.name, entry.reason) == op.last_run("torch", "cpu")
+        assert op.dispatched_method("torch") == entry.name
+        row = report_row(full, "torch", "cpu")
+        assert (row["method"], row["reason"]) == (entry.name, entry.reason)
         with set_config(OpsConfig(["none"])):
             assert op(_x()) == "forward_native"
-            assert op.resolution("torch", "cpu")[0] == "forward_native"
+            assert op._armed is op._resolutions[op._armed.key]
+            assert op.resolution("torch", "cpu") == (op._armed.name, op._armed.reason)
         assert sorted(e.name for e in op._resolutions.values()) == ["forward_cpu", "forward_native"]
-        platforms.invalidate()
-        assert op._armed.generation != custom_op._generation
-        assert op(_x()) == "forward_cpu" and op._armed.generation == custom_op._generation
+
+    asked = full()
+    with override_platform("tpu"):
+        assert asked.dispatched_method("torch") == "forward_tpu"
+        (entry,) = asked._resolutions.values()
+        assert asked._armed is not entry  # no call yet: nothing to reuse
+        assert asked(_x()) == "forward_tpu"
+        (armed,) = asked._resolutions.values()
+        assert asked._armed is armed and (armed.name, armed.reason) == (entry.name, entry.reason)
+
+
+def test_the_dispatch_cache_follows_a_config_change(op_classes, monkeypatch):
+    """A context config and the process default each change what an existing instance runs; an
+    equal config object reuses the cached entry without resolving again."""
+    from dualop import config
+
+    full, _ = op_classes
+    op = full()
+    calls = _counting_resolutions(monkeypatch)
+    with override_platform("cpu"):
+        with set_config(OpsConfig(["all"])):
+            assert [op(_x()) for _ in range(3)] == ["forward_cpu"] * 3
+        with set_config(OpsConfig(["none"])):
+            assert [op(_x()) for _ in range(3)] == ["forward_native"] * 3
+        with set_config(OpsConfig(["all"])):
+            assert op(_x()) == "forward_cpu"
+        assert len(calls) == 2
+        try:
+            monkeypatch.setenv(config.ENV_CUSTOM_OPS, "all")
+            config.reload_process_default()
+            assert [op(_x()) for _ in range(2)] == ["forward_cpu"] * 2
+            monkeypatch.setenv(config.ENV_CUSTOM_OPS, "none")
+            config.reload_process_default()
+            assert [op(_x()) for _ in range(2)] == ["forward_native"] * 2
+            assert op._armed.reason == op.resolution("torch", "cpu")[1] and "disabled" in op._armed.reason
+        finally:
+            monkeypatch.undo()
+            config.reload_process_default()
+
+
+def test_the_dispatch_cache_is_invalidated_by_a_re_registration(op_classes, monkeypatch):
+    """Registering a replacement makes every instance's last hit stale (its generation is past), so
+    an existing instance resolves again (its own class still decides) and new ones build the
+    replacement."""
+    from dualop import custom_op
+
+    full, _ = op_classes
+    op = full()
+    calls = _counting_resolutions(monkeypatch)
+    with override_platform("oot"):
+        assert [op(_x()) for _ in range(2)] == ["forward_oot"] * 2
+        stale = op._armed
+
+        class Replacement(full):
+            def forward_oot(self, x):
+                return "replacement"
+
+        CustomOp.register_oot("Full")(Replacement)
+        assert stale.generation != custom_op._generation
+        assert op(_x()) == "forward_oot" and len(calls) == 2
+        assert op._armed is not stale and op._armed.generation == custom_op._generation
+        assert full()(_x()) == "replacement"
+
+
+class _Generic(CustomOp):
+    """``forward_native(*args)``: no generated ``__call__``, so every call takes ``_dispatch``."""
+
+    def forward_native(self, *args):
+        return "forward_native"
+
+    def forward_cpu(self, *args):
+        return "forward_cpu"
+
+    def forward_xpu(self, *args):
+        return "forward_xpu"
+
+
+@pytest.mark.parametrize("generated", [True, False], ids=["generated call", "generic call"])
+def test_the_last_hit_never_serves_another_frontend(op_classes, generated):
+    """torch and jax calls alternate on one instance: the CPU method takes torch tensors only, so
+    each jax call runs forward_native and each torch call forward_cpu, never the other's hit."""
+    import jax.numpy as jnp
+
+    full, _ = op_classes
+    op = full() if generated else _Generic()
+    assert (type(op).__call__ is not CustomOp.__call__) is generated
+    t, j = _x(), jnp.zeros((2, 4))
+    ran = {"torch": "forward_cpu", "jax": "forward_native"}
+    with override_platform("cpu"):
+        for frontend, x in [("torch", t), ("torch", t), ("jax", j), ("jax", j), ("torch", t), ("jax", j)]:
+            assert op(x) == ran[frontend]
+            assert op._armed.frontend == frontend and op._armed.name == ran[frontend]
+        assert {e.key[0] for e in op._resolutions.values()} == {"torch", "jax"}
+
+
+@pytest.mark.parametrize("generated", [True, False], ids=["generated call", "generic call"])
+def test_the_last_hit_never_serves_another_device(op_classes, monkeypatch, generated):
+    """Plain tensors of two device types share one type: where devices can differ, the last hit's
+    guard probes the device, so a 'meta' tensor (standing in for an XPU) never reuses the CPU hit."""
+    from dualop import platforms
+
+    full, _ = op_classes
+    original = platforms._torch_device_platform
+    monkeypatch.delenv("DUALOP_PLATFORM", raising=False)
+    monkeypatch.setattr(platforms, "_torch_devices_vary", lambda: True)
+    monkeypatch.setattr(platforms, "_torch_device_platform", lambda x: "xpu" if x.is_meta else original(x))
+    platforms.invalidate()
+    op = full() if generated else _Generic()
+    cpu, meta = torch.zeros(2), torch.empty(2, device="meta")
+    with set_config(OpsConfig(["all"])):
+        ran = [op(t) for t in (cpu, cpu, meta, meta, cpu, meta)]
+        assert ran == ["forward_cpu", "forward_cpu", "forward_xpu", "forward_xpu", "forward_cpu", "forward_xpu"]
+        assert op._armed.platform == "xpu" and op._armed.probe is not None
+        assert {e.key[1] for e in op._resolutions.values()} == {"cpu", "xpu"}
 
 
 def test_config_switch_changes_dispatch_of_existing_instances(op_classes):
