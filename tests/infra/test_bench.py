@@ -156,8 +156,10 @@ EXPECTED_DISAGREEMENTS = {
 # The sweep's cases: at its 8 tokens a [prefill_8seq] case is eight one-token sequences, the batch
 # of its op's [decode] case (same peers), so it is left out where that case exists.
 _LABELS = {c.label for c in bench_cases.CASES}
-SWEEP_CASES = [c for c in bench_cases.CASES
-               if not (c.label.endswith("[prefill_8seq]") and c.label.replace("[prefill_8seq]", "[decode]") in _LABELS)]
+SWEEP_CASES = sorted((c for c in bench_cases.CASES
+                      if not (c.label.endswith("[prefill_8seq]")
+                              and c.label.replace("[prefill_8seq]", "[decode]") in _LABELS)),
+                     key=lambda c: c.label)  # by label: the split and the draws do not follow module order
 # scripts/test.sh runs the sweep (6 minutes in one environment) split between its two environments:
 # 'latest' the even cases, 'xla' the odd ones (the peers' torch, jax and transformers versions differ
 # there, which the sweep then covers too). Any other run takes every case.
