@@ -47,13 +47,13 @@ import numpy as np
 from dualop.backends import array_namespace
 from dualop.custom_op import CustomOp
 from dualop.kernels import ssm_math
+from dualop.kernels.cost import KernelCost
 from dualop.kernels.norm_math import NormSpec, rms_normalize
 from dualop.ops._checks import check_array, check_optional_like, check_positive_int
 from dualop.ops._mixer import MixerPlatformMethods, mixer_batches, project, projection
 from dualop.ops.causal_conv1d import CausalConv1d
 from dualop.ops.selective_scan import SelectiveScan
 from dualop.ops.ssm_batch import SSMBatch
-from dualop.kernels.cost import KernelCost
 from dualop.spec import BenchCase, InputSpec, Serving
 
 __all__ = ["MambaMixer"]

@@ -9,21 +9,21 @@ group sharding of its weights is not here yet).
 
 from __future__ import annotations
 
+import math
 from typing import Any, ClassVar
 
 import numpy as np
-import math
 
 from dualop.backends import array_namespace
 from dualop.custom_op import ALL_FRONTENDS, CustomOp, Serves
+from dualop.kernels import cost as cost_model
 from dualop.kernels import ssm_math
+from dualop.kernels.cost import KernelCost
 from dualop.ops._checks import check_array, check_finite_float, check_optional_like, check_positive_int
 from dualop.ops._mixer import MixerPlatformMethods, mixer_batches, project, projection
 from dualop.ops.gated_norm import RMSNormGated
 from dualop.parallel import TensorParallel, current_tensor_parallel, divide
 from dualop.platforms import frontend_of
-from dualop.kernels import cost as cost_model
-from dualop.kernels.cost import KernelCost
 from dualop.spec import BenchCase, InputSpec, Serving
 
 __all__ = ["Mixer2RMSNormGated", "MambaMixer2"]

@@ -40,24 +40,24 @@ call leaves both as they were.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, ClassVar
 
 import numpy as np
 
 from dualop.backends import array_namespace
 from dualop.custom_op import CustomOp
+from dualop.kernels import cost as cost_model
 from dualop.kernels import ssm_math
+from dualop.kernels.cost import KernelCost
 from dualop.kernels.norm_math import NormSpec, rms_normalize
 from dualop.ops._checks import check_array, check_optional_like, check_positive_int
 from dualop.ops._mixer import MixerPlatformMethods, mixer_batches, project, projection
 from dualop.ops.causal_conv1d import CausalConv1d
 from dualop.ops.ssd import SSDChunkScan
-from dualop.ops.ssm_batch import SSMBatch
-from collections.abc import Callable
-from dualop.kernels import cost as cost_model
-from dualop.kernels.cost import KernelCost
-from dualop.spec import BenchCase, InputSpec, Serving, float32_normal as _normal
-from dualop.ops.ssm_batch import fresh_equal_sequences
+from dualop.ops.ssm_batch import SSMBatch, fresh_equal_sequences
+from dualop.spec import BenchCase, InputSpec, Serving
+from dualop.spec import float32_normal as _normal
 
 __all__ = ["Plamo2MambaMixer"]
 

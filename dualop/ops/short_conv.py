@@ -28,16 +28,14 @@ import numpy as np
 
 from dualop.backends import array_namespace
 from dualop.custom_op import CustomOp
+from dualop.kernels import cost as cost_model
 from dualop.kernels import ssm_math
+from dualop.kernels.cost import KernelCost
 from dualop.ops._checks import check_array, check_optional_like, check_positive_int
 from dualop.ops.causal_conv1d import CausalConv1d
-from dualop.ops.ssm_batch import random_serving_batch
-from dualop.ops.ssm_batch import ssm_batch
+from dualop.ops.ssm_batch import conv_sequences, fresh_equal_sequences, random_serving_batch, ssm_batch
 from dualop.platforms import family_of, frontend_of
-from dualop.kernels import cost as cost_model
-from dualop.kernels.cost import KernelCost
 from dualop.spec import BenchCase, InputSpec, Serving
-from dualop.ops.ssm_batch import conv_sequences, fresh_equal_sequences
 
 __all__ = ["ShortConv"]
 

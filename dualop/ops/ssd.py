@@ -21,22 +21,20 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
-
 from dualop.backends import array_namespace
 from dualop.backends.torch.triton_launch import call_triton
 from dualop.backends.xla.jax_bridge import call_jax_function
 from dualop.custom_op import CustomOp, Serves
+from dualop.kernels import cost as cost_model
 from dualop.kernels import ssm_math
+from dualop.kernels.cost import KernelCost
 from dualop.kernels.registry import KernelRef
 from dualop.ops._checks import (
     check_array, check_optional_like, check_positive_int, decline_if_recording,
 )
-from dualop.ops.ssm_batch import SSMBatch, random_serving_batch, ssm_batch
+from dualop.ops.ssm_batch import SSMBatch, fresh_equal_sequences, random_serving_batch, ssm_batch
 from dualop.platforms import family_of, frontend_of
-from dualop.kernels import cost as cost_model
-from dualop.kernels.cost import KernelCost
 from dualop.spec import BenchCase, InputSpec, Serving
-from dualop.ops.ssm_batch import fresh_equal_sequences
 
 __all__ = ["SSDChunkScan"]
 
