@@ -10,12 +10,12 @@ from dualop.backends import array_namespace
 from dualop.backends.torch.triton_launch import call_triton
 from dualop.backends.xla.jax_bridge import call_jax_function
 from dualop.custom_op import CustomOp
+from dualop.kernels import cost as cost_model
+from dualop.kernels.cost import KernelCost
 from dualop.kernels.gate_math import GateSpec, apply_gate, gate_and_up, gelu  # noqa: F401  (gelu: models' nn.GELU)
 from dualop.kernels.registry import KernelRef
 from dualop.ops._checks import check_array, decline_if_recording
 from dualop.platforms import frontend_of
-from dualop.kernels import cost as cost_model
-from dualop.kernels.cost import KernelCost
 from dualop.spec import BenchCase, Serving, rows_of, x_only_inputs
 
 __all__ = [

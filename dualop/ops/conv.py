@@ -21,16 +21,16 @@ decline the platform path (the report says why) and run the native body.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 from dualop.backends.xla.jax_bridge import call_jax_function
 from dualop.custom_op import ALL_FRONTENDS, CustomOp, Serves
+from dualop.kernels import cost as cost_model
+from dualop.kernels.cost import KernelCost
 from dualop.kernels.registry import KernelRef
 from dualop.ops._checks import check_array, check_optional_like
 from dualop.platforms import family_of, frontend_of
-from collections.abc import Callable
-from dualop.kernels import cost as cost_model
-from dualop.kernels.cost import KernelCost
 from dualop.spec import BenchCase, InputSpec, Serving, float32_normal as _normal
 from dualop.testing import KERNEL_CELLS
 

@@ -53,12 +53,12 @@ from dualop.backends import array_namespace
 from dualop.backends.torch.triton_launch import call_triton
 from dualop.backends.xla.jax_bridge import call_jax_function
 from dualop.custom_op import CustomOp
+from dualop.kernels import cost as cost_model
+from dualop.kernels.cost import KernelCost
 from dualop.kernels.registry import KernelRef
 from dualop.ops._checks import check_array, check_optional_like, decline_if_recording, dtype_name
 from dualop.parallel import TensorParallel, VocabShard, current_tensor_parallel, vocab_shard
 from dualop.platforms import family_of, frontend_of
-from dualop.kernels import cost as cost_model
-from dualop.kernels.cost import KernelCost
 from dualop.spec import BenchCase, InputSpec, Serving
 
 __all__ = ["VocabParallelEmbedding", "ParallelLMHead", "masked_vocab_lookup", "checkpoint_row_segments"]

@@ -6,20 +6,21 @@ norms); there is no LayerNorm here. The gated group norm is ``gated_norm.py``.""
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
+
+import numpy as np
 
 from dualop.backends import array_namespace
 from dualop.backends.torch.triton_launch import call_triton
 from dualop.backends.xla.jax_bridge import call_jax_function
 from dualop.custom_op import CustomOp
+from dualop.kernels import cost as cost_model
+from dualop.kernels.cost import KernelCost
 from dualop.kernels.norm_math import NormSpec, rms_normalize
 from dualop.kernels.registry import KernelRef
 from dualop.ops._checks import check_array, check_optional_like, decline_if_recording
 from dualop.platforms import frontend_of
-from collections.abc import Callable
-import numpy as np
-from dualop.kernels import cost as cost_model
-from dualop.kernels.cost import KernelCost
 from dualop.spec import BenchCase, Serving, float32_normal as _normal, rows_of
 
 __all__ = ["GemmaRMSNorm", "RMSNorm"]

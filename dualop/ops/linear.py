@@ -33,18 +33,18 @@ and where they go in its fused weight) is here once, as ``shard_copies``: the to
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 from dualop.backends import array_namespace
 from dualop.backends.xla.jax_bridge import call_jax_function
 from dualop.custom_op import ALL_FRONTENDS, CustomOp, Serves
+from dualop.kernels import cost as cost_model
+from dualop.kernels.cost import KernelCost
 from dualop.kernels.registry import KernelRef
 from dualop.ops._checks import check_array, check_optional_like
 from dualop.parallel import TensorParallel, current_tensor_parallel, divide, qkv_layout
 from dualop.platforms import family_of, frontend_of
-from collections.abc import Callable
-from dualop.kernels import cost as cost_model
-from dualop.kernels.cost import KernelCost
 from dualop.spec import BenchCase, InputSpec, Serving, float32_normal as _normal, rows_of
 
 _XLA_LINEAR = KernelRef("dualop.kernels.xla.linear", "linear")

@@ -11,13 +11,13 @@ from dualop.backends import array_namespace
 from dualop.backends.torch.triton_launch import call_triton
 from dualop.backends.xla.jax_bridge import call_jax_function
 from dualop.custom_op import CustomOp
+from dualop.kernels import cost as cost_model
+from dualop.kernels.cost import KernelCost
 from dualop.kernels.logits_math import LogitsSpec, cap_and_scale
 from dualop.kernels.registry import KernelRef
 from dualop.ops._checks import check_array, check_optional_like, decline_if_recording
 from dualop.parallel import TensorParallel, current_tensor_parallel, vocab_shard, vocab_token_ids
 from dualop.platforms import family_of, frontend_of
-from dualop.kernels import cost as cost_model
-from dualop.kernels.cost import KernelCost
 from dualop.spec import BenchCase, InputSpec, Serving, float32_normal as _normal, rows_of
 from dualop.testing import KERNEL_CELLS
 

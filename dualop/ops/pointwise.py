@@ -9,18 +9,18 @@ and casts back to x's dtype once.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 from dualop.backends import array_namespace
 from dualop.backends.torch.triton_launch import call_triton
 from dualop.backends.xla.jax_bridge import call_jax_function
 from dualop.custom_op import CustomOp
+from dualop.kernels import cost as cost_model
+from dualop.kernels.cost import KernelCost
 from dualop.kernels.registry import KernelRef
 from dualop.ops._checks import check_array, check_optional_like, dtype_name
 from dualop.platforms import frontend_of
-from collections.abc import Callable
-from dualop.kernels import cost as cost_model
-from dualop.kernels.cost import KernelCost
 from dualop.spec import BenchCase, Serving, x_only_inputs
 
 __all__ = ["FastGELU", "NewGELU", "QuickGELU", "ReLUSquaredActivation", "XIELU"]

@@ -21,6 +21,8 @@ from dualop.backends import array_namespace
 from dualop.backends.torch.triton_launch import call_triton
 from dualop.backends.xla.jax_bridge import call_jax_function
 from dualop.custom_op import CustomOp
+from dualop.kernels import cost as cost_model
+from dualop.kernels.cost import KernelCost
 from dualop.kernels.registry import KernelRef
 from dualop.kernels.rope_math import rotate
 from dualop.ops._checks import (
@@ -28,8 +30,6 @@ from dualop.ops._checks import (
     remember_checked,
 )
 from dualop.platforms import family_of, frontend_of
-from dualop.kernels import cost as cost_model
-from dualop.kernels.cost import KernelCost
 from dualop.spec import BenchCase, InputSpec, Serving, float32_normal as _normal
 
 __all__ = ["RotaryEmbedding", "ApplyRotaryEmb", "DualChunkRotaryEmbedding"]
