@@ -3,6 +3,7 @@ interpreter (Triton's, Pallas's) or a CPU client (torch_xla's PJRT CPU device)."
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
 
@@ -89,17 +90,18 @@ def pytest_collection_modifyitems(config, items):
     through the kernels' platform paths) or ``once_in_xla`` (logic no version changes: bookkeeping,
     the models' tensor parallelism; placed in the shorter run) are left to 'xla'. The native cells,
     the kernel cells off the TPU (``OFF_TPU_CELL_DTYPE``) and opcheck run one dtype in each
-    (``DTYPE_PER_ENV``); the mixers' torchax cells are left out (``_torchax_mixer_cell``). The rest are deselected (shown in pytest's summary
-    as deselected, not skipped)."""
+    (``DTYPE_PER_ENV``); the mixers' torchax cells are left out (``_torchax_mixer_cell``). Every other
+    test runs in one of the two, by a stable hash of its id (``share_of``). The rest are deselected
+    (shown in pytest's summary as deselected, not skipped)."""
     if TEST_ENV == "latest":
         once = [item for item in items if _jax_tpu_cell_in_its_other_dtype(item) or item.get_closest_marker("xla_only")
                 or item.get_closest_marker("once_in_xla") or _in_the_other_envs_dtype(item)
-                or _off_tpu_cell_in_the_other_envs_dtype(item)]
+                or _off_tpu_cell_in_the_other_envs_dtype(item) or _in_the_other_envs_share(item)]
     elif TEST_ENV == "xla":
         once = [item for item in items if item.get_closest_marker("reference") or item.get_closest_marker("latest_only")
                 or _jax_tpu_cell_covered_by_bridges(item) or _torchax_mixer_cell(item)
                 or _bridge_cell_in_the_other_bridges_dtype(item) or _in_the_other_envs_dtype(item)
-                or _off_tpu_cell_in_the_other_envs_dtype(item)]
+                or _off_tpu_cell_in_the_other_envs_dtype(item) or _in_the_other_envs_share(item)]
     else:
         return
     if once:
@@ -209,6 +211,34 @@ def _in_the_other_envs_dtype(item) -> bool:
     want = DTYPE_PER_ENV.get(item.originalname, {}).get(TEST_ENV)
     dtype = getattr(getattr(item, "callspec", None), "params", {}).get("dtype")
     return want is not None and dtype != want
+
+
+# Every other test runs in one of the two environments, chosen by a stable hash of its test id
+# (parameters included, so a test's cases spread over both and each version meets most tests), with
+# LATEST_SHARE of them in 'latest'. Not split: tests pinned to one environment (the markers above),
+# the cells and dtype-split tests above (their own rules), tests that need a frontend only 'xla' has
+# (a ``frontend`` parameter torch_xla or torchax: they run there), and tests marked ``each_env``
+# (they split their work between the environments themselves, or check what a version changes) or
+# ``skipif`` (a condition on what is installed: each environment runs it or says why not).
+# DUALOP_TEST_LATEST_SHARE moves the line (0 or 1: check that nothing depends on where it falls).
+LATEST_SHARE = float(os.environ.get("DUALOP_TEST_LATEST_SHARE", "0.5"))
+_PINNED = ("xla_only", "once_in_xla", "latest_only", "reference", "each_env", "skipif")
+_SPLIT_ELSEWHERE = {"test_cell_matches_native", *DTYPE_PER_ENV}
+
+
+def share_of(nodeid: str) -> str:
+    """The environment ('latest' or 'xla') a test id falls to."""
+    fraction = int(hashlib.sha256(nodeid.encode()).hexdigest()[:8], 16) / 16**8
+    return "latest" if fraction < LATEST_SHARE else "xla"
+
+
+def _in_the_other_envs_share(item) -> bool:
+    if item.originalname in _SPLIT_ELSEWHERE or any(item.get_closest_marker(m) for m in _PINNED):
+        return False
+    params = getattr(getattr(item, "callspec", None), "params", {})
+    if params.get("frontend") in ("torch_xla", "torchax"):
+        return False  # skips in 'latest', runs in 'xla'
+    return share_of(item.nodeid) != TEST_ENV
 
 
 @pytest.fixture

@@ -171,6 +171,7 @@ SWEEP_HERE = SWEEP_CASES if _SWEEP_SHARE is None else SWEEP_CASES[_SWEEP_SHARE::
 _SWEEP_DTYPES = ["float32", "bfloat16"]
 
 
+@pytest.mark.each_env
 def test_every_case_and_peer_agrees_with_forward_native():
     """The peers compute the op's own semantics (rounding of Llama's and Gemma's norms included):
     a peer that disagrees would be an error record."""

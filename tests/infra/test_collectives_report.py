@@ -228,6 +228,7 @@ def _by_kind(row) -> dict:
     return {c["kind"]: c for c in row["collectives"]}
 
 
+@pytest.mark.latest_only
 def test_dualop_compile_reports_the_expert_parallel_collectives(capsys):
     """``dualop compile --json`` on the small expert-parallel layers for 4 v5e and 8 v6e chips: psum
     mode all-reduces its [tokens, hidden] float32 share once (XLA:TPU folds the cast to bfloat16
@@ -267,6 +268,7 @@ def test_dualop_compile_reports_the_expert_parallel_collectives(capsys):
         assert describe(row["collectives"]) in line
 
 
+@pytest.mark.latest_only
 def test_a_tensor_parallel_function_reports_its_psum_and_all_gather():
     """A hand-written tensor-parallel step through ``compile_layer``: psum of a [8, 256] float32
     partial sum and a tiled all_gather of [8, 128] bfloat16 shards into [8, 512] (XLA:TPU makes the

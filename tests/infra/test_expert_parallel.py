@@ -435,6 +435,7 @@ def test_multichip_targets_are_accepted_and_unknown_ones_named():
         aot.check_targets(["v9:2x2"])
 
 
+@pytest.mark.latest_only
 @pytest.mark.parametrize("label", ["fused_moe[ep,all_to_all]", "fused_moe[ep,psum]"])
 def test_the_expert_parallel_layer_compiles_for_v5e_2x2(label):
     """The small expert-parallel layer (64 experts) built by XLA:TPU for four v5e chips: the

@@ -170,6 +170,7 @@ def test_fast_path_checks_the_device_only_where_devices_can_differ(no_env_platfo
     assert platforms.platform_of(torch.empty(2, device="meta")) == "cpu"
 
 
+@pytest.mark.xla_only
 def test_importing_torch_xla_later_rearms_the_fast_path_with_a_probe():
     """A process that dispatched CPU tensors before importing torch_xla: the import bumps the
     dispatch generation, so the next call resolves again and the fast path checks the device."""
@@ -226,6 +227,7 @@ def test_jax_follows_the_process_platform(monkeypatch, no_env_platform):
     assert platforms.platform_of(torch.zeros(2)) == "cpu"
 
 
+@pytest.mark.xla_only
 def test_xla_tensors_dispatch_apart_from_cpu_tensors(no_env_platform):
     """One op instance, CPU and XLA tensors alternating: each resolves for its own frontend."""
     require_frontend("torch_xla")

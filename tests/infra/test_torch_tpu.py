@@ -26,6 +26,9 @@ from conftest import NATIVE_CASES
 from dualop import dispatch_report, platforms, testing
 from dualop.custom_op import report_row
 
+# torch_tpu is installed in the latest environment only.
+pytestmark = pytest.mark.latest_only
+
 CASES = list(testing.cases_for(None))
 TRACE_DTYPES = ("float32", "bfloat16")
 

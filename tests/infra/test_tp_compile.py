@@ -44,6 +44,7 @@ def test_every_tensor_parallel_op_has_a_sharded_layer():
         assert layer.serving_shapes, layer.label
 
 
+@pytest.mark.latest_only
 @pytest.mark.parametrize("target", sorted(CHIPS))
 def test_tensor_parallel_layers_compile_with_their_collectives(target):
     from dualop.aot import sharded, tpu

@@ -62,6 +62,7 @@ def test_write_an_op_adds_only_the_files_adding_an_op_may_touch():
         assert not (ROOT / path).exists(), f"{path} exists already: the tutorial would edit it"
 
 
+@pytest.mark.xla_only
 def test_write_an_op_runs_in_every_kernel_cell_and_its_tests_pass(tmp_path):
     copy = _repository_copy(tmp_path)
     for path, text in tutorial_files("write-an-op.md").items():

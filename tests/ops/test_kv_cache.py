@@ -74,6 +74,7 @@ def test_torch_paths_match_numpy_and_update_in_place(platform, method, dtype):
     np.testing.assert_array_equal(out.double().numpy(), numpy_reference(*arrays))
 
 
+@pytest.mark.latest_only
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("interpret", ["generic", "tpu"])
 def test_pallas_kernel_matches_numpy_in_both_interpret_modes(interpret, dtype):

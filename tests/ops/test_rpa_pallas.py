@@ -149,6 +149,7 @@ def test_block_sizes_fit_the_generation_vmem(generation):
         assert blocks.block_q < 32 and blocks.pages_per_block < largest.pages_per_block
 
 
+@pytest.mark.latest_only
 def test_compiles_for_v5e_at_a_serving_shape():
     """The real TPU compiler (libtpu's compile-only v5e) accepts the kernel at a serving shape."""
     from dualop.aot.tpu import compile_function, quiet_native_stderr, tpu_available

@@ -74,6 +74,7 @@ JAX_GRAD_CASES = [c for c in CASES if _differentiable(c)]
 JAX_GRAD_HERE = JAX_GRAD_CASES if _GRAD_SHARE is None else JAX_GRAD_CASES[_GRAD_SHARE::2]
 
 
+@pytest.mark.each_env
 @pytest.mark.parametrize("case", JAX_GRAD_HERE, ids=lambda c: c.label)
 def test_jax_tpu_path_gradients(case):
     op, raw = _problem(case)

@@ -140,6 +140,7 @@ def _copy_kernel(block):
     return call
 
 
+@pytest.mark.latest_only
 def test_oversized_pallas_block_is_refused_on_v5e_and_a_fitting_one_compiles():
     _require_tpu_compiler()
     from dualop.aot import tpu
@@ -156,6 +157,7 @@ def test_oversized_pallas_block_is_refused_on_v5e_and_a_fitting_one_compiles():
     assert small.kernels[0]["vmem_bytes"] == 2 * 2 * 64 * 4096 * 4  # 4 MiB: under the default scoped VMEM
 
 
+@pytest.mark.latest_only
 def test_tpu_kernel_that_declines_is_not_applicable(monkeypatch):
     _require_tpu_compiler()
     from dualop.aot import tpu
@@ -201,6 +203,7 @@ print(json.dumps(out, default=str))
 '''
 
 
+@pytest.mark.latest_only
 def test_triton_fp8_kernel_is_refused_for_sm80_and_compiles_for_sm90(tmp_path):
     _require_triton_aot()
     from dualop.aot.gpu import child_environment
@@ -219,6 +222,7 @@ def test_triton_fp8_kernel_is_refused_for_sm80_and_compiles_for_sm90(tmp_path):
     assert details["kernel"] == "to_fp8" and details["num_warps"] == 4 and details["registers"] > 0
 
 
+@pytest.mark.latest_only
 def test_triton_kernel_that_declines_is_not_applicable(monkeypatch):
     _require_triton_aot()
     from dualop.aot import gpu
@@ -236,6 +240,7 @@ def test_triton_kernel_that_declines_is_not_applicable(monkeypatch):
 # --- the command end to end ----------------------------------------------------------------
 
 
+@pytest.mark.latest_only
 def test_compile_command_builds_one_op_for_a_tpu_and_two_gpus():
     _require_tpu_compiler()
     _require_triton_aot()

@@ -5,6 +5,7 @@ forward_native within the tolerance table, with NaN exactly where the native bod
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from hypothesis import HealthCheck, given, seed, settings
 from hypothesis import strategies as st
 
@@ -73,6 +74,7 @@ def _inputs(case, shape, dtype, scale, special, seed, frontend):
 _SEED = {"latest": 1, "xla": 2}.get(TEST_ENV, 0)
 
 
+@pytest.mark.each_env
 @seed(_SEED)
 @settings(max_examples=20 if TEST_ENV in ("latest", "xla") else 40, deadline=None, database=None,
           suppress_health_check=[HealthCheck.too_slow])
