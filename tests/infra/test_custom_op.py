@@ -23,30 +23,25 @@ class _Recorder(CustomOp):
         return "forward_native"
 
 
+def _recording(name: str, *methods: str, class_name: str) -> type[CustomOp]:
+    """Register op ``name`` (a class named ``class_name``, the name out-of-tree replacements
+    give) whose platform ``methods`` each return their own name."""
+
+    def returning(method: str):
+        def forward(self, x):
+            return method
+
+        forward.__name__ = method
+        return forward
+
+    return CustomOp.register(name)(type(class_name, (_Recorder,), {m: returning(m) for m in methods}))
+
+
 @pytest.fixture
 def op_classes(clean_registry):
-    @CustomOp.register("test_full")
-    class Full(_Recorder):
-        def forward_cpu(self, x):
-            return "forward_cpu"
-
-        def forward_cuda(self, x):
-            return "forward_cuda"
-
-        def forward_tpu(self, x):
-            return "forward_tpu"
-
-        def forward_xpu(self, x):
-            return "forward_xpu"
-
-        def forward_oot(self, x):
-            return "forward_oot"
-
-    @CustomOp.register("test_native_only")
-    class NativeOnly(_Recorder):
-        pass
-
-    return Full, NativeOnly
+    full = _recording("test_full", "forward_cpu", "forward_cuda", "forward_tpu", "forward_xpu", "forward_oot",
+                      class_name="Full")
+    return full, _recording("test_native_only", class_name="NativeOnly")
 
 
 # ---- registries ------------------------------------------------------------------------------
@@ -230,16 +225,9 @@ def test_rocm_falls_back_to_cuda_and_says_so(op_classes):
 
 
 def test_rocm_uses_forward_hip_when_present(clean_registry):
-    @CustomOp.register("test_hip")
-    class Hip(_Recorder):
-        def forward_hip(self, x):
-            return "forward_hip"
-
-        def forward_cuda(self, x):
-            return "forward_cuda"
-
+    hip = _recording("test_hip", "forward_hip", "forward_cuda", class_name="Hip")
     with override_platform("rocm"):
-        assert Hip()(_x()) == "forward_hip"
+        assert hip()(_x()) == "forward_hip"
 
 
 @pytest.mark.parametrize("platform", ["cpu", "cuda", "rocm", "tpu", "xpu", "oot"])
@@ -616,7 +604,7 @@ def test_report_rows_have_the_documented_keys(op_classes):
     assert set(row) == {"op", "cls", "frontend", "platform", "method", "enabled", "reason"}
     assert row == {
         "op": "test_full",
-        "cls": f"{__name__}.op_classes.<locals>.Full",
+        "cls": f"{__name__}.Full",
         "frontend": "torch",
         "platform": "tpu",
         "method": "forward_tpu",
