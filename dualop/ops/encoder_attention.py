@@ -9,8 +9,10 @@ serving engine's non-causal attention for ViT towers.
 - GQA: ``num_heads % num_kv_heads == 0``; query head ``h`` reads kv head ``h // (H / Hkv)``.
 - ``cu_seqlens`` (int32 ``[n + 1]``, ``0 = c0 <= c1 <= ... <= cn = S``, only with ``B == 1``): the
   tokens are ``n`` packed sequences (images, windows); each attends only to itself.
-  ``max_seqlen`` (optional int, at least the longest segment) bounds the Triton kernel's loops; it
-  is read from ``cu_seqlens`` when not given.
+  ``max_seqlen`` (optional, at least the longest segment) bounds the Triton kernel's loops; it is
+  read from ``cu_seqlens`` when not given. An int, or as the reference engine passes it, a
+  1-element integer tensor/array (0-d or ``[1]``, e.g. ``(cu[1:] - cu[:-1]).max()``); see
+  ``max_seqlen_int`` for where a tensor is read to the host.
 - ``scale`` defaults to ``head_size ** -0.5``. Logits, softmax and ``P @ V`` in float32, one cast.
 - Non-finite values stay in their segment, on every path: a NaN or inf in a segment's queries,
   keys or values reaches only that segment's rows (another segment's scores are replaced by
@@ -48,6 +50,70 @@ __all__ = ["MMEncoderAttention"]
 _OP = "mm_encoder_attn"
 _PALLAS_ENCODER_ATTENTION = KernelRef("dualop.kernels.pallas.encoder_attention", "encoder_attention")
 _TRITON_ENCODER_ATTENTION = KernelRef("dualop.kernels.cuda.encoder_attention", "encoder_attention")
+
+
+_MAX_SEQLEN_DTYPES = frozenset({"int32", "int64"})
+
+
+def _check_max_seqlen(max_seqlen: Any, query_frontend: str) -> None:
+    """``max_seqlen`` is None, a non-negative int (numpy ints too, bools not) or a 1-element integer
+    array of the query's frontend family (the engine's tensor); its value is checked with
+    ``cu_seqlens``' (``_segment_values``)."""
+    if max_seqlen is None:
+        return
+    if isinstance(max_seqlen, bool):
+        raise TypeError(f"{_OP}: argument 'max_seqlen' must be None, an int or a 1-element int tensor, got a bool")
+    if isinstance(max_seqlen, (int, np.integer)):
+        if max_seqlen < 0:
+            raise ValueError(f"{_OP}: argument 'max_seqlen' must be non-negative, got {max_seqlen!r}")
+        return
+    fe = frontend_of(max_seqlen)
+    if fe is None:
+        raise TypeError(f"{_OP}: argument 'max_seqlen' must be None, an int or a 1-element int tensor, got "
+                        f"{type(max_seqlen).__module__}.{type(max_seqlen).__qualname__}")
+    if family_of(fe) != family_of(query_frontend):
+        raise TypeError(f"{_OP}: argument 'max_seqlen' is a {family_of(fe)} array but 'query' is a "
+                        f"{family_of(query_frontend)} array; pass an int or an array of one frontend")
+    if dtype_name(max_seqlen) not in _MAX_SEQLEN_DTYPES:
+        raise TypeError(f"{_OP}: argument 'max_seqlen' has dtype {dtype_name(max_seqlen)}; expected int32 or int64")
+    if math.prod(max_seqlen.shape) != 1:
+        raise ValueError(f"{_OP}: argument 'max_seqlen' must hold one value (shape () or (1,)), got shape "
+                         f"{tuple(max_seqlen.shape)}")
+
+
+def max_seqlen_int(max_seqlen: Any) -> int | None:
+    """``max_seqlen`` as a Python int (None stays None), for the one path that needs it on the host:
+    the Triton kernel, whose key-block count is a compile-time constant and part of its grid. A
+    tensor on a GPU is read with one device-to-host copy here, unavoidably (a host CPU tensor or a
+    numpy/int value costs none); every other path ignores ``max_seqlen`` and reads nothing."""
+    if max_seqlen is None or isinstance(max_seqlen, (int, np.integer)):
+        return None if max_seqlen is None else int(max_seqlen)
+    return int(max_seqlen.reshape(-1)[0])
+
+
+def _segment_values(cu_seqlens: Any, max_seqlen: Any) -> tuple[Any, int | None]:
+    """(``cu_seqlens``' values or None, ``max_seqlen`` as an int or None) for the eager value checks.
+    A ``max_seqlen`` array on ``cu_seqlens``' device comes back in the same device-to-host copy as
+    ``cu_seqlens`` (one sync, as before it was accepted); values that cannot be read (traced) are
+    None."""
+    if max_seqlen is None or isinstance(max_seqlen, (int, np.integer)):
+        return concrete_values(cu_seqlens), None if max_seqlen is None else int(max_seqlen)
+    joined = None
+    fe = frontend_of(cu_seqlens)
+    if fe == frontend_of(max_seqlen):
+        if family_of(fe) == "jax":
+            import jax.numpy as jnp
+
+            joined = jnp.concatenate([cu_seqlens.reshape(-1), max_seqlen.reshape(1).astype(cu_seqlens.dtype)])
+        elif cu_seqlens.device == max_seqlen.device:
+            import torch
+
+            joined = torch.cat([cu_seqlens.reshape(-1), max_seqlen.reshape(1).to(cu_seqlens.dtype)])
+    if joined is not None:
+        values = concrete_values(joined)
+        return (None, None) if values is None else (values[:-1], int(values[-1]))
+    limit = concrete_values(max_seqlen)
+    return concrete_values(cu_seqlens), None if limit is None else int(limit.reshape(-1)[0])
 
 
 def _positive_int(name: str, value: Any) -> int:
@@ -145,8 +211,7 @@ class MMEncoderAttention(CustomOp):
         self._check_layout("query", query, self.num_heads, None)
         self._check_layout("key", key, self.num_kv_heads, query)
         self._check_layout("value", value, self.num_kv_heads, query)
-        if max_seqlen is not None and (isinstance(max_seqlen, bool) or not isinstance(max_seqlen, int) or max_seqlen < 0):
-            raise ValueError(f"{_OP}: argument 'max_seqlen' must be a non-negative int or None, got {max_seqlen!r}")
+        _check_max_seqlen(max_seqlen, fe)
         if cu_seqlens is None:
             return
         if frontend_of(cu_seqlens) is None or family_of(frontend_of(cu_seqlens)) != family_of(fe):
@@ -157,7 +222,7 @@ class MMEncoderAttention(CustomOp):
             raise ValueError(f"{_OP}: argument 'cu_seqlens' must be 1-D [n + 1] with n >= 1, got shape {tuple(cu_seqlens.shape)}")
         if query.shape[0] != 1:
             raise ValueError(f"{_OP}: argument 'cu_seqlens' needs packed sequences (B == 1); 'query' has B = {query.shape[0]}")
-        values = concrete_values(cu_seqlens)
+        values, limit = _segment_values(cu_seqlens, max_seqlen)
         if values is None:
             return  # traced: see the module docstring for what bad values do
         seq_len = query.shape[1]
@@ -166,13 +231,15 @@ class MMEncoderAttention(CustomOp):
         lengths = values[1:] - values[:-1]
         if (lengths < 0).any():
             raise ValueError(f"{_OP}: argument 'cu_seqlens' must be non-decreasing, got {values.tolist()}")
-        if max_seqlen is not None and max_seqlen < lengths.max():
+        if limit is not None and limit < lengths.max():
             raise ValueError(
-                f"{_OP}: argument 'max_seqlen' = {max_seqlen} is below the longest segment ({int(lengths.max())})"
+                f"{_OP}: argument 'max_seqlen' = {limit} is below the longest segment ({int(lengths.max())})"
             )
 
     # ---------------------------------------------------------------- bodies
 
+    # max_seqlen is annotated int for torch.compile's schema (SymInt?: a compiled call passes an int);
+    # eager calls take the engine's 1-element tensor too (check_inputs), which only forward_cuda reads.
     def forward_native(self, query: Any, key: Any, value: Any, cu_seqlens: Any = None,
                        max_seqlen: int | None = None) -> Any:
         xp = array_namespace(query)
@@ -214,7 +281,7 @@ class MMEncoderAttention(CustomOp):
         return None
 
     def forward_cpu(self, query: Any, key: Any, value: Any, cu_seqlens: Any = None,
-                    max_seqlen: int | None = None) -> Any:
+                    max_seqlen: Any = None) -> Any:
         """torch on the CPU: ``F.scaled_dot_product_attention`` (torch's fused CPU flash attention)
         in float32, once per segment of ``cu_seqlens`` (no wasted cross-segment work), one cast."""
         decline_if_recording(_OP, query, key, value)
@@ -223,7 +290,7 @@ class MMEncoderAttention(CustomOp):
         return encoder_attention(query, key, value, cu_seqlens, **self._static())
 
     def forward_cuda(self, query: Any, key: Any, value: Any, cu_seqlens: Any = None,
-                     max_seqlen: int | None = None) -> Any:
+                     max_seqlen: Any = None) -> Any:
         """torch on CUDA/ROCm: the Triton flash-attention kernel. jax arrays on a GPU: cuDNN's flash
         attention through ``jax.nn.dot_product_attention`` (no jax-triton for Python 3.11)."""
         fe = frontend_of(query)
@@ -231,11 +298,12 @@ class MMEncoderAttention(CustomOp):
             from dualop.kernels.xla.cudnn_attention import cudnn_encoder_attention
 
             return cudnn_encoder_attention(query, key, value, cu_seqlens, **self._static())
+        limit = None if cu_seqlens is None else max_seqlen_int(max_seqlen)  # unused without cu_seqlens
         return call_triton(fe, _TRITON_ENCODER_ATTENTION, query, key, value, cu_seqlens,
-                           max_seqlen=max_seqlen, **self._static())
+                           max_seqlen=limit, **self._static())
 
     def forward_tpu(self, query: Any, key: Any, value: Any, cu_seqlens: Any = None,
-                    max_seqlen: int | None = None) -> Any:
+                    max_seqlen: Any = None) -> Any:
         return call_jax_function(frontend_of(query), _PALLAS_ENCODER_ATTENTION, query, key, value, cu_seqlens,
                            native=self.forward_native, **self._static())
 
