@@ -15,7 +15,7 @@ from dualop.platforms import family_of, frontend_of
 __all__ = [
     "FLOAT_DTYPES", "dtype_name", "check_array", "check_optional_like", "records_grad",
     "decline_if_recording", "concrete_values", "check_positive_int", "checked_before", "remember_checked",
-    "check_writable_cache", "check_finite_float",
+    "check_writable_cache", "check_finite_float", "check_not_engine_activation",
 ]
 
 # The floating dtypes every dualop kernel takes.
@@ -110,6 +110,25 @@ def check_optional_like(
         raise TypeError(f"{op}: argument '{arg}' has dtype {name}; expected {dtype_name(ref)} (the dtype of '{ref_arg}')")
     if name not in dtypes:
         raise TypeError(f"{op}: argument '{arg}' has dtype {name}; expected one of {', '.join(sorted(dtypes))}")
+
+
+def check_not_engine_activation(op: str, arg: str, value: Any, x_name: str, x: Any, expected: tuple[int, ...],
+                                engine_call: str, dualop_call: str, remedy: str) -> None:
+    """Refuse, with the way out, an activation where an op takes a parameter: the engine's modules
+    own their parameters, so its positional call (``norm(x, residual)``) puts the next activation
+    (``x_name``'s shape) where a dualop op takes a parameter (``op(x, weight, residual)``).
+    ``remedy`` names what takes the engine's call (the layer owning the parameter). A value of the
+    parameter's own shape cannot be told apart (a 1-D ``x``, or a mixer's token count equal to a
+    weight's rows) and is taken as the parameter."""
+    if value is None or x.ndim < 2 or getattr(value, "ndim", None) != x.ndim or tuple(value.shape) != tuple(x.shape):
+        return  # the cheap tests first: this runs on every call of a norm
+    if tuple(value.shape) == tuple(expected):
+        return  # the parameter's own shape, which x happens to have too
+    raise ValueError(
+        f"{op}: argument '{arg}' has shape {tuple(value.shape)}; expected {tuple(expected)}. That is '{x_name}''s "
+        f"shape: the engine's call {engine_call} passes an activation where this op takes a parameter; call "
+        f"{dualop_call}, or {remedy}"
+    )
 
 
 def concrete_values(x: Any):

@@ -13,11 +13,24 @@ from __future__ import annotations
 from typing import Any
 
 from dualop.backends import array_namespace
+from dualop.ops._checks import check_not_engine_activation
 from dualop.ops.linear import ReplicatedLinear
 from dualop.ops.ssm_batch import SSMBatch, ssm_batch
 from dualop.parallel import TensorParallel
 
-__all__ = ["projection", "project", "mixer_batches", "MixerPlatformMethods"]
+__all__ = ["projection", "project", "mixer_batches", "MixerPlatformMethods", "check_not_engine_mixer_call"]
+
+
+def check_not_engine_mixer_call(op: str, layer: str, hidden_states: Any, in_proj_weight: Any,
+                                expected: tuple[int, ...]) -> None:
+    """Refuse the engine's mixer call ``mixer(hidden_states, output)`` (its output buffer lands where
+    the op takes ``in_proj_weight``), saying what takes the call instead."""
+    check_not_engine_activation(
+        op, "in_proj_weight", in_proj_weight, "hidden_states", hidden_states, expected,
+        "mixer(hidden_states, output)", "op(hidden_states, in_proj_weight, ...)",
+        f"the layer {layer} (dualop.torch.layers / dualop.jax.layers), which owns the weights; the engine reads its "
+        f"caches from its forward context and writes into 'output', dualop takes the caches as arguments and "
+        f"returns (out, conv_state, ...)")
 
 
 def mixer_batches(op: str, hidden_states: Any, conv_state: Any, ssm_state: Any, cu_seqlens: Any,

@@ -174,7 +174,7 @@ class _ConvNd(CustomOp):
 
     # ---------------------------------------------------------------- validation
 
-    def check_inputs(self, x: Any, weight: Any, bias: Any = None) -> None:
+    def check_inputs(self, x: Any, weight: Any = None, bias: Any = None) -> None:
         op, n = type(self).name, self.num_dim
         fe = check_array(op, "x", x)
         layout = "[N, C, H, W]" if n == 2 else "[N, C, D, H, W]"

@@ -186,7 +186,7 @@ class VocabParallelEmbedding(CustomOp):
         """The one collective: sum this rank's rows (zeros for ids it does not hold) over the ranks."""
         return self.tp.all_reduce(partial)
 
-    def check_inputs(self, input_ids: Any, weight_shard: Any) -> None:
+    def check_inputs(self, input_ids: Any, weight_shard: Any = None) -> None:
         op = type(self).name
         fe = frontend_of(input_ids)
         if fe is None:
@@ -301,7 +301,7 @@ class ParallelLMHead(VocabParallelEmbedding):
         return RuntimeError("parallel_lm_head: the LM head has no forward (its weight is used by the logits "
                             "processor): call dualop.ops.LogitsProcessor(...)(lm_head_weight_shard, hidden_states)")
 
-    def check_inputs(self, input_ids: Any, weight_shard: Any) -> None:
+    def check_inputs(self, input_ids: Any, weight_shard: Any = None) -> None:
         raise self._no_forward()
 
     def forward_native(self, input_ids: Any, weight_shard: Any) -> Any:

@@ -10,7 +10,7 @@ from dualop.backends.torch.triton_launch import call_triton
 from dualop.backends.xla.jax_bridge import call_jax_function
 from dualop.custom_op import CustomOp
 from dualop.kernels.registry import KernelRef
-from dualop.ops._checks import check_array, check_optional_like, decline_if_recording
+from dualop.ops._checks import check_array, check_not_engine_activation, check_optional_like, decline_if_recording
 from dualop.platforms import frontend_of
 from dualop.spec import Serving
 
@@ -100,6 +100,9 @@ class RMSNormGated(CustomOp):
             raise TypeError(
                 f"rms_norm_gated: argument 'weight' is required; expected an array of shape ({self.hidden_size},)"
             )
+        check_not_engine_activation("rms_norm_gated", "weight", weight, "x", x, (self.hidden_size,), "norm(x, z)",
+                                    "op(x, weight, z)", "the layer RMSNormGated (dualop.torch.layers / "
+                                    "dualop.jax.layers), which owns it and takes norm(x, z)")
         check_optional_like("rms_norm_gated", "weight", weight, "x", x, fe, shape=(self.hidden_size,))
         check_optional_like("rms_norm_gated", "z", z, "x", x, fe, same_dtype=True)
 

@@ -19,7 +19,7 @@ from dualop.kernels import cost as cost_model
 from dualop.kernels.cost import KernelCost
 from dualop.kernels.norm_math import NormSpec, rms_normalize
 from dualop.kernels.registry import KernelRef
-from dualop.ops._checks import check_array, check_optional_like, decline_if_recording
+from dualop.ops._checks import check_array, check_not_engine_activation, check_optional_like, decline_if_recording
 from dualop.platforms import frontend_of
 from dualop.spec import BenchCase, Serving, float32_normal as _normal, rows_of
 
@@ -59,9 +59,14 @@ class _RMSNormFamily(CustomOp):
         fe = check_array(op, "x", x)
         if x.shape[-1] != self.hidden_size:
             raise ValueError(f"{op}: argument 'x' has last dim {x.shape[-1]}; expected hidden_size={self.hidden_size}")
+        has_weight = getattr(self, "has_weight", True)
+        check_not_engine_activation(op, "weight", weight, "x", x, (self.hidden_size,), "norm(x, residual)",
+                                    "op(x, weight, residual)" if has_weight else "op(x, residual=residual)",
+                                    f"the layer {type(self).__name__} (dualop.torch.layers / dualop.jax.layers), "
+                                    f"which takes norm(x, residual)")
         if weight is None and self.weight_required:
             raise ValueError(f"{op}: argument 'weight' is required (shape ({self.hidden_size},))")
-        if weight is not None and not getattr(self, "has_weight", True):
+        if weight is not None and not has_weight:
             raise ValueError(f"{op}: argument 'weight' must be None for an op built with has_weight=False")
         check_optional_like(op, "weight", weight, "x", x, fe, shape=(self.hidden_size,))
         check_optional_like(op, "residual", residual, "x", x, fe, same_dtype=True)

@@ -50,7 +50,7 @@ from dualop.kernels import ssm_math
 from dualop.kernels.cost import KernelCost
 from dualop.kernels.norm_math import NormSpec, rms_normalize
 from dualop.ops._checks import check_array, check_optional_like, check_positive_int
-from dualop.ops._mixer import MixerPlatformMethods, mixer_batches, project, projection
+from dualop.ops._mixer import MixerPlatformMethods, check_not_engine_mixer_call, mixer_batches, project, projection
 from dualop.ops.causal_conv1d import CausalConv1d
 from dualop.ops.selective_scan import SelectiveScan
 from dualop.ops.ssm_batch import SSMBatch
@@ -138,9 +138,10 @@ class MambaMixer(MixerPlatformMethods, CustomOp):
         return mixer_batches(_OP, hidden_states, conv_state, ssm_state, cu_seqlens, state_indices,
                              has_initial_state, self.conv_state_shape, self.ssm_state_shape)
 
-    def check_inputs(self, hidden_states: Any, in_proj_weight: Any, conv_weight: Any, conv_bias: Any,
-                     x_proj_weight: Any, dt_proj_weight: Any, dt_proj_bias: Any, A_log: Any, D: Any,
-                     out_proj_weight: Any, in_proj_bias: Any = None, out_proj_bias: Any = None,
+    def check_inputs(self, hidden_states: Any, in_proj_weight: Any = None, conv_weight: Any = None,
+                     conv_bias: Any = None, x_proj_weight: Any = None, dt_proj_weight: Any = None,
+                     dt_proj_bias: Any = None, A_log: Any = None, D: Any = None,
+                     out_proj_weight: Any = None, in_proj_bias: Any = None, out_proj_bias: Any = None,
                      dt_norm_weight: Any = None, b_norm_weight: Any = None, c_norm_weight: Any = None,
                      conv_state: Any = None, ssm_state: Any = None, cu_seqlens: Any = None,
                      state_indices: Any = None, has_initial_state: Any = None) -> None:
@@ -148,10 +149,12 @@ class MambaMixer(MixerPlatformMethods, CustomOp):
         if hidden_states.ndim != 2 or hidden_states.shape[1] != self.hidden_size:
             raise ValueError(f"{_OP}: argument 'hidden_states' has shape {tuple(hidden_states.shape)}; expected "
                              f"[tokens, hidden_size={self.hidden_size}]")
+        shapes = self._weight_shapes()
+        check_not_engine_mixer_call(_OP, "MambaMixer", hidden_states, in_proj_weight, shapes["in_proj_weight"])
         given = {"in_proj_weight": in_proj_weight, "conv_weight": conv_weight, "x_proj_weight": x_proj_weight,
                  "dt_proj_weight": dt_proj_weight, "dt_proj_bias": dt_proj_bias, "A_log": A_log, "D": D,
                  "out_proj_weight": out_proj_weight}
-        for name, shape in self._weight_shapes().items():
+        for name, shape in shapes.items():
             if given[name] is None:
                 raise ValueError(f"{_OP}: argument '{name}' is required (shape {shape})")
             check_optional_like(_OP, name, given[name], "hidden_states", hidden_states, fe, shape=shape)

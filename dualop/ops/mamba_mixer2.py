@@ -20,7 +20,7 @@ from dualop.kernels import cost as cost_model
 from dualop.kernels import ssm_math
 from dualop.kernels.cost import KernelCost
 from dualop.ops._checks import check_array, check_finite_float, check_optional_like, check_positive_int
-from dualop.ops._mixer import MixerPlatformMethods, mixer_batches, project, projection
+from dualop.ops._mixer import MixerPlatformMethods, check_not_engine_mixer_call, mixer_batches, project, projection
 from dualop.ops.gated_norm import RMSNormGated
 from dualop.parallel import TensorParallel, current_tensor_parallel, divide
 from dualop.platforms import frontend_of
@@ -305,6 +305,8 @@ class MambaMixer2(MixerPlatformMethods, CustomOp):
             raise ValueError(f"{op}: argument 'hidden_states' has shape {tuple(hidden_states.shape)}; expected "
                              f"[T, hidden_size={self.hidden_size}] (tokens packed along the first axis)")
         heads, inter = self.num_heads, self.intermediate_size
+        check_not_engine_mixer_call(op, "MambaMixer2", hidden_states, in_proj_weight,
+                                    (self.projection_size, self.hidden_size))
         required = [
             ("in_proj_weight", in_proj_weight, (self.projection_size, self.hidden_size)),
             ("conv_weight", conv_weight, (self.conv_dim, self.conv_kernel_size)),

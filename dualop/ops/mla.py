@@ -414,7 +414,10 @@ class MultiHeadLatentAttention(CustomOp):
                                 latent_pages=latent_pages, slot_mapping=slot_mapping, kv_lens=kv_lens,
                                 page_indices=page_indices, cu_q_lens=cu_q_lens, num_seqs=num_seqs).items():
             if value is None:
-                raise TypeError(f"{op}: argument '{name}' is required")
+                engine = ("; the engine's call mla(positions, hidden_states) finds the weights in its module and the "
+                          "cache and batch metadata in its forward context, which are arguments here" if
+                          name == "weights" else "")
+                raise TypeError(f"{op}: argument '{name}' is required{engine}")
         if mode not in MODES:
             raise ValueError(f"{op}: option 'mode' must be one of {MODES}, got {mode!r}")
         fe = check_array(op, "hidden_states", hidden_states, min_ndim=2)

@@ -302,6 +302,18 @@ def _check_routing(op: str, x: Any, fe: str, topk_weights: Any, topk_ids: Any, n
         raise ValueError(f"{op}: argument 'topk_ids' holds expert {bad}; expected ids in [0, {num_global})")
 
 
+def layer_expert_weights(op: str, layer: Any) -> tuple[Any, Any, Any, Any, Any]:
+    """``(w13, w2, w13_bias, w2_bias, expert_map)`` from an engine-style MoE layer: its
+    ``w13_weight`` and ``w2_weight`` (required), ``w13_bias``, ``w2_bias`` and ``expert_map`` (None
+    when absent), as the engine's ``FusedMoE`` holds them; what ``apply(layer, ...)`` reads."""
+    missing = [name for name in ("w13_weight", "w2_weight") if getattr(layer, name, None) is None]
+    if missing:
+        raise TypeError(f"{op}: argument 'layer' ({type(layer).__qualname__}) has no {' or '.join(missing)}; expected "
+                        f"the engine's FusedMoE layer (create_weights gives it the expert weights)")
+    return (layer.w13_weight, layer.w2_weight, getattr(layer, "w13_bias", None), getattr(layer, "w2_bias", None),
+            getattr(layer, "expert_map", None))
+
+
 @CustomOp.register(EXPERTS_OP)
 class UnquantizedFusedMoEMethod(CustomOp):
     """``UnquantizedFusedMoEMethod(activation="silu", apply_router_weight_on_input=False,
@@ -360,10 +372,9 @@ class UnquantizedFusedMoEMethod(CustomOp):
             setattr(layer, name, jnp.zeros(shape, dtype=params_dtype))
 
     def apply(self, layer: Any, x: Any, topk_weights: Any, topk_ids: Any) -> Any:
-        """The experts with ``layer``'s weights (``w13_weight``, ``w2_weight``, optional
-        ``w13_bias``/``w2_bias``, ``expert_map``)."""
-        return self(x, topk_weights, topk_ids, layer.w13_weight, layer.w2_weight, getattr(layer, "w13_bias", None),
-                    getattr(layer, "w2_bias", None), getattr(layer, "expert_map", None))
+        """The engine's call (``quant_method.apply(layer=..., x=..., topk_weights=..., topk_ids=...)``):
+        the experts with ``layer``'s weights (``layer_expert_weights``)."""
+        return self(x, topk_weights, topk_ids, *layer_expert_weights(EXPERTS_OP, layer))
 
     # -------------------------------------------------------------- the op
 

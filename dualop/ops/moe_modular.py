@@ -34,7 +34,7 @@ from typing import Any, ClassVar
 
 from dualop.backends import array_namespace
 from dualop.custom_op import ALL_FRONTENDS, CustomOp, Serves
-from dualop.ops.moe import UnquantizedFusedMoEMethod, _check_experts, _check_routing
+from dualop.ops.moe import UnquantizedFusedMoEMethod, _check_experts, _check_routing, layer_expert_weights
 from dualop.spec import Serving
 
 __all__ = ["PrepareAndFinalize", "Prepared", "SingleDevicePrepareAndFinalize", "FusedMoEModularMethod",
@@ -138,6 +138,11 @@ class FusedMoEModularMethod(CustomOp):
     def extra_repr(self) -> str:
         return (f"prepare_finalize={self.prepare_finalize!r}, activation={self.activation!r}, "
                 f"apply_router_weight_on_input={self.apply_router_weight_on_input}")
+
+    def apply(self, layer: Any, x: Any, topk_weights: Any, topk_ids: Any) -> Any:
+        """The engine's call (``quant_method.apply(layer=..., x=..., topk_weights=..., topk_ids=...)``):
+        this op with ``layer``'s expert weights (``layer_expert_weights``)."""
+        return self(x, topk_weights, topk_ids, *layer_expert_weights(MODULAR_OP, layer))
 
     def check_inputs(self, x: Any, topk_weights: Any, topk_ids: Any, w13: Any, w2: Any, w13_bias: Any = None,
                      w2_bias: Any = None, expert_map: Any = None) -> None:

@@ -33,13 +33,15 @@ from typing import Any
 from dualop.backends import array_namespace
 from dualop.custom_op import CustomOp
 from dualop.kernels import moe_math
-from dualop.ops._checks import check_array, check_optional_like
+from dualop.ops._checks import check_array, check_optional_like, dtype_name
 from dualop.ops.moe import FusedMoE, _check_expert_map, _require
+from dualop.platforms import frontend_of
 from dualop.spec import InputSpec, Serving
 
 __all__ = ["TransformersFusedMoE", "hf_to_engine"]
 
 HF_MOE_OP = "transformers_fused_moe"
+_ROUTING_IDS = frozenset({"int32", "int64"})  # transformers' top_k_index dtypes
 
 
 def _engine_gate_up_order(w: Any, activation: str, is_concatenated: bool) -> Any:
@@ -125,9 +127,23 @@ class TransformersFusedMoE(FusedMoE):
         return {"gate_up_proj": flip(rows, hidden), "down_proj": flip(hidden, inter),
                 "gate_up_proj_bias": (num_local_experts, rows), "down_proj_bias": (num_local_experts, hidden)}
 
-    def check_inputs(self, hidden_states: Any, router_logits: Any, gate_up_proj: Any, down_proj: Any,
-                     gate_up_proj_bias: Any = None, down_proj_bias: Any = None, e_score_correction_bias: Any = None,
-                     expert_map: Any = None) -> None:
+    def check_inputs(self, hidden_states: Any, router_logits: Any = None, gate_up_proj: Any = None,
+                     down_proj: Any = None, gate_up_proj_bias: Any = None, down_proj_bias: Any = None,
+                     e_score_correction_bias: Any = None, expert_map: Any = None) -> None:
+        op = HF_MOE_OP
+        if frontend_of(router_logits) is not None and dtype_name(router_logits) in _ROUTING_IDS:
+            raise TypeError(f"{op}: argument 'router_logits' has dtype {dtype_name(router_logits)}; expected float "
+                            f"logits [tokens, {self.num_experts}]. transformers' experts call (hidden_states, "
+                            f"topk_ids, topk_weights), the engine's TransformersFusedMoE.forward, is "
+                            f"op.routed(hidden_states, topk_ids, topk_weights, gate_up_proj, down_proj, ...)")
+        fe = self._check_hf_experts(hidden_states, gate_up_proj, down_proj, gate_up_proj_bias, down_proj_bias,
+                                    expert_map)
+        self._check_router_inputs(hidden_states, fe, router_logits, e_score_correction_bias,
+                                  biases={"gate_up_proj_bias": gate_up_proj_bias, "down_proj_bias": down_proj_bias})
+
+    def _check_hf_experts(self, hidden_states: Any, gate_up_proj: Any, down_proj: Any, gate_up_proj_bias: Any,
+                          down_proj_bias: Any, expert_map: Any) -> str:
+        """``hidden_states`` and the experts as transformers stores them; returns the frontend."""
         op = HF_MOE_OP
         _require(op, "hidden_states", hidden_states)
         fe = check_array(op, "hidden_states", hidden_states, min_ndim=2)
@@ -153,8 +169,34 @@ class TransformersFusedMoE(FusedMoE):
         for name in ("gate_up_proj_bias", "down_proj_bias"):
             check_optional_like(op, name, arrays[name], "hidden_states", hidden_states, fe, shape=shapes[name])
         _check_expert_map(op, hidden_states, fe, expert_map, local, self.num_experts, weights_name="gate_up_proj")
-        self._check_router_inputs(hidden_states, fe, router_logits, e_score_correction_bias,
-                                  biases={"gate_up_proj_bias": gate_up_proj_bias, "down_proj_bias": down_proj_bias})
+        return fe
+
+    def routed(self, hidden_states: Any, topk_ids: Any, topk_weights: Any, gate_up_proj: Any, down_proj: Any,
+               gate_up_proj_bias: Any = None, down_proj_bias: Any = None, expert_map: Any = None) -> Any:
+        """transformers' experts call with the routing done, the engine's
+        ``TransformersFusedMoE.forward(hidden_states, topk_ids, topk_weights)``, then the weights as
+        transformers stores them -> ``[T, H]`` in hidden_states' dtype. Its router chose
+        ``topk_ids`` ``[T, k]`` (int32/int64) and their ``topk_weights`` ``[T, k]``, used as given (no
+        renormalisation, no scaling: as the engine's custom routing function); as the engine, the ids
+        become int32 and the weights float32 (copies unless they already are). The experts are
+        ``unquantized_fused_moe`` (``self.quant_method``, dispatched on its own)."""
+        op = HF_MOE_OP
+        fe = self._check_hf_experts(hidden_states, gate_up_proj, down_proj, gate_up_proj_bias, down_proj_bias,
+                                    expert_map)
+        if self.has_bias and (gate_up_proj_bias is None or down_proj_bias is None):
+            raise ValueError(f"{op}: has_bias=True needs 'gate_up_proj_bias' and 'down_proj_bias'")
+        check_array(op, "topk_ids", topk_ids, min_ndim=2, dtypes=_ROUTING_IDS)
+        check_array(op, "topk_weights", topk_weights, min_ndim=2)
+        for name, a in (("topk_ids", topk_ids), ("topk_weights", topk_weights)):
+            if a.ndim != 2 or a.shape[0] != hidden_states.shape[0]:
+                raise ValueError(f"{op}: argument '{name}' has shape {tuple(a.shape)}; expected "
+                                 f"[{hidden_states.shape[0]}, top_k]")
+        check_optional_like(op, "topk_weights", topk_weights, "hidden_states", hidden_states, fe,
+                            shape=tuple(topk_ids.shape))
+        xp = array_namespace(hidden_states)
+        weights = self.engine_weights(gate_up_proj, down_proj, gate_up_proj_bias, down_proj_bias)
+        return self.quant_method(hidden_states, xp.astype(topk_weights, xp.float32), xp.astype(topk_ids, xp.int32),
+                                 *weights, expert_map)
 
     def engine_weights(self, gate_up_proj: Any, down_proj: Any, gate_up_proj_bias: Any = None,
                        down_proj_bias: Any = None) -> tuple[Any, Any, Any, Any]:

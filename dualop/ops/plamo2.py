@@ -52,7 +52,7 @@ from dualop.kernels import ssm_math
 from dualop.kernels.cost import KernelCost
 from dualop.kernels.norm_math import NormSpec, rms_normalize
 from dualop.ops._checks import check_array, check_optional_like, check_positive_int
-from dualop.ops._mixer import MixerPlatformMethods, mixer_batches, project, projection
+from dualop.ops._mixer import MixerPlatformMethods, check_not_engine_mixer_call, mixer_batches, project, projection
 from dualop.ops.causal_conv1d import CausalConv1d
 from dualop.ops.ssd import SSDChunkScan
 from dualop.ops.ssm_batch import SSMBatch, fresh_equal_sequences
@@ -177,7 +177,9 @@ class Plamo2MambaMixer(MixerPlatformMethods, CustomOp):
                              f"[tokens, hidden_size={self.hidden_size}]")
         given = dict(zip(_WEIGHTS, (in_proj_weight, conv_weight, bcdt_proj_weight, dt_proj_weight, dt_bias, A_log, D,
                                     dt_norm_weight, B_norm_weight, C_norm_weight, out_proj_weight)))
-        for name, shape in self.weight_shapes().items():
+        shapes = self.weight_shapes()
+        check_not_engine_mixer_call(_OP, "Plamo2MambaMixer", hidden_states, in_proj_weight, shapes["in_proj_weight"])
+        for name, shape in shapes.items():
             if given[name] is None:
                 raise ValueError(f"{_OP}: argument '{name}' is required (shape {shape})")
             check_optional_like(_OP, name, given[name], "hidden_states", hidden_states, fe, shape=shape)

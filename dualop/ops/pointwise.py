@@ -206,7 +206,8 @@ class XIELU(_PointwiseActivation):
             if value is None:
                 raise TypeError(
                     f"xielu: argument '{arg}' is required: the raw (pre-softplus) parameter, an array "
-                    f"of shape (1,) in float32 or x's dtype (see XIELU.initial_parameters())"
+                    f"of shape (1,) in float32 or x's dtype (see XIELU.initial_parameters()); the engine's "
+                    f"call act(x) is the layer XIELU's (dualop.torch.layers / dualop.jax.layers), which owns them"
                 )
             check_optional_like("xielu", arg, value, "x", x, fe, shape=(1,))
             if dtype_name(value) not in ("float32", dtype_name(x)):

@@ -32,6 +32,7 @@ from dualop.kernels import cost as cost_model
 from dualop.kernels import ssm_math
 from dualop.kernels.cost import KernelCost
 from dualop.ops._checks import check_array, check_optional_like, check_positive_int
+from dualop.ops._mixer import check_not_engine_mixer_call
 from dualop.ops.causal_conv1d import CausalConv1d
 from dualop.ops.ssm_batch import conv_sequences, fresh_equal_sequences, random_serving_batch, ssm_batch
 from dualop.platforms import family_of, frontend_of
@@ -74,6 +75,7 @@ class ShortConv(CustomOp):
         fe = check_array(OP, "hidden_states", h, min_ndim=2)
         if h.ndim != 2 or h.shape[1] != hd:
             raise ValueError(f"{OP}: argument 'hidden_states' has shape {tuple(h.shape)}; expected [tokens, {hd}]")
+        check_not_engine_mixer_call(OP, "ShortConv", h, in_proj_weight, (3 * hd, hd))
         for name, value, shape in (("in_proj_weight", in_proj_weight, (3 * hd, hd)),
                                    ("conv_weight", conv_weight, (hd, self.conv_kernel)),
                                    ("out_proj_weight", out_proj_weight, (hd, hd))):
