@@ -8,6 +8,7 @@ allows for summation order in float32 and two units in the last place of a 16-bi
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import sys
@@ -369,6 +370,27 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def gloo_group(rank: int, world: int, port: int) -> Iterator[None]:
+    """One rank of a test's ``torch.multiprocessing.spawn``: the default process group, gloo, of
+    ``world`` ranks meeting at 127.0.0.1:``port`` (``free_port``). On a clean exit the ranks meet at a
+    barrier and then destroy the group together, as ``destroy_process_group`` asks of every rank:
+    a rank that tears down its connections while a peer still talks on them can abort that peer's
+    process. On an error the group is destroyed at once (the error is the report; ``spawn``
+    terminates the other ranks). The current tensor-parallel group is cleared either way."""
+    import torch.distributed as dist
+
+    from dualop import parallel
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        yield
+        dist.barrier()
+    finally:
+        parallel.set_tensor_parallel(None)
+        dist.destroy_process_group()
 
 
 def memory_mappings() -> int | None:

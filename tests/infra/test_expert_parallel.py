@@ -351,16 +351,13 @@ def test_jax_expert_parallel_rejects_bad_arguments():
 def _torch_rank(rank: int, world: int, port: int) -> None:
     """One rank: the one-process result, then the all-reduce and all-to-all forms over gloo; on
     the "cuda" platform the experts are the Triton kernels (interpreted here on CPU tensors)."""
-    import torch
-
     from dualop.torch import expert_parallel as ep
 
-    group = ep.init_expert_parallel_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                                          world_size=world)
-    for platform in ("cpu", "cuda"):
-        with override_platform(platform), set_config(OpsConfig(["all"])):
-            _torch_rank_checks(rank, world, group, platform)
-    torch.distributed.destroy_process_group()
+    with testing.gloo_group(rank, world, port):
+        group = ep.init_expert_parallel_group()
+        for platform in ("cpu", "cuda"):
+            with override_platform(platform), set_config(OpsConfig(["all"])):
+                _torch_rank_checks(rank, world, group, platform)
 
 
 def _torch_rank_checks(rank: int, world: int, group, platform: str) -> None:

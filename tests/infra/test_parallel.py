@@ -10,10 +10,9 @@ import subprocess
 import sys
 import textwrap
 
-import numpy as np
 import pytest
 
-from dualop.testing import free_port
+from dualop.testing import free_port, gloo_group
 from dualop import parallel
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -93,9 +92,8 @@ def _torch_collectives(rank: int, world: int, port: int) -> None:
 
     from dualop.torch import parallel as tparallel
 
-    tp = tparallel.init_tensor_parallel_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                                              world_size=world)
-    try:
+    with gloo_group(rank, world, port):
+        tp = tparallel.init_tensor_parallel_group()
         assert parallel.current_tensor_parallel() is tp
         assert (tparallel.tp_rank(), tparallel.tp_size()) == (rank, world)
         x = torch.arange(6.0).reshape(2, 3) + 10 * rank
@@ -107,9 +105,6 @@ def _torch_collectives(rank: int, world: int, port: int) -> None:
         assert torch.equal(gathered, torch.cat([torch.arange(6.0).reshape(2, 3) + 10 * r for r in range(world)], -1))
         assert torch.equal(tp.all_gather(x, dim=0), torch.cat([torch.arange(6.0).reshape(2, 3) + 10 * r
                                                                for r in range(world)], 0))
-    finally:
-        parallel.set_tensor_parallel(None)
-        torch.distributed.destroy_process_group()
 
 
 def test_torch_group_collectives_over_two_processes():

@@ -242,10 +242,7 @@ def test_jax_tp2_equals_tp1(checkpoints):
 
 
 def _torch_rank(rank: int, world: int, port: int, paths: dict, result_file: str) -> None:
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    try:
+    with testing.gloo_group(rank, world, port):
         out = {}
         for family, path in paths.items():
             model = dm.from_pretrained(path, frontend="torch", tp=world, **SERVING)
@@ -254,8 +251,6 @@ def _torch_rank(rank: int, world: int, port: int, paths: dict, result_file: str)
         if rank == 0:
             with open(result_file, "w") as f:
                 json.dump(out, f)
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.once_in_xla
@@ -363,7 +358,7 @@ def test_dualop_generate_prints_the_tokens_steps_and_kernels(checkpoints, capsys
     assert cli.main(["generate", path, "--prompt", "1 x"]) == 2
     assert "must be token ids" in capsys.readouterr().err
     assert cli.main(["generate", path, "--prompt", "1 2", "--max-new-tokens", "600"]) == 2
-    assert "exceeds max_model_len=512" in capsys.readouterr().err
+    assert "exceeds --max-model-len=512" in capsys.readouterr().err
 
 
 # --- a real model on a real slice, compiled here -------------------------------------------------

@@ -340,14 +340,11 @@ def _tp1_reference(models: dict, checkpoints: dict[str, str], frontend: str) -> 
 
 
 def _torch_at_tp2(rank: int, world: int, port: int, checkpoints: dict[str, str], reference: dict) -> None:
-    import torch
-
     import dualop.models
-    from dualop import parallel
     from dualop.torch import parallel as tparallel
 
-    tparallel.init_tensor_parallel_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    try:
+    with testing.gloo_group(rank, world, port):
+        tparallel.init_tensor_parallel_group()
         for family, path in checkpoints.items():
             model = dualop.models.from_pretrained(path, frontend="torch", tp=world, **SERVING)
             shapes = {name: tuple(model.params[name].shape) for name in TP_SHAPES[family]}
@@ -356,9 +353,6 @@ def _torch_at_tp2(rank: int, world: int, port: int, checkpoints: dict[str, str],
             cmp = testing.compare(model.logits(PROMPTS[0]).numpy(), logits1, "float32", normwise=True)
             assert cmp.ok, (family, rank, cmp)
             assert model.generate(TP_PROMPTS, TP_NEW) == tokens1, family
-    finally:
-        parallel.set_tensor_parallel(None)
-        torch.distributed.destroy_process_group()
 
 
 @pytest.mark.once_in_xla

@@ -242,21 +242,15 @@ def check_tp(got: dict, want: dict) -> None:
 
 
 def _torch_tp(rank: int, world: int, port: int, path: str, out: str) -> None:
-    import torch
-
-    from dualop import parallel
     from dualop.torch import parallel as tparallel
 
-    tparallel.init_tensor_parallel_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    try:
+    with testing.gloo_group(rank, world, port):
+        tparallel.init_tensor_parallel_group()
         model = from_pretrained(path, frontend="torch", tp=world, **SERVING)
         result = tp_outputs(model, lambda x: x.float().numpy())
         result["shapes"] = [list(model.params[k].shape) for k in ("0.qkv", "visual.0.qkv")]
         with open(f"{out}.{rank}", "w") as f:
             json.dump(result, f)
-    finally:
-        parallel.set_tensor_parallel(None)
-        torch.distributed.destroy_process_group()
 
 
 @pytest.mark.once_in_xla

@@ -15,7 +15,7 @@ import textwrap
 import numpy as np
 import pytest
 
-from dualop.testing import free_port
+from dualop.testing import free_port, gloo_group
 from dualop import ops, parallel
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -184,9 +184,8 @@ def _torch_tp_ranks(rank: int, world: int, port: int) -> None:
     from dualop.torch import layers
     from dualop.torch import parallel as tparallel
 
-    group = tparallel.init_tensor_parallel_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                                                 world_size=world)
-    try:
+    with gloo_group(rank, world, port):
+        group = tparallel.init_tensor_parallel_group()
         for vocab, org, dim in _TP_SIZES:
             for dtype in (torch.float32, torch.bfloat16):
                 full = torch.from_numpy(_full_table(vocab, dim)).to(dtype)
@@ -211,9 +210,6 @@ def _torch_tp_ranks(rank: int, world: int, port: int) -> None:
         # the docstring example at tp 2: rank 0 holds 512 base + 16 added rows, rank 1 498 base rows
         emb = layers.VocabParallelEmbedding(1026, 4, org_num_embeddings=1010)
         assert emb.weight.shape == (544, 4)
-    finally:
-        parallel.set_tensor_parallel(None)
-        torch.distributed.destroy_process_group()
 
 
 def test_torch_layers_at_tp2_equal_tp1_and_f_embedding():

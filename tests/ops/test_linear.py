@@ -306,13 +306,11 @@ def test_unknown_loaded_shard_id():
 def _torch_layers_at_tp(rank: int, world: int, port: int) -> None:
     import torch
 
-    from dualop import parallel
     from dualop.torch import layers
     from dualop.torch import parallel as tparallel
 
-    tp = tparallel.init_tensor_parallel_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                                              world_size=world)
-    try:
+    with testing.gloo_group(rank, world, port):
+        tp = tparallel.init_tensor_parallel_group()
         for index, (name, args, kwargs, kind) in enumerate(LAYER_CONFIGS):
             one = getattr(layers, name)(*args, tp=TensorParallel(), **kwargs)
             many = getattr(layers, name)(*args, **kwargs)  # the current group
@@ -342,9 +340,6 @@ def _torch_layers_at_tp(rank: int, world: int, port: int) -> None:
                 assert np.array_equal(whole_b.numpy(), expected_output(op, b1.numpy())), (name, kwargs)
             else:
                 assert b is None
-    finally:
-        parallel.set_tensor_parallel(None)
-        torch.distributed.destroy_process_group()
 
 
 def test_torch_layers_at_tp2_equal_tp1():

@@ -228,9 +228,8 @@ def _torch_tp_worker(rank: int, world: int, port: int) -> None:
     from dualop.torch import layers
     from dualop.torch import parallel as tparallel
 
-    tp = tparallel.init_tensor_parallel_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                                              world_size=world)
-    try:
+    with testing.gloo_group(rank, world, port):
+        tparallel.init_tensor_parallel_group()
         for vocab, org, soft_cap, scale, has_bias in TP_CONFIGS:
             weight, bias, hidden = _full_checkpoint(vocab)
             h = torch.from_numpy(hidden)
@@ -247,9 +246,6 @@ def _torch_tp_worker(rank: int, world: int, port: int) -> None:
                 assert got.shape == (TOKENS, org or vocab)
                 cmp = testing.compare(got.numpy(), one.numpy(), "float32")
                 assert cmp.ok, (vocab, org, soft_cap, cmp.max_abs, cmp.max_rel)
-    finally:
-        parallel.set_tensor_parallel(None)
-        torch.distributed.destroy_process_group()
 
 
 def _with_weight(w):

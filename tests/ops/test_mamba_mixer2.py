@@ -149,13 +149,11 @@ def _tp1_norm(hidden, groups, x, gate, w):
 def _torch_norm_at_tp(rank: int, world: int, port: int) -> None:
     import torch
 
-    from dualop import parallel
     from dualop.ops import Mixer2RMSNormGated
     from dualop.torch import parallel as tparallel
 
-    tp = tparallel.init_tensor_parallel_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                                              world_size=world)
-    try:
+    with testing.gloo_group(rank, world, port):
+        tp = tparallel.init_tensor_parallel_group()
         for hidden, groups in TP_CONFIGS:
             x, gate, w = _norm_inputs(hidden, seed=groups)
             want = _tp1_norm(hidden, groups, x, gate, w)
@@ -167,9 +165,6 @@ def _torch_norm_at_tp(rank: int, world: int, port: int) -> None:
             method = op.last_run("torch", "cpu")[0]
             assert method == ("forward_cpu" if op.tp_mode == "local" else "forward_native"), (op.tp_mode, method)
         assert tp.size == world
-    finally:
-        parallel.set_tensor_parallel(None)
-        torch.distributed.destroy_process_group()
 
 
 def test_gated_norm_torch_tp2_equals_tp1():
