@@ -72,6 +72,11 @@ def _triton_target(target):
     return GPUTarget(target.backend, target.arch, target.warp_size)
 
 
+# The ``knobs.compilation`` settings ``JITFunction.run`` passes to its binder as keywords, in the
+# triton releases that have them.
+LAUNCH_COMPILATION_KNOBS = ("instrumentation_mode", "fpsan_homomorphic_casts")
+
+
 def _source_and_options(launch: Launch, target):
     """The ``ASTSource`` and options Triton's launcher would compile this launch with on ``target``."""
     from triton import knobs
@@ -81,10 +86,13 @@ def _source_and_options(launch: Launch, target):
     fn = launch.fn
     backend = make_backend(_triton_target(target))
     kwargs = dict(launch.kwargs)
-    # What JITFunction.run adds before binding (triton 3.9).
+    # What JITFunction.run adds before binding: the debug flag, and each compilation knob this
+    # triton has (3.8 added instrumentation_mode, 3.9 fpsan_homomorphic_casts; a triton without the
+    # knob neither passes it nor accepts it as a keyword).
     kwargs["debug"] = kwargs.get("debug", fn.debug) or knobs.runtime.debug
-    kwargs["instrumentation_mode"] = knobs.compilation.instrumentation_mode
-    kwargs["fpsan_homomorphic_casts"] = knobs.compilation.fpsan_homomorphic_casts
+    for name in LAUNCH_COMPILATION_KNOBS:
+        if hasattr(knobs.compilation, name):
+            kwargs[name] = getattr(knobs.compilation, name)
     binder = create_function_from_signature(fn.signature, fn.params, backend)
     bound, specialization, options = binder(*launch.args, **kwargs)
     options, signature, constexprs, attrs = fn._pack_args(backend, kwargs, bound, specialization, options)
