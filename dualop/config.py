@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import difflib
 import enum
 import os
 import re
@@ -63,26 +64,45 @@ def _split_entries(custom_ops: Iterable[str]) -> list[str]:
     return out
 
 
-def _validate(entries: list[str]) -> None:
+def _entry_hint(entry: str) -> str:
+    """``; did you mean ...?`` for a malformed entry: the keyword it misspells, or an op name
+    missing its ``+``/``-``; empty when nothing is close."""
+    if _NAME_RE.fullmatch(entry):
+        close = difflib.get_close_matches(entry.lower(), ("all", "none"), n=1, cutoff=0.6)
+        if close:
+            return f"; did you mean {close[0]!r}?"
+        return f"; did you mean '+{entry}' (enable it) or '-{entry}' (disable it)?"
+    stripped = entry.lstrip("+-*! ").replace(" ", "_")
+    if stripped in ("all", "none"):
+        return f"; did you mean {stripped!r}?"
+    if stripped != entry and _NAME_RE.fullmatch(stripped):
+        sign = "-" if entry.startswith(("-", "!")) else "+"
+        return f"; did you mean '{sign}{stripped}'?"
+    return ""
+
+
+def _validate(entries: list[str], where: str = "OpsConfig: custom_ops") -> None:
+    """Refuse malformed or contradictory entries; ``where`` opens each message (the argument, or
+    the environment variable the entries came from)."""
     for e in entries:
         if e in ("all", "none"):
             continue
         if e[0] in "+-" and _NAME_RE.fullmatch(e[1:]):
             continue
         raise ValueError(
-            f"OpsConfig: custom_ops entry {e!r} is not one of 'all', 'none', '+<op name>', '-<op name>'"
+            f"{where} entry {e!r} is not one of 'all', 'none', '+<op name>', '-<op name>'{_entry_hint(e)}"
         )
     for word in ("all", "none"):
         if entries.count(word) > 1:
-            raise ValueError(f"OpsConfig: custom_ops holds {word!r} more than once: {entries}")
+            raise ValueError(f"{where} holds {word!r} more than once: {entries}")
     if "all" in entries and "none" in entries:
-        raise ValueError(f"OpsConfig: custom_ops holds both 'all' and 'none': {entries}")
+        raise ValueError(f"{where} holds both 'all' and 'none': {entries}")
     plus = {e[1:] for e in entries if e[0] == "+"}
     minus = {e[1:] for e in entries if e[0] == "-"}
     both = sorted(plus & minus)
     if both:
         raise ValueError(
-            f"OpsConfig: custom_ops both enables and disables {', '.join(both)} "
+            f"{where} both enables and disables {', '.join(both)} "
             f"('+{both[0]}' and '-{both[0]}')"
         )
 
@@ -179,30 +199,47 @@ def config_from_env(environ: os._Environ | dict | None = None) -> OpsConfig:
     raw_ops = env.get(ENV_CUSTOM_OPS, "")
     backend = env.get(ENV_BACKEND, "eager") or "eager"
     raw_mode = env.get(ENV_MODE, "0") or "0"
+    text = raw_mode.strip()
     try:
-        mode: int | CompilationMode = int(raw_mode)
-    except ValueError:
-        try:
-            mode = CompilationMode[raw_mode.upper()]
-        except KeyError:
-            raise ValueError(
-                f"{ENV_MODE}={raw_mode!r} is not a compilation mode "
-                f"(expected 0-3 or one of {[m.name for m in CompilationMode]})"
-            ) from None
+        mode = CompilationMode(int(text)) if text.lstrip("-").isdigit() else CompilationMode[text.upper()]
+    except (ValueError, KeyError):
+        raise ValueError(
+            f"{ENV_MODE}={raw_mode!r} is not a compilation mode "
+            f"(expected 0-3 or one of {[m.name for m in CompilationMode]})"
+        ) from None
+    _validate(_split_entries([raw_ops] if raw_ops else []), f"{ENV_CUSTOM_OPS}={raw_ops!r}:")
+    return OpsConfig([raw_ops] if raw_ops else [], backend=backend, mode=mode)
+
+
+class _UnreadableEnvironment:
+    """The process default while the environment variables do not parse: using it in any way
+    raises their error. So ``import dualop`` succeeds and the error surfaces where the config is
+    first used (the ``dualop`` command reports it in one line), not as an import traceback."""
+
+    def __init__(self, error: ValueError) -> None:
+        self._error = error
+
+    def __getattr__(self, name: str):
+        raise ValueError(str(self._error))
+
+
+def _read_environment() -> OpsConfig | _UnreadableEnvironment:
     try:
-        return OpsConfig([raw_ops] if raw_ops else [], backend=backend, mode=mode)
-    except ValueError as e:
-        raise ValueError(f"{ENV_CUSTOM_OPS}={raw_ops!r}: {e}") from None
+        return config_from_env()
+    except ValueError as err:
+        return _UnreadableEnvironment(err)
 
 
 _current: contextvars.ContextVar[OpsConfig | None] = contextvars.ContextVar(
     "dualop_config", default=None
 )
 # Read once at import (the environment variables are the process default); see reload_process_default.
-_process_default: OpsConfig = config_from_env()
+_process_default: OpsConfig | _UnreadableEnvironment = _read_environment()
 
 
 def _default() -> OpsConfig:
+    if isinstance(_process_default, _UnreadableEnvironment):
+        raise ValueError(str(_process_default._error))
     return _process_default
 
 
@@ -230,7 +267,7 @@ def set_config(cfg: OpsConfig) -> Iterator[OpsConfig]:
 def reload_process_default() -> OpsConfig:
     """Re-read the environment variables (for tests and long-lived processes that change them)."""
     global _process_default
-    _process_default = config_from_env()
+    _process_default = config_from_env()  # raises here, for the caller that asked to re-read
     from dualop import platforms  # every op's cached dispatch assumed the old default
 
     platforms.invalidate()
