@@ -14,7 +14,8 @@ which an entry point reads its sizes and which it checks before touching an elem
 
 The library is compiled on first use with the system C++ compiler (``$CXX``, else ``g++``/``c++``),
 for the host CPU (``-march=native``), into ``$DUALOP_CACHE_DIR`` (default ``~/.cache/dualop``),
-keyed by a hash of the sources, the flags, the compiler and the CPU. OpenMP comes from the
+keyed by a hash of the sources, the flags, the compiler and the CPU; a build says so on stderr
+(``BUILD_MESSAGE``), a cached library loads silently. OpenMP comes from the
 ``libgomp`` torch already loaded. Without a compiler, ``load()`` raises ``KernelUnavailable`` and
 the ops' CPU paths fall back to their native bodies (the dispatch report says why).
 ``DUALOP_CPU_KERNELS=0`` turns them off.
@@ -29,13 +30,14 @@ import os
 import platform
 import shutil
 import subprocess
+import sys
 import tempfile
 import threading
 from pathlib import Path
 
 from dualop.kernels.cpu import abi
 
-__all__ = ["KernelUnavailable", "load", "library_path", "compile_command", "DTYPE_CODES"]
+__all__ = ["BUILD_MESSAGE", "KernelUnavailable", "load", "library_path", "compile_command", "DTYPE_CODES"]
 
 _CSRC = Path(__file__).parent / "csrc"
 # -fno-trapping-math lets GCC if-convert (and so vectorise) the branch-free selects; results are
@@ -45,6 +47,9 @@ _FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-
           "-fPIC", "-shared")
 # The floating dtypes the kernels compute in (float32, bfloat16, float16), with their array codes.
 DTYPE_CODES = {name: code for name, code in abi.DTYPE_CODES.items() if "float" in name}
+
+# Printed to stderr when (and only when) a build starts: not when the library is already cached.
+BUILD_MESSAGE = "dualop: building the C++ CPU kernels (first use, about 10 s)..."
 
 _lock = threading.Lock()
 _library: ctypes.CDLL | None = None
@@ -102,6 +107,8 @@ def _build(compiler: str, target: Path) -> None:
         fcntl.flock(lock, fcntl.LOCK_EX)  # one build per machine, whichever process gets here first
         if target.exists():
             return
+        # The one slow first call of a torch CPU op: say what it waits for (stderr, so output stays clean).
+        print(BUILD_MESSAGE, file=sys.stderr, flush=True)
         with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
             header = Path(tmp) / "dualop_api.h"
             header.write_text(abi.header_text())
