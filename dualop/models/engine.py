@@ -63,6 +63,17 @@ class ServingConfig:
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"from_pretrained: {field.name} must be a positive int, got {value!r}")
 
+    def prompt_overflow(self, length: int, max_new_tokens: int,
+                        names: tuple[str, str] = ("max_new_tokens", "max_model_len")) -> str | None:
+        """Why a prompt of ``length`` tokens cannot generate ``max_new_tokens`` more within
+        ``max_model_len`` (the end of a sentence whose subject is the prompt), or None if it can. ``names`` are how the message names the two limits:
+        ``from_pretrained``'s and ``generate``'s arguments, or the ``dualop generate`` flags."""
+        if length + max_new_tokens <= self.max_model_len:
+            return None
+        new, limit = names
+        return (f"has {length} tokens; with {new}={max_new_tokens} that exceeds {limit}={self.max_model_len} (the "
+                "KV cache's length per sequence)")
+
     @property
     def pages_per_seq(self) -> int:
         return -(-self.max_model_len // self.page_size)
@@ -324,10 +335,10 @@ class CausalLM:
             ids = self._check_tokens(f"prompt {i}", prompt)
             if not ids:
                 raise ValueError(f"{name}.generate: prompt {i} is empty")
-            if len(ids) + max_new_tokens > self.serving.max_model_len:
-                raise ValueError(f"{name}.generate: prompt {i} has {len(ids)} tokens; with max_new_tokens="
-                                 f"{max_new_tokens} that exceeds max_model_len={self.serving.max_model_len} (the KV "
-                                 "cache's length per sequence; pass a larger max_model_len to from_pretrained)")
+            overflow = self.serving.prompt_overflow(len(ids), max_new_tokens)
+            if overflow:
+                raise ValueError(f"{name}.generate: prompt {i} {overflow}; pass a larger max_model_len to "
+                                 "from_pretrained")
             seqs.append(_Sequence(i, ids, len(ids), max_new_tokens))
         return seqs
 
@@ -403,5 +414,8 @@ class CausalLM:
         return step
 
     def __repr__(self) -> str:
-        return (f"{type(self).__name__}({self.architectures[0]}, frontend={self.frontend.name!r}, dtype={self.dtype!r}, "
+        # The checkpoint's architecture only where it is not this class's own name (Qwen3 on the Llama body).
+        arch = self.architectures[0]
+        named = f"architecture={arch!r}, " if arch != type(self).__name__ else ""
+        return (f"{type(self).__name__}({named}frontend={self.frontend.name!r}, dtype={self.dtype!r}, "
                 f"tp={self.frontend.tp_size}, params={len(self.params)})")
