@@ -4,16 +4,63 @@ from __future__ import annotations
 
 import argparse
 import json
+import linecache
+import os
 import sys
 from typing import Any
 
 from dualop.bench.report import table as _table
+from dualop.cli_names import check_names, split_names
 
 __all__ = ["main"]
+
+# The frontends and platforms of ``dualop check``'s cells (and ``report``'s frontends).
+_CELL_FRONTENDS = ("torch", "jax", "torch_xla", "torchax")
+_CELL_PLATFORMS = ("cpu", "cuda", "rocm", "tpu")
 
 
 def _csv(value: str) -> list[str]:
     return [v.strip() for v in value.split(",") if v.strip()]
+
+
+def _op_names(value: str | None, labels: bool = False) -> list[str] | None:
+    """``--ops``: registered op names (and, with ``labels``, check case labels), each with a check
+    case of its own (the commands that take it run those cases; None: every op)."""
+    from dualop import testing
+    from dualop.custom_op import CustomOp
+
+    cases = list(testing.cases_for(None))
+    accepted = sorted(CustomOp.op_registry) + (sorted({c.label for c in cases} - set(CustomOp.op_registry))
+                                               if labels else [])
+    kind = "registered op or check case label" if labels else "registered op"
+    names = check_names("--ops", split_names("--ops", value), accepted, kind,
+                        listed_by="`dualop ops` and `dualop check --list`" if labels else "`dualop ops`")
+    covered = {c.op for c in cases} | {c.label for c in cases}
+    without = [n for n in names or () if n not in covered]
+    if without:
+        raise ValueError(f"--ops: {', '.join(map(repr, without))} {'has' if len(without) == 1 else 'have'} no check "
+                         f"case of its own, so nothing would run; the cases there are: `dualop check --list`")
+    return names
+
+
+def _dtype_names(flag: str, value: str | None) -> list[str] | None:
+    from dualop.testing import DTYPES
+
+    return check_names(flag, split_names(flag, value), DTYPES, "dtype")
+
+
+def _cell_filters(args: argparse.Namespace) -> tuple[list[str] | None, list[str] | None]:
+    """``check``'s ``--frontends`` and ``--platforms``, checked, and refused if together they leave no cell."""
+    from dualop import check
+
+    frontends = check_names("--frontends", split_names("--frontends", args.frontends), _CELL_FRONTENDS, "frontend")
+    platforms = check_names("--platforms", split_names("--platforms", args.platforms), _CELL_PLATFORMS, "platform")
+    if not check.default_cells(frontends, platforms):
+        cells = ", ".join(f"{f}/{p}" for f, p in check.DEFAULT_CELLS)
+        raise ValueError(f"--frontends {','.join(frontends or _CELL_FRONTENDS)} with --platforms "
+                         f"{','.join(platforms or _CELL_PLATFORMS)} select no cell, so nothing would run; "
+                         f"the cells (frontend/platform): {cells}")
+    return frontends, platforms
 
 
 def _available_frontends(requested: list[str] | None) -> list[str]:
@@ -27,22 +74,19 @@ def _available_frontends(requested: list[str] | None) -> list[str]:
 
 def cmd_ops(args: argparse.Namespace) -> int:
     from dualop import CustomOp
-    from dualop.custom_op import PLATFORM_METHOD
+    from dualop.reference import implemented_methods, op_reference_markdown
 
     if args.markdown:
-        from dualop.reference import op_reference_markdown
-
         sys.stdout.write(op_reference_markdown())
         return 0
     rows = []
     for name, cls in sorted(CustomOp.op_registry.items()):
-        implemented = [m.removeprefix("forward_") for m in ("forward_native", *PLATFORM_METHOD.values())
-                       if m == "forward_native" or cls._implements(m)]
+        implemented = [m.removeprefix("forward_") for m in implemented_methods(cls)]
         oot = CustomOp.op_registry_oot.get(cls.__name__)
         rows.append({
             "op": name,
             "class": f"{cls.__module__}.{cls.__qualname__}",
-            "implements": ",".join(implemented),
+            "implements": ",".join(implemented) or "no forward",
             "oot replacement": f"{oot.__module__}.{oot.__qualname__}" if oot else "",
         })
     if args.json:
@@ -56,22 +100,28 @@ def cmd_report(args: argparse.Namespace) -> int:
     """Per op case and frontend: the method that ran (unless --no-run, on one call of a tiny
     input, so per-call declines show), whether that was a kernel, and why."""
     import numpy as np
+    from tqdm import tqdm
 
     from dualop import get_config, testing
     from dualop.platforms import current_platform, platform_of
 
-    ops = _csv(args.ops) if args.ops else None
-    testing.check_op_names(ops, "dualop report")
-    frontends = _available_frontends(_csv(args.frontends) if args.frontends else None)
+    ops = _op_names(args.ops)
+    requested = check_names("--frontends", split_names("--frontends", args.frontends), _CELL_FRONTENDS, "frontend")
+    frontends = _available_frontends(requested)
     if not frontends:
-        print("dualop report: no frontend (torch, jax) can be imported here", file=sys.stderr)
+        print(f"dualop report: none of the frontends {', '.join(requested or _CELL_FRONTENDS)} can be imported here",
+              file=sys.stderr)
         return 2
     rng = np.random.default_rng(0)
     rows = []
-    for case in testing.cases_for(ops):
+    cases = list(testing.cases_for(ops))
+    bar = tqdm(total=len(cases) * len(frontends), desc="dualop report", unit="cell", disable=args.no_progress,
+               dynamic_ncols=True)
+    for case in cases:
         shape = next(s for s in case.shapes if s[0] > 0)
         op = case.make_op(shape)
         for fe in frontends:
+            bar.set_postfix_str(f"{case.label} {fe}", refresh=False)
             with testing.frontend_context(fe):
                 inputs = [testing.to_frontend(a, fe, "float32") for a in case.make_inputs(shape, rng)]
                 platform = platform_of(inputs[0], fe)  # a torch tensor's follows its device
@@ -86,6 +136,8 @@ def cmd_report(args: argparse.Namespace) -> int:
                 "method": method, "kernel": method != "forward_native",
                 "enabled": op.enforce_enable or type(op).enabled(), "reason": reason,
             })
+            bar.update()
+    bar.close()
     if args.json:
         print(json.dumps(rows, indent=2))
         return 0
@@ -105,28 +157,39 @@ def _print_lines(lines: list[str]) -> int:
 def cmd_check(args: argparse.Namespace) -> int:
     from dualop import check
 
-    if args.list:
-        return _print_lines(check.case_listing(_csv(args.ops) if args.ops else None))
-    if args.fuzz:
+    if args.fuzz and not args.list:
         return _check_fuzz(args)
+    # Every filter is checked before anything runs: an unknown name, or filters that select no
+    # cell, is an error rather than a run of nothing.
+    ops = _op_names(args.ops)
+    frontends, platforms = _cell_filters(args)
+    dtypes = _dtype_names("--dtypes", args.dtypes)
+    if args.list:
+        return _print_lines(check.case_listing(ops))
     fuzz_only = [flag for flag, given in (("--paths", args.paths), ("--budget", args.fuzz_budget),
                                           ("--draws", args.draws != 1), ("--jobs", args.jobs),
                                           ("--item", args.item)) if given]
     if fuzz_only:
         raise ValueError(f"{', '.join(fuzz_only)}: only with --fuzz")
     results = check.run_check(
-        ops=_csv(args.ops) if args.ops else None,
-        frontends=_csv(args.frontends) if args.frontends else None,
-        platforms=_csv(args.platforms) if args.platforms else None,
-        dtypes=_csv(args.dtypes) if args.dtypes else None,
+        ops=ops,
+        frontends=frontends,
+        platforms=platforms,
+        dtypes=dtypes,
         progress=not args.no_progress,
         seed=args.seed,
+        max_shapes=1 if args.quick else None,
     )
+    # The quick sweep adds a tiny model's greedy tokens through the kernel paths (check.run_model_check).
+    model = check.run_model_check(frontends, platforms, progress=not args.no_progress) if args.quick else []
     if args.json:
-        print(json.dumps([r.as_dict() for r in results], indent=2))
+        print(json.dumps([r.as_dict() for r in results] if not args.quick else
+                         {"cells": [r.as_dict() for r in results], "model": [r.as_dict() for r in model]}, indent=2))
     else:
         print(check.format_table(results))
-    return 1 if check.failed(results) else 0
+        if model:
+            print("\n" + check.format_model_table(model))
+    return 1 if check.failed(results) or check.model_failed(model) else 0
 
 
 def _check_fuzz(args: argparse.Namespace) -> int:
@@ -138,6 +201,8 @@ def _check_fuzz(args: argparse.Namespace) -> int:
     for flag, given in (("--frontends", args.frontends), ("--platforms", args.platforms), ("--dtypes", args.dtypes)):
         if given:
             raise ValueError(f"{flag} does not apply with --fuzz (it draws dtypes itself; choose paths with --paths)")
+    ops = _op_names(args.ops, labels=True)
+    paths = check_names("--paths", split_names("--paths", args.paths), fuzz.PATHS, "path")
     only = None
     if args.item:
         only = []
@@ -149,8 +214,8 @@ def _check_fuzz(args: argparse.Namespace) -> int:
             only.append((label, family, int(index)))
     start = time.perf_counter()
     results = fuzz.run_fuzz(
-        ops=_csv(args.ops) if args.ops else None,
-        paths=_csv(args.paths) if args.paths else None,
+        ops=ops,
+        paths=paths,
         budget=args.fuzz_budget,
         seed=args.seed,
         draws=args.draws,
@@ -177,20 +242,21 @@ def cmd_compile(args: argparse.Namespace) -> int:
 
     from dualop import aot
 
+    ops = _op_names(args.ops)
+    dtypes = _dtype_names("--dtypes", args.dtypes)
+    serving_dtypes = _dtype_names("--serving-dtypes", args.serving_dtypes)
     if args.list:
-        return _print_lines(aot.variant_listing(_csv(args.ops) if args.ops else None,
-                                                _csv(args.dtypes) if args.dtypes else None,
-                                                _csv(args.serving_dtypes) if args.serving_dtypes else None))
+        return _print_lines(aot.variant_listing(ops, dtypes, serving_dtypes))
     if args.model is not None:
         return _compile_models(args)
     start = time.perf_counter()
     rows = aot.run_compile(
-        ops=_csv(args.ops) if args.ops else None,
+        ops=ops,
         targets=_csv(args.targets) if args.targets else None,
-        dtypes=_csv(args.dtypes) if args.dtypes else None,
+        dtypes=dtypes,
         progress=not args.no_progress,
         sharded_serving=args.sharded_serving,
-        serving_dtypes=_csv(args.serving_dtypes) if args.serving_dtypes else None,
+        serving_dtypes=serving_dtypes,
         serving_targets=_csv(args.serving_targets) if args.serving_targets else None,
     )
     if args.json:
@@ -212,16 +278,14 @@ def _compile_models(args: argparse.Namespace) -> int:
     from dualop.aot import tpu
     from dualop.aot.model import MODEL_SHAPES, MODEL_TARGETS, compile_model, format_model_builds
 
-    names = list(MODEL_SHAPES) if args.model == "all" else _csv(args.model)
-    unknown = [n for n in names if n not in MODEL_SHAPES]
-    if unknown:
-        raise ValueError(f"unknown model {unknown[0]!r}; expected one of {', '.join(MODEL_SHAPES)} or 'all'")
+    names = list(MODEL_SHAPES) if args.model == "all" else check_names(
+        "--model", split_names("--model", args.model), list(MODEL_SHAPES), "model")
     targets = list(MODEL_TARGETS)
     if args.targets:
         targets = []
         for t in _csv(args.targets):
             generation, _, topology = t.partition(":")
-            if not topology or generation not in tpu.TOPOLOGIES:
+            if not topology or generation not in tpu.TOPOLOGIES or not all(d.isdigit() for d in topology.split("x")):
                 raise ValueError(f"--model needs TPU topology targets such as v5e:2x2 or v6e:2x4, got {t!r}")
             chips = 1
             for d in topology.split("x"):
@@ -256,13 +320,20 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     # Validate every argument before anything is allocated or imported.
     timing.check_counts(args.rounds, args.warmup)
-    cases = bench_cases.select_cases(_csv(args.ops) if args.ops is not None else None)
+    ops = check_names("--ops", split_names("--ops", args.ops),
+                      sorted({c.label for c in bench_cases.CASES} | {c.op_name for c in bench_cases.CASES}),
+                      "bench case or op")
+    cases = bench_cases.select_cases(ops)
     shapes = throughput.parse_sizes(_csv(args.sizes) if args.sizes is not None else list(throughput.SIZES))
-    dtypes = throughput.check_dtypes(_csv(args.dtypes) if args.dtypes is not None else ["float32", "bfloat16"])
+    dtypes = throughput.check_dtypes(check_names("--dtypes", split_names("--dtypes", args.dtypes),
+                                                 bench_cases.ITEMSIZE, "dtype") or ["float32", "bfloat16"])
+    impls = check_names("--impls", split_names("--impls", args.impls), throughput.IMPLS, "implementation")
+    requested = check_names("--frontends", split_names("--frontends", args.frontends), throughput.FRONTENDS,
+                            "frontend") or list(throughput.FRONTENDS)
     if args.device is not None:
         roofline.check_device(args.device)
     if args.list:
-        return _print_lines(bench_cases.case_listing(_csv(args.ops) if args.ops is not None else None, shapes))
+        return _print_lines(bench_cases.case_listing(ops, shapes))
 
     if args.roofline_only:
         devices = [args.device] if args.device else list(roofline.DEVICES)
@@ -273,8 +344,6 @@ def cmd_bench(args: argparse.Namespace) -> int:
         print(roofline.format_roofline(records))
         return 0
 
-    impls = throughput.check_impls(_csv(args.impls)) if args.impls is not None else None
-    requested = throughput.check_frontends(_csv(args.frontends)) if args.frontends is not None else list(throughput.FRONTENDS)
     if args.plot:
         from dualop.bench import plot
 
@@ -366,6 +435,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
             print(f"dualop generate: --prompt {text!r} must be token ids separated by spaces (no tokenizer here)",
                   file=sys.stderr)
             return 2
+    # Before loading anything: a prompt the cache cannot hold, named by the flags that size it.
+    serving = models.ServingConfig(args.max_model_len, args.max_num_seqs, args.max_num_batched_tokens)
+    for i, prompt in enumerate(prompts):
+        overflow = serving.prompt_overflow(len(prompt), args.max_new_tokens, ("--max-new-tokens", "--max-model-len"))
+        if overflow:
+            raise ValueError(f"--prompt {i} {overflow}; pass a larger --max-model-len")
     clear_dispatch_report()
     platform = contextlib.nullcontext()
     if args.platform:
@@ -385,12 +460,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
         print(json.dumps({"model": repr(model), "load_seconds": loaded, "outputs": outputs,
                           "steps": [vars(s) for s in steps], "dispatch": report}, indent=2, default=str))
         return 0
-    print(f"{model!r}: loaded in {loaded:.2f} s")
+    print(f"{_model_line(model)}: loaded in {loaded:.2f} s")
     for i, (prompt, out) in enumerate(zip(prompts, outputs)):
         print(f"prompt {i}: {' '.join(map(str, prompt))}\n  -> {' '.join(map(str, out))}")
     rows = [{"step": i, "tokens": s.tokens, "prefill": s.prefill_tokens, "sequences": s.sequences,
              "ms": f"{s.seconds * 1e3:.2f}"} for i, s in enumerate(steps)]
-    print("\nsteps (the first of each shape includes compiling it for jax):")
+    print("\nsteps (the first of each shape includes compiling it):" if args.frontend == "jax" else "\nsteps:")
     print(_table(rows, ["step", "tokens", "prefill", "sequences", "ms"]))
     decode = [s.seconds for s in steps if s.prefill_tokens == 0]
     if decode:
@@ -399,6 +474,27 @@ def cmd_generate(args: argparse.Namespace) -> int:
     print(_table([{k: r[k] for k in ("op", "cls", "frontend", "platform", "method", "reason")} for r in report],
                  ["op", "cls", "frontend", "platform", "method", "reason"]))
     return 0
+
+
+def _model_line(model: Any) -> str:
+    """The model as ``dualop generate`` introduces it: its class (and the checkpoint's architecture
+    where that is another name), frontend, dtype, tensor-parallel size and parameter count."""
+    name = type(model).__name__
+    arch = model.architectures[0]
+    built = name if arch == name else f"{arch} (as {name})"
+    return (f"model {built}, frontend {model.frontend.name}, {model.dtype}, tp {model.frontend.tp_size}, "
+            f"{len(model.params)} parameter tensors")
+
+
+def _positive_int(text: str) -> int:
+    """An argparse type: an int >= 1 (argparse names the flag when it refuses one)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive int, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive int, got {value}")
+    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -420,6 +516,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--frontends", help="comma-separated: torch, jax, torch_xla, torchax (default: all importable)")
     s.add_argument("--no-run", action="store_true", help="only resolve; do not call each op on a tiny input")
     s.add_argument("--json", action="store_true", help="print JSON")
+    s.add_argument("--no-progress", action="store_true", help="no progress bar")
     s.set_defaults(fn=cmd_report)
 
     s = sub.add_parser("check", help="run every op through every reachable implementation against forward_native")
@@ -443,6 +540,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --fuzz: seconds one case may take before its worker is killed (default 180)")
     s.add_argument("--item", action="append", metavar="LABEL/FAMILY#INDEX",
                    help="with --fuzz: run only this case (repeatable), e.g. 'rms_norm[weight]/nonfinite.nan#0'")
+    s.add_argument("--quick", action="store_true",
+                   help="each case's first shape only, and a tiny model's greedy tokens on the kernel paths "
+                        "against transformers' (scripts/check.sh's default; minutes instead of an hour)")
     s.add_argument("--list", action="store_true", help="instead of running: print the sorted set of what would run, one line each (compare two versions byte for byte)")
     s.set_defaults(fn=cmd_check)
 
@@ -526,14 +626,14 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("path", help="a local checkpoint directory (e.g. one written by transformers' save_pretrained)")
     s.add_argument("--frontend", default="torch", choices=["torch", "jax"], help="default torch")
     s.add_argument("--prompt", action="append", help='token ids, e.g. "1 2 3" (repeat for a batch; default "1 2 3")')
-    s.add_argument("--max-new-tokens", type=int, default=16, help="default 16")
+    s.add_argument("--max-new-tokens", type=_positive_int, default=16, help="default 16")
     s.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="default: the checkpoint's")
-    s.add_argument("--tp", type=int, default=1, help="tensor-parallel size (jax: a mesh over host devices)")
+    s.add_argument("--tp", type=_positive_int, default=1, help="tensor-parallel size (jax: a mesh over host devices)")
     s.add_argument("--platform", choices=["cpu", "cuda", "rocm", "tpu"],
                    help="take this platform's path (kernels in interpreters on a CPU host)")
-    s.add_argument("--max-model-len", type=int, default=512, help="tokens per sequence in the KV cache (default 512)")
-    s.add_argument("--max-num-seqs", type=int, default=8, help="sequences batched at once (default 8)")
-    s.add_argument("--max-num-batched-tokens", type=int, default=256, help="tokens per step (default 256)")
+    s.add_argument("--max-model-len", type=_positive_int, default=512, help="tokens per sequence in the KV cache (default 512)")
+    s.add_argument("--max-num-seqs", type=_positive_int, default=8, help="sequences batched at once (default 8)")
+    s.add_argument("--max-num-batched-tokens", type=_positive_int, default=256, help="tokens per step (default 256)")
     s.add_argument("--ignore-eos", action="store_true", help="always generate --max-new-tokens tokens")
     s.add_argument("--json", action="store_true", help="print JSON")
     s.set_defaults(fn=cmd_generate)
@@ -558,13 +658,40 @@ def main(argv: list[str] | None = None) -> int:
     keep_tpu_runtimes_off_without_tpu()
     if args.command != "compile":  # compile runs no Triton here; it builds for GPUs in a child
         _interpret_triton_without_gpu()
+    from dualop.config import get_config
+
     try:
+        get_config()  # a bad DUALOP_* variable is reported before any work, as the command's error
         return args.fn(args)
-    except ValueError as err:
-        prefix = f"dualop {args.command}: "
-        message = str(err)
-        print(message if message.startswith(prefix) else prefix + message, file=sys.stderr)
+    except (ValueError, TypeError) as err:
+        if not _raised_by_dualop(err):
+            raise  # a bug, not a refusal: its traceback is the report
+        print(_error_line(args.command, err), file=sys.stderr)
         return 2
+
+
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
+
+
+def _raised_by_dualop(err: BaseException) -> bool:
+    """Whether ``err`` is one of dualop's own refusals: raised by a ``raise`` statement in dualop's
+    code (an argument, option or environment variable it refuses, with a message written for the
+    user), not by Python or a library deep inside a call (a bug, whose traceback matters)."""
+    tb = err.__traceback__
+    if tb is None:
+        return False
+    while tb.tb_next is not None:
+        tb = tb.tb_next
+    filename = tb.tb_frame.f_code.co_filename
+    if not os.path.abspath(filename).startswith(_PACKAGE_DIR + os.sep):
+        return False
+    return linecache.getline(filename, tb.tb_lineno).lstrip().startswith("raise")
+
+
+def _error_line(command: str, err: BaseException) -> str:
+    """``dualop <command>: <message>``; a message that already names a dualop command keeps its own."""
+    message = str(err)
+    return message if message.startswith(f"dualop {command}") else f"dualop {command}: {message}"
 
 
 if __name__ == "__main__":

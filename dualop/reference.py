@@ -10,17 +10,68 @@ page with it when it is built (``scripts/docs_hooks.py``).
 
 from __future__ import annotations
 
+import ast
 import importlib
 import inspect
 import re
+import textwrap
 from collections.abc import Iterable
 from typing import Any
 
-__all__ = ["op_reference_markdown"]
+__all__ = ["implemented_methods", "op_reference_markdown"]
 
 # The cells the page shows, in order (ROCm runs the Triton kernels CUDA does).
 _CELLS = (("torch", "cpu"), ("torch", "cuda"), ("torch", "rocm"), ("jax", "cpu"), ("jax", "cuda"), ("jax", "tpu"),
           ("torch_xla", "tpu"), ("torchax", "tpu"))
+
+
+def _only_raises(fn: Any) -> bool:
+    """Whether ``fn``'s body (after its docstring) is one ``raise`` statement: a method that exists
+    only to refuse (``CustomOp``'s defaults, an op with no forward)."""
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(fn)))
+    except (OSError, TypeError, SyntaxError):  # no source to read (built at run time): take it as a body
+        return False
+    node = tree.body[0]
+    if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        return False
+    body = node.body
+    if body and isinstance(body[0], ast.Expr) and isinstance(getattr(body[0], "value", None), ast.Constant) \
+            and isinstance(body[0].value.value, str):
+        body = body[1:]
+    return len(body) == 1 and isinstance(body[0], ast.Raise)
+
+
+def _declines_always(cls: type, method: str) -> bool:
+    """Whether ``cls.declines`` refuses ``method`` for every frontend it serves whatever the
+    constructor's arguments: asked of a bare instance (no ``__init__`` run), a decline that reads no
+    constructor state answers; one that does raises (AttributeError and the like), and then some
+    instances may take the method."""
+    from dualop.custom_op import CustomOp
+
+    if cls.declines is CustomOp.declines:
+        return False
+    bare = object.__new__(cls)
+    try:
+        return all(bare.declines(method, frontend) is not None for frontend in cls.served_by(method).frontends)
+    except Exception:  # the decline depends on what the constructor set
+        return False
+
+
+def implemented_methods(cls: type) -> tuple[str, ...]:
+    """The forward methods ``cls`` really implements: ``forward_native``, then the platform methods
+    in ``PLATFORM_METHOD`` order. A platform method counts when the class (or a parent below
+    ``CustomOp``) defines it with more than a ``raise`` and does not decline it for every frontend
+    and every instance (``_declines_always``); inherited defaults that only fall back do not. Empty
+    when the op has no forward at all (its ``forward_native`` only raises). ``dualop ops`` and this
+    page both say what this returns."""
+    from dualop.custom_op import PLATFORM_METHOD
+
+    if _only_raises(cls.forward_native):
+        return ()
+    platform = [m for m in dict.fromkeys(PLATFORM_METHOD.values())
+                if cls._implements(m) and not _only_raises(getattr(cls, m)) and not _declines_always(cls, m)]
+    return ("forward_native", *platform)
 
 
 def _signature(fn: Any, drop: int = 1) -> str:
@@ -88,9 +139,15 @@ def _op_section(name: str, cls: type) -> list[str]:
     summary = _summary(cls)
     if summary:
         lines += [summary, ""]
+    methods = implemented_methods(cls)
+    if methods:
+        lines += ["Implements: " + ", ".join(f"`{m}`" for m in methods) + ".", ""]
+    else:
+        lines += ["No forward: its `forward_native` only raises, so no platform method runs either.", ""]
     if not cases:
-        lines += ["No check case of its own, so no cell table here: `dualop check` reaches its computation "
-                  "through the ops and layers built on it.", ""]
+        lines += ["No check case of its own, so no cell table here" + (
+            ": `dualop check` reaches its computation through the ops and layers built on it." if methods
+            else "."), ""]
     else:
         shape = next((s for s in cases[0].shapes if s and s[0] > 0), cases[0].shapes[0])
         op = cases[0].make_op(shape)

@@ -73,7 +73,7 @@ def test_report_under_custom_ops_none_plus_rms_norm():
 
 def test_report_takes_only_registered_ops():
     proc = _dualop("report", "--ops", "rms_norm,rms_nrom")
-    assert proc.returncode != 0 and "dualop report: unknown op(s) ['rms_nrom']" in proc.stderr
+    assert proc.returncode == 2 and "dualop report: --ops: 'rms_nrom' (did you mean 'rms_norm'?)" in proc.stderr
     proc = _dualop("report", "--json", "--ops", "rms_norm", "--frontends", "torch")
     assert {r["op"] for r in json.loads(proc.stdout)} == {"rms_norm"}
 
@@ -127,8 +127,10 @@ def test_check_exits_1_when_a_cell_fails(monkeypatch, capsys):
 
 def test_check_rejects_unknown_names(capsys):
     assert cli.main(["check", "--ops", "rms_nrom", "--no-progress"]) == 2
-    assert "unknown op(s) ['rms_nrom']" in capsys.readouterr().err
+    assert "--ops: 'rms_nrom' (did you mean 'rms_norm'?) is not a registered op" in capsys.readouterr().err
     assert cli.main(["check", "--dtypes", "float64", "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "--dtypes: 'float64'" in err and "is not a dtype; accepted: float32, bfloat16, float16" in err
 
 
 def test_check_formats_errors_and_unavailable_frontends():
