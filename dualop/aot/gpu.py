@@ -34,7 +34,8 @@ from typing import Any
 from dualop.aot.result import KernelResult, first_line
 from dualop.aot.variants import Variant, check_dtypes, variants_for
 
-__all__ = ["Launch", "capture_launches", "compile_launch", "compile_variant", "compile_in_child", "main"]
+__all__ = ["Launch", "capture_launches", "compile_launch", "compile_variant", "compile_in_child", "main",
+           "triton_available"]
 
 
 @dataclasses.dataclass
@@ -213,11 +214,33 @@ def child_environment(cache_dir: str) -> dict[str, str]:
     return env
 
 
+def triton_available() -> str | None:
+    """None if the GPU builds can run here (triton and torch are installed: the child captures
+    launches on torch meta tensors and compiles them with triton), else why not and which extra
+    installs them. Looks the packages up without importing them."""
+    import importlib.util
+
+    missing = [name for name in ("triton", "torch") if importlib.util.find_spec(name) is None]
+    if missing:
+        return (f"the GPU targets need triton and torch (not installed: {', '.join(missing)}): "
+                "pip install 'dualop[torch,triton]'")
+    return None
+
+
 def compile_in_child(ops: list[str] | None, dtypes: list[str], targets: list[str],
                      progress: bool, serving_dtypes: list[str] | None = None,
                      serving_targets: list[str] | None = None) -> dict[tuple, KernelResult]:
     """Run ``python -m dualop.aot.gpu`` for ``targets``; results keyed by (case label, dtype,
-    shape, target). If the child dies, every cell is ``unavailable`` with its last error line."""
+    shape, target). Without triton or torch, or if the child dies, every cell is ``unavailable``
+    with the reason (``triton_available``) or the child's last error line."""
+
+    def unavailable(why: str) -> dict[tuple, KernelResult]:
+        return {(v.case.label, v.dtype, v.shape, t): KernelResult(status="unavailable", message=why)
+                for v in variants_for(ops, dtypes, serving_dtypes) for t in targets}
+
+    why = triton_available()
+    if why is not None:
+        return unavailable(why)
     with tempfile.TemporaryDirectory(prefix="dualop-compile-") as tmp:
         out = os.path.join(tmp, "results.json")
         cmd = [sys.executable, "-m", "dualop.aot.gpu", "--targets", ",".join(targets),
@@ -236,9 +259,7 @@ def compile_in_child(ops: list[str] | None, dtypes: list[str], targets: list[str
         if proc.returncode != 0 or not os.path.exists(out):
             tail = ([ln for ln in (proc.stderr or "").splitlines() if ln.strip()][-1:]
                     or [f"exit status {proc.returncode} (its messages are above)"])
-            why = f"the Triton compiling process failed: {tail[0]}"
-            return {(v.case.label, v.dtype, v.shape, t): KernelResult(status="unavailable", message=why)
-                    for v in variants_for(ops, dtypes, serving_dtypes) for t in targets}
+            return unavailable(f"the Triton compiling process failed: {tail[0]}")
         with open(out) as fh:
             rows = json.load(fh)
     return {(r["case"], r["dtype"], tuple(r["shape"]), r["target"]): KernelResult(**r["result"]) for r in rows}

@@ -69,12 +69,13 @@ def quiet_native_stderr() -> Iterator[Any]:
 
 
 def tpu_available() -> str | None:
-    """None if TPU compiles can run here, else why not."""
+    """None if TPU compiles can run here (libtpu and jax are all they need), else why not and
+    which extra installs them."""
     try:
         import libtpu  # noqa: F401
         from jax.experimental import topologies  # noqa: F401
     except ImportError as err:
-        return f"needs jax and libtpu (pip install 'dualop[tpu]'): {err}"
+        return f"the TPU targets need libtpu and jax ({err}): pip install 'dualop[tpu]'"
     return None
 
 
