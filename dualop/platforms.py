@@ -226,30 +226,33 @@ def tpu_attached() -> bool:
 
 
 def keep_tpu_runtimes_off_without_tpu() -> None:
-    """On a host with no TPU, keep torch_tpu and libtpu (the latest environment installs both) from
+    """On a host with no TPU, keep torch_tpu and libtpu (the ``torch-tpu`` and ``tpu`` extras) from
     starting where nobody asked for them. Each variable is set only if the caller has not set it:
 
-    - ``TORCH_DEVICE_BACKEND_AUTOLOAD=0``: otherwise every ``import torch`` loads torch_tpu (about
-      4 s, warnings, and an import of triton before ``TRITON_INTERPRET`` can be chosen); dualop
-      imports torch_tpu itself when a ``tpu`` tensor appears.
+    - ``TORCH_DEVICE_BACKEND_AUTOLOAD=0`` when torch_tpu is installed and torch not yet imported:
+      otherwise every ``import torch`` loads torch_tpu (seconds, a tcmalloc warning, absl log
+      lines, and an import of triton before ``TRITON_INTERPRET`` can be chosen); dualop imports
+      torch_tpu itself when a ``tpu`` tensor appears.
     - ``TPU_SKIP_MDS_QUERY=1``: a loaded libtpu otherwise retries a cloud metadata server for minutes.
     - ``ALLOW_MULTIPLE_LIBTPU_LOAD=1``: libtpu's host-wide lock is for sharing a real TPU; compile-only
       use (``dualop compile``, the tests) may load it in several processes.
     - ``JAX_PLATFORMS=cpu`` when libtpu is installed and no jax GPU plugin is: otherwise every jax
-      start logs libtpu's failed TPU initialisation. Compile-only topology devices work either way.
+      start logs libtpu's failed TPU initialisation (``TPU_WORKER_HOSTNAMES``). Compile-only
+      topology devices work either way.
 
-    Called by the ``dualop`` command and the test suite before torch or jax is imported.
+    Runs when dualop is imported (the end of this module), so ``import dualop`` before torch or
+    jax keeps a script quiet; the ``dualop`` command and the test suite call it again, harmlessly.
     """
     if tpu_attached():
         return
-    if "torch" not in sys.modules:
+    if "torch" not in sys.modules and _installed("torch_tpu"):
         os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
     os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
-    if "JAX_PLATFORMS" in os.environ or "jax" in sys.modules or importlib.util.find_spec("libtpu") is None:
+    if "JAX_PLATFORMS" in os.environ or "jax" in sys.modules or not _installed("libtpu"):
         return
     gpu_plugins = ("jax_cuda12_plugin", "jax_cuda13_plugin", "jax_rocm60_plugin", "jax_rocm7_plugin")
-    if not any(importlib.util.find_spec(name) is not None for name in gpu_plugins):
+    if not any(_installed(name) for name in gpu_plugins):
         os.environ["JAX_PLATFORMS"] = "cpu"
 
 
@@ -409,3 +412,6 @@ def override_platform(platform: str) -> Iterator[str]:
     finally:
         _override.pop()
         invalidate()
+
+
+keep_tpu_runtimes_off_without_tpu()  # see its docstring: quiet imports on a host with no TPU
