@@ -240,10 +240,11 @@ class RelPosAttention(CustomOp):
 
 # (B, H, W, dim) per case. Without relative positions: no image, one token, a ragged grid. With them
 # (tables for a 4 x 4 input): the table's own size, a larger grid (tables interpolated up) and a
-# smaller one (down); and a 8 x 8 table at 4 heads of 16 without a qkv bias.
+# smaller one (down); and a 8 x 8 table at 4 heads of 16 without a qkv bias, at its size and at 7 x 20
+# (down along H, up along W; 140 tokens: more than one key block in every kernel).
 _PLAIN_SHAPES = ((0, 4, 4, 32), (1, 1, 1, 32), (2, 3, 5, 32))
 _REL_POS_SHAPES = ((1, 4, 4, 32), (2, 6, 5, 32), (1, 3, 3, 32))
-_WIDE_SHAPES = ((1, 8, 8, 64), (1, 7, 9, 64))
+_WIDE_SHAPES = ((1, 8, 8, 64), (1, 7, 20, 64))
 
 
 def check_cases():
