@@ -154,7 +154,9 @@ def describe_pallas_call(eqn) -> dict[str, Any]:
     blocks, vmem = [], 0
     for bm in gm.block_mappings:
         dims = _block_dims(bm.block_shape)
-        dtype = bm.array_aval.dtype
+        # The whole array's type: array_aval in newer JAX, array_shape_dtype in 0.7.
+        dtype = getattr(bm, "array_aval", None) or bm.array_shape_dtype
+        dtype = dtype.dtype
         blocks.append("x".join(map(str, dims)) + f":{dtype}")
         if not _in_smem(getattr(bm, "transformed_block_aval", None)):
             buffers = getattr(getattr(bm, "pipeline_mode", None), "buffer_count", None) or 2
