@@ -126,6 +126,70 @@ class MMEncoderAttention(OpLayer):
 
 
 __all__.append("MMEncoderAttention")
+
+
+class RelPosAttention(nnx.Module):
+    """Twin of ``dualop.torch.layers.RelPosAttention``: ``qkv_weight [3 dim, dim]``, ``qkv_bias``,
+    ``proj_weight [dim, dim]``, ``proj_bias`` and, with ``use_rel_pos``, ``rel_pos_h`` / ``rel_pos_w``
+    as ``nnx.Param``s (weights normal(0, 0.02) from ``rngs``, default ``nnx.Rngs(0)``; biases zero;
+    tables zero, or a truncated normal of std 0.02 with ``rel_pos_zero_init=False``);
+    ``__call__(x [B, H, W, dim])``; ``load_state_dict`` takes transformers' ``SamVisionAttention``
+    state dict."""
+
+    # this layer's parameter -> the SamVisionAttention state-dict key
+    _HF_KEYS = {"qkv_weight": "qkv.weight", "qkv_bias": "qkv.bias", "proj_weight": "proj.weight",
+                "proj_bias": "proj.bias", "rel_pos_h": "rel_pos_h", "rel_pos_w": "rel_pos_w"}
+
+    def __init__(self, dim: int, num_heads: int = 8, qkv_bias: bool = True, use_rel_pos: bool = False,
+                 rel_pos_zero_init: bool = True, input_size: tuple[int, int] | None = None, *,
+                 params_dtype: Any = None, rngs: nnx.Rngs | None = None) -> None:
+        import jax
+
+        self.op = ops.RelPosAttention(dim, num_heads, qkv_bias, use_rel_pos, rel_pos_zero_init, input_size)
+        dtype = params_dtype or jnp.float32
+        rngs = rngs if rngs is not None else nnx.Rngs(0)
+
+        def normal(shape):
+            return nnx.Param((0.02 * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype))
+
+        self.qkv_weight = normal((3 * dim, dim))
+        self.qkv_bias = nnx.Param(jnp.zeros((3 * dim,), dtype)) if qkv_bias else None
+        self.proj_weight = normal((dim, dim))
+        self.proj_bias = nnx.Param(jnp.zeros((dim,), dtype))
+
+        def table(shape):
+            if rel_pos_zero_init:
+                return nnx.Param(jnp.zeros(shape, dtype))
+            values = 0.02 * jax.random.truncated_normal(rngs.params(), -2.0, 2.0, shape, jnp.float32)
+            return nnx.Param(values.astype(dtype))
+
+        shapes = self.op.table_shapes()
+        self.rel_pos_h, self.rel_pos_w = (None, None) if shapes is None else (table(shapes[0]), table(shapes[1]))
+
+    def __call__(self, x):
+        p = {name: None if getattr(self, name) is None else getattr(self, name)[...] for name in self._HF_KEYS}
+        return self.op(x, p["qkv_weight"], p["qkv_bias"], p["proj_weight"], p["proj_bias"], p["rel_pos_h"],
+                       p["rel_pos_w"])
+
+    def load_state_dict(self, state_dict: Any, prefix: str = "") -> None:
+        """Load ``SamVisionAttention``'s state dict (keys as ``_HF_KEYS``, shapes as they are)."""
+        layer = type(self).__name__
+        for name, hf_key in self._HF_KEYS.items():
+            param, key = getattr(self, name), prefix + hf_key
+            if param is None:
+                if key in state_dict:
+                    raise ValueError(f"{layer}.load_state_dict: '{key}' given but the layer has no {name}")
+                continue
+            if key not in state_dict:
+                raise ValueError(f"{layer}.load_state_dict: '{key}' is missing")
+            value = state_dict[key]
+            if tuple(value.shape) != tuple(param.shape):
+                raise ValueError(f"{layer}.load_state_dict: '{key}' has shape {tuple(value.shape)}; expected "
+                                 f"{tuple(param.shape)}")
+            param[...] = _as_jax(value, param.dtype)
+
+
+__all__.append("RelPosAttention")
 # --- rope: the engine's rotary layers hold no parameters (the cos/sin cache lives in the op, built
 # once in float32 and kept per device and dtype), so each is the op behind the layer interface.
 for _op_class in (ops.RotaryEmbedding, ops.DualChunkRotaryEmbedding, ops.ApplyRotaryEmb):

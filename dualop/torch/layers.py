@@ -146,6 +146,41 @@ class MMEncoderAttention(OpLayer):
 
 
 __all__.append("MMEncoderAttention")
+
+
+class RelPosAttention(nn.Module):
+    """SAM's image-encoder attention with decomposed relative positions
+    (:class:`dualop.ops.RelPosAttention`), with the engine's signature ``RelPosAttention(dim,
+    num_heads=8, qkv_bias=True, use_rel_pos=False, rel_pos_zero_init=True, input_size=None)``;
+    ``forward(x [B, H, W, dim])``. Its parameters are named and shaped as transformers'
+    ``SamVisionAttention`` (``qkv`` and ``proj`` Linears, ``rel_pos_h`` / ``rel_pos_w`` tables with
+    ``use_rel_pos``), so that module's state dict loads as is. The tables start at zeros, or with
+    ``rel_pos_zero_init=False`` at a truncated normal of std 0.02 (SAM's initialisation)."""
+
+    def __init__(self, dim: int, num_heads: int = 8, qkv_bias: bool = True, use_rel_pos: bool = False,
+                 rel_pos_zero_init: bool = True, input_size: tuple[int, int] | None = None, *,
+                 params_dtype: Any = None) -> None:
+        super().__init__()
+        self.op = ops.RelPosAttention(dim, num_heads, qkv_bias, use_rel_pos, rel_pos_zero_init, input_size)
+        self.qkv = nn.Linear(dim, 3 * dim, bias=qkv_bias, dtype=params_dtype)
+        self.proj = nn.Linear(dim, dim, dtype=params_dtype)
+        self.rel_pos_h = self.rel_pos_w = None
+        shapes = self.op.table_shapes()
+        if shapes is not None:
+            self.rel_pos_h, self.rel_pos_w = (nn.Parameter(torch.zeros(shape, dtype=params_dtype)) for shape in shapes)
+            if not rel_pos_zero_init:
+                for table in (self.rel_pos_h, self.rel_pos_w):
+                    nn.init.trunc_normal_(table, std=0.02)
+
+    def forward(self, x: Any) -> Any:
+        return self.op(x, self.qkv.weight, self.qkv.bias, self.proj.weight, self.proj.bias, self.rel_pos_h,
+                       self.rel_pos_w)
+
+    def extra_repr(self) -> str:
+        return self.op.extra_repr()
+
+
+__all__.append("RelPosAttention")
 # --- rope: the engine's rotary layers hold no parameters (the cos/sin cache lives in the op, built
 # once in float32 and kept per device and dtype), so each is the op behind the layer interface.
 for _op_class in (ops.RotaryEmbedding, ops.DualChunkRotaryEmbedding, ops.ApplyRotaryEmb):
