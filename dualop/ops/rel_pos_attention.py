@@ -98,7 +98,8 @@ def rel_pos_terms(xp, q, rel_pos_h, rel_pos_w, height: int, width: int):
     b, n, s, d = q.shape
     tables = []
     for table, size in ((rel_pos_h, height), (rel_pos_w, width)):
-        gather = xp.asarray(rel_pos_gather_matrix(size, table.shape[0]).reshape(size * size, -1), like=q,
+        size = int(size)  # the gather is built on the host: a traced size (torch.compile's) is specialised
+        gather = xp.asarray(rel_pos_gather_matrix(size, int(table.shape[0])).reshape(size * size, -1), like=q,
                             dtype=xp.float32)
         tables.append(xp.einsum("pl,lc->pc", gather, _f32(xp, table)).reshape(size, size, d))
     grid = q.reshape(b, n, height, width, d)
