@@ -7,8 +7,8 @@ if ! command -v nvidia-smi >/dev/null 2>&1 && ! command -v rocm-smi >/dev/null 2
   export TRITON_INTERPRET="${TRITON_INTERPRET:-1}"
 fi
 export TF_CPP_MIN_LOG_LEVEL="${TF_CPP_MIN_LOG_LEVEL:-2}"
-# On a host with no TPU, torch_tpu, libtpu and jax are kept from looking for one by the dualop
-# command and the test suite themselves (dualop.platforms.keep_tpu_runtimes_off_without_tpu).
+# On a host with no TPU, torch_tpu, libtpu and jax are kept from looking for one by dualop itself
+# when it is imported (dualop.platforms.keep_tpu_runtimes_off_without_tpu).
 
 env_versions() {
   "$1/bin/python" - <<'PY' 2>/dev/null

@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # Build (once) and print the path of one of dualop's two test environments.
 #
-#   scripts/env.sh latest   torch 2.13 (CPU), jax 0.10.2, triton 3.9
+#   scripts/env.sh latest   torch 2.13 (CPU), jax 0.10.2, triton 3.9, libtpu, torch_tpu
 #   scripts/env.sh xla      torch 2.9 + torch_xla 2.9, jax 0.7.1, flax, torchax, triton 3.5
+#
+# What each is for, and which versions the two test: docs/install.md (Tested versions).
 #
 # Environments live outside the checkout (DUALOP_ENV_ROOT, default ~/.cache/dualop/envs) and are
 # keyed by a hash of pyproject.toml and the constraint file, so a fresh clone reuses a built one and
@@ -15,7 +17,7 @@ repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 constraints="$repo/constraints/$name.txt"
 [ -f "$constraints" ] || { echo "env.sh: no constraint file $constraints" >&2; exit 2; }
 case "$name" in
-  latest) extras="torch,jax,triton,tpu,bench,docs,dev" ;;
+  latest) extras="torch,jax,triton,tpu,torch-tpu,bench,docs,dev" ;;
   xla)    extras="torch,jax,triton,xla,bench,dev" ;;
   *) echo "env.sh: unknown environment '$name' (expected latest or xla)" >&2; exit 2 ;;
 esac

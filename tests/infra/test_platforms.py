@@ -243,7 +243,7 @@ def test_xla_tensors_dispatch_apart_from_cpu_tensors(no_env_platform):
 
 
 def test_tpu_runtimes_stay_idle_on_a_host_without_tpu():
-    """With no TPU attached, the dualop command and the tests keep torch_tpu's autoload off and
+    """With no TPU attached, dualop (at import) keeps torch_tpu's autoload off where it is installed and
     libtpu from its metadata-server retries; jax is kept on the CPU exactly when libtpu is
     installed (the latest environment), and a variable the caller set is left alone."""
     import importlib.util
@@ -262,7 +262,8 @@ def test_tpu_runtimes_stay_idle_on_a_host_without_tpu():
     got = json.loads(subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                                     check=True).stdout)
     has_libtpu = importlib.util.find_spec("libtpu") is not None
-    assert got == {"TORCH_DEVICE_BACKEND_AUTOLOAD": "0", "TPU_SKIP_MDS_QUERY": "1",
+    has_torch_tpu = importlib.util.find_spec("torch_tpu") is not None
+    assert got == {"TORCH_DEVICE_BACKEND_AUTOLOAD": "0" if has_torch_tpu else None, "TPU_SKIP_MDS_QUERY": "1",
                    "ALLOW_MULTIPLE_LIBTPU_LOAD": "1", "JAX_PLATFORMS": "cpu" if has_libtpu else None}
     env["JAX_PLATFORMS"] = "cpu,tpu"
     got = json.loads(subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,

@@ -107,7 +107,7 @@ def _register_torch_tpu_op(kernel_ref: KernelRef, arrays: tuple, static: dict[st
         import torch_tpu  # noqa: F401  (installs torch.tpu)
         from torch.tpu.pallas import jax_op
     except ImportError as err:  # a tpu tensor exists, so this is a broken torch_tpu install
-        raise NotImplementedError(f"torch_tpu cannot be imported ({err}); install dualop[tpu]") from err
+        raise NotImplementedError(f"torch_tpu cannot be imported ({err}); pip install 'dualop[torch-tpu]'") from err
 
     kernel = kernel_ref.resolve()
     names = _array_parameter_names(kernel, len(arrays))

@@ -1,0 +1,207 @@
+"""What the install promises: every version pyproject allows works, each extra gives what
+docs/install.md says, a missing compiler names the extra that installs it, and importing dualop
+keeps the TPU runtimes quiet on a host with no TPU."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+from packaging.requirements import Requirement
+from packaging.version import Version
+
+from dualop import aot, platforms
+
+try:  # add_one's language; the test that builds it skips without triton
+    import triton.language as tl
+except ImportError:
+    tl = None
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _extras() -> dict[str, list[Requirement]]:
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    return {name: [Requirement(r) for r in reqs] for name, reqs in project["optional-dependencies"].items()}
+
+
+def _pins(environment: str) -> dict[str, Version]:
+    pins = {}
+    for line in (ROOT / "constraints" / f"{environment}.txt").read_text().splitlines():
+        line = line.split("#", 1)[0].strip()
+        if line:
+            name, version = line.split("==")
+            pins[name.strip().lower().replace("-", "_")] = Version(version.strip())
+    return pins
+
+
+def _requirement_names(reqs: list[Requirement]) -> set[str]:
+    return {r.name.lower().replace("-", "_") for r in reqs}
+
+
+def _environment_extras() -> dict[str, list[str]]:
+    """The extras scripts/env.sh installs in each test environment."""
+    script = (ROOT / "scripts" / "env.sh").read_text()
+    return {name: extras.split(",") for name, extras in re.findall(r'^\s*(\w+)\)\s+extras="([^"]+)"', script, re.M)}
+
+
+# --- pyproject, the constraint files and the environments -------------------------------------
+
+
+def test_each_environment_pin_is_inside_pyproject_and_the_xla_pins_are_its_lower_bounds():
+    """A pin outside the range of an extra its environment installs would test a version no
+    install gets; the oldest version each framework allows is the one the 'xla' environment tests."""
+    extras = _extras()
+    for environment, names in _environment_extras().items():
+        for name, version in _pins(environment).items():
+            for r in (r for extra in names for r in extras[extra]):
+                if r.name.lower().replace("-", "_") == name:
+                    assert r.specifier.contains(version, prereleases=True), (environment, name, str(version), str(r))
+    xla = _pins("xla")
+    for name in ("torch", "jax", "jaxlib", "triton", "torch_xla", "torchax"):
+        lower = {Version(s.version) for reqs in extras.values() for r in reqs
+                 if r.name.lower().replace("-", "_") == name for s in r.specifier if s.operator == ">="}
+        assert min(lower) == xla[name], (name, sorted(map(str, lower)), str(xla[name]))
+
+
+def test_tpu_extra_is_libtpu_and_jax_and_torch_tpu_has_its_own():
+    """``[tpu]`` serves ``dualop compile``'s TPU targets and the Pallas TPU path without torch_tpu
+    (whose import is slow and loud); PyTorch's native TPU backend is ``[torch-tpu]``; the model
+    examples' transformers and safetensors are ``[models]``."""
+    extras = _extras()
+    assert _requirement_names(extras["tpu"]) >= {"libtpu", "jax"}
+    assert "torch_tpu" not in _requirement_names(extras["tpu"])
+    assert "torch_tpu" in _requirement_names(extras["torch-tpu"])
+    assert _requirement_names(extras["models"]) >= {"transformers", "safetensors"}
+
+
+def test_env_script_installs_existing_extras_and_the_constraint_files_cite_existing_pages():
+    extras = set(_extras())
+    environments = _environment_extras()
+    assert set(environments) == {"latest", "xla"}
+    for name, names in environments.items():
+        assert set(names) <= extras, (name, set(names) - extras)
+    assert "torch-tpu" in environments["latest"]  # the tests of the torch_tpu bridge
+    for environment in environments:
+        text = (ROOT / "constraints" / f"{environment}.txt").read_text()
+        cited = re.findall(r"docs/[\w./-]+\.md", text)
+        assert cited, f"constraints/{environment}.txt cites no page saying what the environment is for"
+        for page in cited:
+            assert (ROOT / page).is_file(), (environment, page)
+
+
+# --- dualop compile across versions ------------------------------------------------------------
+
+
+def add_one(x_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(x_ptr + offs, tl.load(x_ptr + offs, mask=offs < n) + 1, mask=offs < n)
+
+
+class _KnobsWithout:
+    """triton.knobs as an older triton has it: the named ``knobs.compilation`` settings missing."""
+
+    def __init__(self, knobs, hidden: tuple[str, ...]):
+        self._knobs, self._hidden = knobs, hidden
+
+    def __getattr__(self, name):
+        value = getattr(self._knobs, name)
+        if name != "compilation":
+            return value
+        hidden = self._hidden
+
+        class Compilation:
+            def __getattr__(self, knob):
+                if knob in hidden:
+                    raise AttributeError(f"'compilation_knobs' object has no attribute {knob!r}")
+                return getattr(value, knob)
+
+        return Compilation()
+
+
+@pytest.mark.each_env
+@pytest.mark.filterwarnings("ignore:.*TRITON_DEFAULT_FP_FUSION")
+def test_gpu_builds_follow_the_launcher_of_every_triton_allowed(monkeypatch, tmp_path):
+    """``dualop compile`` specialises a launch as ``JITFunction.run`` would, passing each
+    ``knobs.compilation`` setting only where this triton has it: as installed (3.5 in 'xla',
+    3.9 in 'latest'), and as 3.8 (no fpsan_homomorphic_casts) and 3.5-3.7 (no
+    instrumentation_mode either) have them. The launch compiles for sm90 and gfx942 each time."""
+    pytest.importorskip("torch", reason="the launch is captured on torch meta tensors")
+    triton = pytest.importorskip("triton", reason="the GPU builds need triton")
+    import torch
+    from triton.runtime.jit import JITFunction
+
+    from dualop.aot import gpu
+    from dualop.kernels.cuda import GPU_TARGETS
+
+    # What @triton.jit builds in compiled mode (this process may be running Triton's interpreter).
+    kernel = JITFunction(add_one)
+    launch = gpu.Launch(kernel, (torch.empty(4096, device="meta"), 4096), {"BLOCK": 1024}, (4,))
+    real = triton.knobs
+    for hidden in ((), ("fpsan_homomorphic_casts",), ("instrumentation_mode", "fpsan_homomorphic_casts")):
+        monkeypatch.setattr(triton, "knobs", _KnobsWithout(real, hidden))
+        monkeypatch.setattr(gpu, "_DONE", {})
+        # A fresh Triton cache each time: a cached kernel is loaded, and ptxas's register report is not printed.
+        monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "-".join(hidden or ("installed",))))
+        for target in ("sm90", "gfx942"):
+            details, error = gpu.compile_launch(launch, GPU_TARGETS[target])
+            assert error is None, (hidden, target, error)
+            assert details["kernel"] == "add_one" and details["num_warps"] == 4 and details["registers"] > 0
+
+
+def test_missing_compilers_name_the_extra_that_installs_them(monkeypatch):
+    """Without triton the GPU targets say ``dualop[torch,triton]`` (and start no compiling child);
+    without libtpu the TPU targets say ``dualop[tpu]``, libtpu and jax, nothing about torch_tpu."""
+    from dualop.aot import gpu
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "triton" else find_spec(name, *a))
+    monkeypatch.setitem(sys.modules, "libtpu", None)  # `import libtpu` raises ImportError
+
+    def no_child(*args, **kwargs):
+        raise AssertionError(f"a compiling child was started: {args}")
+
+    monkeypatch.setattr(gpu.subprocess, "run", no_child)
+    rows = aot.run_compile(ops=["rms_norm"], targets=["v5e", "sm90"], dtypes=["float32"], progress=False)
+    assert {r["status"] for r in rows} == {"unavailable"} and {r["target"] for r in rows} == {"v5e", "sm90"}
+    (gpu_why,) = {r["message"] for r in rows if r["target"] == "sm90"}
+    (tpu_why,) = {r["message"] for r in rows if r["target"] == "v5e"}
+    assert gpu_why.startswith("the GPU targets need triton and torch (not installed: triton)")
+    assert gpu_why.endswith("pip install 'dualop[torch,triton]'")
+    assert tpu_why.startswith("the TPU targets need libtpu and jax") and tpu_why.endswith("pip install 'dualop[tpu]'")
+    assert "torch_tpu" not in tpu_why
+    assert aot.exit_status(rows) == 2
+
+
+# --- quiet imports -----------------------------------------------------------------------------
+
+_TPU_RUNTIME_VARIABLES = ("TORCH_DEVICE_BACKEND_AUTOLOAD", "TPU_SKIP_MDS_QUERY", "ALLOW_MULTIPLE_LIBTPU_LOAD",
+                          "JAX_PLATFORMS", "TF_CPP_MIN_LOG_LEVEL")
+
+
+@pytest.mark.latest_only
+def test_importing_dualop_first_keeps_torch_and_jax_quiet_without_a_tpu():
+    """With torch_tpu and libtpu installed and no TPU attached, ``import torch`` alone prints
+    torch_tpu's tcmalloc warning and absl lines, and jax's start libtpu's failed TPU
+    initialisation; after ``import dualop`` a script that imports both and computes prints nothing."""
+    if platforms.tpu_attached():
+        pytest.skip("this host has a TPU: the runtimes are meant to start there")
+    missing = [name for name in ("torch_tpu", "libtpu", "torch", "jax") if importlib.util.find_spec(name) is None]
+    if missing:
+        pytest.skip(f"nothing to keep quiet without {', '.join(missing)} (the latest environment has them)")
+    env = {k: v for k, v in os.environ.items() if k not in _TPU_RUNTIME_VARIABLES}
+    code = ("import dualop, torch, jax, jax.numpy as jnp\n"
+            "x = dualop.ops.RMSNorm(64)(torch.ones(2, 64))\n"
+            "y = dualop.ops.RMSNorm(64)(jnp.ones((2, 64))).block_until_ready()\n"
+            "print(jax.default_backend(), tuple(x.shape), y.shape)\n")
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300,
+                          cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split() == ["cpu", "(2,", "64)", "(2,", "64)"]
+    assert proc.stderr == ""
