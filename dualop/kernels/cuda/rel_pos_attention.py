@@ -41,6 +41,8 @@ def _rel_pos_attention_kernel(
     q = tl.load(q_ptr + base + rows[:, None] * head_dim + dims[None, :], mask=row_ok[:, None] & dim_ok[None, :],
                 other=0.0)
 
+    rel_h_base = rel_h_ptr + image_head * seq_len * height
+    rel_w_base = rel_w_ptr + image_head * seq_len * width
     m_i = tl.full([BLOCK], -float("inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK], dtype=tl.float32)
     acc = tl.zeros([BLOCK, BLOCK_D], dtype=tl.float32)
@@ -51,11 +53,10 @@ def _rel_pos_attention_kernel(
         kv_mask = key_ok[:, None] & dim_ok[None, :]
         k = tl.load(k_ptr + kv_off, mask=kv_mask, other=0.0)
         qk = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
-        if USE_REL_POS:
+        if USE_REL_POS:  # in-image offsets in int32 (S x max(H, W) < 2^31), the image's base in int64
             tile_ok = row_ok[:, None] & key_ok[None, :]
-            rel_rows = image_head * seq_len + rows[:, None]
-            qk += tl.load(rel_h_ptr + rel_rows * height + (keys // width)[None, :], mask=tile_ok, other=0.0)
-            qk += tl.load(rel_w_ptr + rel_rows * width + (keys % width)[None, :], mask=tile_ok, other=0.0)
+            qk += tl.load(rel_h_base + rows[:, None] * height + (keys // width)[None, :], mask=tile_ok, other=0.0)
+            qk += tl.load(rel_w_base + rows[:, None] * width + (keys % width)[None, :], mask=tile_ok, other=0.0)
         qk = tl.where(key_ok[None, :], qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, axis=1))
         m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)  # nothing seen yet: exp gives 0, not NaN
@@ -91,10 +92,13 @@ def rel_pos_attention(x: torch.Tensor, qkv_weight: torch.Tensor, qkv_bias: torch
     block = min(_MAX_BLOCK, max(_MIN_BLOCK, triton.next_power_of_2(s)))
     n_blocks = triton.cdiv(s, block)
     block_d = max(_MIN_BLOCK, triton.next_power_of_2(head_dim))
+    # Float32 operands (IEEE dots, no tensor-core layout) keep q, k, v, the scores, the gathered bias
+    # and the accumulator in registers: at full blocks 8 warps and one stage keep them from spilling
+    # (sm90 builds of SAM's windowed and global shapes: 4 warps or 2-3 stages spilled).
     _rel_pos_attention_kernel[(b * num_heads, n_blocks)](
         q, k, v, rel_h, rel_w, out,
         s, height, width, head_dim, float(scale),
         USE_REL_POS=use_rel_pos, BLOCK=block, BLOCK_D=block_d, N_KV_BLOCKS=n_blocks,
-        num_warps=8 if block_d > 64 else 4,
+        num_warps=8 if block == _MAX_BLOCK else 4, num_stages=1,
     )
     return project_out(xp, out, proj_weight, proj_bias, x)
