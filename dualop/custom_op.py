@@ -25,14 +25,22 @@ resolution (``CustomOp.declines``: this frontend or this instance's variant has 
 call (``NotImplementedError(reason)``: an input it does not take, autograd recording). Dispatch then
 runs ``forward_native`` and records the reason. So a call ran a kernel exactly when the method that
 ran is not ``forward_native``; ``CustomOp.last_run`` says which, and why.
+
+Built inside a function that ``torch.compile`` traces, an op is built by plain Python outside the
+trace (``__new__`` hands the construction to ``_build_untraced``, whose result Dynamo takes as a
+constant; every ``__init__`` does nothing while traced), so the graph calls an op built exactly as
+one built outside the compiled function, whatever its constructor runs.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import inspect
+import itertools
 import logging
+import operator
 import sys
 import threading
 import warnings
@@ -170,8 +178,12 @@ def _install_torch_support() -> None:
     global _torch_compiling, _compile_hook
     if _compile_hook is not None:
         return
+    import torch
+
     from dualop.backends.torch import library
 
+    for fn in (_torch_support_if_loaded, _build_untraced):
+        torch.compiler.assume_constant_result(fn)
     for name in CustomOp.op_registry:
         library.library_op(name)
     library.trace_as_not_eager(_eager)
@@ -318,6 +330,67 @@ def _install_fast_call(cls: type) -> None:
     cls.forward = fn
 
 
+def _constant_while_traced(fn: Any) -> Any:
+    """Mark ``fn`` as ``torch.compiler.assume_constant_result`` does, without importing torch (the
+    mark must be there before torch support is installed): while Dynamo traces, a call of ``fn``
+    runs in plain Python on its arguments' trace-time values and its result is a constant of the
+    graph. ``_install_torch_support`` also applies torch's own decorator, which marks the same way."""
+    fn._dynamo_marked_constant = True
+    return fn
+
+
+@_constant_while_traced
+def _torch_support_if_loaded() -> None:
+    """Install the torch support once torch is in the process. Constant while traced, so the install
+    (torch.library definitions) runs in plain Python even when the process's first op is built
+    inside a function that ``torch.compile`` traces."""
+    if _compile_hook is None and sys.modules.get("torch") is not None:
+        _install_torch_support()
+
+
+# Ops built by plain Python for constructions that Dynamo traced (``_build_untraced``), by the key
+# the trace holds as a constant. The graph reads its op from here, a source Dynamo can guard, as
+# it reads an op built outside the compiled function; kept while the process runs, as graphs are.
+_untraced_builds: dict[int, CustomOp] = {}
+_untraced_keys = itertools.count()
+
+
+@_constant_while_traced
+def _build_untraced(cls: type, args: tuple, kwargs: dict) -> int:
+    """Build ``cls(*args, **kwargs)`` by plain Python for a construction Dynamo traces, and return
+    its key in ``_untraced_builds``. The op is built exactly as in eager (its constructor spec, its
+    ``__init__``, whatever that runs; Dynamo traces none of it). The arguments must be values
+    Dynamo knows while tracing (numbers, strings, enum members, dataclass instances, tuples of
+    those, ...), as every encodable constructor argument is."""
+    key = next(_untraced_keys)
+    _untraced_builds[key] = cls(*args, **kwargs)
+    return key
+
+
+def _known_while_traced(value: Any) -> Any:
+    """A constructor argument as a value Dynamo knows while tracing: an int that is symbolic (a
+    size read from a dynamic shape; Dynamo gives it the type ``int``) becomes the number it is in
+    this trace, in tuples and lists too. The op is built for that number and the graph is guarded
+    on it: another number traces again."""
+    if type(value) is int:
+        return operator.index(value)  # Dynamo specializes a symbolic int's __index__, with a guard
+    if type(value) in (tuple, list):
+        return type(value)(_known_while_traced(item) for item in value)
+    return value
+
+
+def _untraced_init(init: Any) -> Any:
+    """An op class's own ``__init__``, doing nothing while Dynamo traces: there ``__new__`` has
+    built the whole op (``_build_untraced``), and Dynamo calls ``__init__`` on it again."""
+
+    @functools.wraps(init)
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        if _eager():
+            init(self, *args, **kwargs)
+
+    return __init__
+
+
 def _ctor_spec(cls: type, args: tuple, kwargs: dict) -> tuple[str | None, str | None]:
     """The constructor call as a stable string (how torch.library rebuilds the op; see
     ``dualop.ctor_spec``) and None, or None and why it has none (raised if torch.compile needs it)."""
@@ -335,8 +408,6 @@ def _fresh(cls: type, args: tuple = (), kwargs: dict | None = None) -> CustomOp:
     obj.last_fallback = None
     obj.enforce_enable = False
     obj._ctor, obj._ctor_error = _ctor_spec(cls, args, kwargs or {})
-    if _compile_hook is None and sys.modules.get("torch") is not None:
-        _install_torch_support()
     return obj
 
 
@@ -353,6 +424,10 @@ class CustomOp:
     # ---------------------------------------------------------------- construction
 
     def __new__(cls, *args: Any, **kwargs: Any) -> CustomOp:
+        _torch_support_if_loaded()
+        if not _eager():  # Dynamo traces this construction: the op is built outside the trace
+            known = {name: _known_while_traced(value) for name, value in kwargs.items()}
+            return _untraced_builds[_build_untraced(cls, _known_while_traced(args), known)]
         replacement = CustomOp.op_registry_oot.get(cls.__name__)
         if replacement is None or replacement is cls:
             return _fresh(cls, args, kwargs)
@@ -364,6 +439,8 @@ class CustomOp:
         return obj
 
     def __init__(self, *, enforce_enable: bool = False) -> None:
+        if not _eager():  # Dynamo traces a construction: __new__ built the op whole (_build_untraced)
+            return
         self.enforce_enable = bool(enforce_enable)
         self._resolutions.clear()
         self._armed = _NO_HIT
@@ -371,6 +448,8 @@ class CustomOp:
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
         cls._call_parameter_names = _parameter_names(cls)
+        if "__init__" in cls.__dict__:
+            cls.__init__ = _untraced_init(cls.__dict__["__init__"])
         overridden = [attr for attr in ("__call__", "forward") if attr in cls.__dict__]
         if not overridden:
             _install_fast_call(cls)
