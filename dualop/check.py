@@ -23,7 +23,8 @@ from dualop.config import OpsConfig, set_config
 from dualop.custom_op import CustomOp
 from dualop.platforms import override_platform
 
-__all__ = ["CellResult", "DEFAULT_CELLS", "STATUSES", "case_listing", "run_check", "default_cells", "frontend_missing"]
+__all__ = ["CellResult", "DEFAULT_CELLS", "MODEL_PATHS", "ModelResult", "STATUSES", "case_listing", "run_check",
+           "run_model_check", "default_cells", "format_model_table", "frontend_missing"]
 
 # (frontend, platform) pairs that take a distinct path.
 DEFAULT_CELLS: tuple[tuple[str, str], ...] = (
@@ -110,12 +111,13 @@ def _outputs(result: Any) -> tuple:
     return result if isinstance(result, tuple) else (result,)
 
 
-def _run_cell(case: testing.OpCase, frontend: str, platform: str, dtype: str, seed: int) -> CellResult:
+def _run_cell(case: testing.OpCase, frontend: str, platform: str, dtype: str, seed: int,
+              max_shapes: int | None = None) -> CellResult:
     tol = testing.TOLERANCES[dtype]
     res = CellResult(case.op, case.label, frontend, platform, dtype, "pass", atol=tol.atol, rtol=tol.rtol)
     rng = np.random.default_rng(seed)
     with override_platform(platform), set_config(OpsConfig(["all"])), testing.frontend_context(frontend):
-        for shape in case.shapes:
+        for shape in case.shapes[:max_shapes]:
             op = case.make_op(shape)
             inputs = case.make_inputs(shape, rng)
             args = tuple(testing.to_frontend(a, frontend, dtype) for a in inputs)
@@ -171,8 +173,10 @@ def run_check(
     dtypes: list[str] | None = None,
     progress: bool = True,
     seed: int = 0,
+    max_shapes: int | None = None,
 ) -> list[CellResult]:
-    """Run the check matrix; return one result per (case, frontend, platform, dtype)."""
+    """Run the check matrix; return one result per (case, frontend, platform, dtype). With
+    ``max_shapes`` each case runs only its first shapes (the quick sweep: 1)."""
     from tqdm import tqdm
 
     dtypes = list(dtypes or ("float32", "bfloat16"))
@@ -203,7 +207,7 @@ def run_check(
         # mapping limit (testing.release_compiled_code_near_map_limit says why; seen in 'xla')
         testing.release_compiled_code_near_map_limit()
         try:
-            results.append(_run_cell(case, fe, platform, dtype, seed))
+            results.append(_run_cell(case, fe, platform, dtype, seed, max_shapes))
         except Exception as err:  # reported as a failing cell, never swallowed
             _reset_pallas_interpreter()
             results.append(
@@ -310,3 +314,127 @@ def summary(results: list[CellResult]) -> str:
         f"{count['native']} native (no kernel ran; reasons above); {count['error']} errors; "
         f"{count['unavailable']} unavailable"
     )
+
+
+# --- a whole model through the kernel paths ------------------------------------------------------
+
+# (frontend, platform) paths a model runs on: the C++ CPU kernels, Triton (interpreted off a GPU),
+# XLA for jax arrays on the CPU, Pallas (interpreted off a TPU).
+MODEL_PATHS: tuple[tuple[str, str], ...] = (("torch", "cpu"), ("torch", "cuda"), ("jax", "cpu"), ("jax", "tpu"))
+# A Llama small enough to run every path in seconds, interpreted kernels included.
+QUICK_LLAMA = dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                   num_key_value_heads=2, max_position_embeddings=256)
+QUICK_PROMPTS = ([1, 17, 42, 7, 99], [3, 5, 8])
+
+
+@dataclasses.dataclass
+class ModelResult:
+    """One path of the model check: ``pass`` when its greedy tokens equal transformers'."""
+
+    frontend: str
+    platform: str
+    status: str
+    tokens: list = dataclasses.field(default_factory=list)
+    want: list = dataclasses.field(default_factory=list)
+    kernel_ops: list = dataclasses.field(default_factory=list)  # ops that ran a kernel: "op (method)"
+    native_ops: list = dataclasses.field(default_factory=list)  # ops that ran forward_native: "op (reason)"
+    seconds: float = 0.0
+    detail: str = ""
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def run_model_check(frontends: list[str] | None = None, platforms: list[str] | None = None,
+                    new_tokens: int = 4, progress: bool = True) -> list[ModelResult]:
+    """A tiny random Llama (saved by transformers) loaded by ``dualop.models`` on each of
+    ``MODEL_PATHS`` (filtered): its greedy tokens against transformers' ``generate`` on the same
+    checkpoint, and which ops ran a kernel there (the dispatch report)."""
+    import importlib.util
+    import tempfile
+    import time
+
+    from tqdm import tqdm
+
+    from dualop import models
+    from dualop.custom_op import clear_dispatch_report, dispatch_report
+
+    paths = [(f, p) for f, p in MODEL_PATHS if (not frontends or f in frontends) and (not platforms or p in platforms)]
+    missing = [m for m in ("torch", "transformers", "safetensors") if importlib.util.find_spec(m) is None]
+    if missing:
+        why = f"needs {', '.join(missing)} (the reference and the checkpoint): pip install transformers safetensors"
+        return [ModelResult(f, p, "unavailable", detail=why) for f, p in paths]
+    import torch
+    import transformers
+
+    results = []
+    with tempfile.TemporaryDirectory(prefix="dualop-check-model-") as tmp:
+        torch.manual_seed(0)
+        reference = transformers.LlamaForCausalLM(transformers.LlamaConfig(**QUICK_LLAMA)).eval()
+        bars = transformers.utils.logging.is_progress_bar_enabled()
+        transformers.utils.logging.disable_progress_bar()  # its "Writing model shards" bar, for a 2 MB file
+        try:
+            reference.save_pretrained(tmp)
+        finally:
+            if bars:
+                transformers.utils.logging.enable_progress_bar()
+        with torch.no_grad():
+            want = [reference.generate(torch.tensor([p]), max_new_tokens=new_tokens, do_sample=False,
+                                       pad_token_id=0)[0, len(p):].tolist() for p in QUICK_PROMPTS]
+        bar = tqdm(paths, desc="dualop check: model", unit="path", disable=not progress, dynamic_ncols=True)
+        for frontend, platform in bar:
+            bar.set_postfix_str(f"{frontend}/{platform}", refresh=False)
+            why = testing.frontend_available(frontend)
+            if why is not None:
+                results.append(ModelResult(frontend, platform, "unavailable" if frontend_missing(frontend) else "error",
+                                           want=want, detail=why))
+                continue
+            if platform in ("cuda", "rocm"):
+                triton_why = testing.prepare_triton()
+                if triton_why is not None:
+                    results.append(ModelResult(frontend, platform, "unavailable", want=want, detail=triton_why))
+                    continue
+            clear_dispatch_report()
+            start = time.perf_counter()
+            try:
+                with override_platform(platform), set_config(OpsConfig(["all"])):
+                    model = models.from_pretrained(tmp, frontend=frontend, dtype="float32", max_model_len=64,
+                                                   max_num_seqs=2, max_num_batched_tokens=16)
+                    tokens = model.generate([list(p) for p in QUICK_PROMPTS], new_tokens, stop_at_eos=False)
+            except Exception as err:  # reported as the path's error, never swallowed
+                _reset_pallas_interpreter()
+                results.append(ModelResult(frontend, platform, "error", want=want,
+                                           seconds=time.perf_counter() - start, detail=f"{type(err).__name__}: {err}"))
+                continue
+            rows = [r for r in dispatch_report() if r["frontend"] == frontend and r["platform"] == platform]
+            kernels = sorted({f"{r['op'] or r['cls']} ({r['method']})" for r in rows if r["method"] != "forward_native"})
+            native = sorted({f"{r['op'] or r['cls']}: {r['reason']}" for r in rows if r["method"] == "forward_native"})
+            ok = tokens == want
+            results.append(ModelResult(frontend, platform, "pass" if ok else "fail", tokens, want, kernels, native,
+                                       time.perf_counter() - start,
+                                       "" if ok else "greedy tokens differ from transformers' generate"))
+    return results
+
+
+def format_model_table(results: list[ModelResult]) -> str:
+    """One line per path: status, seconds, how many ops ran a kernel; then the ops per path."""
+    if not results:
+        return ""
+    lines = ["model: a 2-layer random Llama, greedy tokens against transformers' generate "
+             f"({len(QUICK_PROMPTS)} prompts)"]
+    for r in results:
+        head = f"  {r.frontend}/{r.platform}: {r.status.upper()}"
+        if r.status in ("pass", "fail"):
+            head += f" in {r.seconds:.1f} s; kernels ran for {len(r.kernel_ops)} ops, forward_native for {len(r.native_ops)}"
+        lines.append(head + (f" ({r.detail})" if r.detail and r.status != "pass" else ""))
+        if r.status in ("pass", "fail"):
+            if r.kernel_ops:
+                lines.append(f"    kernels: {', '.join(r.kernel_ops)}")
+            lines += [f"    native: {n}" for n in r.native_ops]
+            if r.status == "fail":
+                lines.append(f"    tokens {r.tokens}, transformers {r.want}")
+    return "\n".join(lines)
+
+
+def model_failed(results: list[ModelResult]) -> bool:
+    return any(r.status in ("fail", "error") for r in results)
