@@ -364,4 +364,8 @@ def bench_cases():
 
 # What the shared test sweeps know about these ops' check cases (``testing.with_notes``: keys are op
 # names or case labels; traits as ``dualop.testing.TRAITS`` defines them).
-CASE_NOTES = {OP: {"traits": {"case_shapes_only", "contraction"}}}
+# structured_inputs: an image grid, its projections and tables, not rows of one hidden size; and the
+# logits are quadratic in x (both q and k project it), so at the property sweep's large magnitudes
+# (1e3: logits near 1e5) any two float32 softmaxes disagree by their rounding. Its own tests plant
+# non-finite values per kernel cell (tests/ops/test_rel_pos_attention.py).
+CASE_NOTES = {OP: {"traits": {"structured_inputs", "contraction"}}}

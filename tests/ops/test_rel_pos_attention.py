@@ -114,6 +114,39 @@ def test_gather_matrix_matches_torch_interpolate(grid):
     torch.testing.assert_close(torch.einsum("ijl,lc->ijc", gather, table), resized[index], rtol=1e-6, atol=1e-6)
 
 
+# --- non-finite inputs on every kernel cell (the property sweep leaves this op to this file) ----
+
+KERNEL_CELLS = [("torch", "cpu"), ("torch", "cuda"), ("jax", "tpu")]
+
+
+@pytest.mark.parametrize("cell", KERNEL_CELLS, ids=lambda c: "-".join(c))
+@pytest.mark.parametrize("special", [np.inf, -np.inf, np.nan], ids=["inf", "-inf", "nan"])
+@pytest.mark.parametrize("where", [0, 5], ids=["x", "rel_pos_h"])
+def test_kernels_match_native_with_nonfinite_inputs(cell, special, where):
+    """A non-finite value in x or in a table: every kernel has NaN exactly where the native body
+    does (a NaN or infinite key reaches every query of its image through q . k; the other image
+    of the batch stays finite) and agrees elsewhere."""
+    from dualop import testing
+
+    frontend, platform = cell
+    case = next(c for c in testing.cases_for(["rel_pos_attention"]) if c.label == "rel_pos_attention[rel_pos]")
+    shape = (2, 6, 5, 32)
+    raw = list(case.make_inputs(shape, np.random.default_rng(0)))
+    raw[where].flat[7] = special
+    op = case.make_op(shape)
+    args = [testing.to_frontend(a, frontend, "float32") for a in raw]
+    with override_platform(platform), set_config(OpsConfig(["all"])):
+        got = op(*args)
+        method, reason = op.last_run(frontend)
+    assert method != "forward_native", reason
+    want = testing.to_numpy(op.forward_native(*args))
+    got = testing.to_numpy(got)
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+    assert np.isfinite(want[1]).all() or where != 0  # the image without the planted value stays finite
+    cmp = testing.compare(got, want, "float32")
+    assert cmp.ok, cmp
+
+
 # --- layers: transformers' state dict as it is ------------------------------------------------
 
 
