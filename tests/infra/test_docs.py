@@ -199,3 +199,25 @@ def test_the_pages_name_no_issue_numbers_and_the_readme_stays_small():
         found += [f"{_page_name(page)}: {m[0]!r}" for m in tracker.finditer(text)]
     assert not found, found
     assert (ROOT / "README.md").stat().st_size <= 12 * 1024
+
+
+def test_the_documented_from_pretrained_signature_is_the_real_one():
+    """docs/models.md opens with ``from_pretrained``'s signature and a table of its parameters: the
+    signature is the function's (names, order, defaults, the keyword-only star) and the table names
+    each parameter once, in order."""
+    import inspect
+
+    from dualop.models import from_pretrained
+
+    text = (ROOT / "docs" / "models.md").read_text()
+    found = re.search(r"`dualop\.models\.from_pretrained(\(.*?\))`", text)
+    assert found, "docs/models.md does not show dualop.models.from_pretrained(...)"
+    namespace: dict = {}
+    exec(f"def from_pretrained{found[1]}: pass", namespace)
+    real = inspect.signature(from_pretrained)
+    plain = real.replace(parameters=[p.replace(annotation=p.empty) for p in real.parameters.values()],
+                         return_annotation=real.empty)
+    assert str(inspect.signature(namespace["from_pretrained"])) == str(plain)
+    table = text[found.end():].split("\n\n")[1]
+    documented = re.findall(r"^\| `(\w+)` \|", table, flags=re.M)
+    assert documented == list(real.parameters), f"the parameter table names {documented}"
