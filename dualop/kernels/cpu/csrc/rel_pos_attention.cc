@@ -25,25 +25,38 @@ extern "C" int dualop_rel_pos_attention(const float* q, const float* k, const fl
       const float* q_row = q + r * head_dim;
       const float* keys = k + image * seq_len * head_dim;
       const float* values = v + image * seq_len * head_dim;
-      float top = -std::numeric_limits<float>::infinity();
-      bool nan = false;
       for (int64_t j = 0; j < seq_len; ++j) {
         const float* key = keys + j * head_dim;
         float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
         for (int64_t c = 0; c < head_dim; ++c) dot += q_row[c] * key[c];
-        float s = dot * scale;
-        if (rel_h != nullptr) s += rel_h[r * height + j / width] + rel_w[r * width + j % width];
-        scores[j] = s;
-        nan |= std::isnan(s);
-        top = s > top ? s : top;
+        scores[j] = dot * scale;
+      }
+      if (rel_h != nullptr) {  // key j is image cell (j / W, j % W)
+        const float* bias_h = rel_h + r * height;
+        const float* bias_w = rel_w + r * width;
+        for (int64_t kh = 0; kh < height; ++kh) {
+          float* row = scores.data() + kh * width;
+#pragma omp simd
+          for (int64_t kw = 0; kw < width; ++kw) row[kw] = row[kw] + bias_h[kh] + bias_w[kw];
+        }
+      }
+      float top = -std::numeric_limits<float>::infinity();
+      bool nan = false;
+      for (int64_t j = 0; j < seq_len; ++j) {
+        nan |= std::isnan(scores[j]);
+        top = scores[j] > top ? scores[j] : top;
       }
       if (nan) top = std::numeric_limits<float>::quiet_NaN();
       float total = 0.0f;
+#pragma omp simd reduction(+ : total)
+      for (int64_t j = 0; j < seq_len; ++j) {
+        scores[j] = exp_f32(scores[j] - top);
+        total += scores[j];
+      }
       for (int64_t c = 0; c < head_dim; ++c) acc[c] = 0.0f;
       for (int64_t j = 0; j < seq_len; ++j) {
-        const float p = exp_f32(scores[j] - top);
-        total += p;
+        const float p = scores[j];
         const float* value = values + j * head_dim;
 #pragma omp simd
         for (int64_t c = 0; c < head_dim; ++c) acc[c] += p * value[c];
