@@ -132,7 +132,8 @@ class RelPosAttention(nnx.Module):
     """Twin of ``dualop.torch.layers.RelPosAttention``: ``qkv_weight [3 dim, dim]``, ``qkv_bias``,
     ``proj_weight [dim, dim]``, ``proj_bias`` and, with ``use_rel_pos``, ``rel_pos_h`` / ``rel_pos_w``
     as ``nnx.Param``s (weights normal(0, 0.02) from ``rngs``, default ``nnx.Rngs(0)``; biases zero;
-    tables zero, or a truncated normal of std 0.02 with ``rel_pos_zero_init=False``);
+    tables zero, or with ``rel_pos_zero_init=False`` a normal of std 0.02 truncated at +-2, as torch's
+    ``trunc_normal_``);
     ``__call__(x [B, H, W, dim])``; ``load_state_dict`` takes transformers' ``SamVisionAttention``
     state dict."""
 
@@ -160,7 +161,8 @@ class RelPosAttention(nnx.Module):
         def table(shape):
             if rel_pos_zero_init:
                 return nnx.Param(jnp.zeros(shape, dtype))
-            values = 0.02 * jax.random.truncated_normal(rngs.params(), -2.0, 2.0, shape, jnp.float32)
+            # torch's trunc_normal_(std=0.02) (SAM's): bounds at +-2 absolute, i.e. +-100 std
+            values = 0.02 * jax.random.truncated_normal(rngs.params(), -100.0, 100.0, shape, jnp.float32)
             return nnx.Param(values.astype(dtype))
 
         shapes = self.op.table_shapes()

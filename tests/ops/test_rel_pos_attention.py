@@ -84,6 +84,29 @@ def test_native_matches_transformers_bfloat16(grid):
     torch.testing.assert_close(got.float(), want_bf16.float(), rtol=6e-2, atol=6e-2)
 
 
+def test_native_matches_deepseek_ocr2_windowed_attention():
+    """DeepSeek-OCR 2's own copy of SAM's attention (transformers' ``deepseek_ocr2``), built as its
+    windowed blocks are (``window_size`` 7: tables for 7 x 7) and called on a 7 x 7 window and on a
+    9 x 6 grid (tables interpolated)."""
+    ocr2 = pytest.importorskip("transformers.models.deepseek_ocr2.modeling_deepseek_ocr2",
+                               reason="transformers without DeepSeek-OCR 2")
+    from transformers.models.deepseek_ocr2.configuration_deepseek_ocr2 import DeepseekOcr2SamVisionConfig
+
+    config = DeepseekOcr2SamVisionConfig(hidden_size=48, num_attention_heads=3, qkv_bias=True, use_rel_pos=True,
+                                         image_size=256, patch_size=16, attention_dropout=0.0)
+    torch.manual_seed(6)
+    module = ocr2.DeepseekOcr2SamVisionAttention(config, window_size=7).eval()
+    with torch.no_grad():
+        for p in module.parameters():
+            p.copy_(torch.randn_like(p) * 0.3)
+    op = RelPosAttention(48, 3, use_rel_pos=True, input_size=(7, 7))
+    for hw in ((7, 7), (9, 6)):
+        x = torch.randn(3, *hw, 48, generator=torch.Generator().manual_seed(7))
+        with torch.no_grad():
+            want = module(x)[0]
+        torch.testing.assert_close(op.forward_native(x, *_op_args(module, torch.float32)), want, rtol=1e-4, atol=1e-4)
+
+
 def test_without_qkv_bias_matches_transformers():
     module = _sam_attention(32, 2, True, 6, qkv_bias=False)
     x = torch.randn(1, 6, 6, 32, generator=torch.Generator().manual_seed(3))
@@ -183,7 +206,21 @@ def test_layer_tables_start_at_zeros_or_random():
     assert zero.rel_pos_h.shape == (7, 16) and zero.rel_pos_w.shape == (9, 16)
     assert not zero.rel_pos_h.any()
     rand = layers.RelPosAttention(32, 2, use_rel_pos=True, rel_pos_zero_init=False, input_size=(4, 5))
-    assert rand.rel_pos_h.abs().sum() > 0
+    assert 0.01 < float(rand.rel_pos_h.std()) < 0.03  # trunc_normal_(std=0.02)
+    assert not hasattr(layers.RelPosAttention(32, 2).rel_pos_h, "shape")  # None without relative positions
+
+
+def test_jax_layer_tables_start_at_zeros_or_random():
+    import jax.numpy as jnp
+
+    from dualop.jax import layers
+
+    zero = layers.RelPosAttention(32, 2, use_rel_pos=True, input_size=(4, 5))
+    assert zero.rel_pos_h.shape == (7, 16) and zero.rel_pos_w.shape == (9, 16)
+    assert not jnp.any(zero.rel_pos_h[...])
+    rand = layers.RelPosAttention(32, 2, use_rel_pos=True, rel_pos_zero_init=False, input_size=(4, 5))
+    assert 0.01 < float(jnp.std(rand.rel_pos_h[...])) < 0.03  # as torch's trunc_normal_(std=0.02)
+    assert layers.RelPosAttention(32, 2).rel_pos_h is None
 
 
 # --- bad input, refused before any kernel runs -----------------------------------------------
