@@ -155,7 +155,8 @@ class RelPosAttention(nn.Module):
     ``forward(x [B, H, W, dim])``. Its parameters are named and shaped as transformers'
     ``SamVisionAttention`` (``qkv`` and ``proj`` Linears, ``rel_pos_h`` / ``rel_pos_w`` tables with
     ``use_rel_pos``), so that module's state dict loads as is. The tables start at zeros, or with
-    ``rel_pos_zero_init=False`` at ``trunc_normal_(std=0.02)`` (SAM's initialisation)."""
+    ``rel_pos_zero_init=False`` at ``trunc_normal_(std=0.02)`` (detectron2's ViTDet, where the flag
+    comes from; the engine's layer always starts at zeros)."""
 
     def __init__(self, dim: int, num_heads: int = 8, qkv_bias: bool = True, use_rel_pos: bool = False,
                  rel_pos_zero_init: bool = True, input_size: tuple[int, int] | None = None, *,
