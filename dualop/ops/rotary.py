@@ -100,6 +100,13 @@ def dtype_label(dtype: Any, op: str = "dualop") -> str | None:
         raise TypeError(f"{op}: dtype must be None, a dtype name or a torch / jax / numpy dtype, got {dtype!r}") from None
 
 
+def _dynamo_tracing() -> bool:
+    """Whether torch.compile's Dynamo is tracing this call."""
+    from dualop.backends.torch.library import is_compiling
+
+    return bool(is_compiling())
+
+
 def _is_fake(x: Any) -> bool:
     """Whether ``x`` is a torch fake tensor (a fake kernel's input under torch.compile, opcheck);
     Dynamo tracing user code sees its inputs as ordinary tensors, where a kept real cache is a fine
@@ -181,9 +188,11 @@ class RotaryEmbedding(CustomOp):
         """``cos_sin_cache`` as an array of ``like``'s frontend and device, in ``dtype``; made once
         per (frontend, device, dtype) and kept (per trace for tracers and fake tensors)."""
         fe = frontend_of(like)
-        if _is_fake(like) or _is_jax_tracer(like):  # a trace's fake tensors (torch.compile, opcheck) or tracers
-            # (jit, shard_map): a cache made for them is valid only in that trace (under shard_map its
-            # arrays carry the trace's mesh), and a kept one not: a constant of this trace instead
+        if _is_fake(like) or _is_jax_tracer(like) or (fe == "torch" and _dynamo_tracing()):
+            # a trace's fake tensors (torch.compile, opcheck) or tracers (jit, shard_map): a cache made
+            # for them is valid only in that trace (under shard_map its arrays carry the trace's mesh),
+            # and a kept one not: a constant of this trace instead. Dynamo tracing the native body
+            # (custom_ops 'none') cannot trace the lock that guards making a kept one: a constant too
             xp = array_namespace(like)
             return xp.astype(xp.asarray(self.cos_sin_cache, like, xp.float32), dtype)
         key = (fe, str(getattr(like, "device", "")), str(dtype))

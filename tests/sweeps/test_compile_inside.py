@@ -20,7 +20,8 @@ from dualop import OpsConfig, set_config, testing
 import torch  # noqa: E402  (both test environments have torch)
 
 CASES = list(testing.cases_for(None))
-REPRESENTATIVE = ("rms_norm[weight,residual]", "silu_and_mul", "quant_fp8[dynamic,group128]", "mamba_mixer2")
+REPRESENTATIVE = ("rms_norm[weight,residual]", "silu_and_mul", "quant_fp8[dynamic,group128]", "mamba_mixer2",
+                  "rotary_embedding[yarn]")  # rope: its cos/sin cache made inside the trace
 
 
 def _inputs(case, shape):
