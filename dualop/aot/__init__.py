@@ -167,7 +167,7 @@ def _compile_sharded(ops: list[str] | None, dtypes: list[str], targets: list[str
 
     work = [(layer, shape, dtype, t) for t in targets for layer in sharded.layers_for(ops)
             for dtype in dtypes for shape in layer.shapes + (layer.serving_shapes if serving else ())]
-    why = tpu.tpu_available()
+    why = tpu.tpu_available(layers=True)
     out: dict[str, list[dict[str, Any]]] = {t: [] for t in targets}
     with tpu.quiet_native_stderr() as visible:
         for layer, shape, dtype, t in tqdm(work, desc="dualop compile (sharded layers)", unit="layer",

@@ -68,14 +68,19 @@ def quiet_native_stderr() -> Iterator[Any]:
             visible.close()
 
 
-def tpu_available() -> str | None:
-    """None if TPU compiles can run here (libtpu and jax are all they need), else why not and
-    which extra installs them."""
+def tpu_available(layers: bool = False) -> str | None:
+    """None if TPU compiles can run here, else why not and which extra installs what they need:
+    libtpu and jax, and with ``layers`` (the sharded layers of topology targets, whole models)
+    flax as well."""
     try:
         import libtpu  # noqa: F401
         from jax.experimental import topologies  # noqa: F401
+
+        if layers:
+            import flax  # noqa: F401
     except ImportError as err:
-        return f"the TPU targets need libtpu and jax ({err}): pip install 'dualop[tpu]'"
+        needs = "libtpu, jax and flax" if layers else "libtpu and jax"
+        return f"the TPU {'topology ' if layers else ''}targets need {needs} ({err}): pip install 'dualop[tpu]'"
     return None
 
 

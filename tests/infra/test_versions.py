@@ -75,7 +75,7 @@ def test_tpu_extra_is_libtpu_and_jax_and_torch_tpu_has_its_own():
     (whose import is slow and loud); PyTorch's native TPU backend is ``[torch-tpu]``; the model
     examples' transformers and safetensors are ``[models]``."""
     extras = _extras()
-    assert _requirement_names(extras["tpu"]) >= {"libtpu", "jax"}
+    assert _requirement_names(extras["tpu"]) >= {"libtpu", "jax", "flax"}  # flax: the sharded layers
     assert "torch_tpu" not in _requirement_names(extras["tpu"])
     assert "torch_tpu" in _requirement_names(extras["torch-tpu"])
     assert _requirement_names(extras["models"]) >= {"transformers", "safetensors"}
@@ -157,7 +157,8 @@ def test_gpu_builds_follow_the_launcher_of_every_triton_allowed(monkeypatch, tmp
 
 def test_missing_compilers_name_the_extra_that_installs_them(monkeypatch):
     """Without triton the GPU targets say ``dualop[torch,triton]`` (and start no compiling child);
-    without libtpu the TPU targets say ``dualop[tpu]``, libtpu and jax, nothing about torch_tpu."""
+    without libtpu the TPU targets say ``dualop[tpu]``, libtpu and jax, nothing about torch_tpu;
+    the topology targets (sharded layers) name flax too."""
     from dualop.aot import gpu
 
     find_spec = importlib.util.find_spec
@@ -177,6 +178,12 @@ def test_missing_compilers_name_the_extra_that_installs_them(monkeypatch):
     assert tpu_why.startswith("the TPU targets need libtpu and jax") and tpu_why.endswith("pip install 'dualop[tpu]'")
     assert "torch_tpu" not in tpu_why
     assert aot.exit_status(rows) == 2
+    monkeypatch.setitem(sys.modules, "flax", None)
+    rows = aot.run_compile(targets=["v5e:2x2"], dtypes=["bfloat16"], progress=False)
+    assert rows and {r["status"] for r in rows} == {"unavailable"}
+    (layers_why,) = {r["message"] for r in rows}
+    assert layers_why.startswith("the TPU topology targets need libtpu, jax and flax")
+    assert layers_why.endswith("pip install 'dualop[tpu]'")
 
 
 # --- quiet imports -----------------------------------------------------------------------------
