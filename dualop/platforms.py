@@ -238,7 +238,8 @@ def keep_tpu_runtimes_off_without_tpu() -> None:
       use (``dualop compile``, the tests) may load it in several processes.
     - ``JAX_PLATFORMS=cpu`` when libtpu is installed and no jax GPU plugin is: otherwise every jax
       start logs libtpu's failed TPU initialisation (``TPU_WORKER_HOSTNAMES``). Compile-only
-      topology devices work either way.
+      topology devices work either way. If jax was imported first (it has read its environment)
+      but has started no backend, its ``jax_platforms`` setting is set to ``cpu`` instead, unless set.
 
     Runs when dualop is imported (the end of this module), so ``import dualop`` before torch or
     jax keeps a script quiet; the ``dualop`` command and the test suite call it again, harmlessly.
@@ -249,11 +250,23 @@ def keep_tpu_runtimes_off_without_tpu() -> None:
         os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
     os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
-    if "JAX_PLATFORMS" in os.environ or "jax" in sys.modules or not _installed("libtpu"):
+    if "JAX_PLATFORMS" in os.environ or not _installed("libtpu"):
         return
     gpu_plugins = ("jax_cuda12_plugin", "jax_cuda13_plugin", "jax_rocm60_plugin", "jax_rocm7_plugin")
-    if not any(_installed(name) for name in gpu_plugins):
+    if any(_installed(name) for name in gpu_plugins):
+        return
+    jax = sys.modules.get("jax")
+    if jax is None:
         os.environ["JAX_PLATFORMS"] = "cpu"
+        return
+    try:
+        from jax._src import xla_bridge
+
+        started = xla_bridge.backends_are_initialized()
+    except (ImportError, AttributeError):  # a jax without this probe: leave it as it is
+        return
+    if not started and not jax.config.jax_platforms:
+        jax.config.update("jax_platforms", "cpu")
 
 
 # --- platform of a frontend -------------------------------------------------------------------
