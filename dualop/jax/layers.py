@@ -7,6 +7,7 @@ layers work under ``nnx.jit`` / ``jax.jit``, ``vmap`` and ``grad``.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import jax.numpy as jnp
@@ -175,20 +176,7 @@ class RelPosAttention(nnx.Module):
 
     def load_state_dict(self, state_dict: Any, prefix: str = "") -> None:
         """Load ``SamVisionAttention``'s state dict (keys as ``_HF_KEYS``, shapes as they are)."""
-        layer = type(self).__name__
-        for name, hf_key in self._HF_KEYS.items():
-            param, key = getattr(self, name), prefix + hf_key
-            if param is None:
-                if key in state_dict:
-                    raise ValueError(f"{layer}.load_state_dict: '{key}' given but the layer has no {name}")
-                continue
-            if key not in state_dict:
-                raise ValueError(f"{layer}.load_state_dict: '{key}' is missing")
-            value = state_dict[key]
-            if tuple(value.shape) != tuple(param.shape):
-                raise ValueError(f"{layer}.load_state_dict: '{key}' has shape {tuple(value.shape)}; expected "
-                                 f"{tuple(param.shape)}")
-            param[...] = _as_jax(value, param.dtype)
+        _load_checkpoint_params(self, state_dict, prefix, self._HF_KEYS.items())
 
 
 __all__.append("RelPosAttention")
@@ -208,6 +196,32 @@ def _as_jax(value: Any, dtype: Any):
     if type(value).__module__.startswith("torch"):
         value = value.detach().float().cpu().numpy() if value.is_floating_point() else value.detach().cpu().numpy()
     return jnp.asarray(np.asarray(value) if not isinstance(value, jnp.ndarray) else value, dtype)
+
+
+def _load_checkpoint_params(layer: nnx.Module, state_dict: Any, prefix: str, pairs: Iterable[tuple[str, str]],
+                            adapt: Callable[[str, Any], Any] | None = None) -> None:
+    """Load a transformers module's ``state_dict`` into ``layer``: each (parameter name, checkpoint
+    key) of ``pairs`` gives the parameter ``adapt(name, value)`` (a layout change; default as it is).
+    Every parameter the layer has must be there with its shape, and a key for one it was built
+    without is an error; all are checked before any is written, so a refused state dict leaves the
+    layer as it was."""
+    cls, loaded = type(layer).__name__, []
+    for name, hf_key in pairs:
+        param, key = getattr(layer, name), prefix + hf_key
+        value = state_dict.get(key)
+        if param is None:
+            if value is not None:
+                raise ValueError(f"{cls}.load_state_dict: '{key}' given but the layer has no {name}")
+            continue
+        if value is None:
+            raise ValueError(f"{cls}.load_state_dict: '{key}' is missing")
+        value = adapt(name, value) if adapt is not None else value
+        if tuple(value.shape) != tuple(param.shape):
+            raise ValueError(f"{cls}.load_state_dict: '{key}' has shape {tuple(value.shape)}; expected "
+                             f"{tuple(param.shape)}")
+        loaded.append((param, value))
+    for param, value in loaded:
+        param[...] = _as_jax(value, param.dtype)
 
 
 class FusedMoE(nnx.Module):
@@ -755,21 +769,8 @@ class ShortConv(nnx.Module):
 
     def load_state_dict(self, state_dict: Any, prefix: str = "") -> None:
         """Load ``Lfm2ShortConv``'s state dict (its conv weight ``[Hd, 1, L]`` becomes ``[Hd, L]``)."""
-        layer = type(self).__name__
-        for name, hf_key in self._HF_KEYS.items():
-            param, key = getattr(self, name), prefix + hf_key
-            if param is None:
-                if key in state_dict:
-                    raise ValueError(f"{layer}.load_state_dict: '{key}' given but the layer has no biases")
-                continue
-            if key not in state_dict:
-                raise ValueError(f"{layer}.load_state_dict: '{key}' is missing")
-            value = state_dict[key]
-            value = value.reshape(value.shape[0], -1) if name == "conv_weight" else value
-            if tuple(value.shape) != tuple(param.shape):
-                raise ValueError(f"{layer}.load_state_dict: '{key}' has shape {tuple(value.shape)}; expected "
-                                 f"{tuple(param.shape)}")
-            param[...] = _as_jax(value, param.dtype)
+        _load_checkpoint_params(self, state_dict, prefix, self._HF_KEYS.items(),
+                                lambda name, value: value.reshape(value.shape[0], -1) if name == "conv_weight" else value)
 
 
 __all__.append("ShortConv")
@@ -845,21 +846,9 @@ class MambaMixer(nnx.Module):
     def load_state_dict(self, state_dict: Any, prefix: str = "") -> None:
         """Load a transformers mixer's state dict: every parameter this layer has must be there, and
         nothing it lacks (a bias or norm weight the layer was built without is an error)."""
-        layer = type(self).__name__
-        for key, name in self._HF_KEYS.items():
-            param, value = getattr(self, name), state_dict.get(prefix + key)
-            if param is None and value is not None:
-                raise ValueError(f"{layer}.load_state_dict: '{prefix + key}' given but the layer has no {name}")
-            if param is None:
-                continue
-            if value is None:
-                raise ValueError(f"{layer}.load_state_dict: '{prefix + key}' is missing")
-            if key == "conv1d.weight" and value.ndim == 3:
-                value = value[:, 0, :]  # transformers' depthwise Conv1d weight [I, 1, K]
-            if tuple(value.shape) != tuple(param.shape):
-                raise ValueError(f"{layer}.load_state_dict: '{prefix + key}' has shape {tuple(value.shape)}; expected "
-                                 f"{tuple(param.shape)}")
-            param[...] = _as_jax(value, param.dtype)
+        # transformers' depthwise Conv1d weight [I, 1, K] is the op's [I, K]
+        _load_checkpoint_params(self, state_dict, prefix, ((name, key) for key, name in self._HF_KEYS.items()),
+                                lambda name, value: value[:, 0, :] if name == "conv_weight" and value.ndim == 3 else value)
 
 
 __all__.append("MambaMixer")

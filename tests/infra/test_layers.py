@@ -153,3 +153,24 @@ def test_quant_layers():
     jq, jscale = j(jnp.asarray(x))
     assert np.array_equal(np.asarray(jscale), scale.numpy())
     assert np.array_equal(np.asarray(jq.astype(jnp.float32)), q.float().numpy())
+
+
+def test_jax_checkpoint_loading_refuses_whole_or_not_at_all():
+    """A state dict with one bad entry (a wrong shape, then a key for a bias the layer lacks) is
+    refused naming the key, and no parameter was written before the refusal."""
+    layer = jl.RelPosAttention(16, num_heads=2, use_rel_pos=True, input_size=(4, 4), rngs=nnx.Rngs(0))
+    before = {name: np.asarray(getattr(layer, name)[...]) for name in jl.RelPosAttention._HF_KEYS}
+    good = {key: np.full(before[name].shape, 0.5, np.float32) for name, key in jl.RelPosAttention._HF_KEYS.items()}
+    with pytest.raises(ValueError, match=r"RelPosAttention.load_state_dict: 'rel_pos_w' has shape \(3, 8\)"):
+        layer.load_state_dict({**good, "rel_pos_w": np.zeros((3, 8), np.float32)})
+    assert all(np.array_equal(getattr(layer, n)[...], v) for n, v in before.items())
+    conv = jl.ShortConv(8, 3, bias=False, rngs=nnx.Rngs(0))
+    names = [name for name in jl.ShortConv._HF_KEYS if getattr(conv, name) is not None]
+    conv_before = {name: np.asarray(getattr(conv, name)[...]) for name in names}
+    weights = {jl.ShortConv._HF_KEYS[name]: np.full((8, 1, 3) if name == "conv_weight" else conv_before[name].shape,
+                                                    0.25, np.float32) for name in names}
+    with pytest.raises(ValueError, match=r"ShortConv.load_state_dict: 'conv.bias' given but the layer has no conv_bias"):
+        conv.load_state_dict({**weights, "conv.bias": np.ones(8, np.float32)})
+    assert all(np.array_equal(getattr(conv, n)[...], v) for n, v in conv_before.items())
+    layer.load_state_dict(good)
+    assert all(np.all(np.asarray(getattr(layer, n)[...]) == 0.5) for n in before)

@@ -143,6 +143,16 @@ class RowBlocks:
         return pl.cdiv(rows, self.block_rows), pl.cdiv(cols, self.block_cols)
 
 
+def online_softmax_step(scores, m_prev):
+    """One key block of an online softmax over ``scores`` ``(rows, block)``: the running row maximum
+    ``m_new`` (``(rows, 128)``, equal across lanes, as ``m_prev``), the block's unnormalised
+    probabilities ``p`` and the factor ``alpha`` that rescales what the earlier blocks summed. A row
+    that has seen only -inf subtracts 0, so exp gives 0 rather than NaN."""
+    m_new = jnp.maximum(m_prev, jnp.max(scores, axis=1, keepdims=True))
+    m_shift = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+    return m_new, jnp.exp(scores - m_shift[:, :1]), jnp.exp(m_prev - m_shift)
+
+
 def sublane_tile(dtype) -> int:
     """Rows per vreg tile: 8 for 32-bit, 16 for 16-bit (packed), 32 for 8-bit types."""
     return 8 * max(1, 4 // jnp.dtype(dtype).itemsize)

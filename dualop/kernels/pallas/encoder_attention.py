@@ -33,7 +33,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from dualop.kernels.pallas.common import compiler_params, step_vmem_ceiling, tpu_jit
+from dualop.kernels.pallas.common import compiler_params, online_softmax_step, step_vmem_ceiling, tpu_jit
 
 __all__ = ["encoder_attention", "flash_block"]
 
@@ -76,10 +76,7 @@ def _kernel(q_seg_ref, kv_seg_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, acc
     same = jnp.tile(q_seg_ref[0], (1, block_k // _LANES)) == kv_seg_ref[0, :1]  # (block_q, block_k)
     scores = jnp.where(same, scores, -jnp.inf)  # another segment's score, whatever it is, never counts
     m_prev, l_prev = m_ref[...], l_ref[...]  # (block_q, 128), equal across lanes
-    m_new = jnp.maximum(m_prev, jnp.max(scores, axis=1, keepdims=True))
-    m_shift = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # nothing seen yet: exp gives 0, not NaN
-    p = jnp.exp(scores - m_shift[:, :1])
-    alpha = jnp.exp(m_prev - m_shift)
+    m_new, p, alpha = online_softmax_step(scores, m_prev)
     l_ref[...] = alpha * l_prev + jnp.sum(p, axis=1, keepdims=True)
     m_ref[...] = m_new
     acc_ref[...] = acc_ref[...] * alpha[:, :1] + jnp.dot(p, v, preferred_element_type=jnp.float32)
