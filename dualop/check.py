@@ -362,7 +362,7 @@ def run_model_check(frontends: list[str] | None = None, platforms: list[str] | N
     paths = [(f, p) for f, p in MODEL_PATHS if (not frontends or f in frontends) and (not platforms or p in platforms)]
     missing = [m for m in ("torch", "transformers", "safetensors") if importlib.util.find_spec(m) is None]
     if missing:
-        why = f"needs {', '.join(missing)} (the reference and the checkpoint): pip install transformers safetensors"
+        why = f"needs {', '.join(missing)} (the reference and the checkpoint): pip install 'dualop[models]'"
         return [ModelResult(f, p, "unavailable", detail=why) for f, p in paths]
     import torch
     import transformers

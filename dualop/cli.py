@@ -291,7 +291,7 @@ def _compile_models(args: argparse.Namespace) -> int:
             for d in topology.split("x"):
                 chips *= int(d)
             targets.append((t, chips))
-    why = tpu.tpu_available()
+    why = tpu.tpu_available(layers=True)
     if why is not None:
         print(f"dualop compile --model: the TPU compiler is unavailable here: {why}", file=sys.stderr)
         return 2

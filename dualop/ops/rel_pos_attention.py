@@ -42,6 +42,7 @@ from dualop.backends.xla.jax_bridge import call_jax_function
 from dualop.custom_op import CustomOp
 from dualop.kernels.cost import KernelCost
 from dualop.kernels.registry import KernelRef
+from dualop.kernels.rel_pos_math import project_out, project_qkv, rel_pos_terms
 from dualop.ops._checks import check_array, check_optional_like, check_positive_int, decline_if_recording
 from dualop.platforms import frontend_of
 from dualop.spec import BenchCase, InputSpec, Serving
@@ -52,70 +53,6 @@ OP = "rel_pos_attention"
 _PALLAS = KernelRef("dualop.kernels.pallas.rel_pos_attention", "rel_pos_attention")
 _TRITON = KernelRef("dualop.kernels.cuda.rel_pos_attention", "rel_pos_attention")
 _CPU = KernelRef("dualop.kernels.cpu.rel_pos_attention", "rel_pos_attention")
-
-
-# --- the math every path shares (xp: the frontend's array namespace) ---------------------------
-
-
-def rel_pos_gather_matrix(size: int, table_rows: int) -> np.ndarray:
-    """float32 ``[size, size, table_rows]``: row ``(i, j)`` holds the weights that make ``Rh[i, j]``
-    (``T[i - j + size - 1]``, ``T`` the table linearly resized to ``2 size - 1`` rows with
-    align_corners=False: source position ``(r + 0.5) L / (2 size - 1) - 0.5`` clamped at 0, between
-    its floor and the next row, the last row repeated) out of the table's rows."""
-    out_rows = 2 * size - 1
-    resize = np.zeros((out_rows, table_rows), np.float64)
-    ratio = table_rows / out_rows
-    for r in range(out_rows):
-        src = max((r + 0.5) * ratio - 0.5, 0.0)
-        lo = min(int(np.floor(src)), table_rows - 1)
-        hi = min(lo + 1, table_rows - 1)
-        frac = src - lo
-        resize[r, lo] += 1.0 - frac
-        resize[r, hi] += frac
-    index = np.arange(size)[:, None] - np.arange(size)[None, :] + size - 1
-    return resize[index].astype(np.float32)
-
-
-def _f32(xp, a):
-    return None if a is None else xp.astype(a, xp.float32)
-
-
-def project_qkv(xp, x, qkv_weight, qkv_bias, num_heads: int):
-    """float32 q, k, v ``[B, heads, S, head_dim]`` (S = H W, row-major over the image) of ``x``."""
-    b, hh, ww, dim = x.shape
-    d = dim // num_heads
-    qkv = xp.einsum("tc,oc->to", xp.astype(x, xp.float32).reshape(b * hh * ww, dim), _f32(xp, qkv_weight))
-    if qkv_bias is not None:
-        qkv = qkv + _f32(xp, qkv_bias)
-    qkv = qkv.reshape(b, hh * ww, 3, num_heads, d)
-    return tuple(qkv[:, :, i].swapaxes(1, 2) for i in range(3))
-
-
-def rel_pos_terms(xp, q, rel_pos_h, rel_pos_w, height: int, width: int):
-    """The decomposed relative-position terms of float32 ``q [B, heads, H W, d]``: ``rel_h [B, heads,
-    H W, H]`` (``q . Rh[h_q, h']``) and ``rel_w [B, heads, H W, W]`` (``q . Rw[w_q, w']``). The logit of
-    query ``(h, w)`` and key ``(h', w')`` gains ``rel_h[.., (h, w), h'] + rel_w[.., (h, w), w']``."""
-    b, n, s, d = q.shape
-    tables = []
-    for table, size in ((rel_pos_h, height), (rel_pos_w, width)):
-        size = int(size)  # the gather is built on the host: a traced size (torch.compile's) is specialised
-        gather = xp.asarray(rel_pos_gather_matrix(size, int(table.shape[0])).reshape(size * size, -1), like=q,
-                            dtype=xp.float32)
-        tables.append(xp.einsum("pl,lc->pc", gather, _f32(xp, table)).reshape(size, size, d))
-    grid = q.reshape(b, n, height, width, d)
-    rel_h = xp.einsum("bnhwc,hkc->bnhwk", grid, tables[0]).reshape(b, n, s, height)
-    rel_w = xp.einsum("bnhwc,wkc->bnhwk", grid, tables[1]).reshape(b, n, s, width)
-    return rel_h, rel_w
-
-
-def project_out(xp, attended, proj_weight, proj_bias, x):
-    """``proj`` of float32 ``attended [B, heads, S, d]``, as ``x``'s shape and dtype."""
-    b, n, s, d = attended.shape
-    rows = attended.swapaxes(1, 2).reshape(b * s, n * d)
-    out = xp.einsum("tc,oc->to", rows, _f32(xp, proj_weight))
-    if proj_bias is not None:
-        out = out + _f32(xp, proj_bias)
-    return xp.astype(out.reshape(x.shape), x.dtype)
 
 
 def rel_pos_attention_cost(batch: int, height: int, width: int, dim: int, num_heads: int, use_rel_pos: bool,
@@ -331,7 +268,6 @@ def _bench_cost(op, shape, itemsize) -> KernelCost:
 
 def _torch_sdpa(op):
     """What the engine's own layer does: the decomposed bias as SDPA's float mask, in x's dtype."""
-    import torch
     import torch.nn.functional as F
 
     def run(x, qkv_weight, qkv_bias, proj_weight, proj_bias, rel_pos_h, rel_pos_w):

@@ -12,6 +12,7 @@ import torch
 
 from dualop import OpsConfig, override_platform, set_config
 from dualop.ops import RelPosAttention
+from dualop.kernels.rel_pos_math import rel_pos_gather_matrix
 from dualop.ops import rel_pos_attention as rel_pos_mod
 from dualop.testing import NoLaunch
 
@@ -119,7 +120,7 @@ def test_without_qkv_bias_matches_transformers():
 def test_gather_matrix_is_identity_at_the_table_size():
     """At the table's own size the resize is the identity: ``Rh[i, j]`` is row ``i - j + n - 1``."""
     n = 5
-    gather = rel_pos_mod.rel_pos_gather_matrix(n, 2 * n - 1)
+    gather = rel_pos_gather_matrix(n, 2 * n - 1)
     want = np.zeros_like(gather)
     for i in range(n):
         for j in range(n):
@@ -133,7 +134,7 @@ def test_gather_matrix_matches_torch_interpolate(grid):
     table = torch.randn(2 * side - 1, 8, dtype=torch.float64)
     resized = torch.nn.functional.interpolate(table.T[None], size=2 * size - 1, mode="linear")[0].T
     index = torch.arange(size)[:, None] - torch.arange(size)[None, :] + size - 1
-    gather = torch.from_numpy(rel_pos_mod.rel_pos_gather_matrix(size, 2 * side - 1)).double()
+    gather = torch.from_numpy(rel_pos_gather_matrix(size, 2 * side - 1)).double()
     torch.testing.assert_close(torch.einsum("ijl,lc->ijc", gather, table), resized[index], rtol=1e-6, atol=1e-6)
 
 

@@ -24,7 +24,7 @@ def rel_pos_attention(x: Any, qkv_weight: Any, qkv_bias: Any, proj_weight: Any, 
     import torch
 
     from dualop.backends.torch import array_api as xp
-    from dualop.ops.rel_pos_attention import project_out, project_qkv, rel_pos_terms
+    from dualop.kernels.rel_pos_math import project_out, project_qkv, rel_pos_terms
 
     if x.device.type != "cpu":
         raise NotImplementedError(f"the C++ rel_pos_attention kernel takes CPU tensors, got one on {x.device}")

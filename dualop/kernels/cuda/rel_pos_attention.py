@@ -75,7 +75,7 @@ def rel_pos_attention(x: torch.Tensor, qkv_weight: torch.Tensor, qkv_bias: torch
                       rel_pos_w: torch.Tensor | None = None, *, num_heads: int, scale: float) -> torch.Tensor:
     """SAM's attention of ``x [B, H, W, dim]`` (see ``dualop/ops/rel_pos_attention.py``)."""
     from dualop.backends.torch import array_api as xp
-    from dualop.ops.rel_pos_attention import project_out, project_qkv, rel_pos_terms
+    from dualop.kernels.rel_pos_math import project_out, project_qkv, rel_pos_terms
 
     b, height, width, _ = x.shape
     s = height * width

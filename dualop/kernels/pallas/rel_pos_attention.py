@@ -145,7 +145,7 @@ def rel_pos_attention(x, qkv_weight, qkv_bias, proj_weight, proj_bias, rel_pos_h
                       num_heads: int, scale: float, interpret=False):
     """SAM's attention of ``x [B, H, W, dim]`` (see ``dualop/ops/rel_pos_attention.py``)."""
     from dualop.backends.xla import array_api as xp
-    from dualop.ops.rel_pos_attention import project_out, project_qkv, rel_pos_terms
+    from dualop.kernels.rel_pos_math import project_out, project_qkv, rel_pos_terms
 
     b, height, width, _ = x.shape
     if b * height * width == 0:
