@@ -5,6 +5,7 @@ keeps the TPU runtimes quiet on a host with no TPU."""
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import re
 import subprocess
@@ -17,11 +18,6 @@ from packaging.requirements import Requirement
 from packaging.version import Version
 
 from dualop import aot, platforms
-
-try:  # add_one's language; the test that builds it skips without triton
-    import triton.language as tl
-except ImportError:
-    tl = None
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -99,15 +95,29 @@ def test_env_script_installs_existing_extras_and_the_constraint_files_cite_exist
 # --- dualop compile across versions ------------------------------------------------------------
 
 
+# Compiled-mode Triton needs its own process (the interpreter is chosen when kernels are defined,
+# and an interpreted launch earlier in this process leaves triton.language as it runs there), as
+# ``dualop compile`` builds in a child.
+_LAUNCHER_PROBE = """
+import json
+import os
+import torch
+import triton
+import triton.language as tl
+
+from dualop.aot import gpu
+from dualop.kernels.cuda import GPU_TARGETS
+
+
+@triton.jit
 def add_one(x_ptr, n, BLOCK: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     tl.store(x_ptr + offs, tl.load(x_ptr + offs, mask=offs < n) + 1, mask=offs < n)
 
 
-class _KnobsWithout:
-    """triton.knobs as an older triton has it: the named ``knobs.compilation`` settings missing."""
-
-    def __init__(self, knobs, hidden: tuple[str, ...]):
+class KnobsWithout:
+    # triton.knobs as an older triton has it: the named knobs.compilation settings missing.
+    def __init__(self, knobs, hidden):
         self._knobs, self._hidden = knobs, hidden
 
     def __getattr__(self, name):
@@ -125,34 +135,43 @@ class _KnobsWithout:
         return Compilation()
 
 
+launch = gpu.Launch(add_one, (torch.empty(4096, device="meta"), 4096), {"BLOCK": 1024}, (4,))
+real, out, cache = triton.knobs, [], os.environ["TRITON_CACHE_DIR"]
+for hidden in ((), ("fpsan_homomorphic_casts",), ("instrumentation_mode", "fpsan_homomorphic_casts")):
+    # a fresh cache each time: a cached kernel is loaded, and ptxas's register report is not printed
+    os.environ["TRITON_CACHE_DIR"] = os.path.join(cache, "-".join(hidden or ("installed",)))
+    triton.knobs = KnobsWithout(real, hidden)
+    gpu._DONE.clear()
+    for target in ("sm90", "gfx942"):
+        details, error = gpu.compile_launch(launch, GPU_TARGETS[target])
+        out.append(dict(hidden=list(hidden), target=target, error=error, kernel=(details or {}).get("kernel"),
+                        num_warps=(details or {}).get("num_warps"), registers=(details or {}).get("registers")))
+    triton.knobs = real
+print(json.dumps(out, default=str))
+"""
+
+
 @pytest.mark.each_env
-@pytest.mark.filterwarnings("ignore:.*TRITON_DEFAULT_FP_FUSION")
-def test_gpu_builds_follow_the_launcher_of_every_triton_allowed(monkeypatch, tmp_path):
+def test_gpu_builds_follow_the_launcher_of_every_triton_allowed(tmp_path):
     """``dualop compile`` specialises a launch as ``JITFunction.run`` would, passing each
     ``knobs.compilation`` setting only where this triton has it: as installed (3.5 in 'xla',
     3.9 in 'latest'), and as 3.8 (no fpsan_homomorphic_casts) and 3.5-3.7 (no
     instrumentation_mode either) have them. The launch compiles for sm90 and gfx942 each time."""
     pytest.importorskip("torch", reason="the launch is captured on torch meta tensors")
-    triton = pytest.importorskip("triton", reason="the GPU builds need triton")
-    import torch
-    from triton.runtime.jit import JITFunction
+    pytest.importorskip("triton", reason="the GPU builds need triton")
+    from dualop.aot.gpu import child_environment
 
-    from dualop.aot import gpu
-    from dualop.kernels.cuda import GPU_TARGETS
-
-    # What @triton.jit builds in compiled mode (this process may be running Triton's interpreter).
-    kernel = JITFunction(add_one)
-    launch = gpu.Launch(kernel, (torch.empty(4096, device="meta"), 4096), {"BLOCK": 1024}, (4,))
-    real = triton.knobs
-    for hidden in ((), ("fpsan_homomorphic_casts",), ("instrumentation_mode", "fpsan_homomorphic_casts")):
-        monkeypatch.setattr(triton, "knobs", _KnobsWithout(real, hidden))
-        monkeypatch.setattr(gpu, "_DONE", {})
-        # A fresh Triton cache each time: a cached kernel is loaded, and ptxas's register report is not printed.
-        monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "-".join(hidden or ("installed",))))
-        for target in ("sm90", "gfx942"):
-            details, error = gpu.compile_launch(launch, GPU_TARGETS[target])
-            assert error is None, (hidden, target, error)
-            assert details["kernel"] == "add_one" and details["num_warps"] == 4 and details["registers"] > 0
+    script = tmp_path / "launcher_probe.py"
+    script.write_text(_LAUNCHER_PROBE)
+    env = child_environment(str(tmp_path / "triton-cache"))
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
+    proc = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert len(results) == 6
+    for r in results:
+        assert r["error"] is None, r
+        assert r["kernel"] == "add_one" and r["num_warps"] == 4 and r["registers"] > 0, r
 
 
 def test_missing_compilers_name_the_extra_that_installs_them(monkeypatch):
