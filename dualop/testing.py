@@ -326,6 +326,7 @@ TRAITS: dict[str, str] = {
     "widens_nonfinite": "kernels run a scan or a causal convolution as GEMMs over a masked matrix: a non-finite "
                         "input widens to the rest of its chunk (compare(widened_nonfinite=True))",
     "spatial": "the shape tuple is x's [N, C, *spatial] (a convolution)",
+    "image_grid": "the shape tuple is x's [B, H, W, dim], an image's grid of tokens (SAM's attention)",
     "token_table": "the shape tuple is (tokens, vocab, org_vocab, dim), not an input's shape",
     "packed_sequences": "the shape tuple is (tokens, sequences, widths...) of a packed serving batch",
     "mixer": "a whole Mamba mixer: its kernel ops have cells of their own, it interprets several Pallas kernels "

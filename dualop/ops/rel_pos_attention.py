@@ -180,6 +180,7 @@ class RelPosAttention(CustomOp):
 # (tables for a 4 x 4 input): the table's own size, a larger grid (tables interpolated up) and a
 # smaller one (down); and a 8 x 8 table at 4 heads of 16 without a qkv bias, at its size and at 7 x 20
 # (down along H, up along W; 140 tokens: more than one key block in every kernel).
+# x's [B, H, W, dim] (trait image_grid): no image, a one-token image, images off any tile multiple.
 _PLAIN_SHAPES = ((0, 4, 4, 32), (1, 1, 1, 32), (2, 3, 5, 32))
 _REL_POS_SHAPES = ((1, 4, 4, 32), (2, 6, 5, 32), (1, 3, 3, 32))
 _WIDE_SHAPES = ((1, 8, 8, 64), (1, 7, 20, 64))
@@ -306,4 +307,4 @@ def bench_cases():
 # logits are quadratic in x (both q and k project it), so at the property sweep's large magnitudes
 # (1e3: logits near 1e5) any two float32 softmaxes disagree by their rounding. Its own tests plant
 # non-finite values per kernel cell (tests/ops/test_rel_pos_attention.py).
-CASE_NOTES = {OP: {"traits": {"structured_inputs", "contraction"}}}
+CASE_NOTES = {OP: {"traits": {"structured_inputs", "contraction", "image_grid"}}}

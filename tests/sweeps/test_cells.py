@@ -81,8 +81,19 @@ def test_rocm_runs_the_triton_kernel(case):
 # one item, and spatial sizes off the kernel's multiple); "token_table", (tokens, vocab, org_vocab,
 # dim): zero and one token; "packed_sequences", (tokens, sequences, widths...) of a packed serving
 # batch: every sequence has a token (no zero-token batch), so they cover a single token, a decode step
-# (T == B) and a multi-sequence prefill instead, at a width off the 128-lane multiple.
-NOT_ROW_SHAPES = frozenset({"spatial", "token_table", "packed_sequences"})
+# (T == B) and a multi-sequence prefill instead, at a width off the 128-lane multiple; "image_grid",
+# an image's tokens x [B, H, W, dim]: over an op's cases, no image, a one-token image and a 3-D
+# batch of images (below).
+NOT_ROW_SHAPES = frozenset({"spatial", "image_grid", "token_table", "packed_sequences"})
+
+
+def test_image_grid_ops_cover_no_image_one_token_and_a_batch():
+    ops = {c.op for c in CASES if "image_grid" in c.traits}
+    for op in ops:
+        shapes = [s for c in CASES if c.op == op for s in c.shapes]
+        assert any(s[0] == 0 for s in shapes), op
+        assert any(math.prod(s[:-1]) == 1 for s in shapes), op
+        assert any(s[0] > 1 and s[1] != s[2] for s in shapes), op
 
 
 def test_token_table_cases_cover_zero_and_one_token():
