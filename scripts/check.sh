@@ -24,14 +24,7 @@ envs="${DUALOP_ENVS:-latest xla}"
 start=$SECONDS
 out="$(mktemp -d)"
 trap 'rm -rf "$out"' EXIT
-# Build (or re-point) every environment first, side by side (each build mostly waits on downloads;
-# env.sh locks each environment, so two runs never build the same one at once).
-build_pids=()
-for name in $envs; do
-  bash "$repo/scripts/env.sh" "$name" >"$out/$name.path" &
-  build_pids+=("$!")
-done
-for pid in "${build_pids[@]}"; do wait "$pid"; done
+build_envs "$out" $envs
 
 # One environment's check; its exit status goes to $out/$name.status.
 run_env() {

@@ -22,3 +22,16 @@ for pkg in ("torch", "torch_xla", "jax", "triton", "torchax", "flax"):
 print(", ".join(out))
 PY
 }
+
+# build_envs DIR NAME...: build (or re-point) each named environment, side by side (each build
+# mostly waits on downloads; env.sh locks each environment, so two runs never build the same one at
+# once), writing each one's path to DIR/NAME.path; fails if any build fails.
+build_envs() {
+  local dir="$1" name pid status=0 pids=(); shift
+  for name in "$@"; do
+    bash "$repo/scripts/env.sh" "$name" >"$dir/$name.path" &
+    pids+=("$!")
+  done
+  for pid in "${pids[@]}"; do wait "$pid" || status=1; done
+  return $status
+}

@@ -16,14 +16,7 @@ source "$repo/scripts/common.sh"
 results="$(mktemp -d)"
 trap 'rm -rf "$results"' EXIT
 envs="${DUALOP_ENVS:-latest xla}"
-# Build (or re-point) every environment first, side by side (each build mostly waits on downloads;
-# env.sh locks each environment, so two runs never build the same one at once).
-build_pids=()
-for name in $envs; do
-  bash "$repo/scripts/env.sh" "$name" >"$results/$name.path" &
-  build_pids+=("$!")
-done
-for pid in "${build_pids[@]}"; do wait "$pid"; done
+build_envs "$results" $envs
 
 # One environment's pytest; writes its exit status to $results/$name.status.
 run_env() {

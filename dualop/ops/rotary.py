@@ -188,23 +188,29 @@ class RotaryEmbedding(CustomOp):
         """``cos_sin_cache`` as an array of ``like``'s frontend and device, in ``dtype``; made once
         per (frontend, device, dtype) and kept (per trace for tracers and fake tensors)."""
         fe = frontend_of(like)
-        if _is_fake(like) or _is_jax_tracer(like) or (fe == "torch" and _dynamo_tracing()):
+        if _is_fake(like) or _is_jax_tracer(like):
             # a trace's fake tensors (torch.compile, opcheck) or tracers (jit, shard_map): a cache made
             # for them is valid only in that trace (under shard_map its arrays carry the trace's mesh),
-            # and a kept one not: a constant of this trace instead. Dynamo tracing the native body
-            # (custom_ops 'none') cannot trace the lock that guards making a kept one: a constant too
-            xp = array_namespace(like)
-            return xp.astype(xp.asarray(self.cos_sin_cache, like, xp.float32), dtype)
+            # and a kept one not: a constant of this trace instead
+            return self._trace_constant(like, dtype)
         key = (fe, str(getattr(like, "device", "")), str(dtype))
         cache = self._frontend_caches.get(key)
         if cache is None:
+            if fe == "torch" and _dynamo_tracing():
+                # Dynamo tracing the native body (custom_ops 'none') cannot trace the lock that guards
+                # making a kept cache: a constant of this trace (a kept one, found above, is one too)
+                return self._trace_constant(like, dtype)
             with self._cache_lock:
                 cache = self._frontend_caches.get(key)
                 if cache is None:
-                    xp = array_namespace(like)
-                    cache = xp.astype(xp.asarray(self.cos_sin_cache, like, xp.float32), dtype)
+                    cache = self._trace_constant(like, dtype)  # made once, then kept
                     self._frontend_caches[key] = cache
         return cache
+
+    def _trace_constant(self, like: Any, dtype: Any) -> Any:
+        """``cos_sin_cache`` as a new array of ``like``'s frontend and device, in ``dtype``."""
+        xp = array_namespace(like)
+        return xp.astype(xp.asarray(self.cos_sin_cache, like, xp.float32), dtype)
 
     def cos_sin(self, positions: Any, dtype: Any) -> tuple[Any, Any]:
         """``(cos, sin)``, each ``[T, rotary_dim // 2]`` in ``dtype``, for the flattened positions

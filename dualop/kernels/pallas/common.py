@@ -143,14 +143,19 @@ class RowBlocks:
         return pl.cdiv(rows, self.block_rows), pl.cdiv(cols, self.block_cols)
 
 
-def online_softmax_step(scores, m_prev):
-    """One key block of an online softmax over ``scores`` ``(rows, block)``: the running row maximum
-    ``m_new`` (``(rows, 128)``, equal across lanes, as ``m_prev``), the block's unnormalised
-    probabilities ``p`` and the factor ``alpha`` that rescales what the earlier blocks summed. A row
-    that has seen only -inf subtracts 0, so exp gives 0 rather than NaN."""
+def online_softmax_update(scores, v, m_ref, l_ref, acc_ref) -> None:
+    """One key block of an online softmax over float32 ``scores`` ``(rows, block)`` and values ``v``
+    ``(block, D)``: the running row maximum ``m_ref`` and sum ``l_ref`` (``(rows, 128)``, equal across
+    lanes) and the unnormalised output ``acc_ref`` ``(rows, D)`` take the block in. A row that has
+    seen only -inf subtracts 0, so exp gives 0 rather than NaN."""
+    m_prev, l_prev = m_ref[...], l_ref[...]
     m_new = jnp.maximum(m_prev, jnp.max(scores, axis=1, keepdims=True))
     m_shift = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-    return m_new, jnp.exp(scores - m_shift[:, :1]), jnp.exp(m_prev - m_shift)
+    p = jnp.exp(scores - m_shift[:, :1])
+    alpha = jnp.exp(m_prev - m_shift)
+    l_ref[...] = alpha * l_prev + jnp.sum(p, axis=1, keepdims=True)
+    m_ref[...] = m_new
+    acc_ref[...] = acc_ref[...] * alpha[:, :1] + jnp.dot(p, v, preferred_element_type=jnp.float32)
 
 
 def sublane_tile(dtype) -> int:

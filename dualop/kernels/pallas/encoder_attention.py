@@ -33,7 +33,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from dualop.kernels.pallas.common import compiler_params, online_softmax_step, step_vmem_ceiling, tpu_jit
+from dualop.kernels.pallas.common import compiler_params, online_softmax_update, step_vmem_ceiling, tpu_jit
 
 __all__ = ["encoder_attention", "flash_block"]
 
@@ -75,11 +75,7 @@ def _kernel(q_seg_ref, kv_seg_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, acc
     scores = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32) * scale
     same = jnp.tile(q_seg_ref[0], (1, block_k // _LANES)) == kv_seg_ref[0, :1]  # (block_q, block_k)
     scores = jnp.where(same, scores, -jnp.inf)  # another segment's score, whatever it is, never counts
-    m_prev, l_prev = m_ref[...], l_ref[...]  # (block_q, 128), equal across lanes
-    m_new, p, alpha = online_softmax_step(scores, m_prev)
-    l_ref[...] = alpha * l_prev + jnp.sum(p, axis=1, keepdims=True)
-    m_ref[...] = m_new
-    acc_ref[...] = acc_ref[...] * alpha[:, :1] + jnp.dot(p, v, preferred_element_type=jnp.float32)
+    online_softmax_update(scores, v, m_ref, l_ref, acc_ref)
 
     @pl.when(kv_block == pl.num_programs(3) - 1)
     def _():

@@ -28,7 +28,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from dualop.kernels.pallas.common import compiler_params, online_softmax_step, step_vmem_ceiling, tpu_jit
+from dualop.kernels.pallas.common import compiler_params, online_softmax_update, step_vmem_ceiling, tpu_jit
 
 __all__ = ["rel_pos_attention", "attention_block"]
 
@@ -81,11 +81,7 @@ def _kernel(*refs, scale: float, use_rel_pos: bool):
         scores = scores + jnp.dot(rel_h_ref[0, 0], onehot_h.astype(jnp.float32), preferred_element_type=jnp.float32)
         scores = scores + jnp.dot(rel_w_ref[0, 0], onehot_w.astype(jnp.float32), preferred_element_type=jnp.float32)
     scores = jnp.where(key_row >= 0, scores, -jnp.inf)  # the sequence's padding never counts
-    m_prev, l_prev = m_ref[...], l_ref[...]  # (block, 128), equal across lanes
-    m_new, p, alpha = online_softmax_step(scores, m_prev)
-    l_ref[...] = alpha * l_prev + jnp.sum(p, axis=1, keepdims=True)
-    m_ref[...] = m_new
-    acc_ref[...] = acc_ref[...] * alpha[:, :1] + jnp.dot(p, v, preferred_element_type=jnp.float32)
+    online_softmax_update(scores, v, m_ref, l_ref, acc_ref)
 
     @pl.when(kv_block == pl.num_programs(3) - 1)
     def _():
