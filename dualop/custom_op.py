@@ -574,6 +574,11 @@ class CustomOp:
     def check_inputs(self, *args: Any, **kwargs: Any) -> None:
         """Validate arguments before any path runs; raise ValueError/TypeError naming the op."""
 
+    def library_arguments(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """The call's arguments as the op's ``torch.library`` schema takes them, inside
+        ``torch.compile``: as given, unless an op's eager call takes a form its schema cannot type."""
+        return args, kwargs
+
     def declines(self, method: str, frontend: str) -> str | None:
         """Why ``method`` has no kernel on this instance, or None if it has: override it for a
         constructor variant with no kernel. Which frontends a method serves is declared in

@@ -273,6 +273,16 @@ class MMEncoderAttention(CustomOp):
     # On a GPU, torch tensors take the Triton kernel and jax arrays cuDNN's flash attention.
     serves = {"forward_cuda": Serves(("torch", "jax"))}
 
+    def library_arguments(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """Inside ``torch.compile`` a tensor ``max_seqlen`` (the engine's) is passed as None: the
+        schema takes an int, reading the tensor would break the graph, and it only bounds the Triton
+        kernel's loops, which then take the longest segment from ``cu_seqlens`` in the opaque op."""
+        if len(args) > 4 and not isinstance(args[4], (int, type(None))):
+            args = (*args[:4], None, *args[5:])
+        if not isinstance(kwargs.get("max_seqlen"), (int, type(None))):
+            kwargs = {**kwargs, "max_seqlen": None}
+        return args, kwargs
+
     def declines(self, method: str, frontend: str) -> str | None:
         if method == "forward_cuda" and frontend == "jax":
             from dualop.kernels.xla.cudnn_attention import cudnn_declines

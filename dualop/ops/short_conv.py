@@ -66,6 +66,11 @@ class ShortConv(CustomOp):
     def extra_repr(self) -> str:
         return f"hidden_size={self.hidden_size}, conv_kernel={self.conv_kernel}, bias={self.bias}"
 
+    @property
+    def conv_state_shape(self) -> tuple[int, int]:
+        """One slot of the conv cache: the last ``L - 1`` values of ``B * x`` per channel."""
+        return (self.hidden_size, self.conv_kernel - 1)
+
     def check_inputs(self, hidden_states: Any, in_proj_weight: Any = None, conv_weight: Any = None,
                      out_proj_weight: Any = None, conv_bias: Any = None, conv_state: Any = None,
                      cu_seqlens: Any = None, state_indices: Any = None, has_initial_state: Any = None,
@@ -93,7 +98,7 @@ class ShortConv(CustomOp):
             check_optional_like(OP, "conv_state", conv_state, "hidden_states", h, fe,
                                 shape=tuple(getattr(conv_state, "shape", ())))
         ssm_batch(OP, h, cu_seqlens, state_indices, has_initial_state, conv_state, "conv_state",
-                  (hd, self.conv_kernel - 1))
+                  self.conv_state_shape)
 
     def _split(self, xp, bcx):
         hd = self.hidden_size
@@ -106,7 +111,7 @@ class ShortConv(CustomOp):
         xp = array_namespace(hidden_states)
         f32 = xp.float32
         batch = ssm_batch(OP, hidden_states, cu_seqlens, state_indices, has_initial_state, conv_state, "conv_state",
-                          (self.hidden_size, self.conv_kernel - 1))
+                          self.conv_state_shape)
         bcx = xp.astype(hidden_states, f32) @ xp.astype(in_proj_weight, f32).T
         if in_proj_bias is not None:
             bcx = bcx + xp.astype(in_proj_bias, f32)

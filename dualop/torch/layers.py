@@ -182,6 +182,71 @@ class RelPosAttention(nn.Module):
 
 
 __all__.append("RelPosAttention")
+
+
+class MultiHeadLatentAttention(nn.Module):
+    """DeepSeek's multi-head latent attention (:class:`dualop.ops.MultiHeadLatentAttention`: the
+    same constructor, plus ``params_dtype``), called as the engine calls it:
+    ``layer(positions [T], hidden_states [T, hidden_size])`` -> ``[T, hidden_size]``.
+
+    Owns the weights under transformers' ``DeepseekV3Attention`` names (``q_a_proj``,
+    ``q_a_layernorm``, ``q_b_proj`` or, with ``q_lora_rank`` None, ``q_proj``;
+    ``kv_a_proj_with_mqa``, ``kv_a_layernorm``, ``kv_b_proj``, ``o_proj``, each ``.weight``; at
+    tp > 1 this rank's shard), so that module's state dict loads as is; keep them in the
+    activations' dtype. The paged latent cache is ``layer.kv_cache`` (``[num_pages, page_size,
+    kv_lora_rank + qk_rope_head_dim]``, bound by the caller, updated in place) and the batch
+    metadata comes from ``dualop.torch.forward_context`` (``slot_mapping``, ``kv_lens``,
+    ``page_indices``, ``cu_q_lens``, ``num_seqs``: the op's arguments). With no context set the
+    tokens are one new sequence, attended causally, and no cache is kept."""
+
+    def __init__(self, hidden_size: int, num_heads: int, scale: float, qk_nope_head_dim: int, qk_rope_head_dim: int,
+                 v_head_dim: int, q_lora_rank: int | None, kv_lora_rank: int, rope: Any, eps: float = 1e-6,
+                 tp: Any = None, *, params_dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        self.op = ops.MultiHeadLatentAttention(hidden_size, num_heads, scale, qk_nope_head_dim, qk_rope_head_dim,
+                                               v_head_dim, q_lora_rank, kv_lora_rank, rope, eps, tp)
+        self.kv_cache: torch.Tensor | None = None
+        for name, shape in self.op.weight_shapes().items():
+            holder = (_NormWeight(shape[0], params_dtype) if name.endswith("layernorm")
+                      else nn.Linear(shape[1], shape[0], bias=False, dtype=params_dtype))
+            setattr(self, name, holder)
+
+    def forward(self, positions: Any, hidden_states: Any) -> Any:
+        from dualop.torch.forward_context import get_forward_context
+
+        name = self.op.name
+        weights = {key: getattr(self, key).weight for key in self.op.weight_shapes()}
+        context = get_forward_context()
+        if context is None:
+            if not isinstance(hidden_states, torch.Tensor) or hidden_states.ndim != 2:
+                raise TypeError(f"{name}: argument 'hidden_states' must be a torch tensor [tokens, "
+                                f"{self.op.hidden_size}], got {type(hidden_states).__qualname__}"
+                                f"{tuple(getattr(hidden_states, 'shape', ()))}")
+            tokens, device = hidden_states.shape[0], hidden_states.device
+            width = self.op.kv_lora_rank + self.op.qk_rope_head_dim
+
+            def ints(*values):
+                return torch.tensor(values, dtype=torch.int32, device=device)
+
+            cache = hidden_states.new_zeros((1, max(tokens, 1), width))
+            out, _ = self.op(positions, hidden_states, weights, cache, torch.arange(tokens, dtype=torch.int32,
+                             device=device), ints(tokens), ints(0).reshape(1, 1), ints(0, tokens), ints(1))
+            return out
+        bound = self.kv_cache
+        if not isinstance(bound, torch.Tensor):
+            raise ValueError(f"{name}: a forward context is set but 'kv_cache' is {type(bound).__qualname__}; bind "
+                             f"layer.kv_cache = latent_pages [num_pages, page_size, kv_lora_rank + qk_rope_head_dim] "
+                             f"before the engine's call")
+        out, cache = self.op(positions, hidden_states, weights, bound, **context.paged(name))
+        if cache is not bound:
+            bound.copy_(cache)
+        return out
+
+    def extra_repr(self) -> str:
+        return self.op.extra_repr()
+
+
+__all__.append("MultiHeadLatentAttention")
 # --- rope: the engine's rotary layers hold no parameters (the cos/sin cache lives in the op, built
 # once in float32 and kept per device and dtype), so each is the op behind the layer interface.
 for _op_class in (ops.RotaryEmbedding, ops.DualChunkRotaryEmbedding, ops.ApplyRotaryEmb):
@@ -564,13 +629,85 @@ class ParallelLMHead(VocabParallelEmbedding):
 __all__ += ["VocabParallelEmbedding", "ParallelLMHead"]
 
 
+# --- the stateful mixers: dualop's call and the engine's --------------------------------------
+
+
+def _is_output_buffer(value: Any, hidden_states: Any) -> bool:
+    """Whether a mixer's second positional argument is the engine's ``output`` buffer (shaped as
+    ``hidden_states``; a conv cache is ``[slots, channels, K-1]``, never that shape)."""
+    return (isinstance(value, torch.Tensor) and isinstance(hidden_states, torch.Tensor)
+            and value.shape == hidden_states.shape)
+
+
+class _MixerLayer(nn.Module):
+    """A state-space mixer layer, called either way:
+
+    - dualop's: ``layer(hidden_states, <caches>, cu_seqlens=None, state_indices=None,
+      has_initial_state=None)`` -> ``(out, *caches)``, as the op (see ``run``);
+    - the engine's: ``layer(hidden_states, output)`` -> None: the batch metadata from
+      ``dualop.torch.forward_context``, the caches from ``layer.kv_cache`` (a tuple, bound by the
+      caller as the engine binds its own; updated in place), the result written into ``output``.
+      With no forward context set: one new sequence, no cache (a bound one is left untouched)."""
+
+    cache_names: tuple[str, ...] = ("conv_state", "ssm_state")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.kv_cache: tuple[torch.Tensor, ...] | None = None
+
+    def run(self, hidden_states: Any, *args: Any, **kwargs: Any) -> Any:
+        raise NotImplementedError  # every mixer layer below defines its dualop call
+
+    def forward(self, hidden_states: Any, *args: Any, output: torch.Tensor | None = None, **kwargs: Any) -> Any:
+        if output is None and args and _is_output_buffer(args[0], hidden_states):
+            output, args = args[0], args[1:]
+        if output is None:
+            return self.run(hidden_states, *args, **kwargs)
+        self._engine_call(hidden_states, output, args, kwargs)
+        return None
+
+    def _engine_call(self, hidden_states: Any, output: Any, args: tuple, kwargs: dict) -> None:
+        from dualop.torch.forward_context import get_forward_context
+
+        op = self.op.name
+        if args or kwargs:
+            raise TypeError(f"{op}: the engine's call mixer(hidden_states, output) takes nothing more here, got "
+                            f"{len(args)} more positional and {sorted(kwargs)} keyword argument(s) (the engine's "
+                            f"optional mup_vector is not supported); dualop's call passes caches and metadata instead")
+        if not isinstance(output, torch.Tensor) or not isinstance(hidden_states, torch.Tensor):
+            raise TypeError(f"{op}: the engine's call takes torch tensors 'hidden_states' and 'output', got "
+                            f"{type(hidden_states).__qualname__} and {type(output).__qualname__}")
+        if (output.shape, output.dtype, output.device) != (hidden_states.shape, hidden_states.dtype,
+                                                           hidden_states.device):
+            raise ValueError(f"{op}: argument 'output' must be shaped, typed and placed as 'hidden_states' "
+                             f"{tuple(hidden_states.shape)} {hidden_states.dtype} on {hidden_states.device}; got "
+                             f"{tuple(output.shape)} {output.dtype} on {output.device}")
+        context = get_forward_context()
+        caches: tuple[Any, ...] = (None,) * len(self.cache_names)
+        metadata: dict[str, Any] = {}
+        if context is not None:
+            bound = self.kv_cache
+            if not isinstance(bound, (tuple, list)) or len(bound) != len(self.cache_names):
+                raise ValueError(f"{op}: a forward context is set but 'kv_cache' is {type(bound).__qualname__}; "
+                                 f"bind layer.kv_cache = ({', '.join(self.cache_names)}) before the engine's call")
+            caches, metadata = tuple(bound), context.ssm()
+        result = self.run(hidden_states, *caches, **metadata)
+        for cache, updated in zip(caches, result[1:]):
+            if cache is not None and updated is not cache:
+                cache.copy_(updated)
+        output.copy_(result[0])
+
+
 # --- LFM2's short convolution ------------------------------------------------------------
-class ShortConv(nn.Module):
+class ShortConv(_MixerLayer):
     """LFM2's ShortConv mixer (:class:`dualop.ops.ShortConv`) over packed tokens. Its parameters are
     named and shaped as transformers' ``Lfm2ShortConv`` (``in_proj``, ``out_proj`` Linears and the
     depthwise ``conv`` with weight ``[Hd, 1, L]``), so that module's state dict loads as is.
-    ``forward(hidden_states [T, Hd], conv_state=None, cu_seqlens=None, state_indices=None,
-    has_initial_state=None) -> (out, conv_state)`` (serving metadata as ``dualop.ops.ssm_batch``)."""
+    ``layer(hidden_states [T, Hd], conv_state=None, cu_seqlens=None, state_indices=None,
+    has_initial_state=None) -> (out, conv_state)`` (serving metadata as ``dualop.ops.ssm_batch``),
+    or the engine's ``layer(hidden_states, output)`` with ``kv_cache = (conv_state,)``."""
+
+    cache_names = ("conv_state",)
 
     def __init__(self, hidden_size: int, conv_kernel: int, bias: bool = False, *, params_dtype: Any = None) -> None:
         super().__init__()
@@ -580,8 +717,8 @@ class ShortConv(nn.Module):
         self.conv = nn.Conv1d(hidden_size, hidden_size, conv_kernel, groups=hidden_size, bias=bias,
                               padding=conv_kernel - 1, dtype=params_dtype)
 
-    def forward(self, hidden_states: Any, conv_state: Any = None, cu_seqlens: Any = None, state_indices: Any = None,
-                has_initial_state: Any = None) -> Any:
+    def run(self, hidden_states: Any, conv_state: Any = None, cu_seqlens: Any = None, state_indices: Any = None,
+            has_initial_state: Any = None) -> Any:
         return self.op(hidden_states, self.in_proj.weight, self.conv.weight[:, 0], self.out_proj.weight,
                        self.conv.bias, conv_state, cu_seqlens, state_indices, has_initial_state,
                        self.in_proj.bias, self.out_proj.bias)
@@ -604,19 +741,20 @@ class _NormWeight(nn.Module):
         self.weight = nn.Parameter(torch.ones(size, dtype=dtype))
 
 
-class MambaMixer(nn.Module):
+class MambaMixer(_MixerLayer):
     """``MambaMixer(hidden_size, ssm_state_size, conv_kernel_size, intermediate_size, time_step_rank,
     use_conv_bias=True, use_bias=False, use_rms_norm=False, rms_norm_has_weight=True,
     rms_norm_eps=1e-6, activation="silu", params_dtype=None)``;
-    ``forward(hidden_states [T, Hd], conv_state=None, ssm_state=None, cu_seqlens=None,
+    ``layer(hidden_states [T, Hd], conv_state=None, ssm_state=None, cu_seqlens=None,
     state_indices=None, has_initial_state=None)`` -> ``(out [T, Hd], conv_state, ssm_state)``.
 
     Owns the weights under transformers' names (``in_proj``, ``conv1d`` with its ``[I, 1, K]``
     weight, ``x_proj``, ``dt_proj``, ``A_log``, ``D``, ``out_proj``, and with ``use_rms_norm`` and
     ``rms_norm_has_weight`` Jamba's ``dt/b/c_layernorm``), so ``load_state_dict`` takes a
     transformers ``MambaMixer`` / ``JambaMambaMixer`` / ``FalconMambaMixer`` state dict as is
-    (Falcon-Mamba: ``rms_norm_has_weight=False``, its norms have no weights). Holds no cache: the
-    caller passes the caches and the batch metadata, as to the op (``dualop.ops.mamba_mixer``).
+    (Falcon-Mamba: ``rms_norm_has_weight=False``, its norms have no weights). Called as the op
+    (caches and batch metadata as arguments, ``dualop.ops.mamba_mixer``) or as the engine calls it,
+    ``layer(hidden_states, output)`` with ``kv_cache = (conv_state, ssm_state)`` bound.
     Initialised as transformers does without its random dt: A = 1..N per channel, D = 1."""
 
     op_class: type = ops.MambaMixer
@@ -645,9 +783,9 @@ class MambaMixer(nn.Module):
             self.b_layernorm = _NormWeight(n, params_dtype)
             self.c_layernorm = _NormWeight(n, params_dtype)
 
-    def forward(self, hidden_states: torch.Tensor, conv_state: torch.Tensor | None = None,
-                ssm_state: torch.Tensor | None = None, cu_seqlens: torch.Tensor | None = None,
-                state_indices: torch.Tensor | None = None, has_initial_state: torch.Tensor | None = None):
+    def run(self, hidden_states: torch.Tensor, conv_state: torch.Tensor | None = None,
+            ssm_state: torch.Tensor | None = None, cu_seqlens: torch.Tensor | None = None,
+            state_indices: torch.Tensor | None = None, has_initial_state: torch.Tensor | None = None):
         norms = ((self.dt_layernorm.weight, self.b_layernorm.weight, self.c_layernorm.weight)
                  if self.has_norm_weights else (None, None, None))
         return self.op(hidden_states, self.in_proj.weight, self.conv1d.weight[:, 0, :], self.conv1d.bias,
@@ -665,15 +803,16 @@ __all__ += ["MambaMixer"]
 # --- the Mamba-2 mixer -----------------------------------------------------------------------
 
 
-class MambaMixer2(nn.Module):
+class MambaMixer2(_MixerLayer):
     """Layer over :class:`dualop.ops.MambaMixer2` (the constructor's arguments, plus ``dtype``).
 
     Parameters named like the op's weight arguments (``in_proj_weight``, ``conv_weight`` [C, K],
     ``dt_bias``, ``A_log``, ``D``, ``norm_weight``, ``out_proj_weight``, the optional biases); they
     start at zeros except ``A_log = log(1..H)``, ``D`` and ``norm_weight`` at ones: load a
     checkpoint with ``load_hf_state_dict`` (transformers' ``Mamba2Mixer`` names).
-    ``forward(hidden_states [T, hidden], conv_state=None, ssm_state=None, cu_seqlens=None,
-    state_indices=None, has_initial_state=None) -> (out, conv_state, ssm_state)``."""
+    ``layer(hidden_states [T, hidden], conv_state=None, ssm_state=None, cu_seqlens=None,
+    state_indices=None, has_initial_state=None) -> (out, conv_state, ssm_state)``, or the engine's
+    ``layer(hidden_states, output)`` with ``kv_cache = (conv_state, ssm_state)`` bound."""
 
     def __init__(self, *args: Any, dtype: torch.dtype | None = None, **kwargs: Any) -> None:
         super().__init__()
@@ -706,9 +845,9 @@ class MambaMixer2(nn.Module):
                                      f"expected {tuple(param.shape)}")
                 param.copy_(value)
 
-    def forward(self, hidden_states: torch.Tensor, conv_state: torch.Tensor | None = None,
-                ssm_state: torch.Tensor | None = None, cu_seqlens: torch.Tensor | None = None,
-                state_indices: torch.Tensor | None = None, has_initial_state: torch.Tensor | None = None):
+    def run(self, hidden_states: torch.Tensor, conv_state: torch.Tensor | None = None,
+            ssm_state: torch.Tensor | None = None, cu_seqlens: torch.Tensor | None = None,
+            state_indices: torch.Tensor | None = None, has_initial_state: torch.Tensor | None = None):
         params = {name: getattr(self, name) for name in self.op.parameter_shapes()}
         return self.op(hidden_states, params["in_proj_weight"], params["conv_weight"], params.get("conv_bias"),
                        params["dt_bias"], params["A_log"], params["D"], params.get("norm_weight"),
@@ -725,10 +864,10 @@ __all__ += ["MambaMixer2"]
 # --- PLaMo 2's Mamba mixer ------------------------------------------------------------
 
 
-class Plamo2MambaMixer(nn.Module):
+class Plamo2MambaMixer(_MixerLayer):
     """``Plamo2MambaMixer(hidden_size, ssm_state_size, conv_kernel_size, num_heads, head_dim,
     time_step_rank=None, rms_norm_eps=1e-6, chunk_size=256, params_dtype=None)``;
-    ``forward(hidden_states [T, Hd], conv_state=None, ssm_state=None, cu_seqlens=None,
+    ``layer(hidden_states [T, Hd], conv_state=None, ssm_state=None, cu_seqlens=None,
     state_indices=None, has_initial_state=None)`` -> ``(out [T, Hd], conv_state, ssm_state)``.
 
     Owns the weights under the PLaMo 2 checkpoint's names (``in_proj``, ``conv1d`` with its
@@ -736,8 +875,9 @@ class Plamo2MambaMixer(nn.Module):
     ``dt_norm_weight``, ``B_norm_weight``, ``C_norm_weight``, ``out_proj``), so ``load_state_dict``
     takes a checkpoint's mixer weights as they are. ``in_proj.weight`` is kept in the op's order
     (gate rows, then x rows): a load hook reorders the checkpoint's per-head interleaving as the
-    engine's loader does, and ``state_dict`` gives the checkpoint's order back. Holds no cache: the
-    caller passes the caches and the batch metadata, as to the op (``dualop.ops.plamo2``).
+    engine's loader does, and ``state_dict`` gives the checkpoint's order back. Called as the op
+    (caches and batch metadata as arguments, ``dualop.ops.plamo2``) or as the engine calls it,
+    ``layer(hidden_states, output)`` with ``kv_cache = (conv_state, ssm_state)`` bound.
     Initialised with A = -(1..H), D = 1, dt_bias = 1 and unit norm weights."""
 
     op_class: type = ops.Plamo2MambaMixer
@@ -776,9 +916,9 @@ class Plamo2MambaMixer(nn.Module):
         key = prefix + "in_proj.weight"
         state_dict[key] = ops.plamo2.in_proj_to_checkpoint(state_dict[key], module.op.num_heads)
 
-    def forward(self, hidden_states: torch.Tensor, conv_state: torch.Tensor | None = None,
-                ssm_state: torch.Tensor | None = None, cu_seqlens: torch.Tensor | None = None,
-                state_indices: torch.Tensor | None = None, has_initial_state: torch.Tensor | None = None):
+    def run(self, hidden_states: torch.Tensor, conv_state: torch.Tensor | None = None,
+            ssm_state: torch.Tensor | None = None, cu_seqlens: torch.Tensor | None = None,
+            state_indices: torch.Tensor | None = None, has_initial_state: torch.Tensor | None = None):
         return self.op(hidden_states, self.in_proj.weight, self.conv1d.weight[:, 0, :], self.bcdt_proj.weight,
                        self.dt_proj.weight, self.dt_bias, self.A_log, self.D, self.dt_norm_weight, self.B_norm_weight,
                        self.C_norm_weight, self.out_proj.weight, conv_state, ssm_state, cu_seqlens, state_indices,

@@ -178,6 +178,44 @@ def test_native_matches_transformers_prefill_then_decode(q_lora_rank, mscale_all
     np.testing.assert_allclose(out[1], want[0][5], rtol=1e-4, atol=2e-6)
 
 
+@pytest.mark.reference
+@pytest.mark.parametrize("q_lora_rank", [Q_LORA, None])
+def test_torch_layer_loads_transformers_and_takes_the_engine_call(q_lora_rank):
+    """``dualop.torch.layers.MultiHeadLatentAttention`` loads ``DeepseekV3Attention``'s state dict as
+    it is and, called the engine's way, matches transformers: ``mla(positions, hidden_states)`` with no
+    forward context (one sequence), then a prefill of two sequences and a decode step of each in
+    forward contexts over the bound latent cache."""
+    from dualop.torch import layers as tlayers
+    from dualop.torch.forward_context import forward_context
+
+    weights = weights_numpy(q_lora_rank, seed=7)
+    attn, rotary = hf_attention(q_lora_rank, 0.8, weights)
+    rope = get_rope(ROPE, ORIGINAL * int(FACTOR), False, {"rope_type": "deepseek_yarn", **rope_parameters(0.8)})
+    layer = tlayers.MultiHeadLatentAttention(HIDDEN, HEADS, softmax_scale(0.8), NOPE, ROPE, V_HEAD, q_lora_rank,
+                                             KV_LORA, rope)
+    layer.load_state_dict(attn.state_dict(), strict=True)
+    rng = np.random.default_rng(8)
+    xs = [rng.standard_normal((n + 1, HIDDEN)).astype(np.float32) for n in (6, 2)]  # + one decode token
+    want = [hf_sequence(attn, rotary, x) for x in xs]
+    with torch.no_grad():
+        alone = layer(torch.arange(7), torch.from_numpy(xs[0][:6 + 1]))
+        np.testing.assert_allclose(alone.numpy(), want[0], rtol=1e-4, atol=2e-6)
+
+        server = Server(max_seqs=2, pages_per_seq=3, seed=9)
+        layer.kv_cache = torch.from_numpy(server.cache.copy())
+        cache = layer.kv_cache
+        for rows, (positions, *meta) in ((slice(0, -1), server.step([0, 1], [6, 2])),
+                                         (slice(-1, None), server.step([0, 1], [1, 1]))):
+            x = np.concatenate([xs[0][rows], xs[1][rows], np.zeros((1, HIDDEN), np.float32)])
+            names = ("slot_mapping", "kv_lens", "page_indices", "cu_q_lens", "num_seqs")
+            with forward_context(**{k: torch.from_numpy(v) for k, v in zip(names, meta)}):
+                out = layer(torch.from_numpy(positions), torch.from_numpy(x)).numpy()
+            n0 = len(range(*rows.indices(7)))
+            np.testing.assert_allclose(out[:n0], want[0][rows], rtol=1e-4, atol=2e-6)
+            np.testing.assert_allclose(out[n0:-1], want[1][rows], rtol=1e-4, atol=2e-6)
+        assert layer.kv_cache is cache and bool(cache.abs().sum() > 0)  # updated in place
+
+
 # --- (c) the two attention forms; a mixed batch against each sequence alone ------------------------
 
 

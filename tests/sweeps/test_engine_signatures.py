@@ -11,12 +11,16 @@ and where dualop takes that call:
   them takes the engine's call as it is;
 - ``method``: a method of the op named as the engine's (``apply(layer, ...)``) or, for
   transformers' experts call, ``routed``;
-- ``refused``: the engine's call carries neither parameters nor state (its module and forward
-  context hold them); the op refuses it with a ValueError/TypeError saying what to call instead,
-  and the op's dualop-style call (its check case) runs.
+- ``refused``: the engine's own layer refuses the call too (its LM head has no forward): the op
+  refuses it with a ValueError/TypeError saying what to call instead, and the dualop call runs.
+
+The stateful layers (the mixers, multi-head latent attention) take the engine's call as the engine
+makes it: the batch metadata from ``dualop.torch.forward_context``, the caches bound to the layer's
+``kv_cache``; their rows check it with no context set (one new sequence) and in a context.
 
 Each row builds small torch CPU inputs and returns pairs (the engine's way, the dualop way); the
-dualop way is ``forward_native`` with every argument by keyword. Both run under ``custom_ops =
+dualop way is ``forward_native`` with every argument by keyword (for a stateful layer, its dualop
+call: caches and metadata as arguments). Both run under ``custom_ops =
 ["none"]``, so both run ``forward_native`` and must agree exactly: a difference is an argument bound
 to the wrong parameter. The platform paths of ``mm_encoder_attn``'s tensor ``max_seqlen`` (the one
 argument whose type changed) are tested below the table.
@@ -25,7 +29,6 @@ argument whose type changed) are tested below the table.
 from __future__ import annotations
 
 import dataclasses
-import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -117,10 +120,32 @@ def _mm_encoder_attn(rng):
 
 
 def _mla(rng):
+    """``mla(positions, hidden_states)``: with no forward context (one new sequence) and in a
+    context of two sequences over the bound latent cache, against the op's call with that metadata."""
+    from dualop.torch.forward_context import forward_context
+
     rope = ops.RotaryEmbedding(8, 8, 64, 10000.0, False)
-    op = ops.MultiHeadLatentAttention(32, 2, 0.1, 8, 8, 8, None, 16, rope)
-    positions, hidden = torch.arange(4), _t(rng, 4, 32)
-    return [(lambda: op(positions, hidden), None)]  # the dualop call: tests/ops/test_mla.py
+    layer = layers.MultiHeadLatentAttention(32, 2, 0.1, 8, 8, 8, 16, 16, rope)
+    _randomize(*layer.parameters(), rng=rng)
+    weights = {name: getattr(layer, name).weight for name in layer.op.weight_shapes()}
+    positions, hidden = torch.tensor([0, 1, 2, 3, 4, 0, 1]), _t(rng, 7, 32)
+
+    def ints(*values):
+        return torch.tensor(values, dtype=torch.int32)
+
+    one_seq = (torch.zeros(1, 7, 24), torch.arange(7, dtype=torch.int32), ints(7), ints(0).reshape(1, 1), ints(0, 7),
+               ints(1))
+    cache = _t(rng, 4, 4, 24)  # 4 pages of 4 slots; sequence 0 on pages 2, 0; sequence 1 on page 3
+    meta = dict(slot_mapping=ints(8, 9, 10, 11, 0, 12, 13), kv_lens=ints(5, 2), page_indices=ints(2, 0, 3, 1).reshape(2, 2),
+                cu_q_lens=ints(0, 5, 7), num_seqs=ints(2))
+
+    def engine_in_context():
+        layer.kv_cache = cache.clone()
+        with forward_context(**meta):
+            return layer(positions, hidden), layer.kv_cache
+
+    return [(lambda: layer(positions, hidden), lambda: layer.op.forward_native(positions, hidden, weights, *one_seq)[0]),
+            (engine_in_context, lambda: layer.op.forward_native(positions, hidden, weights, cache.clone(), **meta))]
 
 
 def _conv(layer_cls, kernel: tuple[int, ...], x_shape: tuple[int, ...]) -> Callable:
@@ -162,35 +187,50 @@ def _logits_processor(rng):
              lambda: processor.op.forward_native(lm_head_weight=head.weight, hidden_states=hidden))]
 
 
-def _mixer(name: str) -> Callable:
-    """The engine's ``mixer(hidden_states, output)`` is refused; the check case's call runs."""
+def _mixer_layer(make: Callable[[], Any]) -> Callable:
+    """The engine's ``mixer(hidden_states, output)``: with no forward context (one new sequence, no
+    cache) and in a context of two sequences over the bound caches (``kv_cache``, updated in place),
+    against the layer's dualop call (caches and metadata as arguments) on copies of the caches."""
+    from dualop.torch.forward_context import forward_context
+
     def pairs(rng):
-        case = next(testing.cases_for([name]))
-        shape = case.shapes[-1]
+        layer = make()
+        _randomize(*layer.parameters(), rng=rng)
+        op = layer.op
+        shapes = [getattr(op, f"{name}_shape") for name in layer.cache_names]
+        hidden = _t(rng, 7, op.hidden_size)
+        caches = [_t(rng, 3, *shape) for shape in shapes]
+        meta = dict(cu_seqlens=torch.tensor([0, 3, 7], dtype=torch.int32),
+                    state_indices=torch.tensor([2, 0], dtype=torch.int32),
+                    has_initial_state=torch.tensor([True, False]))
 
-        def args():  # fresh arrays each call: the caches are updated in place
-            inputs = case.make_inputs(shape, np.random.default_rng(0))
-            return [testing.to_frontend(a, "torch", "float32") for a in inputs]
+        def engine_alone():
+            output = torch.full_like(hidden, float("nan"))
+            assert layer(hidden, output) is None
+            return output
 
-        op, hidden = case.make_op(shape), args()[0]
-        return [(lambda: op(hidden, torch.empty_like(hidden)), lambda: op(*args(), **case.options)),
-                (lambda: op(*args(), **case.options), lambda: op.forward_native(*args(), **case.options))]
+        def engine_in_context():
+            output = torch.full_like(hidden, float("nan"))
+            layer.kv_cache = tuple(c.clone() for c in caches)
+            with forward_context(**meta):
+                layer(hidden, output)
+            return output, *layer.kv_cache
+
+        return [(engine_alone, lambda: layer.run(hidden)[0]),
+                (engine_in_context, lambda: layer.run(hidden, *(c.clone() for c in caches), **meta))]
     return pairs
 
 
-def _case_with_params(name: str, label_part: str = "") -> Callable:
-    """The engine's ``layer(x)`` with its module's parameters after it, from the op's check case
-    (the first whose label holds ``label_part``, else its first; its largest shape): positional as the engine's
-    ``x``, against ``forward_native`` with every argument named."""
-    def pairs(rng):
-        cases = list(testing.cases_for([name]))
-        case = next((c for c in cases if label_part in c.label), cases[0])
-        shape = max(case.shapes, key=lambda s: int(np.prod(s)))
-        args = [testing.to_frontend(a, "torch", "float32") for a in case.make_inputs(shape, rng)]
-        op = case.make_op(shape)
-        names = list(inspect.signature(op.forward_native).parameters)
-        return [(lambda: op(*args, **case.options), lambda: op.forward_native(**dict(zip(names, args)), **case.options))]
-    return pairs
+def _rel_pos_attention(rng):
+    """``attn(x)`` on the layer (transformers' SamVisionAttention parameters), at its table size and
+    at another (the tables interpolated)."""
+    attn = layers.RelPosAttention(16, num_heads=2, use_rel_pos=True, input_size=(4, 4))
+    _randomize(*attn.parameters(), rng=rng)
+    params = dict(qkv_weight=attn.qkv.weight, qkv_bias=attn.qkv.bias, proj_weight=attn.proj.weight,
+                  proj_bias=attn.proj.bias, rel_pos_h=attn.rel_pos_h, rel_pos_w=attn.rel_pos_w)
+    x, y = _t(rng, 2, 4, 4, 16), _t(rng, 1, 3, 5, 16)
+    return [(lambda: attn(x), lambda: attn.op.forward_native(x=x, **params)),
+            (lambda: attn(y), lambda: attn.op.forward_native(x=y, **params))]
 
 
 def _mixer2_gated_rms_norm(rng):
@@ -288,21 +328,17 @@ def _apply_rotary_emb(rng):
             (lambda: op(x[0], cos, sin), lambda: op.forward_native(x=x[0], cos=cos, sin=sin))]
 
 
-_MIXER_REFUSAL = r"argument 'in_proj_weight' has shape .*the engine's call mixer\(hidden_states, output\)"
-
 ENGINE_CALLS: dict[str, EngineCall] = {
     "mm_encoder_attn": EngineCall("attn(query=q, key=k, value=v, cu_seqlens=cu, max_seqlen=<0-d int tensor>)", "op",
                                   _mm_encoder_attn),
-    "multi_head_latent_attention": EngineCall(
-        "mla(positions, hidden_states)", "refused", _mla, r"argument 'weights' is required.*forward context"),
+    "multi_head_latent_attention": EngineCall("mla(positions, hidden_states)", "layer", _mla),
     **{name: EngineCall("act(x)", "op", _activation(make)) for name, make in (
         ("silu_and_mul", ops.SiluAndMul), ("mul_and_silu", ops.MulAndSilu), ("gelu_new", ops.NewGELU),
         ("gelu_fast", ops.FastGELU), ("quick_gelu", ops.QuickGELU), ("gelu_and_mul", lambda: ops.GeluAndMul("tanh")),
         ("gelu_and_mul_sparse", lambda: ops.GeluAndMulSparse(0.5)), ("relu2", ops.ReLUSquaredActivation),
         ("swigluoai_and_mul", ops.SwigluOAIAndMul), ("fatrelu_and_mul", lambda: ops.FatreluAndMul(0.3)))},
     "xielu": EngineCall("act(x)", "layer", _xielu),
-    "rel_pos_attention": EngineCall("attn(x), then its module's qkv/proj weights and tables", "op+params",
-                                    _case_with_params("rel_pos_attention", "[rel_pos]")),
+    "rel_pos_attention": EngineCall("attn(x)", "layer", _rel_pos_attention),
     "conv2d": EngineCall("conv(x)", "layer", _conv(layers.Conv2dLayer, (2, 2), (2, 3, 4, 6))),
     "conv3d": EngineCall("conv(x)", "layer", _conv(layers.Conv3dLayer, (1, 2, 2), (1, 3, 2, 4, 4))),
     "vocab_parallel_embedding": EngineCall("embed_tokens(input_ids)", "layer", _embedding),
@@ -315,8 +351,12 @@ ENGINE_CALLS: dict[str, EngineCall] = {
     "row_parallel_linear": EngineCall("proj(x) -> (out, bias)", "layer",
                                       _linear(lambda: layers.RowParallelLinear(16, 8))),
     "logits_processor": EngineCall("logits_processor(lm_head, hidden_states)", "layer", _logits_processor),
-    **{name: EngineCall("mixer(hidden_states, output)", "refused", _mixer(name), _MIXER_REFUSAL)
-       for name in ("mamba_mixer", "mamba_mixer2", "plamo2_mamba_mixer", "short_conv")},
+    **{name: EngineCall("mixer(hidden_states, output)", "layer", _mixer_layer(make)) for name, make in (
+        ("mamba_mixer", lambda: layers.MambaMixer(16, 4, 3, 24, 4, use_bias=True)),
+        ("mamba_mixer2", lambda: layers.MambaMixer2(16, 4, 3, 32, True, True, n_groups=2, num_heads=4, head_dim=8,
+                                                   chunk_size=4)),
+        ("plamo2_mamba_mixer", lambda: layers.Plamo2MambaMixer(16, 4, 3, 2, 8, chunk_size=4)),
+        ("short_conv", lambda: layers.ShortConv(16, 3, bias=True)))},
     "mixer2_gated_rms_norm": EngineCall("norm(x, gate)", "op+params", _mixer2_gated_rms_norm),
     "fused_moe": EngineCall("experts(hidden_states, router_logits)", "layer", _fused_moe),
     "unquantized_fused_moe": EngineCall("quant_method.apply(layer=layer, x=x, topk_weights=w, topk_ids=ids)", "method",
@@ -411,6 +451,22 @@ def test_mm_encoder_attn_takes_a_tensor_max_seqlen(platform, method, form):
     want = op.forward_native(q, k, v, cu)
     torch.testing.assert_close(keyword, got, rtol=0, atol=0)
     assert testing.compare(testing.to_numpy(got), testing.to_numpy(want), "float32").ok
+
+
+@pytest.mark.parametrize("platform, method", [("cpu", "forward_cpu"), ("cuda", "forward_cuda")])
+def test_mm_encoder_attn_tensor_max_seqlen_inside_torch_compile(platform, method):
+    """Inside ``torch.compile(fullgraph=True)`` the engine's ``(cu[1:] - cu[:-1]).max()`` reaches the
+    op as a traced tensor: the opaque op gets None (its schema takes an int) and the Triton kernel
+    bounds its loops from ``cu_seqlens``; the result is eager's."""
+    q, k, v, cu = _packed(np.random.default_rng(2))
+    op = ops.MMEncoderAttention(2, 80)
+    compiled = torch.compile(lambda q, k, v, cu: op(q, k, v, cu_seqlens=cu, max_seqlen=(cu[1:] - cu[:-1]).max()),
+                             fullgraph=True, backend="eager")
+    with override_platform(platform), set_config(OpsConfig(["all"])):
+        got = compiled(q, k, v, cu)
+        assert op.last_run("torch", platform)[0] == method
+        want = op(q, k, v, cu, 33)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
 def test_mm_encoder_attn_max_seqlen_int_conversion():
@@ -535,3 +591,73 @@ def test_logits_processor_op_takes_the_weight_and_its_layer_the_module():
     with pytest.raises(TypeError, match=r"logits_processor: expected a torch.Tensor or jax.Array as the first "
                                         r"argument"):
         ops.LogitsProcessor(100)(head, hidden)
+
+
+# --- the stateful layers: the engine's call refused where it cannot be served ------------------------
+
+
+@pytest.mark.parametrize("name", ["mamba_mixer", "mamba_mixer2", "plamo2_mamba_mixer", "short_conv"])
+def test_mixer_op_refuses_the_engine_call_and_names_the_layer(name):
+    """The op has no weights: ``op(hidden_states, output)`` puts the output buffer where it takes
+    ``in_proj_weight``; refused, naming the layer that takes the call."""
+    case = next(testing.cases_for([name]))
+    op = case.make_op(case.shapes[0])
+    hidden = testing.to_frontend(case.make_inputs(case.shapes[0], np.random.default_rng(0))[0], "torch", "float32")
+    with pytest.raises(ValueError, match=rf"^{name}: argument 'in_proj_weight' has shape .*mixer\(hidden_states, "
+                                         rf"output\).*dualop\.torch\.layers"):
+        op(hidden, torch.empty_like(hidden))
+
+
+def test_mixer_layer_engine_call_refusals_leave_the_caches_untouched():
+    """A context with no cache bound, extra arguments (the engine's optional mup_vector), an output
+    of another dtype: each refused before anything runs; with no context a bound cache stays as it was."""
+    from dualop.torch.forward_context import forward_context
+
+    rng = np.random.default_rng(11)
+    mixer = layers.MambaMixer2(16, 4, 3, 32, True, True, n_groups=2, num_heads=4, head_dim=8, chunk_size=4)
+    hidden = _t(rng, 5, 16)
+    with forward_context(cu_seqlens=torch.tensor([0, 5], dtype=torch.int32)):
+        with pytest.raises(ValueError, match=r"mamba_mixer2: a forward context is set but 'kv_cache' is NoneType; "
+                                             r"bind layer.kv_cache = \(conv_state, ssm_state\)"):
+            mixer(hidden, torch.empty_like(hidden))
+    with pytest.raises(TypeError, match=r"mamba_mixer2: the engine's call mixer\(hidden_states, output\) takes "
+                                        r"nothing more here.*mup_vector"):
+        mixer(hidden, torch.empty_like(hidden), torch.ones(32))
+    with pytest.raises(ValueError, match=r"mamba_mixer2: argument 'output' must be shaped, typed and placed as "
+                                         r"'hidden_states' \(5, 16\) torch.float32"):
+        mixer(hidden, output=torch.empty(5, 16, dtype=torch.bfloat16))
+    caches = (_t(rng, 2, *mixer.op.conv_state_shape), _t(rng, 2, *mixer.op.ssm_state_shape))
+    mixer.kv_cache = tuple(c.clone() for c in caches)
+    output = torch.empty_like(hidden)
+    mixer(hidden, output)
+    for bound, before in zip(mixer.kv_cache, caches):
+        assert torch.equal(bound, before)
+    assert torch.isfinite(output).all()
+
+
+def test_mla_layer_engine_call_refusals():
+    from dualop.torch.forward_context import forward_context
+
+    rope = ops.RotaryEmbedding(8, 8, 64, 10000.0, False)
+    mla = layers.MultiHeadLatentAttention(32, 2, 0.1, 8, 8, 8, None, 16, rope)
+    positions, hidden = torch.arange(3), _t(np.random.default_rng(12), 3, 32)
+    meta = dict(slot_mapping=torch.arange(3, dtype=torch.int32), kv_lens=torch.tensor([3], dtype=torch.int32),
+                page_indices=torch.zeros(1, 1, dtype=torch.int32), cu_q_lens=torch.tensor([0, 3], dtype=torch.int32),
+                num_seqs=torch.tensor([1], dtype=torch.int32))
+    with forward_context(**meta):
+        with pytest.raises(ValueError, match=r"multi_head_latent_attention: a forward context is set but 'kv_cache' "
+                                             r"is NoneType; bind layer.kv_cache = latent_pages"):
+            mla(positions, hidden)
+    mla.kv_cache = torch.zeros(1, 4, 24)
+    with forward_context(cu_seqlens=torch.tensor([0, 3])):
+        with pytest.raises(ValueError, match=r"multi_head_latent_attention: the forward context has no slot_mapping, "
+                                             r"kv_lens, page_indices, cu_q_lens, num_seqs"):
+            mla(positions, hidden)
+    with pytest.raises(TypeError, match=r"forward_context: unknown field\(s\) \['slots'\]"):
+        with forward_context(slots=meta["slot_mapping"]):
+            pass
+    with pytest.raises(TypeError, match=r"multi_head_latent_attention: argument 'hidden_states' must be a torch "
+                                        r"tensor \[tokens, 32\]"):
+        mla(positions, hidden[None])
+    with pytest.raises(TypeError, match=r"multi_head_latent_attention: argument 'weights' is required"):
+        mla.op(positions, hidden)  # the op: the weights, cache and metadata are its arguments

@@ -467,7 +467,7 @@ def compiled_call(op: CustomOp, args: tuple, kwargs: dict) -> Any:
     if name is None or not _enabled_now(name, op.enforce_enable):
         return op.forward_native(*args, **kwargs)
     _check_library_call(name, op._ctor or "", op._ctor_error or "")
-    values = library_args(op, args, kwargs)
+    values = library_args(op, *op.library_arguments(args, kwargs))
     out = getattr(getattr(torch.ops, _NAMESPACE), name)(*values)
     sig = _DEFINED[name]
     if sig.mutated_results:
