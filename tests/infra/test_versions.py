@@ -77,6 +77,18 @@ def test_tpu_extra_is_libtpu_and_jax_and_torch_tpu_has_its_own():
     assert _requirement_names(extras["models"]) >= {"transformers", "safetensors"}
 
 
+def test_readme_install_names_the_cpu_torch_wheel_and_every_extra():
+    """A CPU host told how to get the CPU torch build (not the multi-GB CUDA one), and the install
+    table naming each extra pyproject declares (a feature's extra, never found by trial)."""
+    readme = (ROOT / "README.md").read_text()
+    section = readme[readme.index("## Install"):readme.index("\n## ", readme.index("## Install") + 1)]
+    assert "--index-url https://download.pytorch.org/whl/cpu" in section
+    named = set(re.findall(r"`([\w-]+)`", section))
+    missing = set(_extras()) - named
+    assert not missing, f"extras the README's install section does not name: {sorted(missing)}"
+    assert re.search(r"transformers.*`models`", section), "the models extra must say it brings transformers"
+
+
 def test_env_script_installs_existing_extras_and_the_constraint_files_cite_existing_pages():
     extras = set(_extras())
     environments = _environment_extras()
