@@ -9,7 +9,8 @@ importable things, so it means the same op in every process. Values:
   stored as the plain type), and lists of values: JSON's own;
 - every JSON object is a tag: ``{"tuple": [...]}``, ``{"dict": [[key, value], ...]}``,
   ``{"float": "nan" | "inf" | "-inf"}``, ``{"enum": [path, member name]}``,
-  ``{"dataclass": [path, {field: value}]}`` (the fields ``__init__`` takes).
+  ``{"dataclass": [path, {field: value}]}`` (the fields ``__init__`` takes),
+  ``{"torch_dtype": name}`` (a ``torch.dtype``, as the engine passes a rope's ``dtype``).
 
 A class path is ``module:qualname`` and must import back to the same class. Anything else (a
 function, an arbitrary object, a class defined inside a function) has no encoding: ``encode``
@@ -96,6 +97,8 @@ def _encode_value(value: Any) -> Any:
             except _Unencodable as err:
                 raise _Unencodable(err.why, f"[{key!r}]{err.where}") from None
         return {"dict": pairs}
+    if type(value).__module__ == "torch" and type(value).__name__ == "dtype":
+        return {"torch_dtype": str(value).removeprefix("torch.")}
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         fields = {}
         for field in dataclasses.fields(value):
@@ -107,7 +110,7 @@ def _encode_value(value: Any) -> Any:
         return {"dataclass": [_class_path(type(value)), fields]}
     raise _Unencodable(
         f"a {type(value).__module__}.{type(value).__qualname__}; expected None, bool, int, float, str, "
-        f"an Enum member, a dataclass instance, or a tuple, list or dict of those"
+        f"a torch.dtype, an Enum member, a dataclass instance, or a tuple, list or dict of those"
     )
 
 
@@ -127,6 +130,10 @@ def _decode_value(data: Any) -> Any:
         return _resolve(body[0])[body[1]]
     if tag == "dataclass":
         return _resolve(body[0])(**{k: _decode_value(v) for k, v in body[1].items()})
+    if tag == "torch_dtype":
+        import torch
+
+        return getattr(torch, body)
     raise ValueError(f"dualop: unknown tag {tag!r} in a constructor spec")
 
 

@@ -117,3 +117,16 @@ def test_llama_generates_transformers_tokens(llama, plugin):
         assert result["not_replaced"] == {}
     else:
         assert result["replaced"] == [] and ran == {}, result  # filtered out: dualop never ran
+
+
+def test_llama_in_vllms_compiled_mode_runs_dualops_kernels_inside_the_graph(llama):
+    """vLLM's default mode compiles the model with custom_ops 'none': its ops' forward_native is
+    traced, and the replacements' forward_native is dualop's op, which Dynamo keeps as the opaque
+    ``torch.ops.dualop.*``; at run time that op dispatches to dualop's kernel."""
+    path, want = llama
+    result = _vllm(path, plugin=True, compiled=True)
+    assert result["compilation_mode"] != "CompilationMode.NONE" and result["custom_ops"] == ["none"], result
+    assert result["tokens"] == want
+    ran = {row["op"]: row["method"] for row in result["report"] if row["frontend"] == "torch"}
+    for op in ("rms_norm", "silu_and_mul", "rotary_embedding"):
+        assert ran.get(op) == "forward_cpu", (op, result["report"])

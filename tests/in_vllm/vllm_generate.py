@@ -25,7 +25,9 @@ def main() -> None:
     from dualop.custom_op import dispatch_report
 
     plugin = sys.modules.get("dualop.vllm_plugin")
+    compilation = llm.llm_engine.vllm_config.compilation_config
     print("RESULT " + json.dumps({
+        "compilation_mode": str(compilation.mode), "custom_ops": list(compilation.custom_ops),
         "tokens": [list(o.outputs[0].token_ids) for o in outs],
         "report": [{k: row[k] for k in ("op", "frontend", "platform", "method", "reason")} for row in dispatch_report()],
         "replaced": sorted(plugin.replaced()) if plugin else [],

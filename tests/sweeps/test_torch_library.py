@@ -145,7 +145,7 @@ class _Shape:
 
 @pytest.mark.parametrize("value", [
     None, True, 3, -2.5, "per_token", (1, -1), [1, (2, 3)], {"a": 1, 2: (3,)}, _Mode.EXACT,
-    _Shape(1, (128, _Mode.FAST)), [float("inf"), float("-inf")], np.float64(0.5),
+    _Shape(1, (128, _Mode.FAST)), [float("inf"), float("-inf")], np.float64(0.5), torch.bfloat16,
 ])
 def test_constructor_values_round_trip(value):
     from dualop.ops import QuantFP8
@@ -155,6 +155,17 @@ def test_constructor_values_round_trip(value):
     path, args, kwargs = ctor_spec.json.loads(spec)
     decoded = ctor_spec._decode_value(kwargs["group_shape"])
     assert decoded == value and type(decoded) is (float if isinstance(value, float) else type(value))
+
+
+def test_a_rope_built_with_a_torch_dtype_rebuilds_the_same():
+    """The engine builds its ropes with a torch dtype: the op's spec encodes it, so torch.compile
+    can make the op opaque."""
+    from dualop.ops import RotaryEmbedding
+
+    op = RotaryEmbedding(16, 16, 64, 10000.0, True, torch.bfloat16)
+    assert op._ctor_error is None
+    rebuilt = ctor_spec.build(op._ctor)
+    assert rebuilt.dtype == "bfloat16" and (rebuilt.cos_sin_cache == op.cos_sin_cache).all()
 
 
 def test_nan_round_trips():
