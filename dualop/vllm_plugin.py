@@ -50,6 +50,16 @@ def _rope_call(module: Any, op: Any, positions: Any, query: Any, key: Any = None
     return op(positions, query, key)
 
 
+def _gated_norm_call(module: Any, op: Any, x: Any, gate: Any) -> Any:
+    return op(x, gate, module.weight)
+
+
+def _tensor_parallel(module: Any, op: Any) -> str | None:
+    """dualop's op reduces over its own tensor-parallel group, not vLLM's."""
+    size = getattr(module, "tp_size", 1)
+    return f"it is sharded over vLLM's {size} tensor-parallel ranks" if size > 1 else None
+
+
 def _rope_table_differs(module: Any, op: Any) -> str | None:
     """vLLM's cos/sin table against dualop's (built from the same constructor arguments): a
     difference means the two classes disagree on the scaling, so vLLM's methods stay."""
@@ -69,18 +79,66 @@ def _rope_table_differs(module: Any, op: Any) -> str | None:
     return None
 
 
+# --- the routed experts -----------------------------------------------------------------------
+
+# vLLM's MoEActivation values dualop's experts compute the same way (gate * act(up), gate first).
+_EXPERT_ACTIVATIONS = ("silu", "gelu", "gelu_tanh")
+
+
+def _experts_build(dualop_cls: type, module: Any, args: tuple, kwargs: dict) -> tuple[Any | None, str | None]:
+    """dualop's experts for vLLM's unquantized method, from its ``FusedMoEConfig``: unquantized,
+    bias-free experts with an activation dualop computes the same way."""
+    moe = module.moe
+    activation = getattr(moe.activation, "value", moe.activation)
+    if activation not in _EXPERT_ACTIVATIONS:
+        return None, f"its activation {activation!r} is not one dualop's experts compute as vLLM does {_EXPERT_ACTIVATIONS}"
+    if moe.has_bias or getattr(moe, "is_lora_enabled", False):
+        return None, "it has expert biases or LoRA, which this replacement does not carry"
+    return dualop_cls(activation=activation), None
+
+
+def _experts_call(module: Any, op: Any, layer: Any, x: Any, topk_weights: Any, topk_ids: Any,
+                  shared_experts: Any = None, shared_experts_input: Any = None) -> Any:
+    if shared_experts is not None:  # vLLM passes them only to a kernel that overlaps them (ours does not)
+        raise TypeError(f"{op.name}: vLLM passed shared experts to overlap; dualop's experts do not overlap them "
+                        f"(mk_can_overlap_shared_experts is False)")
+    if bool(getattr(layer, "apply_router_weight_on_input", False)) != op.apply_router_weight_on_input:
+        op = module._dualop_op = type(op)(activation=op.activation,
+                                         apply_router_weight_on_input=layer.apply_router_weight_on_input)
+    if str(topk_ids.dtype) != "torch.int32":  # vLLM's router may give int64 ids; dualop's experts take int32
+        topk_ids = topk_ids.int()
+    return op.apply(layer, x, topk_weights, topk_ids)
+
+
+def _experts_keep_loaded_weights(vllm_cls: type) -> Callable[[Any, Any], None]:
+    """``process_weights_after_loading`` of the replaced method: dualop reads the experts' weights as
+    loaded (``w13_weight [E, 2I, H]``, ``w2_weight [E, H, I]``), so vLLM's repacking for its own
+    kernel (the CPU build prepacks them) is skipped where dualop serves the layer."""
+
+    def process_weights_after_loading(self: Any, layer: Any) -> None:
+        if self.__dict__.get("_dualop_op") is None:
+            return vllm_cls.process_weights_after_loading(self, layer)
+        return super(vllm_cls, self).process_weights_after_loading(layer)
+
+    return process_weights_after_loading
+
+
 @dataclasses.dataclass(frozen=True)
 class Replacement:
     """One vLLM op class dualop replaces: ``vllm_module.vllm_class`` (the ``register_oot`` key is
-    the class name), served by ``dualop.ops.<dualop_class>`` built from the same constructor
-    arguments; ``call(module, op, *args, **kwargs)`` maps vLLM's forward arguments onto the op's;
-    ``declines(module, op)`` says why an instance keeps vLLM's methods (None: it does not)."""
+    the class name), served by ``dualop.ops.<dualop_class>``, built from the same constructor
+    arguments unless ``build(dualop_cls, module, args, kwargs) -> (op, why not)`` says how;
+    ``call(module, op, *args, **kwargs)`` maps vLLM's forward arguments onto the op's;
+    ``declines(module, op)`` says why an instance keeps vLLM's methods (None: it does not);
+    ``methods(vllm_cls)`` gives further methods of the replacement by name."""
 
     vllm_module: str
     vllm_class: str
     dualop_class: str
     call: Callable[..., Any]
     declines: Callable[[Any, Any], str | None] | None = None
+    build: Callable[..., tuple[Any | None, str | None]] | None = None
+    methods: Callable[[type], dict[str, Callable[..., Any]]] | None = None
 
 
 _LAYERS = "vllm.model_executor.layers"
@@ -89,6 +147,8 @@ _ROPE = f"{_LAYERS}.rotary_embedding"
 REPLACEMENTS: tuple[Replacement, ...] = (
     Replacement(f"{_LAYERS}.layernorm", "RMSNorm", "RMSNorm", _norm_call),
     Replacement(f"{_LAYERS}.layernorm", "GemmaRMSNorm", "GemmaRMSNorm", _norm_call),
+    Replacement(f"{_LAYERS}.mamba.mamba_mixer2", "Mixer2RMSNormGated", "Mixer2RMSNormGated", _gated_norm_call,
+                _tensor_parallel),
     *(Replacement(f"{_LAYERS}.activation", name, name, _activation_call) for name in (
         "SiluAndMul", "MulAndSilu", "GeluAndMul", "GeluAndMulSparse", "NewGELU", "FastGELU", "QuickGELU",
         "ReLUSquaredActivation", "SwigluOAIAndMul", "FatreluAndMul")),
@@ -96,6 +156,9 @@ REPLACEMENTS: tuple[Replacement, ...] = (
         "RotaryEmbedding", "LinearScalingRotaryEmbedding", "NTKScalingRotaryEmbedding",
         "DynamicNTKScalingRotaryEmbedding", "DynamicNTKAlphaRotaryEmbedding", "YaRNScalingRotaryEmbedding",
         "DeepseekScalingRotaryEmbedding", "Llama3RotaryEmbedding", "Phi3LongRoPEScaledRotaryEmbedding")),
+    Replacement(f"{_LAYERS}.fused_moe.unquantized_fused_moe_method", "UnquantizedFusedMoEMethod",
+                "UnquantizedFusedMoEMethod", _experts_call, build=_experts_build,
+                methods=lambda vllm_cls: {"process_weights_after_loading": _experts_keep_loaded_weights(vllm_cls)}),
 )
 
 _replaced: dict[str, type] = {}
@@ -164,7 +227,10 @@ def _forward_method(method: str, call: Callable[..., Any]) -> Callable[..., Any]
 def _make_replacement(spec: Replacement, vllm_cls: type, dualop_cls: type) -> type:
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
         vllm_cls.__init__(self, *args, **kwargs)
-        op, why = _dualop_twin(vllm_cls, dualop_cls, args, kwargs)
+        if spec.build is not None:
+            op, why = spec.build(dualop_cls, self, args, kwargs)
+        else:
+            op, why = _dualop_twin(vllm_cls, dualop_cls, args, kwargs)
         if op is not None and spec.declines is not None:
             why = spec.declines(self, op)
             op = None if why else op
@@ -177,6 +243,8 @@ def _make_replacement(spec: Replacement, vllm_cls: type, dualop_cls: type) -> ty
                                  "__doc__": f"vLLM's {spec.vllm_class} served by dualop.ops.{dualop_cls.__name__}."}
     for method in FORWARD_METHODS:
         namespace[method] = _forward_method(method, spec.call)
+    if spec.methods is not None:
+        namespace.update(spec.methods(vllm_cls))
     return type(f"Dualop{spec.vllm_class}", (vllm_cls,), namespace)
 
 

@@ -24,43 +24,66 @@ PROMPTS = [[1, 5, 9, 33, 71], [1, 200, 3]]
 NEW_TOKENS = 12
 GENERATE = Path(__file__).with_name("vllm_generate.py")
 
+# Tiny float32 checkpoints saved by transformers (vLLM's CPU attention needs head_dim 64 or more),
+# each with the dualop ops vLLM's model of it builds and the plugin replaces.
+_COMMON = dict(vocab_size=256, hidden_size=128, intermediate_size=256, num_attention_heads=2, num_key_value_heads=1,
+               max_position_embeddings=256, tie_word_embeddings=False)
+MODELS = {
+    "llama": (lambda: transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        **_COMMON, num_hidden_layers=2, rope_parameters={
+            "rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 64})),
+        {"rms_norm", "silu_and_mul", "rotary_embedding"}),
+    "qwen3": (lambda: transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**_COMMON, num_hidden_layers=2,
+                                                                             head_dim=64)),
+              {"rms_norm", "silu_and_mul", "rotary_embedding"}),  # rms_norm: the q/k norms too
+    "qwen3_moe": (lambda: transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
+        **_COMMON, num_hidden_layers=2, head_dim=64, moe_intermediate_size=64, num_experts=8,
+        num_experts_per_tok=2, norm_topk_prob=True)),
+        {"rms_norm", "rotary_embedding", "unquantized_fused_moe"}),
+    "nemotron_h": (lambda: transformers.NemotronHForCausalLM(transformers.NemotronHConfig(
+        **_COMMON, num_hidden_layers=3, hybrid_override_pattern="M*-", head_dim=64, mamba_num_heads=4,
+        mamba_head_dim=64, n_groups=1, ssm_state_size=16, conv_kernel=4, chunk_size=16)),
+        {"rms_norm", "relu2", "mixer2_gated_rms_norm"}),  # Mamba-2 mixer, attention and relu2 MLP layers
+}
 
-def _llama(path: Path) -> Path:
-    """A 2-layer float32 Llama with llama3 rope scaling (vLLM's CPU attention needs head_dim 64+)."""
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
-        num_key_value_heads=1, max_position_embeddings=256, tie_word_embeddings=False,
-        rope_parameters={"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
-                         "high_freq_factor": 4.0, "original_max_position_embeddings": 64})
-    transformers.LlamaForCausalLM(config).to(torch.float32).save_pretrained(path)
-    return path
 
-
-def _transformers_tokens(path: Path) -> list[list[int]]:
-    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    with torch.no_grad():
-        return [model.generate(torch.tensor([p]), max_new_tokens=NEW_TOKENS, do_sample=False,
-                               pad_token_id=0)[0, len(p):].tolist() for p in PROMPTS]
-
-
-def _vllm(path: Path, *, plugin: bool, compiled: bool = False) -> dict:
+def _vllm(paths: list[Path], *, plugin: bool, compiled: bool = False) -> dict[str, dict]:
+    """Each checkpoint generated in turn by one vLLM process: {path: its result}."""
     env = dict(os.environ)
     env.pop("VLLM_PLUGINS", None)
     if not plugin:
         env["VLLM_PLUGINS"] = ""  # vLLM loads only the plugins named here: none
-    argv = [sys.executable, str(GENERATE), str(path), json.dumps(PROMPTS), str(NEW_TOKENS)]
-    proc = subprocess.run(argv + (["--compiled"] if compiled else []), capture_output=True, text=True, env=env,
-                          timeout=600)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, f"vLLM run failed (exit {proc.returncode}):\n{proc.stderr[-6000:]}"
-    return json.loads(lines[-1].removeprefix("RESULT "))
+    argv = [sys.executable, str(GENERATE), json.dumps(PROMPTS), str(NEW_TOKENS)]
+    proc = subprocess.run(argv + (["--compiled"] if compiled else []) + [str(p) for p in paths], capture_output=True,
+                          text=True, env=env, timeout=900)
+    results = [json.loads(line.removeprefix("RESULT ")) for line in proc.stdout.splitlines()
+               if line.startswith("RESULT ")]
+    assert proc.returncode == 0 and len(results) == len(paths), (
+        f"vLLM run failed (exit {proc.returncode}):\n{proc.stderr[-6000:]}\n{proc.stdout[-3000:]}")
+    return {result["model"]: result for result in results}
 
 
 @pytest.fixture(scope="module")
-def llama(tmp_path_factory) -> tuple[Path, list[list[int]]]:
-    path = _llama(tmp_path_factory.mktemp("llama") / "tiny-llama")
-    return path, _transformers_tokens(path)
+def checkpoints(tmp_path_factory) -> dict[str, tuple[Path, list[list[int]]]]:
+    """{model: (checkpoint, transformers' greedy tokens)}."""
+    out = {}
+    for name, (make, _) in MODELS.items():
+        torch.manual_seed(0)
+        path = tmp_path_factory.mktemp(name) / name
+        make().to(torch.float32).save_pretrained(path)
+        model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        with torch.no_grad():
+            out[name] = (path, [model.generate(torch.tensor([p]), max_new_tokens=NEW_TOKENS, do_sample=False,
+                                               pad_token_id=0)[0, len(p):].tolist() for p in PROMPTS])
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs(checkpoints) -> dict[bool, dict[str, dict]]:
+    """Every checkpoint through vLLM with the plugin (True) and filtered out (False)."""
+    paths = [path for path, _ in checkpoints.values()]
+    return {plugin: _vllm(paths, plugin=plugin) for plugin in (True, False)}
 
 
 def test_plugin_is_an_entry_point_and_registers_idempotently():
@@ -105,28 +128,28 @@ def test_replacement_keeps_vllms_parameters_and_matches_vllms_kernel():
 
 
 @pytest.mark.parametrize("plugin", [True, False], ids=["plugin", "filtered-out"])
-def test_llama_generates_transformers_tokens(llama, plugin):
-    path, want = llama
-    result = _vllm(path, plugin=plugin)
+@pytest.mark.parametrize("model", sorted(MODELS))
+def test_model_generates_transformers_tokens(checkpoints, runs, model, plugin):
+    path, want = checkpoints[model]
+    result = runs[plugin][str(path)]
     assert result["tokens"] == want
     ran = {row["op"]: row["method"] for row in result["report"] if row["frontend"] == "torch"}
     if plugin:
-        assert {"RMSNorm", "SiluAndMul", "Llama3RotaryEmbedding"} <= set(result["replaced"]), result
-        for op in ("rms_norm", "silu_and_mul", "rotary_embedding"):
-            assert ran[op] == "forward_cpu", (op, result["report"])  # dualop's C++ kernel ran
-        assert result["not_replaced"] == {}
+        for op in sorted(MODELS[model][1]):
+            assert ran.get(op) == "forward_cpu", (op, result["report"])  # dualop's C++ kernel ran
+        assert result["not_replaced"] == {}, result["not_replaced"]
     else:
         assert result["replaced"] == [] and ran == {}, result  # filtered out: dualop never ran
 
 
-def test_llama_in_vllms_compiled_mode_runs_dualops_kernels_inside_the_graph(llama):
+def test_llama_in_vllms_compiled_mode_runs_dualops_kernels_inside_the_graph(checkpoints):
     """vLLM's default mode compiles the model with custom_ops 'none': its ops' forward_native is
     traced, and the replacements' forward_native is dualop's op, which Dynamo keeps as the opaque
     ``torch.ops.dualop.*``; at run time that op dispatches to dualop's kernel."""
-    path, want = llama
-    result = _vllm(path, plugin=True, compiled=True)
+    path, want = checkpoints["llama"]
+    result = _vllm([path], plugin=True, compiled=True)[str(path)]
     assert result["compilation_mode"] != "CompilationMode.NONE" and result["custom_ops"] == ["none"], result
     assert result["tokens"] == want
     ran = {row["op"]: row["method"] for row in result["report"] if row["frontend"] == "torch"}
-    for op in ("rms_norm", "silu_and_mul", "rotary_embedding"):
+    for op in sorted(MODELS["llama"][1]):
         assert ran.get(op) == "forward_cpu", (op, result["report"])
