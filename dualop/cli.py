@@ -592,7 +592,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--dtypes", help="comma-separated: float32, bfloat16, float16 (default: float32,bfloat16)")
     s.add_argument("--frontends", help="comma-separated: torch, jax (default: both where importable)")
     s.add_argument("--impls", help="comma-separated: dualop-default, dualop-native, torch-eager, torch-compile, "
-                                   "torch-builtin, jax-handwritten (default: all)")
+                                   "torch-builtin, vllm-kernel (where vLLM is installed), jax-handwritten (default: all)")
     s.add_argument("--rounds", type=int, default=7, help="timed interleaved rounds (default 7; rounded up to whole cycles of balanced orders)")
     s.add_argument("--warmup", type=int, default=2, help="untimed rounds first (default 2)")
     s.add_argument("--json", metavar="FILE", help="also write the records as JSON to FILE")

@@ -54,7 +54,7 @@ def format_throughput(records: list[dict]) -> str:
         parts.append(
             "spread = (max - min) / median over rounds; GB/s = the kernel cost model's bytes / median; "
             "% of copy = GB/s / copy GB/s measured in the same rounds; vs best peer = median over rounds "
-            "of time / the time in the same round of the peer (torch-*, jax-*) with the lowest median; "
+            "of time / the time in the same round of the peer (torch-*, vllm-*, jax-*) with the lowest median; "
             "warm-up s = the first call (compilation); faults/call = median minor page faults per call; "
             "same HLO = jax dualop-default compiles to the hand-written version's optimised HLO (names "
             "and metadata aside); "

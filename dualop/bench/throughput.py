@@ -11,7 +11,8 @@ Implementations. torch: ``dualop-default`` (``op(*args)`` under the active confi
 dispatches to here), ``dualop-native`` (``op(*args)`` with ``custom_ops=["none"]``),
 ``torch-eager`` (``op.forward_native`` called directly), ``torch-compile``
 (``torch.compile(op.forward_native)``; its first call, the compilation, is ``warmup_s``),
-``torch-builtin`` (``torch.nn.functional``, where the case has one). jax: ``dualop-default``
+``torch-builtin`` (``torch.nn.functional``, where the case has one), ``vllm-kernel`` (vLLM's own
+compiled kernel, where vLLM is installed and has one: ``dualop.bench.vllm_peers``). jax: ``dualop-default``
 (``jax.jit`` of ``op(*args)``) and ``jax-handwritten`` (``jax.jit`` of a plain ``jax.numpy``
 version). Peers are the non-dualop implementations.
 """
@@ -51,10 +52,11 @@ IMPLS: tuple[str, ...] = (
     "torch-eager",
     "torch-compile",
     "torch-builtin",
+    "vllm-kernel",
     "jax-handwritten",
 )
 FRONTEND_IMPLS: dict[str, tuple[str, ...]] = {
-    "torch": ("dualop-default", "dualop-native", "torch-eager", "torch-compile", "torch-builtin"),
+    "torch": ("dualop-default", "dualop-native", "torch-eager", "torch-compile", "torch-builtin", "vllm-kernel"),
     "jax": ("dualop-default", "jax-handwritten"),
 }
 FRONTENDS: tuple[str, ...] = tuple(FRONTEND_IMPLS)
@@ -120,6 +122,8 @@ def check_frontends(names: Iterable[str]) -> list[str]:
 def _torch_impls(case: BenchCase, op: Any, wanted: Iterable[str]) -> dict[str, Callable[..., Any]]:
     import torch
 
+    from dualop.bench.vllm_peers import vllm_peer
+
     def dualop_native(*args: Any) -> Any:
         with set_config(NATIVE_CONFIG):
             return op(*args)
@@ -134,6 +138,7 @@ def _torch_impls(case: BenchCase, op: Any, wanted: Iterable[str]) -> dict[str, C
         "torch-eager": lambda: op.forward_native,
         "torch-compile": compiled,
         "torch-builtin": lambda: case.torch_builtin(op) if case.torch_builtin else None,
+        "vllm-kernel": lambda: vllm_peer(case.label, op),
     }
     fns = {name: makers[name]() for name in FRONTEND_IMPLS["torch"] if name in wanted}
     return {name: fn for name, fn in fns.items() if fn is not None}

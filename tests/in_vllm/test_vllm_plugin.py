@@ -153,3 +153,21 @@ def test_llama_in_vllms_compiled_mode_runs_dualops_kernels_inside_the_graph(chec
     ran = {row["op"]: row["method"] for row in result["report"] if row["frontend"] == "torch"}
     for op in sorted(MODELS["llama"][1]):
         assert ran.get(op) == "forward_cpu", (op, result["report"])
+
+
+def test_bench_times_vllms_own_kernels_as_peers():
+    """``dualop bench``'s ``vllm-kernel`` peer: vLLM's compiled CPU kernel of each case that has one,
+    checked against the op's native body (a disagreement would be an error record) and timed in
+    the same interleaved rounds as dualop's."""
+    from dualop.bench import cases, throughput
+    from dualop.bench.vllm_peers import VLLM_PEER_CASES, vllm_kernels_available
+
+    assert vllm_kernels_available() is None
+    chosen = [c for c in cases.CASES if c.label in VLLM_PEER_CASES]
+    assert {c.label for c in chosen} == set(VLLM_PEER_CASES)
+    records = throughput.run_throughput(chosen, [(8, 256)], ["float32", "bfloat16"], ["torch"],
+                                        impls=["dualop-default", "vllm-kernel"], rounds=1, warmup=0, progress=False)
+    peers = {(r["op"], r["dtype"]): r for r in records if r["impl"] == "vllm-kernel"}
+    assert set(peers) == {(label, dtype) for label in VLLM_PEER_CASES for dtype in ("float32", "bfloat16")}
+    for key, record in peers.items():
+        assert "error" not in record and record["median_s"] > 0, (key, record)
