@@ -123,6 +123,49 @@ def _experts_keep_loaded_weights(vllm_cls: type) -> Callable[[Any, Any], None]:
     return process_weights_after_loading
 
 
+# --- the linear layers (vLLM PluggableLayers) -------------------------------------------------------
+
+
+def _linear_build(dualop_cls: type, module: Any, args: tuple, kwargs: dict) -> tuple[Any | None, str | None]:
+    """dualop's linear op of the same family, on one rank, for an unquantized vLLM linear layer that
+    is not sharded; where it serves, the layer keeps its loaded weight (see ``_keep_loaded_weight``)."""
+    from vllm.model_executor.layers.linear import UnquantizedLinearMethod
+
+    method = module.quant_method
+    if type(method) is not UnquantizedLinearMethod:
+        return None, f"its weights are quantized ({type(method).__name__}); dualop's linear ops take unquantized ones"
+    if module.tp_size > 1:
+        return None, f"it is sharded over vLLM's {module.tp_size} tensor-parallel ranks"
+    out_features, in_features = module.weight.shape
+    common = dict(bias=module.bias is not None, skip_bias_add=module.skip_bias_add, return_bias=module.return_bias,
+                  disable_tp=True)  # one rank (a constructor argument torch.compile's opaque op can carry)
+    extra = {"reduce_results": module.reduce_results} if hasattr(module, "reduce_results") else {}
+    try:
+        op = dualop_cls(in_features, out_features, **common, **extra)
+    except (TypeError, ValueError) as err:
+        return None, f"dualop.ops.{dualop_cls.__name__} refuses it: {err}"
+    _keep_loaded_weight(method)
+    return op, None
+
+
+_KEEPING: dict[type, type] = {}
+
+
+def _keep_loaded_weight(method: Any) -> None:
+    """vLLM's CPU build repacks a linear layer's weight for its own GEMM after loading and drops the
+    weight; dualop's op reads the weight as loaded, so the layer's method skips that step."""
+    cls = type(method)
+    if cls not in _KEEPING:
+        _KEEPING[cls] = type(f"DualopKept{cls.__name__}", (cls,), {
+            "process_weights_after_loading": lambda self, layer: None, "__module__": __name__,
+            "__doc__": f"vLLM's {cls.__name__}, keeping the weight as loaded (dualop's linear op reads it)."})
+    method.__class__ = _KEEPING[cls]
+
+
+def _linear_call(module: Any, op: Any, x: Any) -> Any:
+    return op(x, module.weight, module.bias)
+
+
 @dataclasses.dataclass(frozen=True)
 class Replacement:
     """One vLLM op class dualop replaces: ``vllm_module.vllm_class`` (the ``register_oot`` key is
@@ -130,7 +173,8 @@ class Replacement:
     arguments unless ``build(dualop_cls, module, args, kwargs) -> (op, why not)`` says how;
     ``call(module, op, *args, **kwargs)`` maps vLLM's forward arguments onto the op's;
     ``declines(module, op)`` says why an instance keeps vLLM's methods (None: it does not);
-    ``methods(vllm_cls)`` gives further methods of the replacement by name."""
+    ``methods(vllm_cls)`` gives further methods of the replacement by name; ``routes`` are the
+    methods sent to dualop (a ``CustomOp``'s forward methods; a ``PluggableLayer``'s ``forward``)."""
 
     vllm_module: str
     vllm_class: str
@@ -139,6 +183,7 @@ class Replacement:
     declines: Callable[[Any, Any], str | None] | None = None
     build: Callable[..., tuple[Any | None, str | None]] | None = None
     methods: Callable[[type], dict[str, Callable[..., Any]]] | None = None
+    routes: tuple[str, ...] = FORWARD_METHODS
 
 
 _LAYERS = "vllm.model_executor.layers"
@@ -156,6 +201,10 @@ REPLACEMENTS: tuple[Replacement, ...] = (
         "RotaryEmbedding", "LinearScalingRotaryEmbedding", "NTKScalingRotaryEmbedding",
         "DynamicNTKScalingRotaryEmbedding", "DynamicNTKAlphaRotaryEmbedding", "YaRNScalingRotaryEmbedding",
         "DeepseekScalingRotaryEmbedding", "Llama3RotaryEmbedding", "Phi3LongRoPEScaledRotaryEmbedding")),
+    *(Replacement(f"{_LAYERS}.linear", name, dualop_name, _linear_call, build=_linear_build, routes=("forward",))
+      for name, dualop_name in (("ReplicatedLinear", "ReplicatedLinear"), ("ColumnParallelLinear", "ColumnParallelLinear"),
+                                ("MergedColumnParallelLinear", "ColumnParallelLinear"),
+                                ("QKVParallelLinear", "ColumnParallelLinear"), ("RowParallelLinear", "RowParallelLinear"))),
     Replacement(f"{_LAYERS}.fused_moe.unquantized_fused_moe_method", "UnquantizedFusedMoEMethod",
                 "UnquantizedFusedMoEMethod", _experts_call, build=_experts_build,
                 methods=lambda vllm_cls: {"process_weights_after_loading": _experts_keep_loaded_weights(vllm_cls)}),
@@ -241,7 +290,7 @@ def _make_replacement(spec: Replacement, vllm_cls: type, dualop_cls: type) -> ty
     namespace: dict[str, Any] = {"__init__": __init__, "vllm_class": vllm_cls, "dualop_class": dualop_cls,
                                  "__module__": __name__,
                                  "__doc__": f"vLLM's {spec.vllm_class} served by dualop.ops.{dualop_cls.__name__}."}
-    for method in FORWARD_METHODS:
+    for method in spec.routes:
         namespace[method] = _forward_method(method, spec.call)
     if spec.methods is not None:
         namespace.update(spec.methods(vllm_cls))
@@ -251,7 +300,7 @@ def _make_replacement(spec: Replacement, vllm_cls: type, dualop_cls: type) -> ty
 def register() -> None:
     """vLLM's plugin entry point: register the replacements (idempotent; vLLM calls it in every
     process). A class vLLM lacks, or one another plugin replaced first, is left alone and said so."""
-    from vllm.model_executor.custom_op import CustomOp, op_registry_oot
+    from vllm.model_executor.custom_op import CustomOp, PluggableLayer, op_registry_oot
 
     import dualop.ops
 
@@ -269,7 +318,8 @@ def register() -> None:
             continue
         replacement = _make_replacement(spec, vllm_cls, getattr(dualop.ops, spec.dualop_class))
         registered_name = getattr(vllm_cls, "name", None)
-        CustomOp.register_oot(replacement, name=spec.vllm_class)
+        registry = CustomOp if issubclass(vllm_cls, CustomOp) else PluggableLayer
+        registry.register_oot(replacement, name=spec.vllm_class)
         if registered_name is not None:
             replacement.name = registered_name  # register_oot renamed it; vLLM's custom_ops use this name
         _replaced[spec.vllm_class] = replacement

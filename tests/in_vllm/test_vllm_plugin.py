@@ -33,18 +33,19 @@ MODELS = {
         **_COMMON, num_hidden_layers=2, rope_parameters={
             "rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
             "high_freq_factor": 4.0, "original_max_position_embeddings": 64})),
-        {"rms_norm", "silu_and_mul", "rotary_embedding"}),
+        {"rms_norm", "silu_and_mul", "rotary_embedding", "column_parallel_linear", "row_parallel_linear"}),
     "qwen3": (lambda: transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**_COMMON, num_hidden_layers=2,
                                                                              head_dim=64)),
-              {"rms_norm", "silu_and_mul", "rotary_embedding"}),  # rms_norm: the q/k norms too
+              {"rms_norm", "silu_and_mul", "rotary_embedding", "column_parallel_linear",
+               "row_parallel_linear"}),  # rms_norm: the q/k norms too
     "qwen3_moe": (lambda: transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
         **_COMMON, num_hidden_layers=2, head_dim=64, moe_intermediate_size=64, num_experts=8,
         num_experts_per_tok=2, norm_topk_prob=True)),
-        {"rms_norm", "rotary_embedding", "unquantized_fused_moe"}),
+        {"rms_norm", "rotary_embedding", "unquantized_fused_moe", "column_parallel_linear", "row_parallel_linear"}),
     "nemotron_h": (lambda: transformers.NemotronHForCausalLM(transformers.NemotronHConfig(
         **_COMMON, num_hidden_layers=3, hybrid_override_pattern="M*-", head_dim=64, mamba_num_heads=4,
         mamba_head_dim=64, n_groups=1, ssm_state_size=16, conv_kernel=4, chunk_size=16)),
-        {"rms_norm", "relu2", "mixer2_gated_rms_norm"}),  # Mamba-2 mixer, attention and relu2 MLP layers
+        {"rms_norm", "relu2", "mixer2_gated_rms_norm", "column_parallel_linear", "row_parallel_linear"}),  # Mamba-2 mixer, attention and relu2 MLP layers
 }
 
 
