@@ -166,6 +166,57 @@ def _linear_call(module: Any, op: Any, x: Any) -> Any:
     return op(x, module.weight, module.bias)
 
 
+# --- the vocabulary embedding and the logits processor -----------------------------------------------
+
+
+def _embedding_build(dualop_cls: type, module: Any, args: tuple, kwargs: dict) -> tuple[Any | None, str | None]:
+    from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
+
+    if type(module.quant_method) is not UnquantizedEmbeddingMethod:
+        return None, f"its weights are quantized ({type(module.quant_method).__name__})"
+    if module.tp_size > 1:
+        return None, f"it is sharded over vLLM's {module.tp_size} tensor-parallel ranks"
+    try:
+        op = dualop_cls(module.num_embeddings, module.embedding_dim, org_num_embeddings=module.org_vocab_size,
+                        padding_size=module.padding_size)
+        op.check_inputs(module.weight.new_zeros((1,), dtype=_int32()), module.weight)
+    except (TypeError, ValueError) as err:  # a padded vocabulary laid out otherwise than dualop's
+        return None, f"dualop.ops.{dualop_cls.__name__} refuses it: {err}"
+    return op, None
+
+
+def _int32() -> Any:
+    import torch
+
+    return torch.int32
+
+
+def _embedding_call(module: Any, op: Any, input_: Any) -> Any:
+    return op(input_, module.weight)
+
+
+def _logits_call(module: Any, op: Any, lm_head: Any, hidden_states: Any, embedding_bias: Any = None,
+                 skip_gather: bool = False) -> Any:
+    """dualop's logits processor with the LM head's weight, where the head is one unquantized rank
+    and the hidden states are in the head's dtype; else vLLM's own forward (said once)."""
+    from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
+
+    why = None
+    if type(getattr(lm_head, "quant_method", None)) is not UnquantizedEmbeddingMethod:
+        why = "its LM head is quantized"
+    elif getattr(lm_head, "tp_size", 1) > 1 or skip_gather:
+        why = "its LM head is sharded over vLLM's tensor-parallel ranks"
+    elif getattr(module, "head_dtype", None) not in (None, hidden_states.dtype) or lm_head.weight.dtype != hidden_states.dtype:
+        why = "its LM head computes in another dtype than the hidden states"
+    if why is not None:
+        _decline(type(module).vllm_class.__name__, why)
+        return type(module).vllm_class.forward(module, lm_head, hidden_states, embedding_bias, skip_gather)
+    if op.padding_size != lm_head.padding_size:
+        op = module._dualop_op = type(op)(op.vocab_size, op.org_vocab_size, op.scale, op.logits_as_input, op.soft_cap,
+                                          padding_size=lm_head.padding_size)
+    return op(lm_head.weight, hidden_states, embedding_bias)
+
+
 @dataclasses.dataclass(frozen=True)
 class Replacement:
     """One vLLM op class dualop replaces: ``vllm_module.vllm_class`` (the ``register_oot`` key is
@@ -205,6 +256,9 @@ REPLACEMENTS: tuple[Replacement, ...] = (
       for name, dualop_name in (("ReplicatedLinear", "ReplicatedLinear"), ("ColumnParallelLinear", "ColumnParallelLinear"),
                                 ("MergedColumnParallelLinear", "ColumnParallelLinear"),
                                 ("QKVParallelLinear", "ColumnParallelLinear"), ("RowParallelLinear", "RowParallelLinear"))),
+    Replacement(f"{_LAYERS}.vocab_parallel_embedding", "VocabParallelEmbedding", "VocabParallelEmbedding",
+                _embedding_call, build=_embedding_build, routes=("forward",)),
+    Replacement(f"{_LAYERS}.logits_processor", "LogitsProcessor", "LogitsProcessor", _logits_call, routes=("forward",)),
     Replacement(f"{_LAYERS}.fused_moe.unquantized_fused_moe_method", "UnquantizedFusedMoEMethod",
                 "UnquantizedFusedMoEMethod", _experts_call, build=_experts_build,
                 methods=lambda vllm_cls: {"process_weights_after_loading": _experts_keep_loaded_weights(vllm_cls)}),

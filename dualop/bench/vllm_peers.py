@@ -11,6 +11,7 @@ rope) inside the timed call, as dualop's out-of-place kernels allocate theirs.
 from __future__ import annotations
 
 import functools
+import importlib
 from collections.abc import Callable
 from typing import Any
 
@@ -23,7 +24,8 @@ def vllm_kernels_available() -> str | None:
     without its C extension)."""
     try:
         import torch
-        import vllm._custom_ops  # noqa: F401  (loads vLLM's C extension: torch.ops._C)
+
+        importlib.import_module("vllm._custom_ops")  # loads vLLM's C extension: torch.ops._C
     except Exception as err:  # vLLM absent, or its import fails on this host
         return f"vLLM is not importable here ({type(err).__name__}: {err})"
     if not hasattr(torch.ops._C, "rms_norm"):

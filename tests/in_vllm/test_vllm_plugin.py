@@ -33,19 +33,22 @@ MODELS = {
         **_COMMON, num_hidden_layers=2, rope_parameters={
             "rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
             "high_freq_factor": 4.0, "original_max_position_embeddings": 64})),
-        {"rms_norm", "silu_and_mul", "rotary_embedding", "column_parallel_linear", "row_parallel_linear"}),
+        {"rms_norm", "silu_and_mul", "rotary_embedding", "column_parallel_linear", "row_parallel_linear",
+         "vocab_parallel_embedding"}),
     "qwen3": (lambda: transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**_COMMON, num_hidden_layers=2,
                                                                              head_dim=64)),
               {"rms_norm", "silu_and_mul", "rotary_embedding", "column_parallel_linear",
-               "row_parallel_linear"}),  # rms_norm: the q/k norms too
+               "row_parallel_linear", "vocab_parallel_embedding"}),  # rms_norm: the q/k norms too
     "qwen3_moe": (lambda: transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
         **_COMMON, num_hidden_layers=2, head_dim=64, moe_intermediate_size=64, num_experts=8,
         num_experts_per_tok=2, norm_topk_prob=True)),
-        {"rms_norm", "rotary_embedding", "unquantized_fused_moe", "column_parallel_linear", "row_parallel_linear"}),
+        {"rms_norm", "rotary_embedding", "unquantized_fused_moe", "column_parallel_linear", "row_parallel_linear",
+         "vocab_parallel_embedding"}),
     "nemotron_h": (lambda: transformers.NemotronHForCausalLM(transformers.NemotronHConfig(
         **_COMMON, num_hidden_layers=3, hybrid_override_pattern="M*-", head_dim=64, mamba_num_heads=4,
         mamba_head_dim=64, n_groups=1, ssm_state_size=16, conv_kernel=4, chunk_size=16)),
-        {"rms_norm", "relu2", "mixer2_gated_rms_norm", "column_parallel_linear", "row_parallel_linear"}),  # Mamba-2 mixer, attention and relu2 MLP layers
+        {"rms_norm", "relu2", "mixer2_gated_rms_norm", "column_parallel_linear", "row_parallel_linear",
+         "vocab_parallel_embedding"}),  # Mamba-2 mixer, attention and relu2 MLP layers
 }
 
 
@@ -138,6 +141,9 @@ def test_model_generates_transformers_tokens(checkpoints, runs, model, plugin):
     if plugin:
         for op in sorted(MODELS[model][1]):
             assert ran.get(op) == "forward_cpu", (op, result["report"])  # dualop's C++ kernel ran
+        # the logits processor ran too: the plain LM-head matmul is the vendor's, in its native body
+        (logits,) = [row for row in result["report"] if row["op"] == "logits_processor"]
+        assert logits["method"] == "forward_native" and "plain matmul" in logits["reason"], logits
         assert result["not_replaced"] == {}, result["not_replaced"]
     else:
         assert result["replaced"] == [] and ran == {}, result  # filtered out: dualop never ran
