@@ -1,0 +1,169 @@
+"""Each class the dualop plugin replaces, built the way vLLM's models build it (its constructor, or
+vLLM's own ``get_rope`` for every rope scaling), gives through dualop's kernel what vLLM's own
+native body gives, with the parameters vLLM's loader fills; in the 'vllm' environment."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.vllm_env
+
+pytest.importorskip("vllm", reason="vLLM is installed in the 'vllm' environment (scripts/env.sh vllm)")
+torch = pytest.importorskip("torch")
+
+
+@pytest.fixture(scope="module")
+def vllm_context(tmp_path_factory):
+    """vLLM's config and a one-process tensor-parallel group (its layers ask for their rank)."""
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.distributed import (cleanup_dist_env_and_memory, init_distributed_environment,
+                                  initialize_model_parallel)
+
+    from dualop import vllm_plugin
+
+    vllm_plugin.register()
+    init_file = tmp_path_factory.mktemp("dist") / "init"
+    with set_current_vllm_config(VllmConfig()):
+        init_distributed_environment(world_size=1, rank=0, distributed_init_method=f"file://{init_file}",
+                                     local_rank=0, backend="gloo")
+        initialize_model_parallel(1)
+        yield
+        cleanup_dist_env_and_memory()
+
+
+def _t(rng, *shape, scale=1.0):
+    return torch.from_numpy((rng.standard_normal(shape) * scale).astype(np.float32))
+
+
+def _randomize(module, rng):
+    with torch.no_grad():
+        for p in module.parameters():
+            p.copy_(_t(rng, *p.shape, scale=0.5) + (1.0 if p.ndim == 1 else 0.0))
+
+
+def _rope(rope_parameters, *, neox=True, head=64, max_position=256):
+    def make():
+        from vllm.model_executor.layers.rotary_embedding import get_rope
+
+        return get_rope(head, max_position, neox, dict(rope_parameters), torch.float32)
+    return make
+
+
+def _rope_inputs(rng):
+    positions = torch.from_numpy(rng.integers(0, 256, 7))
+    return positions, _t(rng, 7, 4 * 64), _t(rng, 7, 2 * 64)
+
+
+def _mla_rope_inputs(rng):
+    """DeepSeek's rope takes q_pe [T, H, R] and k_pe [T, 1, R], as its attention passes them."""
+    positions = torch.from_numpy(rng.integers(0, 256, 7))
+    return positions, _t(rng, 7, 4, 64), _t(rng, 7, 1, 64)
+
+
+def _vllm(module_path, name, *args, **kwargs):
+    def make():
+        import importlib
+
+        return getattr(importlib.import_module(module_path), name)(*args, **kwargs)
+    return make
+
+
+_ACT = "vllm.model_executor.layers.activation"
+_NORM = "vllm.model_executor.layers.layernorm"
+_LINEAR = "vllm.model_executor.layers.linear"
+
+# id -> (make the vLLM module, make its forward arguments)
+CASES = {
+    "rms_norm": (_vllm(_NORM, "RMSNorm", 64, eps=1e-5), lambda rng: (_t(rng, 5, 64, scale=3.0),)),
+    "rms_norm[residual]": (_vllm(_NORM, "RMSNorm", 64, eps=1e-5), lambda rng: (_t(rng, 5, 64), _t(rng, 5, 64))),
+    "gemma_rms_norm": (_vllm(_NORM, "GemmaRMSNorm", 64), lambda rng: (_t(rng, 5, 64), _t(rng, 5, 64))),
+    **{name: (_vllm(_ACT, cls, *args), lambda rng: (_t(rng, 5, 64, scale=3.0),)) for name, cls, args in (
+        ("silu_and_mul", "SiluAndMul", ()), ("mul_and_silu", "MulAndSilu", ()), ("gelu_and_mul", "GeluAndMul", ()),
+        ("gelu_and_mul[tanh]", "GeluAndMul", ("tanh",)), ("gelu_new", "NewGELU", ()), ("gelu_fast", "FastGELU", ()),
+        ("quick_gelu", "QuickGELU", ()), ("relu2", "ReLUSquaredActivation", ()),
+        ("swigluoai_and_mul", "SwigluOAIAndMul", ()), ("fatrelu_and_mul", "FatreluAndMul", (0.3,)),
+        ("gelu_and_mul_sparse", "GeluAndMulSparse", (0.95,)))},
+    "mixer2_gated_rms_norm": (_vllm("vllm.model_executor.layers.mamba.mamba_mixer2", "Mixer2RMSNormGated", 64, 2),
+                              lambda rng: (_t(rng, 5, 64), _t(rng, 5, 64))),
+    "rope[deepseek_yarn]": (_rope({"rope_type": "deepseek_yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                   "original_max_position_embeddings": 64, "mscale": 1.0, "mscale_all_dim": 1.0},
+                                  neox=False), _mla_rope_inputs),
+    **{f"rope[{kind}]": (_rope(params, neox=neox), _rope_inputs) for kind, params, neox in (
+        ("default", {"rope_type": "default", "rope_theta": 10000.0}, True),
+        ("gptj", {"rope_type": "default", "rope_theta": 10000.0}, False),
+        ("linear", {"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0}, True),
+        ("yarn", {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 64},
+         True),
+        ("llama3", {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                    "high_freq_factor": 4.0, "original_max_position_embeddings": 64}, True))},
+    "replicated_linear": (_vllm(_LINEAR, "ReplicatedLinear", 64, 48, bias=True), lambda rng: (_t(rng, 5, 64),)),
+    "column_parallel_linear": (_vllm(_LINEAR, "ColumnParallelLinear", 64, 48, bias=True, skip_bias_add=True),
+                               lambda rng: (_t(rng, 5, 64),)),
+    "qkv_parallel_linear": (_vllm(_LINEAR, "QKVParallelLinear", 64, 16, 4, 2, bias=False), lambda rng: (_t(rng, 5, 64),)),
+    "row_parallel_linear": (_vllm(_LINEAR, "RowParallelLinear", 64, 48, bias=True), lambda rng: (_t(rng, 5, 64),)),
+}
+
+
+# Classes the plugin leaves to vLLM, built as vLLM builds them, and why (logged by the plugin).
+DECLINED = {
+    "rope[dynamic]": (_rope({"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0}),
+                      "max_trained_positions=256 has no counterpart"),
+}
+
+
+def _assert_close(got, want):
+    if isinstance(want, (tuple, list)):
+        assert isinstance(got, (tuple, list)) and len(got) == len(want)
+        for g, w in zip(got, want):
+            _assert_close(g, w)
+    elif want is None:
+        assert got is None
+    else:
+        # two float32 implementations: reductions in other orders; rope tables of angles up to 255 rad
+        # (base 500000) rounded apart by ~3e-5
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_replacement_gives_vllms_result(vllm_context, case):
+    from dualop import vllm_plugin
+
+    make, inputs = CASES[case]
+    module = make()
+    name = type(module).__name__
+    assert name.startswith("Dualop"), f"{case}: vLLM built its own {name} (not replaced)"
+    assert module._dualop_op is not None, vllm_plugin.not_replaced()
+    rng = np.random.default_rng(0)
+    _randomize(module, rng)
+    args = inputs(rng)
+    vllm_class = type(module).vllm_class
+    own = super(type(module), module)  # vLLM's methods, bound (static ones too)
+    with torch.no_grad():
+        if hasattr(vllm_class, "forward_native"):
+            got = module.forward_cpu(*[a.clone() for a in args])
+            want = own.forward_native(*[a.clone() for a in args])
+        else:  # a PluggableLayer: vLLM's forward with its own unquantized GEMM (F.linear)
+            got = module.forward(*args)
+            module.cpu_linear = torch.nn.functional.linear  # what vLLM's CPU loader would set
+            want = own.forward(*args)
+    if math.isnan(sum(float(a.float().sum()) for a in args)):
+        pytest.fail("inputs hold NaN")
+    _assert_close(got, want)
+
+
+@pytest.mark.parametrize("case", sorted(DECLINED))
+def test_what_dualop_does_not_serve_keeps_vllms_methods(vllm_context, case):
+    from dualop import vllm_plugin
+
+    make, why = DECLINED[case]
+    module = make()
+    assert module._dualop_op is None
+    assert why in vllm_plugin.not_replaced()[type(module).vllm_class.__name__]
+    rng = np.random.default_rng(0)
+    args = _rope_inputs(rng)
+    with torch.no_grad():
+        _assert_close(module.forward_cpu(*[a.clone() for a in args]),
+                      super(type(module), module).forward_cpu(*[a.clone() for a in args]))
