@@ -33,8 +33,9 @@ FORWARD_METHODS = ("forward_native", "forward_cpu", "forward_cuda", "forward_hip
                    "forward_oot")
 
 # vLLM constructor arguments with no bearing on the op's result, dropped when dualop's op lacks them:
-# whether vLLM compiles its own native body, when it builds its rope table, the weight's storage dtype.
-_VLLM_ONLY_ARGS = frozenset({"compile_native", "init_cache", "dtype"})
+# whether vLLM compiles its own native body, when it builds its rope table, the weights' storage dtype
+# and device.
+_VLLM_ONLY_ARGS = frozenset({"compile_native", "init_cache", "dtype", "params_dtype", "device"})
 
 
 def _norm_call(module: Any, op: Any, x: Any, residual: Any = None) -> Any:
@@ -52,6 +53,18 @@ def _rope_call(module: Any, op: Any, positions: Any, query: Any, key: Any = None
 
 def _gated_norm_call(module: Any, op: Any, x: Any, gate: Any) -> Any:
     return op(x, gate, module.weight)
+
+
+def _norm_gate_call(module: Any, op: Any, x: Any, z: Any = None) -> Any:
+    return op(x, module.weight, z)
+
+
+def _with_weights_call(module: Any, op: Any, x: Any) -> Any:
+    return op(x, module.weight, module.bias)
+
+
+def _passthrough_call(module: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
+    return op(*args, **kwargs)
 
 
 def _tensor_parallel(module: Any, op: Any) -> str | None:
@@ -247,6 +260,11 @@ REPLACEMENTS: tuple[Replacement, ...] = (
     Replacement(f"{_LAYERS}.layernorm", "GemmaRMSNorm", "GemmaRMSNorm", _norm_call),
     Replacement(f"{_LAYERS}.mamba.mamba_mixer2", "Mixer2RMSNormGated", "Mixer2RMSNormGated", _gated_norm_call,
                 _tensor_parallel),
+    Replacement(f"{_LAYERS}.layernorm", "RMSNormGated", "RMSNormGated", _norm_gate_call),
+    Replacement(f"{_LAYERS}.conv", "Conv2dLayer", "Conv2dLayer", _with_weights_call),
+    Replacement(f"{_LAYERS}.conv", "Conv3dLayer", "Conv3dLayer", _with_weights_call),
+    Replacement(f"{_LAYERS}.fused_moe.router.grouped_topk_router", "GroupedTopk", "GroupedTopk", _passthrough_call),
+    Replacement(f"{_ROPE}.common", "ApplyRotaryEmb", "ApplyRotaryEmb", _passthrough_call),
     *(Replacement(f"{_LAYERS}.activation", name, name, _activation_call) for name in (
         "SiluAndMul", "MulAndSilu", "GeluAndMul", "GeluAndMulSparse", "NewGELU", "FastGELU", "QuickGELU",
         "ReLUSquaredActivation", "SwigluOAIAndMul", "FatreluAndMul")),

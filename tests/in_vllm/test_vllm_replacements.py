@@ -72,6 +72,12 @@ def _vllm(module_path, name, *args, **kwargs):
 
 
 _ACT = "vllm.model_executor.layers.activation"
+_ROPE_COMMON = "vllm.model_executor.layers.rotary_embedding.common"
+
+
+def _cos_sin(rng):
+    angles = torch.from_numpy(rng.uniform(0, 3, (5, 8)).astype(np.float32))
+    return angles.cos(), angles.sin()
 _NORM = "vllm.model_executor.layers.layernorm"
 _LINEAR = "vllm.model_executor.layers.linear"
 
@@ -99,6 +105,18 @@ CASES = {
          True),
         ("llama3", {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
                     "high_freq_factor": 4.0, "original_max_position_embeddings": 64}, True))},
+    "rms_norm_gated": (_vllm(_NORM, "RMSNormGated", 64, group_size=32, norm_before_gate=True),
+                       lambda rng: (_t(rng, 5, 64), _t(rng, 5, 64))),
+    "rms_norm_gated[no gate]": (_vllm(_NORM, "RMSNormGated", 64), lambda rng: (_t(rng, 5, 64),)),
+    "conv2d": (_vllm("vllm.model_executor.layers.conv", "Conv2dLayer", 3, 8, (2, 2), stride=(2, 2)),
+               lambda rng: (_t(rng, 2, 3, 4, 6),)),
+    "conv3d": (_vllm("vllm.model_executor.layers.conv", "Conv3dLayer", 3, 8, (1, 2, 2), stride=(1, 2, 2), bias=False),
+               lambda rng: (_t(rng, 1, 3, 2, 4, 4),)),
+    "grouped_topk": (_vllm("vllm.model_executor.layers.fused_moe.router.grouped_topk_router", "GroupedTopk", 2, True,
+                           num_expert_group=2, topk_group=1, scoring_func="sigmoid"),
+                     lambda rng: (_t(rng, 6, 16), _t(rng, 6, 8), _t(rng, 8, scale=0.1))),
+    "apply_rotary_emb": (_vllm(_ROPE_COMMON, "ApplyRotaryEmb", is_neox_style=False, enable_fp32_compute=True),
+                         lambda rng: (_t(rng, 2, 5, 3, 16), *_cos_sin(rng))),
     "replicated_linear": (_vllm(_LINEAR, "ReplicatedLinear", 64, 48, bias=True), lambda rng: (_t(rng, 5, 64),)),
     "column_parallel_linear": (_vllm(_LINEAR, "ColumnParallelLinear", 64, 48, bias=True, skip_bias_add=True),
                                lambda rng: (_t(rng, 5, 64),)),
