@@ -12,10 +12,18 @@ frontend. Two step shapes are timed, each as one entry per implementation per ro
 Every entry returns its greedy tokens (the argmax of each sequence's last logits), so a step is
 done when it returns; transformers computes only the last position's logits (``logits_to_keep=1``)
 and its cache is cropped back after each decode call, so every round does the same work.
+
+Where vLLM is installed (the ``vllm`` environment), a third kind, ``generate``, times whole greedy
+generations of ``batch`` prompts of ``prompt_len`` tokens and ``new_tokens`` new ones: transformers'
+``generate``, dualop's engine (``generate``) and vLLM's ``LLM.generate`` in eager and compiled mode
+(its own kernels: the dualop plugin is filtered out with ``VLLM_PLUGINS`` unless the caller set it),
+end-of-sequence ignored by all, with each one's tokens compared to transformers'.
 """
 
 from __future__ import annotations
 
+import functools
+import importlib
 import os
 import tempfile
 from collections.abc import Callable
@@ -71,9 +79,62 @@ def _transformers_steps(path: str, dtype: str, batch: int, prompt_len: int, cont
     return prefill, decode
 
 
+def _vllm_missing() -> str | None:
+    try:
+        importlib.import_module("vllm")
+    except Exception as err:  # not installed, or its import fails on this host
+        return f"{type(err).__name__}: {err}"
+    return None
+
+
+def _generate_fns(path: str, dtype: str, frontends: tuple[str, ...], batch: int, prompt_len: int, new_tokens: int
+                  ) -> dict[str, Callable[[], list[list[int]]]]:
+    """Whole greedy generations, one callable per implementation (see the module docstring)."""
+    import torch
+    import transformers
+
+    from dualop import models
+
+    os.environ.setdefault("VLLM_PLUGINS", "")  # vLLM's own kernels (the dualop plugin filtered out)
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # engine in this process, one thread each
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # vLLM logs each engine's start on stdout
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype),
+                                                           attn_implementation="eager").eval()
+    gen = torch.Generator().manual_seed(1)
+    prompts = torch.randint(0, hf.config.vocab_size, (batch, prompt_len), generator=gen)
+    lists = prompts.tolist()
+
+    def hf_generate():
+        with torch.inference_mode():
+            out = hf.generate(prompts, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+                              pad_token_id=0)
+        return out[:, prompt_len:].tolist()
+
+    fns: dict[str, Callable[[], list[list[int]]]] = {"transformers": hf_generate}
+    limit = prompt_len + new_tokens
+    for fe in frontends:
+        model = models.from_pretrained(path, frontend=fe, dtype=dtype, max_model_len=limit, max_num_seqs=batch,
+                                       max_num_batched_tokens=batch * prompt_len)
+        fns[f"dualop-{fe}"] = functools.partial(model.generate, lists, new_tokens, stop_at_eos=False)
+    from vllm import LLM, SamplingParams
+
+    params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+    for mode in ("eager", "compiled"):
+        llm = LLM(model=path, enforce_eager=mode == "eager", skip_tokenizer_init=True, dtype=dtype,
+                  max_model_len=max(limit, 64), seed=0)
+
+        def vllm_generate(llm=llm):
+            outs = llm.generate([{"prompt_token_ids": p} for p in lists], params, use_tqdm=False)
+            return [list(o.outputs[0].token_ids) for o in outs]
+
+        fns[f"vllm-{mode}"] = vllm_generate
+    return fns
+
+
 def bench_model(path: str | None = None, frontends: tuple[str, ...] = ("torch", "jax"), dtype: str = "float32",
                 batch: int = 8, prompt_len: int = 64, context_len: int = 64, rounds: int = 7, warmup: int = 2,
-                progress: bool = True) -> list[dict[str, Any]]:
+                progress: bool = True, new_tokens: int = 16) -> list[dict[str, Any]]:
     """One record per (step, implementation): seconds per step (median over rounds), tokens per
     second, the spread and the paired ratio to transformers (see the module docstring)."""
     from dualop import models
@@ -106,6 +167,19 @@ def bench_model(path: str | None = None, frontends: tuple[str, ...] = ("torch", 
                                     seconds=seconds, tokens_per_second=tokens / seconds,
                                     spread=relative_range(samples),
                                     vs_transformers=paired_ratio(samples, times["transformers"])))
+        if _vllm_missing() is None:
+            fns = _generate_fns(path, dtype, frontends, batch, prompt_len, new_tokens)
+            if progress:
+                print(f"dualop bench --model: timing generate ({', '.join(fns)})", flush=True)
+            tokens = {impl: fn() for impl, fn in fns.items()}  # each one's tokens (and its compile, if any)
+            times = interleaved(fns, rounds, warmup)
+            for impl, samples in times.items():
+                seconds = median(samples)
+                records.append(dict(op="model", step="generate", impl=impl, dtype=dtype, batch=batch,
+                                    tokens_per_step=batch * new_tokens, context=prompt_len, seconds=seconds,
+                                    tokens_per_second=batch * new_tokens / seconds, spread=relative_range(samples),
+                                    vs_transformers=paired_ratio(samples, times["transformers"]),
+                                    tokens_match_transformers=tokens[impl] == tokens["transformers"]))
         return records
     finally:
         if tmp is not None:
@@ -116,8 +190,11 @@ def format_model_bench(records: list[dict[str, Any]]) -> str:
     from dualop.bench.report import table
 
     rows = [{"step": f"{r['step']} ({r['batch']} x {r['tokens_per_step'] // r['batch']} new"
-                     + (f", {r['context']} cached)" if r["step"] == "decode" else ")"),
+                     + (f", {r['context']} cached)" if r["step"] == "decode" else
+                        f" after {r['context']})" if r["step"] == "generate" else ")"),
              "impl": r["impl"], "dtype": r["dtype"], "ms/step": f"{r['seconds'] * 1e3:.2f}",
              "tokens/s": f"{r['tokens_per_second']:.0f}", "spread": f"{r['spread']:.0%}",
-             "time vs transformers": f"{r['vs_transformers']:.2f}"} for r in records]
-    return table(rows, ["step", "impl", "dtype", "ms/step", "tokens/s", "spread", "time vs transformers"])
+             "time vs transformers": f"{r['vs_transformers']:.2f}",
+             "tokens": {True: "= transformers", False: "DIFFER"}.get(r.get("tokens_match_transformers"), "")}
+            for r in records]
+    return table(rows, ["step", "impl", "dtype", "ms/step", "tokens/s", "spread", "time vs transformers", "tokens"])

@@ -178,3 +178,18 @@ def test_bench_times_vllms_own_kernels_as_peers():
     assert set(peers) == {(label, dtype) for label in VLLM_PEER_CASES for dtype in ("float32", "bfloat16")}
     for key, record in peers.items():
         assert "error" not in record and record["median_s"] > 0, (key, record)
+
+
+def test_bench_model_compares_dualops_engine_with_vllms():
+    """``dualop bench --model``'s ``generate`` kind: transformers, dualop's engine and vLLM's
+    ``LLM.generate`` (eager and compiled, vLLM's own kernels) timed interleaved on one checkpoint,
+    each one's greedy tokens equal to transformers' in float32."""
+    from dualop.bench.model import bench_model
+
+    records = bench_model(frontends=("torch",), batch=2, prompt_len=8, context_len=8, rounds=1, warmup=0,
+                          progress=False, new_tokens=4)
+    generate = {r["impl"]: r for r in records if r["step"] == "generate"}
+    assert set(generate) == {"transformers", "dualop-torch", "vllm-eager", "vllm-compiled"}
+    for impl, record in generate.items():
+        assert record["tokens_match_transformers"] is True, impl
+        assert record["tokens_per_second"] > 0 and record["tokens_per_step"] == 2 * 4
