@@ -34,8 +34,8 @@ FORWARD_METHODS = ("forward_native", "forward_cpu", "forward_cuda", "forward_hip
 
 # vLLM constructor arguments with no bearing on the op's result, dropped when dualop's op lacks them:
 # whether vLLM compiles its own native body, when it builds its rope table, the weights' storage dtype
-# and device.
-_VLLM_ONLY_ARGS = frozenset({"compile_native", "init_cache", "dtype", "params_dtype", "device"})
+# and device, the layer's name in vLLM's model.
+_VLLM_ONLY_ARGS = frozenset({"compile_native", "init_cache", "dtype", "params_dtype", "device", "prefix"})
 
 
 def _norm_call(module: Any, op: Any, x: Any, residual: Any = None) -> Any:
@@ -61,6 +61,22 @@ def _norm_gate_call(module: Any, op: Any, x: Any, z: Any = None) -> Any:
 
 def _with_weights_call(module: Any, op: Any, x: Any) -> Any:
     return op(x, module.weight, module.bias)
+
+
+def _encoder_attention_call(module: Any, op: Any, query: Any, key: Any, value: Any, cu_seqlens: Any = None,
+                            max_seqlen: Any = None, sequence_lengths: Any = None) -> Any:
+    """``sequence_lengths`` is only for vLLM's FlashInfer backend: ``cu_seqlens`` says the same."""
+    return op(query, key, value, cu_seqlens, max_seqlen)
+
+
+def _quant_fp8_build(dualop_cls: type, module: Any, args: tuple, kwargs: dict) -> tuple[Any | None, str | None]:
+    """vLLM's ``GroupShape`` is a named tuple of its own: dualop's op takes it as a plain (row, col)."""
+    return _dualop_twin(type(module).vllm_class, dualop_cls, args, kwargs, convert={"group_shape": tuple})
+
+
+def _quant_fp8_call(module: Any, op: Any, x: Any, scale: Any = None, scale_ub: Any = None,
+                    use_triton: bool = False) -> Any:
+    return op(x, scale, scale_ub)
 
 
 def _passthrough_call(module: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
@@ -265,6 +281,10 @@ REPLACEMENTS: tuple[Replacement, ...] = (
     Replacement(f"{_LAYERS}.conv", "Conv3dLayer", "Conv3dLayer", _with_weights_call),
     Replacement(f"{_LAYERS}.fused_moe.router.grouped_topk_router", "GroupedTopk", "GroupedTopk", _passthrough_call),
     Replacement(f"{_ROPE}.common", "ApplyRotaryEmb", "ApplyRotaryEmb", _passthrough_call),
+    Replacement(f"{_LAYERS}.attention.mm_encoder_attention", "MMEncoderAttention", "MMEncoderAttention",
+                _encoder_attention_call),
+    Replacement(f"{_LAYERS}.quantization.input_quant_fp8", "QuantFP8", "QuantFP8", _quant_fp8_call,
+                build=_quant_fp8_build),
     *(Replacement(f"{_LAYERS}.activation", name, name, _activation_call) for name in (
         "SiluAndMul", "MulAndSilu", "GeluAndMul", "GeluAndMulSparse", "NewGELU", "FastGELU", "QuickGELU",
         "ReLUSquaredActivation", "SwigluOAIAndMul", "FatreluAndMul")),
@@ -304,8 +324,10 @@ def _decline(name: str, why: str) -> None:
         _LOG.warning("dualop: vLLM's %s keeps its own methods: %s", name, why)
 
 
-def _dualop_twin(vllm_cls: type, dualop_cls: type, args: tuple, kwargs: dict) -> tuple[Any | None, str | None]:
-    """dualop's op built from the arguments vLLM's class was built with, or (None, why not)."""
+def _dualop_twin(vllm_cls: type, dualop_cls: type, args: tuple, kwargs: dict,
+                 convert: dict[str, Callable[[Any], Any]] | None = None) -> tuple[Any | None, str | None]:
+    """dualop's op built from the arguments vLLM's class was built with (``convert`` maps a value of
+    vLLM's own type to one dualop's op takes), or (None, why not)."""
     signature = inspect.signature(vllm_cls.__init__)
     try:
         bound = signature.bind(None, *args, **kwargs)
@@ -322,7 +344,7 @@ def _dualop_twin(vllm_cls: type, dualop_cls: type, args: tuple, kwargs: dict) ->
     call_kwargs = {}
     for name, value in given.items():
         if name in accepted:
-            call_kwargs[name] = value
+            call_kwargs[name] = (convert or {}).get(name, lambda v: v)(value)
         elif name in _VLLM_ONLY_ARGS:
             continue
         elif name in signature.parameters and value == signature.parameters[name].default:

@@ -75,6 +75,15 @@ _ACT = "vllm.model_executor.layers.activation"
 _ROPE_COMMON = "vllm.model_executor.layers.rotary_embedding.common"
 
 
+def _quant_fp8(static, shape):
+    def make():
+        from vllm.model_executor.layers.quantization.input_quant_fp8 import QuantFP8
+        from vllm.model_executor.layers.quantization.utils.quant_utils import GroupShape
+
+        return QuantFP8(static, getattr(GroupShape, shape))
+    return make
+
+
 def _cos_sin(rng):
     angles = torch.from_numpy(rng.uniform(0, 3, (5, 8)).astype(np.float32))
     return angles.cos(), angles.sin()
@@ -117,6 +126,18 @@ CASES = {
                      lambda rng: (_t(rng, 6, 16), _t(rng, 6, 8), _t(rng, 8, scale=0.1))),
     "apply_rotary_emb": (_vllm(_ROPE_COMMON, "ApplyRotaryEmb", is_neox_style=False, enable_fp32_compute=True),
                          lambda rng: (_t(rng, 2, 5, 3, 16), *_cos_sin(rng))),
+    "mm_encoder_attn": (_vllm("vllm.model_executor.layers.attention.mm_encoder_attention", "MMEncoderAttention", 2, 16,
+                              num_kv_heads=1, prefix="visual.blocks.0.attn"),
+                        lambda rng: (_t(rng, 1, 12, 32), _t(rng, 1, 12, 16), _t(rng, 1, 12, 16),
+                                     torch.tensor([0, 3, 7, 12], dtype=torch.int32), torch.tensor(5))),
+    "mm_encoder_attn[batched]": (_vllm("vllm.model_executor.layers.attention.mm_encoder_attention",
+                                       "MMEncoderAttention", 2, 16),
+                                 lambda rng: (_t(rng, 2, 6, 2, 16), _t(rng, 2, 6, 2, 16), _t(rng, 2, 6, 2, 16))),
+    **{f"quant_fp8[{label}]": (_quant_fp8(static, shape), inputs) for label, static, shape, inputs in (
+        ("dynamic per token", False, "PER_TOKEN", lambda rng: (_t(rng, 5, 64, scale=3.0),)),
+        ("dynamic per token, ub", False, "PER_TOKEN", lambda rng: (_t(rng, 5, 64, scale=3.0), None,
+                                                                   torch.tensor([2.0]))),
+        ("static per tensor", True, "PER_TENSOR", lambda rng: (_t(rng, 5, 64, scale=3.0), torch.tensor([0.02]))))},
     "replicated_linear": (_vllm(_LINEAR, "ReplicatedLinear", 64, 48, bias=True), lambda rng: (_t(rng, 5, 64),)),
     "column_parallel_linear": (_vllm(_LINEAR, "ColumnParallelLinear", 64, 48, bias=True, skip_bias_add=True),
                                lambda rng: (_t(rng, 5, 64),)),
@@ -139,6 +160,9 @@ def _assert_close(got, want):
             _assert_close(g, w)
     elif want is None:
         assert got is None
+    elif want.dtype.itemsize == 1 and want.is_floating_point():  # float8: the same codes
+        assert got.dtype == want.dtype
+        torch.testing.assert_close(got.float(), want.float(), rtol=0, atol=0)
     else:
         # two float32 implementations: reductions in other orders; rope tables of angles up to 255 rad
         # (base 500000) rounded apart by ~3e-5
@@ -158,16 +182,17 @@ def test_replacement_gives_vllms_result(vllm_context, case):
     _randomize(module, rng)
     args = inputs(rng)
     vllm_class = type(module).vllm_class
+    clone = lambda a: None if a is None else a.clone()  # noqa: E731
     own = super(type(module), module)  # vLLM's methods, bound (static ones too)
     with torch.no_grad():
         if hasattr(vllm_class, "forward_native"):
-            got = module.forward_cpu(*[a.clone() for a in args])
-            want = own.forward_native(*[a.clone() for a in args])
+            got = module.forward_cpu(*map(clone, args))
+            want = own.forward_native(*map(clone, args))
         else:  # a PluggableLayer: vLLM's forward with its own unquantized GEMM (F.linear)
             got = module.forward(*args)
             module.cpu_linear = torch.nn.functional.linear  # what vLLM's CPU loader would set
             want = own.forward(*args)
-    if math.isnan(sum(float(a.float().sum()) for a in args)):
+    if math.isnan(sum(float(a.float().sum()) for a in args if a is not None)):
         pytest.fail("inputs hold NaN")
     _assert_close(got, want)
 
