@@ -248,6 +248,83 @@ def _logits_call(module: Any, op: Any, lm_head: Any, hidden_states: Any, embeddi
     return op(lm_head.weight, hidden_states, embedding_bias)
 
 
+# --- the Mamba-2 mixer's conv and scan core ------------------------------------------------------------
+
+
+def _mamba2_build(dualop_cls: type, module: Any, args: tuple, kwargs: dict) -> tuple[Any | None, str | None]:
+    """dualop's ``causal_conv1d`` and ``ssd_chunk_scan`` for vLLM's ``MambaMixer2`` core (its
+    projections and gated norm are replaced on their own): one rank, no speculative decoding or
+    ReplaySSM, an activation dualop's conv takes."""
+    import dualop.ops
+
+    if module.tp_size > 1:
+        return None, f"it is sharded over vLLM's {module.tp_size} tensor-parallel ranks"
+    if module.num_spec > 0 or getattr(module, "use_replayssm", False):
+        return None, "speculative decoding (ReplaySSM or draft tokens) is not in dualop's serving contract"
+    if module.activation not in ("silu", None):
+        return None, f"its conv activation {module.activation!r} is not one dualop's causal_conv1d takes"
+    conv = dualop.ops.CausalConv1d(module.tped_conv_size, module.conv_kernel_size, module.activation)
+    scan = dualop_cls(module.num_heads, module.head_dim, module.ssm_state_size, module.n_groups)
+    return (conv, scan), None
+
+
+def _mamba2_core(module: Any, ops: Any, projected_states: Any, output: Any) -> None:
+    """vLLM's ``conv_ssm_forward(projected_states, output)``: the batch from vLLM's forward context
+    (its decodes first, then its prefills) as one packed batch of dualop's serving contract, the
+    conv and SSM caches vLLM allocated (updated in place), the scan's output written into
+    ``output``. vLLM's own core runs for its profiling run (no metadata) and for what that
+    contract does not cover (prefix-caching checkpoints, several state slots per decode)."""
+    import torch
+    from vllm.forward_context import get_forward_context
+
+    own = type(module).vllm_class.conv_ssm_forward
+    metadata = get_forward_context().attn_metadata
+    metadata = metadata.get(module.prefix) if isinstance(metadata, dict) else None
+    if metadata is None:  # the profiling run
+        return own(module, projected_states, output)
+    decode_slots = metadata.state_indices_tensor_d
+    if getattr(metadata, "checkpoint_chunk_idx", None) is not None or (
+            decode_slots is not None and decode_slots.ndim == 2 and decode_slots.shape[-1] != 1):
+        _decline("MambaMixer2", "a batch with prefix-caching checkpoints or several state slots per decode: "
+                                "vLLM's own core runs for it")
+        return own(module, projected_states, output)
+    conv_op, scan_op = ops
+    num_decodes, num_prefills = metadata.num_decodes, metadata.num_prefills
+    tokens = metadata.num_decode_tokens + metadata.num_prefill_tokens
+    x_bc, dt = torch.split(projected_states[:tokens, module.tped_intermediate_size:],
+                           [module.tped_conv_size, module.tped_dt_size], dim=-1)
+    device = projected_states.device
+    cu, slots, initial = [torch.arange(num_decodes, dtype=torch.int32, device=device)], [], []
+    if num_decodes:
+        slots.append(decode_slots.reshape(num_decodes, -1)[:, 0])
+        initial.append(torch.ones(num_decodes, dtype=torch.bool, device=device))
+    if num_prefills:
+        cu.append(metadata.query_start_loc_p.to(torch.int32) + metadata.num_decode_tokens)
+        slots.append(metadata.state_indices_tensor_p[:num_prefills])
+        has_initial = metadata.has_initial_states_p
+        initial.append(torch.zeros(num_prefills, dtype=torch.bool, device=device) if has_initial is None
+                       else has_initial[:num_prefills])
+    else:
+        cu.append(torch.tensor([num_decodes], dtype=torch.int32, device=device))
+    cu_seqlens, state_indices = torch.cat(cu), torch.cat(slots).to(torch.int32)
+    has_initial_state = torch.cat(initial)
+    conv_cache = module.kv_cache[0]  # [S, C, K-1] (DS layout) or [S, K-1, C] (SD): dualop's is [S, C, K-1]
+    conv_state = conv_cache if conv_cache.shape[1] == module.tped_conv_size else conv_cache.transpose(-1, -2)
+    conv_in = conv_state.contiguous()
+    x_bc, conv_out = conv_op(x_bc, module.conv_weights, module.conv1d.bias, conv_in, cu_seqlens, state_indices,
+                             has_initial_state)
+    conv_state.copy_(conv_out)
+    hidden, B, C = module.split_hidden_states_B_C_fn(x_bc)
+    heads, groups = module.num_heads // module.tp_size, module.n_groups // module.tp_size
+    ssm_state = module.kv_cache[1]
+    y, ssm_out = scan_op(hidden.reshape(tokens, heads, module.head_dim), dt, module.A,
+                         B.reshape(tokens, groups, -1), C.reshape(tokens, groups, -1), module.D, None, module.dt_bias,
+                         ssm_state, cu_seqlens, state_indices, has_initial_state)
+    if ssm_out is not ssm_state:
+        ssm_state.copy_(ssm_out)
+    output[:tokens].copy_(y.reshape(tokens, -1))
+
+
 @dataclasses.dataclass(frozen=True)
 class Replacement:
     """One vLLM op class dualop replaces: ``vllm_module.vllm_class`` (the ``register_oot`` key is
@@ -296,6 +373,8 @@ REPLACEMENTS: tuple[Replacement, ...] = (
       for name, dualop_name in (("ReplicatedLinear", "ReplicatedLinear"), ("ColumnParallelLinear", "ColumnParallelLinear"),
                                 ("MergedColumnParallelLinear", "ColumnParallelLinear"),
                                 ("QKVParallelLinear", "ColumnParallelLinear"), ("RowParallelLinear", "RowParallelLinear"))),
+    Replacement(f"{_LAYERS}.mamba.mamba_mixer2", "MambaMixer2", "SSDChunkScan", _mamba2_core, build=_mamba2_build,
+                routes=("conv_ssm_forward",)),
     Replacement(f"{_LAYERS}.vocab_parallel_embedding", "VocabParallelEmbedding", "VocabParallelEmbedding",
                 _embedding_call, build=_embedding_build, routes=("forward",)),
     Replacement(f"{_LAYERS}.logits_processor", "LogitsProcessor", "LogitsProcessor", _logits_call, routes=("forward",)),

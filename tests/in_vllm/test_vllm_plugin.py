@@ -48,7 +48,7 @@ MODELS = {
         **_COMMON, num_hidden_layers=3, hybrid_override_pattern="M*-", head_dim=64, mamba_num_heads=4,
         mamba_head_dim=64, n_groups=1, ssm_state_size=16, conv_kernel=4, chunk_size=16)),
         {"rms_norm", "relu2", "mixer2_gated_rms_norm", "column_parallel_linear", "row_parallel_linear",
-         "vocab_parallel_embedding"}),  # Mamba-2 mixer, attention and relu2 MLP layers
+         "vocab_parallel_embedding", "causal_conv1d", "ssd_chunk_scan"}),  # Mamba-2 mixer, attention, relu2 MLP
 }
 
 
