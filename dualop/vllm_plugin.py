@@ -268,51 +268,65 @@ def _mamba2_build(dualop_cls: type, module: Any, args: tuple, kwargs: dict) -> t
     return (conv, scan), None
 
 
-def _mamba2_core(module: Any, ops: Any, projected_states: Any, output: Any) -> None:
-    """vLLM's ``conv_ssm_forward(projected_states, output)``: the batch from vLLM's forward context
-    (its decodes first, then its prefills) as one packed batch of dualop's serving contract, the
-    conv and SSM caches vLLM allocated (updated in place), the scan's output written into
-    ``output``. vLLM's own core runs for its profiling run (no metadata) and for what that
-    contract does not cover (prefix-caching checkpoints, several state slots per decode)."""
+def _vllm_mixer_batch(module: Any) -> tuple[Any, ...] | None:
+    """vLLM's batch for a state-space layer, from its forward context, as dualop's serving batch:
+    ``(tokens, cu_seqlens, state_indices, has_initial_state)`` over vLLM's decodes (one token each)
+    then prefills; None where vLLM's own code must run (its profiling run: no metadata; prefix-caching
+    checkpoints; speculative decoding's several tokens or state slots per decode), said once."""
     import torch
     from vllm.forward_context import get_forward_context
 
-    own = type(module).vllm_class.conv_ssm_forward
     metadata = get_forward_context().attn_metadata
     metadata = metadata.get(module.prefix) if isinstance(metadata, dict) else None
-    if metadata is None:  # the profiling run
-        return own(module, projected_states, output)
+    if metadata is None:
+        return None
     decode_slots = metadata.state_indices_tensor_d
-    if getattr(metadata, "checkpoint_chunk_idx", None) is not None or (
-            decode_slots is not None and decode_slots.ndim == 2 and decode_slots.shape[-1] != 1):
-        _decline("MambaMixer2", "a batch with prefix-caching checkpoints or several state slots per decode: "
-                                "vLLM's own core runs for it")
-        return own(module, projected_states, output)
-    conv_op, scan_op = ops
-    num_decodes, num_prefills = metadata.num_decodes, metadata.num_prefills
-    tokens = metadata.num_decode_tokens + metadata.num_prefill_tokens
-    x_bc, dt = torch.split(projected_states[:tokens, module.tped_intermediate_size:],
-                           [module.tped_conv_size, module.tped_dt_size], dim=-1)
-    device = projected_states.device
+    if (getattr(metadata, "checkpoint_chunk_idx", None) is not None
+            or getattr(metadata, "num_accepted_tokens", None) is not None
+            or (decode_slots is not None and decode_slots.ndim == 2 and decode_slots.shape[-1] != 1)):
+        _decline(type(module).vllm_class.__name__, "a batch with prefix-caching checkpoints or speculative decoding: "
+                                                   "vLLM's own code runs for it")
+        return None
+    num_decodes, num_prefills = metadata.num_decode_tokens, metadata.num_prefills
+    device = metadata.query_start_loc_p.device if metadata.query_start_loc_p is not None else decode_slots.device
     cu, slots, initial = [torch.arange(num_decodes, dtype=torch.int32, device=device)], [], []
     if num_decodes:
         slots.append(decode_slots.reshape(num_decodes, -1)[:, 0])
         initial.append(torch.ones(num_decodes, dtype=torch.bool, device=device))
     if num_prefills:
-        cu.append(metadata.query_start_loc_p.to(torch.int32) + metadata.num_decode_tokens)
+        cu.append(metadata.query_start_loc_p.to(torch.int32) + num_decodes)
         slots.append(metadata.state_indices_tensor_p[:num_prefills])
         has_initial = metadata.has_initial_states_p
         initial.append(torch.zeros(num_prefills, dtype=torch.bool, device=device) if has_initial is None
                        else has_initial[:num_prefills])
     else:
         cu.append(torch.tensor([num_decodes], dtype=torch.int32, device=device))
-    cu_seqlens, state_indices = torch.cat(cu), torch.cat(slots).to(torch.int32)
-    has_initial_state = torch.cat(initial)
-    conv_cache = module.kv_cache[0]  # [S, C, K-1] (DS layout) or [S, K-1, C] (SD): dualop's is [S, C, K-1]
-    conv_state = conv_cache if conv_cache.shape[1] == module.tped_conv_size else conv_cache.transpose(-1, -2)
-    conv_in = conv_state.contiguous()
-    x_bc, conv_out = conv_op(x_bc, module.conv_weights, module.conv1d.bias, conv_in, cu_seqlens, state_indices,
-                             has_initial_state)
+    tokens = num_decodes + metadata.num_prefill_tokens
+    return tokens, torch.cat(cu), torch.cat(slots).to(torch.int32), torch.cat(initial)
+
+
+def _conv_cache(module: Any, channels: int) -> Any:
+    """vLLM's conv cache as ``[S, C, K-1]``: its DS layout is that, its SD layout ``[S, K-1, C]``."""
+    cache = module.kv_cache[0]
+    return cache if cache.shape[1] == channels else cache.transpose(-1, -2)
+
+
+def _mamba2_core(module: Any, ops: Any, projected_states: Any, output: Any) -> None:
+    """vLLM's ``conv_ssm_forward(projected_states, output)`` on dualop's conv and scan: the batch
+    from vLLM's forward context (``_vllm_mixer_batch``), the conv and SSM caches vLLM allocated
+    (updated in place), the scan's output written into ``output``."""
+    import torch
+
+    batch = _vllm_mixer_batch(module)
+    if batch is None:
+        return type(module).vllm_class.conv_ssm_forward(module, projected_states, output)
+    tokens, cu_seqlens, state_indices, has_initial_state = batch
+    conv_op, scan_op = ops
+    x_bc, dt = torch.split(projected_states[:tokens, module.tped_intermediate_size:],
+                           [module.tped_conv_size, module.tped_dt_size], dim=-1)
+    conv_state = _conv_cache(module, module.tped_conv_size)
+    x_bc, conv_out = conv_op(x_bc, module.conv_weights, module.conv1d.bias, conv_state.contiguous(), cu_seqlens,
+                             state_indices, has_initial_state)
     conv_state.copy_(conv_out)
     hidden, B, C = module.split_hidden_states_B_C_fn(x_bc)
     heads, groups = module.num_heads // module.tp_size, module.n_groups // module.tp_size
