@@ -24,7 +24,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["register", "REPLACEMENTS", "replaced", "not_replaced", "Replacement"]
+__all__ = ["register", "REPLACEMENTS", "KEPT_BY_VLLM", "replaced", "not_replaced", "Replacement"]
 
 _LOG = logging.getLogger("dualop.vllm")
 
@@ -397,6 +397,19 @@ REPLACEMENTS: tuple[Replacement, ...] = (
                 methods=lambda vllm_cls: {"process_weights_after_loading": _experts_keep_loaded_weights(vllm_cls)}),
 )
 
+# vLLM classes of dualop's op families the plugin leaves to vLLM, and why (logged once by register()).
+KEPT_BY_VLLM: dict[str, str] = {
+    "MambaMixer": "the Mamba-1 mixer's core is not adapted to vLLM's forward context yet",
+    "Plamo2MambaMixer": "PLaMo 2's mixer core is not adapted to vLLM's forward context yet",
+    "ShortConv": "LFM2's short conv has no reference run here (vLLM 0.32's LFM2 does not reproduce "
+                 "transformers' tokens on a tiny checkpoint, plugin or not)",
+    "DualChunkRotaryEmbedding": "not adapted yet",
+    "MRotaryEmbedding": "the multimodal ropes take vLLM's own position layout; not adapted yet",
+    "XIELU": "not adapted yet",
+    "Attention": "dualop's paged attention is slower than vLLM's CPU attention: not registered as a backend "
+                 "(docs/vllm.md, Attention)",
+}
+
 _replaced: dict[str, type] = {}
 _not_replaced: dict[str, str] = {}
 
@@ -512,4 +525,7 @@ def register() -> None:
         if registered_name is not None:
             replacement.name = registered_name  # register_oot renamed it; vLLM's custom_ops use this name
         _replaced[spec.vllm_class] = replacement
-    _LOG.info("dualop: %d vLLM op classes served by dualop", len(_replaced))
+    if not getattr(register, "_said", False):
+        register._said = True  # type: ignore[attr-defined]
+        _LOG.info("dualop: %d vLLM op classes served by dualop; left to vLLM: %s", len(_replaced),
+                  "; ".join(f"{name} ({why})" for name, why in KEPT_BY_VLLM.items()))

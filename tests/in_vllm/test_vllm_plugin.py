@@ -108,6 +108,9 @@ def test_plugin_is_an_entry_point_and_registers_idempotently():
     replacement = op_registry_oot["RMSNorm"]
     assert issubclass(replacement, RMSNorm) and replacement.name == "rms_norm"  # vLLM's custom_ops name kept
     assert vllm_plugin.not_replaced() == {}, vllm_plugin.not_replaced()
+    # what the plugin leaves to vLLM is said, and is not also replaced
+    assert not set(vllm_plugin.KEPT_BY_VLLM) & {r.vllm_class for r in vllm_plugin.REPLACEMENTS}
+    assert all(why for why in vllm_plugin.KEPT_BY_VLLM.values())
 
 
 def test_replacement_keeps_vllms_parameters_and_matches_vllms_kernel():
