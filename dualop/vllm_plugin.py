@@ -201,6 +201,7 @@ def _linear_call(module: Any, op: Any, x: Any) -> Any:
 
 
 def _embedding_build(dualop_cls: type, module: Any, args: tuple, kwargs: dict) -> tuple[Any | None, str | None]:
+    import torch
     from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
 
     if type(module.quant_method) is not UnquantizedEmbeddingMethod:
@@ -210,16 +211,10 @@ def _embedding_build(dualop_cls: type, module: Any, args: tuple, kwargs: dict) -
     try:
         op = dualop_cls(module.num_embeddings, module.embedding_dim, org_num_embeddings=module.org_vocab_size,
                         padding_size=module.padding_size)
-        op.check_inputs(module.weight.new_zeros((1,), dtype=_int32()), module.weight)
+        op.check_inputs(module.weight.new_zeros((1,), dtype=torch.int32), module.weight)
     except (TypeError, ValueError) as err:  # a padded vocabulary laid out otherwise than dualop's
         return None, f"dualop.ops.{dualop_cls.__name__} refuses it: {err}"
     return op, None
-
-
-def _int32() -> Any:
-    import torch
-
-    return torch.int32
 
 
 def _embedding_call(module: Any, op: Any, input_: Any) -> Any:
