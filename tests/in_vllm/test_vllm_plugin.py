@@ -17,8 +17,8 @@ import pytest
 pytestmark = pytest.mark.vllm_env
 
 vllm = pytest.importorskip("vllm", reason="vLLM is installed in the 'vllm' environment (scripts/env.sh vllm)")
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
+import torch  # noqa: E402  (vLLM brings both)
+import transformers  # noqa: E402
 
 PROMPTS = [[1, 5, 9, 33, 71], [1, 200, 3]]
 NEW_TOKENS = 12

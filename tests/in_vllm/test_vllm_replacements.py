@@ -12,7 +12,7 @@ import pytest
 pytestmark = pytest.mark.vllm_env
 
 pytest.importorskip("vllm", reason="vLLM is installed in the 'vllm' environment (scripts/env.sh vllm)")
-torch = pytest.importorskip("torch")
+import torch  # noqa: E402  (vLLM brings it)
 
 
 @pytest.fixture(scope="module")
