@@ -4,7 +4,7 @@ kernel family per platform, with the activation as a parameter."""
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, ClassVar
 
 from dualop.backends import array_namespace
 from dualop.backends.torch.triton_launch import call_triton
@@ -15,6 +15,7 @@ from dualop.kernels.cost import KernelCost
 from dualop.kernels.gate_math import GateSpec, apply_gate, gate_and_up, gelu  # noqa: F401  (gelu: models' nn.GELU)
 from dualop.kernels.registry import KernelRef
 from dualop.ops._checks import check_array, decline_if_recording
+from dualop.ops._outputs import check_output, write_outputs
 from dualop.platforms import frontend_of
 from dualop.spec import BenchCase, Serving, rows_of, x_only_inputs
 
@@ -41,36 +42,40 @@ class _GatedActivation(CustomOp):
 
     spec: GateSpec = GateSpec()
     parameterless = True  # the layer modules wrap the op as it is (dualop.torch/jax.layers)
+    output_args: ClassVar[tuple[str, ...]] = ("out",)
 
-    def check_inputs(self, x: Any) -> None:
+    def check_inputs(self, x: Any, *, out: Any = None) -> None:
         op = type(self).name
         check_array(op, "x", x)
         if x.shape[-1] % 2:
             raise ValueError(
                 f"{op}: argument 'x' must have an even last dim (gate and up halves), got shape {tuple(x.shape)}"
             )
+        if out is not None:  # the engine's preallocated output (ops/_outputs.py)
+            check_output(op, "out", out, (*x.shape[:-1], x.shape[-1] // 2), x.dtype, x.device, {"x": x})
 
-    def forward_native(self, x: Any) -> Any:
+    def forward_native(self, x: Any, *, out: Any = None) -> Any:
         xp = array_namespace(x)
         gate, up = gate_and_up(xp.astype(x, xp.float32), x.shape[-1] // 2, self.spec)
-        return xp.astype(apply_gate(xp, gate, up, self.spec), x.dtype)
+        return write_outputs(xp.astype(apply_gate(xp, gate, up, self.spec), x.dtype), (out,))
 
     def declines(self, method: str, frontend: str) -> str | None:
         """The C++ CPU kernel serves torch tensors and has the silu, gelu and gelu-tanh gates on
         either half; the other gates (sparse, interleaved, fatrelu) run the native body."""
         return _CPU_GATED_COVERS(self.spec) if method == "forward_cpu" else None
 
-    def forward_cpu(self, x: Any) -> Any:
-        """torch on the CPU: the C++ row kernel (``kernels/cpu``); it declines while autograd
-        records (no backward) and when the kernels cannot be built here."""
+    def forward_cpu(self, x: Any, *, out: Any = None) -> Any:
+        """torch on the CPU: the C++ row kernel (``kernels/cpu``, straight into a given ``out``); it
+        declines while autograd records (no backward) and when the kernels cannot be built here."""
         decline_if_recording(type(self).name, x)
-        return _CPU_GATED(x, spec=self.spec)
+        return _CPU_GATED(x, spec=self.spec, out=out)
 
-    def forward_cuda(self, x: Any) -> Any:
-        return call_triton(frontend_of(x), _TRITON_GATED, x, spec=self.spec)
+    def forward_cuda(self, x: Any, *, out: Any = None) -> Any:
+        return write_outputs(call_triton(frontend_of(x), _TRITON_GATED, x, spec=self.spec), (out,))
 
-    def forward_tpu(self, x: Any) -> Any:
-        return call_jax_function(frontend_of(x), _PALLAS_GATED, x, spec=self.spec, native=self.forward_native)
+    def forward_tpu(self, x: Any, *, out: Any = None) -> Any:
+        return write_outputs(call_jax_function(frontend_of(x), _PALLAS_GATED, x, spec=self.spec,
+                                               native=self.forward_native), (out,))
 
     def extra_repr(self) -> str:
         return repr(self.spec)

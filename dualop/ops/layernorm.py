@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 
@@ -20,6 +20,7 @@ from dualop.kernels.cost import KernelCost
 from dualop.kernels.norm_math import NormSpec, rms_normalize
 from dualop.kernels.registry import KernelRef
 from dualop.ops._checks import check_array, check_not_engine_activation, check_optional_like, decline_if_recording
+from dualop.ops._outputs import check_output, write_outputs
 from dualop.platforms import frontend_of
 from dualop.spec import BenchCase, Serving, float32_normal as _normal, rows_of
 
@@ -47,14 +48,20 @@ def _check_eps(op: str, eps: Any) -> float:
 
 
 class _RMSNormFamily(CustomOp):
-    """Shared body of the RMS norms: ``op(x, weight, residual=None)``; ``self.spec`` (a NormSpec)
-    picks the variant, and the formula (``kernels/norm_math``) is the one the kernels use."""
+    """Shared body of the RMS norms: ``op(x, weight, residual=None, *, out=None, residual_out=None)``;
+    ``self.spec`` (a NormSpec) picks the variant, and the formula (``kernels/norm_math``) is the one
+    the kernels use. torch tensors given as ``out`` / ``residual_out`` receive the result and the
+    residual sum (``ops/_outputs.py``); ``out=x, residual_out=residual`` is the engine's in-place
+    fused add-norm."""
 
     spec: NormSpec
     hidden_size: int
     weight_required = False
+    output_args: ClassVar[tuple[str, ...]] = ("out", "residual_out")
+    output_present: ClassVar[tuple[str | None, ...]] = (None, "residual")
 
-    def check_inputs(self, x: Any, weight: Any = None, residual: Any = None) -> None:
+    def check_inputs(self, x: Any, weight: Any = None, residual: Any = None, *, out: Any = None,
+                     residual_out: Any = None) -> None:
         op = type(self).name
         fe = check_array(op, "x", x)
         if x.shape[-1] != self.hidden_size:
@@ -70,34 +77,46 @@ class _RMSNormFamily(CustomOp):
             raise ValueError(f"{op}: argument 'weight' must be None for an op built with has_weight=False")
         check_optional_like(op, "weight", weight, "x", x, fe, shape=(self.hidden_size,))
         check_optional_like(op, "residual", residual, "x", x, fe, same_dtype=True)
+        if out is not None or residual_out is not None:
+            inputs = {"x": x, "weight": weight, "residual": residual}
+            if out is not None:
+                check_output(op, "out", out, x.shape, x.dtype, x.device, inputs, (("residual_out", residual_out),))
+            if residual_out is not None:
+                if residual is None:
+                    raise ValueError(f"{op}: argument 'residual_out' given without a residual; expected None")
+                check_output(op, "residual_out", residual_out, x.shape, x.dtype, x.device, inputs)
 
-    def forward_native(self, x: Any, weight: Any = None, residual: Any = None) -> Any | tuple[Any, Any]:
+    def forward_native(self, x: Any, weight: Any = None, residual: Any = None, *, out: Any = None,
+                       residual_out: Any = None) -> Any | tuple[Any, Any]:
         xp = array_namespace(x)
         xf = xp.astype(x, xp.float32)
         if residual is not None:
             xf = xf + xp.astype(residual, xp.float32)
             residual = xp.astype(xf, x.dtype)
         y = rms_normalize(xp, xf, weight, self.spec, x.dtype)
-        return y if residual is None else (y, residual)
+        return write_outputs(y if residual is None else (y, residual), (out, residual_out))
 
     def declines(self, method: str, frontend: str) -> str | None:
         """The C++ CPU kernel serves torch tensors, with the statistic over the whole row."""
         return _CPU_RMS_NORM_COVERS(self.spec) if method == "forward_cpu" else None
 
-    def forward_cpu(self, x: Any, weight: Any = None, residual: Any = None) -> Any:
-        """torch on the CPU: the C++ row kernel (``kernels/cpu``: one read, one write; see
-        docs/BENCHMARKS.md); it declines while autograd records (no backward), for a residual of
-        another dtype, and when the kernels cannot be built here."""
+    def forward_cpu(self, x: Any, weight: Any = None, residual: Any = None, *, out: Any = None,
+                    residual_out: Any = None) -> Any:
+        """torch on the CPU: the C++ row kernel (``kernels/cpu``: one read, one write, straight into
+        given outputs; see docs/BENCHMARKS.md); it declines while autograd records (no backward),
+        for a residual of another dtype, and when the kernels cannot be built here."""
         decline_if_recording(type(self).name, x, weight, residual)
-        return _CPU_RMS_NORM(x, weight, residual, spec=self.spec)
+        return _CPU_RMS_NORM(x, weight, residual, spec=self.spec, out=out, residual_out=residual_out)
 
-    def forward_cuda(self, x: Any, weight: Any = None, residual: Any = None) -> Any:
-        return call_triton(frontend_of(x), _TRITON_RMS_NORM, x, weight, residual, spec=self.spec)
+    def forward_cuda(self, x: Any, weight: Any = None, residual: Any = None, *, out: Any = None,
+                     residual_out: Any = None) -> Any:
+        return write_outputs(call_triton(frontend_of(x), _TRITON_RMS_NORM, x, weight, residual, spec=self.spec),
+                             (out, residual_out))
 
-    def forward_tpu(self, x: Any, weight: Any = None, residual: Any = None) -> Any:
-        return call_jax_function(
-            frontend_of(x), _PALLAS_RMS_NORM, x, weight, residual, spec=self.spec, native=self.forward_native
-        )
+    def forward_tpu(self, x: Any, weight: Any = None, residual: Any = None, *, out: Any = None,
+                    residual_out: Any = None) -> Any:
+        return write_outputs(call_jax_function(frontend_of(x), _PALLAS_RMS_NORM, x, weight, residual, spec=self.spec,
+                                               native=self.forward_native), (out, residual_out))
 
     def extra_repr(self) -> str:
         return f"hidden_size={self.hidden_size}, eps={self.spec.eps}"
@@ -110,7 +129,8 @@ class RMSNorm(_RMSNormFamily):
     ``op(x, weight=None, residual=None)``: in float32, ``x`` (plus ``residual``) is scaled by
     ``rsqrt(mean(x[..., :var_hidden_size]**2) + eps)``, cast to ``x``'s dtype, then multiplied by
     ``weight``. With a residual it returns ``(out, x + residual)``, the sum cast to ``x``'s dtype, as
-    the reference engine's fused add-norm does (out of place: both frontends get new arrays).
+    the reference engine's fused add-norm does: new arrays, or (torch) written into ``out`` and
+    ``residual_out``, which may be ``x`` and ``residual`` themselves (the engine's in-place form).
     ``has_weight=False`` builds a norm that takes no weight.
     """
 

@@ -549,11 +549,12 @@ class MRotaryEmbedding(RotaryEmbedding):
             section = np.repeat(np.arange(3), (t, h, w))
         return section.astype(np.int32)
 
-    def check_inputs(self, positions: Any, query: Any, key: Any = None) -> None:
+    def check_inputs(self, positions: Any, query: Any, key: Any = None, *, query_out: Any = None,
+                     key_out: Any = None) -> None:
         op = type(self).name
         check_array(op, "positions", positions, min_ndim=0, dtypes=INT_DTYPES)
         if positions.ndim == 1:
-            return super().check_inputs(positions, query, key)
+            return super().check_inputs(positions, query, key, query_out=query_out, key_out=key_out)
         if positions.ndim != 2 or positions.shape[0] != 3:
             raise ValueError(
                 f"{op}: argument 'positions' has shape {tuple(positions.shape)}; expected [T] or [3, T] "
@@ -570,7 +571,7 @@ class MRotaryEmbedding(RotaryEmbedding):
                     f"{op}: argument 'positions' holds values in [{lo}, {hi}]; expected 0 <= position < "
                     f"{self.cache_positions} (4 * max_position_embeddings for {type(self).__name__})"
                 )
-        super().check_inputs(positions[0], query, key)
+        super().check_inputs(positions[0], query, key, query_out=query_out, key_out=key_out)
 
     def cos_sin(self, positions: Any, dtype: Any) -> tuple[Any, Any]:
         if positions.ndim != 2:

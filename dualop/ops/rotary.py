@@ -13,7 +13,7 @@ from __future__ import annotations
 import functools
 import math
 import threading
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 
@@ -29,6 +29,7 @@ from dualop.ops._checks import (
     check_array, check_positive_int, checked_before, concrete_values, decline_if_recording, dtype_name,
     remember_checked,
 )
+from dualop.ops._outputs import check_output, write_outputs
 from dualop.platforms import family_of, frontend_of
 from dualop.spec import BenchCase, InputSpec, Serving, float32_normal as _normal
 
@@ -42,6 +43,7 @@ _PALLAS_ROTARY = KernelRef("dualop.kernels.pallas.rotary", "rotary")
 _PALLAS_ROTARY_QUERY = KernelRef("dualop.kernels.pallas.rotary", "rotary_query")
 _TRITON_ROTARY = KernelRef("dualop.kernels.cuda.rotary", "rotary")
 _CPU_ROTARY = KernelRef("dualop.kernels.cpu.rotary", "rotary")
+_CPU_ROTARY_BY_POSITION = KernelRef("dualop.kernels.cpu.rotary", "rotary_by_position")
 KERNEL_METHODS = ("forward_tpu", "forward_cuda", "forward_cpu")
 
 
@@ -137,8 +139,13 @@ class RotaryEmbedding(CustomOp):
     rotate: halves (``is_neox_style``) or interleaved pairs (GPT-J). Returns new arrays of the
     inputs' shapes and dtypes (key None in, None out). Positions must lie in
     ``[0, max_position_embeddings)``: checked before launch when their values are visible
-    (eager torch, concrete jax), clamped into range otherwise (under ``jit``).
+    (eager torch, concrete jax), clamped into range otherwise (under ``jit``). torch tensors given
+    as ``query_out`` / ``key_out`` receive the results instead (``ops/_outputs.py``);
+    ``query_out=query, key_out=key`` is the engine's in-place rope.
     """
+
+    output_args: ClassVar[tuple[str, ...]] = ("query_out", "key_out")
+    output_present: ClassVar[tuple[str | None, ...]] = (None, "key")
 
     def __init__(
         self,
@@ -224,7 +231,8 @@ class RotaryEmbedding(CustomOp):
 
     # --- checks and the native body -----------------------------------------------------------
 
-    def check_inputs(self, positions: Any, query: Any, key: Any = None) -> None:
+    def check_inputs(self, positions: Any, query: Any, key: Any = None, *, query_out: Any = None,
+                     key_out: Any = None) -> None:
         op = type(self).name
         fe = check_array(op, "positions", positions, min_ndim=0, dtypes=INT_DTYPES)
         tokens = math.prod(positions.shape)
@@ -239,6 +247,15 @@ class RotaryEmbedding(CustomOp):
             self.heads_of(arg, x, tokens)
         if key is not None and dtype_name(key) != dtype_name(query):
             raise TypeError(f"{op}: argument 'key' has dtype {dtype_name(key)}; expected {dtype_name(query)} (query's)")
+        if query_out is not None or key_out is not None:  # written forms (ops/_outputs.py)
+            inputs = {"positions": positions, "query": query, "key": key}
+            if query_out is not None:
+                check_output(op, "query_out", query_out, query.shape, query.dtype, query.device, inputs,
+                             (("key_out", key_out),))
+            if key_out is not None:
+                if key is None:
+                    raise ValueError(f"{op}: argument 'key_out' given without a key; expected None")
+                check_output(op, "key_out", key_out, key.shape, key.dtype, key.device, inputs)
         if checked_before("positions", (positions,), (self.cache_positions,)):
             return  # the same positions, checked by the previous layer's rotary embedding
         values = concrete_values(positions)
@@ -270,10 +287,11 @@ class RotaryEmbedding(CustomOp):
             raise ValueError(f"{op}: argument '{arg}' has last dim {last}; expected head_size={d} or a multiple of it")
         return size // (tokens * d)
 
-    def forward_native(self, positions: Any, query: Any, key: Any = None) -> tuple[Any, Any | None]:
+    def forward_native(self, positions: Any, query: Any, key: Any = None, *, query_out: Any = None,
+                       key_out: Any = None) -> tuple[Any, Any | None]:
         xp = array_namespace(query)
         cos, sin = self.cos_sin(positions, query.dtype)
-        return self.rotate_all(xp, cos, sin, query, key)
+        return write_outputs(self.rotate_all(xp, cos, sin, query, key), (query_out, key_out))
 
     def rotate_all(self, xp: Any, cos: Any, sin: Any, query: Any, key: Any, method: str | None = None) -> tuple[Any, Any]:
         """Rotate query (and key) by per-token ``cos``/``sin``: the native formula, or ``method``'s
@@ -294,16 +312,26 @@ class RotaryEmbedding(CustomOp):
         cos, sin = self.cos_sin(positions, query.dtype)
         return self.rotate_all(array_namespace(query), cos, sin, query, key, method)
 
-    def forward_tpu(self, positions: Any, query: Any, key: Any = None) -> tuple[Any, Any]:
-        return self.forward_kernel("forward_tpu", positions, query, key)
+    def forward_tpu(self, positions: Any, query: Any, key: Any = None, *, query_out: Any = None,
+                    key_out: Any = None) -> tuple[Any, Any]:
+        return write_outputs(self.forward_kernel("forward_tpu", positions, query, key), (query_out, key_out))
 
-    def forward_cuda(self, positions: Any, query: Any, key: Any = None) -> tuple[Any, Any]:
-        return self.forward_kernel("forward_cuda", positions, query, key)
+    def forward_cuda(self, positions: Any, query: Any, key: Any = None, *, query_out: Any = None,
+                     key_out: Any = None) -> tuple[Any, Any]:
+        return write_outputs(self.forward_kernel("forward_cuda", positions, query, key), (query_out, key_out))
 
-    def forward_cpu(self, positions: Any, query: Any, key: Any = None) -> tuple[Any, Any]:
+    def forward_cpu(self, positions: Any, query: Any, key: Any = None, *, query_out: Any = None,
+                    key_out: Any = None) -> tuple[Any, Any]:
         """torch on the CPU: the C++ kernel (``kernels/cpu/csrc/rotary.cc``, query and key in one
-        OpenMP pass); it declines while autograd records (no backward)."""
-        return self.forward_kernel("forward_cpu", positions, query, key)
+        OpenMP pass, straight into given outputs); a rope whose angles are rows of its cache picked
+        by position (``cos_sin`` not overridden) gathers them inside the kernel. It declines while
+        autograd records (no backward)."""
+        decline_if_recording("rotary", query, key)
+        if type(self).cos_sin is RotaryEmbedding.cos_sin:
+            return _CPU_ROTARY_BY_POSITION(positions, query, key, self.cache_for(positions, query.dtype),
+                                           head_size=self.head_size, rotary_dim=self.rotary_dim,
+                                           is_neox_style=self.is_neox_style, query_out=query_out, key_out=key_out)
+        return write_outputs(self.forward_kernel("forward_cpu", positions, query, key), (query_out, key_out))
 
 
     def extra_repr(self) -> str:
@@ -399,6 +427,8 @@ class DualChunkRotaryEmbedding(RotaryEmbedding):
     set), cast to the query's dtype like ``RotaryEmbedding``'s. p must lie in
     ``[0, max_position_embeddings)`` (checked where visible, clamped under ``jit``).
     """
+
+    output_args: ClassVar[tuple[str, ...]] = ()  # five query angle sets: no written form
 
     # query angle sets after the key rows, in output order; "inter" is one row of the succ set
     QUERY_SETS = ("intra", "succ", "inter", "succ_unclamped", "inter_unclamped")

@@ -37,6 +37,15 @@ alias its inputs); a compiled call reassembles the eager result (``assemble_resu
 kernel calls the op's ``forward_fake`` (same arguments, empty results of the right shapes) when it
 has one: a native body that loops over the tokens reads metadata values fake tensors do not have.
 
+An op with output arguments (its class's ``output_args``: one keyword argument per result item,
+each taking a tensor to write that item into; ``dualop/ops/_outputs.py``) gets two custom ops: the
+functional one above, without those arguments (it keeps its autograd formula), and
+``torch.ops.dualop.<name>_out``, whose schema adds each output argument as ``Tensor(a!)?`` and
+returns one ``Tensor`` per result item as the state-space ops do (a placeholder for an item written
+into its argument, or absent: ``output_present`` names, per item, the argument whose None leaves it
+out, as RMSNorm's residual sum without a residual). A call that passes an output becomes the
+``_out`` op inside ``torch.compile``.
+
 The real kernel rebuilds the op (cached per ``ctor``) and runs its ordinary eager dispatch
 (config, platform path, fallbacks); the fake kernel runs ``forward_native`` on fake tensors;
 autograd differentiates ``forward_native``.
@@ -104,6 +113,8 @@ class OpSignature:
     returns: str  # "Tensor", "(Tensor, Tensor)", ... or "Tensor[]"; "()" for an op that mutates
     mutated: tuple[str, ...] = ()  # parameters updated in place (the op class's ``mutates_args``)
     mutated_results: tuple[str | None, ...] = ()  # per result item: None (an output) or the argument it is
+    present_if: tuple[str | None, ...] = ()  # per result item: the argument whose None leaves it out
+    drop_absent: bool = False  # the eager call omits absent items (one left: returned bare), not None them
 
     @property
     def schema(self) -> str:
@@ -192,12 +203,21 @@ def _return_type(op: str, hint: Any) -> str:
     )
 
 
+def output_args(cls: type) -> tuple[str, ...]:
+    """The op class's output arguments (``output_args``), one per result item; () for none."""
+    return tuple(getattr(cls, "output_args", ()) or ())
+
+
 @functools.lru_cache(maxsize=None)
-def op_signature(cls: type) -> OpSignature:
-    """The typed calling convention of an op class's forward_native (see the module docstring)."""
+def op_signature(cls: type, written: bool = False) -> OpSignature:
+    """The typed calling convention of an op class's forward_native (see the module docstring):
+    without its output arguments, or (``written``) the ``<name>_out`` op's, with them."""
     op = cls.name or cls.__qualname__
     fn = cls.forward_native
-    params = list(inspect.signature(fn).parameters.values())[1:]
+    outputs = output_args(cls)
+    if written and not outputs:
+        raise TypeError(f"{op}: has no output arguments (output_args), so no written form")
+    params = [p for p in list(inspect.signature(fn).parameters.values())[1:] if written or p.name not in outputs]
     if any(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in params) or not params:
         raise TypeError(f"{op}: forward_native must name its parameters (no *args/**kwargs) to get a schema")
     if any(p.name == CTOR for p in params):
@@ -208,21 +228,33 @@ def op_signature(cls: type) -> OpSignature:
         raise TypeError(f"{op}: forward_native's annotations do not resolve ({err})") from None
     typed = tuple((p.name, _param_type(op, p, hints.get(p.name, Any))) for p in params)
     mutated = tuple(getattr(cls, "mutates_args", ()) or ())
+    results = tuple(getattr(cls, "mutated_results", ()) or ())
+    present: tuple[str | None, ...] = ()
+    if written:
+        if mutated:
+            raise TypeError(f"{op}: an op with output_args declares no mutates_args (its _out op mutates the outputs)")
+        mutated = results = outputs
+        present = tuple(getattr(cls, "output_present", ()) or ()) or (None,) * len(outputs)
+        if len(present) != len(outputs) or any(p is not None and p not in dict(typed) for p in present):
+            raise TypeError(f"{op}: output_present {present} must name, per output argument {outputs}, a "
+                            f"parameter or None")
     for name in mutated:
         if dict(typed).get(name, "").rstrip("?") != "Tensor":
             raise TypeError(f"{op}: mutates_args names {name!r}, which is not an array parameter of forward_native")
-    results = tuple(getattr(cls, "mutated_results", ()) or ())
     if any(r is not None and r not in mutated for r in results):
         raise TypeError(f"{op}: mutated_results {results} names an argument not in mutates_args {mutated}")
+    returns = _return_type(op, hints.get("return", Any))
     return OpSignature(
-        name=op,
+        name=op + "_out" if written else op,
         params=typed,
         defaults=tuple(p.default for p in params),
         keyword_only=frozenset(p.name for p in params if p.kind is p.KEYWORD_ONLY),
-        returns=("(" + ", ".join(["Tensor"] * len(results)) + ")" if results else "()" if mutated
-                 else _return_type(op, hints.get("return", Any))),
+        returns=("Tensor" if len(results) == 1 else "(" + ", ".join(["Tensor"] * len(results)) + ")" if results
+                 else "()" if mutated else returns),
         mutated=mutated,
         mutated_results=results,
+        present_if=present,
+        drop_absent=written and returns in ("Tensor[]", "Tensor?[]"),
     )
 
 
@@ -254,16 +286,35 @@ def _as_declared(sig: OpSignature, result: Any, inputs: Sequence[Any]) -> Any:
 
 
 _DEFINED: dict[str, OpSignature] = {}  # the signature each torch.ops.dualop.<name> was defined with
+_OUTPUTS: dict[str, tuple[str, ...]] = {}  # a registered op's output arguments, where it has a written form
 
 
 @functools.lru_cache(maxsize=None)
-def library_op(name: str):  # noqa: C901 - one op's real, fake and autograd kernels
+def library_op(name: str):
     """The ``torch.ops.dualop.<name>`` op for a registered op name (defined on first use), or None
-    when its forward_native has no schema (``compiled_call`` then raises ``op_signature``'s error)."""
+    when its forward_native has no schema (``compiled_call`` then raises ``op_signature``'s error).
+    An op with output arguments also gets its ``<name>_out`` op (``written_op``)."""
+    cls = CustomOp.op_registry[name]
     try:
-        sig = op_signature(CustomOp.op_registry[name])
+        sig = op_signature(cls)
     except TypeError:
         return None
+    if output_args(cls):
+        _define(op_signature(cls, written=True))
+        _OUTPUTS[name] = output_args(cls)
+    return _define(sig)
+
+
+def written_op(name: str):
+    """The ``torch.ops.dualop.<name>_out`` op of a registered op with output arguments."""
+    library_op(name)
+    return getattr(getattr(torch.ops, _NAMESPACE), name + "_out")
+
+
+def _define(sig: OpSignature):  # noqa: C901 - one op's real, fake and autograd kernels
+    """Define ``torch.ops.dualop.<sig.name>`` with its real, fake and (functional ops) autograd kernels."""
+    name = sig.name
+    outputs = sig.mutated if sig.present_if else ()  # a written form: its output arguments
 
     def real(*values: Any) -> Any:
         *call, ctor = values
@@ -271,7 +322,7 @@ def library_op(name: str):  # noqa: C901 - one op's real, fake and autograd kern
         args, kwargs = sig.bind(call)
         result = op(*args, **kwargs)
         if sig.mutated_results:
-            return tuple(_no_alias(_created_results(sig, call, result, into=True), call))
+            return _declared_results(sig, _no_alias(_created_results(sig, call, result, into=True), call))
         if sig.mutated:
             _into_mutated(sig, call, result)
             return None
@@ -286,10 +337,12 @@ def library_op(name: str):  # noqa: C901 - one op's real, fake and autograd kern
         if sig.mutated_results:
             args, kwargs = sig.bind(call)
             op = ctor_spec.build(ctor)
+            for param in outputs:  # a written form's fake computes its results out of place
+                kwargs.pop(param, None)
             # A sequential native body (a token loop reading its metadata) cannot run on fake
             # tensors: such an op gives its results' shapes by ``forward_fake``.
             result = getattr(op, "forward_fake", op.forward_native)(*args, **kwargs)
-            return tuple(_no_alias(_created_results(sig, call, result, into=False), call))
+            return _declared_results(sig, _no_alias(_created_results(sig, call, result, into=False), call))
         if sig.mutated:
             return None  # the mutated arguments keep their shapes; nothing is returned
         args, kwargs = sig.bind(call)
@@ -333,17 +386,28 @@ def library_op(name: str):  # noqa: C901 - one op's real, fake and autograd kern
     return custom
 
 
+def _result_items(sig: OpSignature, given: dict, result: Any) -> list:
+    """An eager result as one item per ``mutated_results`` entry, None for an absent one."""
+    if len(sig.mutated_results) == 1:
+        return [result]
+    if not sig.drop_absent:
+        return list(result)
+    found = iter(result if isinstance(result, tuple) else (result,))
+    return [None if p is not None and given.get(p) is None else next(found) for p in sig.present_if]
+
+
 def _created_results(sig: OpSignature, call: Sequence[Any], result: Any, *, into: bool) -> list:
     """The library op's outputs for an op with ``mutated_results``: each output, each state it
-    created (its argument was None), an empty placeholder for each given state. A given state the
-    path returned as a new tensor is copied into the argument when ``into`` (so the declared
-    in-place update holds)."""
+    created (its argument was None), an empty placeholder for each given state and each absent
+    item. A given state the path returned as a new tensor is copied into the argument when
+    ``into`` (so the declared in-place update holds)."""
     given = dict(zip((p for p, _ in sig.params), call))
+    placeholder = next(a for a in call if isinstance(a, torch.Tensor)).new_empty((0,))
     outputs = []
-    for item, name in zip(result, sig.mutated_results, strict=True):
+    for item, name in zip(_result_items(sig, given, result), sig.mutated_results, strict=True):
         target = given.get(name) if name is not None else None
         if target is None:
-            outputs.append(item)
+            outputs.append(placeholder if item is None else item)
             continue
         if into and item is not target:
             target.copy_(item)
@@ -351,12 +415,24 @@ def _created_results(sig: OpSignature, call: Sequence[Any], result: Any, *, into
     return outputs
 
 
-def assemble_result(sig: OpSignature, call: Sequence[Any], outputs: Sequence[Any]) -> tuple:
+def _declared_results(sig: OpSignature, outputs: list) -> Any:
+    """The outputs as the schema returns them: one ``Tensor``, or a tuple."""
+    return outputs[0] if len(outputs) == 1 else tuple(outputs)
+
+
+def assemble_result(sig: OpSignature, call: Sequence[Any], outputs: Any) -> Any:
     """An op with ``mutated_results``: its eager result from the library op's outputs and the call's
-    values (a given state argument is returned itself, updated in place)."""
+    values (a given state or output argument is returned itself, updated in place; an absent item
+    is None, or left out where the eager call leaves it out)."""
     given = dict(zip((p for p, _ in sig.params), call))
-    return tuple(out if name is None or given.get(name) is None else given[name]
-                 for out, name in zip(outputs, sig.mutated_results, strict=True))
+    outputs = (outputs,) if isinstance(outputs, torch.Tensor) else outputs
+    present = sig.present_if or (None,) * len(sig.mutated_results)
+    items = [None if when is not None and given.get(when) is None
+             else out if name is None or given.get(name) is None else given[name]
+             for out, name, when in zip(outputs, sig.mutated_results, present, strict=True)]
+    if sig.drop_absent:
+        items = [item for item in items if item is not None]
+    return items[0] if len(items) == 1 else tuple(items)
 
 
 def _into_mutated(sig: OpSignature, call: Sequence[Any], result: Any) -> None:
@@ -395,12 +471,12 @@ def _check_value(sig: OpSignature, param: str, kind: str, value: Any) -> None:
         )
 
 
-def library_args(op: CustomOp, args: tuple, kwargs: dict) -> list:
+def library_args(op: CustomOp, args: tuple, kwargs: dict, *, written: bool = False) -> list:
     """A CustomOp call's arguments in its custom op's calling convention:
-    ``torch.ops.dualop.<name>(*library_args(op, args, kwargs))``. Traced by Dynamo, so it reads the
-    signature the op was defined with (a plain dict lookup; ``compiled_call`` has checked that the
-    op's class has that signature) rather than deriving one."""
-    sig = _DEFINED[type(op).name]
+    ``torch.ops.dualop.<name>(*library_args(op, args, kwargs))`` (``written``: its ``<name>_out``
+    op's). Traced by Dynamo, so it reads the signature the op was defined with (a plain dict lookup;
+    ``compiled_call`` has checked that the op's class has that signature) rather than deriving one."""
+    sig = _DEFINED[type(op).name + ("_out" if written else "")]
     if len(args) > len(sig.params):
         raise TypeError(f"{sig.name}: takes {len(sig.params)} call arguments, got {len(args)}")
     names = [p for p, _ in sig.params]
@@ -467,7 +543,15 @@ def compiled_call(op: CustomOp, args: tuple, kwargs: dict) -> Any:
     if name is None or not _enabled_now(name, op.enforce_enable):
         return op.forward_native(*args, **kwargs)
     _check_library_call(name, op._ctor or "", op._ctor_error or "")
-    values = library_args(op, *op.library_arguments(args, kwargs))
+    args, kwargs = op.library_arguments(args, kwargs)
+    written = False
+    for param in _OUTPUTS.get(name, ()):  # an output argument given: the written form
+        if kwargs.get(param) is not None:
+            written = True
+        elif param in kwargs:
+            del kwargs[param]
+    values = library_args(op, args, kwargs, written=written)
+    name = name + "_out" if written else name
     out = getattr(getattr(torch.ops, _NAMESPACE), name)(*values)
     sig = _DEFINED[name]
     if sig.mutated_results:

@@ -58,8 +58,9 @@ def supports(x: Any, spec: GateSpec) -> str | None:
     return None
 
 
-def gated_activation(x: Any, *, spec: GateSpec = GateSpec()) -> Any:
-    """``act(gate) * up`` over the two halves of ``x``'s last dim; returns shape ``(..., d)``."""
+def gated_activation(x: Any, *, spec: GateSpec = GateSpec(), out: Any = None) -> Any:
+    """``act(gate) * up`` over the two halves of ``x``'s last dim; returns shape ``(..., d)``,
+    written into ``out`` when given."""
     import torch
 
     load()  # KernelUnavailable (the call declines) before any work if the library cannot be built
@@ -68,7 +69,9 @@ def gated_activation(x: Any, *, spec: GateSpec = GateSpec()) -> Any:
         raise NotImplementedError(why)
     d = x.shape[-1] // 2
     x = x.contiguous()
-    out = torch.empty((*x.shape[:-1], d), dtype=x.dtype, device=x.device)
+    given = out
+    if out is None or not out.is_contiguous():
+        out = torch.empty((*x.shape[:-1], d), dtype=x.dtype, device=x.device)
     if out.numel():
         first, threads = spec.act_on == "first", threads_for(x.numel())
         # the kernels read any rank as rows; an array argument has at most MAX_DIMS dimensions
@@ -85,4 +88,4 @@ def gated_activation(x: Any, *, spec: GateSpec = GateSpec()) -> Any:
             )
         if status != 0:
             raise NotImplementedError(f"dualop_gated_activation returned {status}")
-    return out
+    return out if given is None or given is out else given.copy_(out)

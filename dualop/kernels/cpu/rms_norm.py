@@ -50,24 +50,34 @@ def supports(x: Any, weight: Any, residual: Any, spec: NormSpec) -> str | None:
     return None
 
 
-def rms_norm(x: Any, weight: Any = None, residual: Any = None, *, spec: NormSpec = NormSpec()) -> Any:
-    """``rms_normalize`` of ``x`` (plus ``residual``) with ``weight``; returns ``out`` or ``(out, x + residual)``."""
+def _written(given: Any, like: Any) -> Any:
+    """Where the kernel writes a result: the given output when the kernel can write it (row-major),
+    else a new array (copied into the given one afterwards)."""
     import torch
 
+    return given if given is not None and given.is_contiguous() else torch.empty_like(like)
+
+
+def rms_norm(x: Any, weight: Any = None, residual: Any = None, *, spec: NormSpec = NormSpec(), out: Any = None,
+             residual_out: Any = None) -> Any:
+    """``rms_normalize`` of ``x`` (plus ``residual``) with ``weight``; returns ``out`` or ``(out, x + residual)``,
+    written into the given ``out`` / ``residual_out`` when given (which may be ``x`` / ``residual``:
+    each row is read before it is written)."""
     load()  # KernelUnavailable (the call declines) before any work if the library cannot be built
     why = supports(x, weight, residual, spec)
     if why is not None:
         raise NotImplementedError(why)
+    given = (out, residual_out)
     x = x.contiguous()
-    out = torch.empty_like(x)
+    out = _written(out, x)
     residual_out = None
     if residual is not None:
         residual = residual.contiguous()
-        residual_out = torch.empty_like(x)
+        residual_out = _written(given[1], x)
     if weight is None:
         mode, w = _NO_WEIGHT, None
     else:
-        w = weight.to(torch.float32)
+        w = weight.float()
         if spec.weight_offset:
             w = w + spec.weight_offset
         w = w.contiguous()
@@ -79,7 +89,10 @@ def rms_norm(x: Any, weight: Any = None, residual: Any = None, *, spec: NormSpec
         )
         if status != 0:
             raise NotImplementedError(f"dualop_rms_norm returned {status}")
-    return out if residual is None else (out, residual_out)
+    results = (out,) if residual is None else (out, residual_out)
+    results = tuple(result if target is None else target if result is target else target.copy_(result)
+                    for result, target in zip(results, given))  # copy_: a given output the kernel could not write
+    return results[0] if residual is None else results
 
 
 def rms_norm_gated(x: Any, weight: Any, z: Any = None, *, group_size: int, eps: float, norm_before_gate: bool,

@@ -14,7 +14,13 @@ _C_ROTARY = c_function(
     "const DualopArray* q_out, const DualopArray* k_out, int64_t rotary_dim, int is_neox, int threads)"
 )
 
-__all__ = ["rotary", "supports"]
+_C_ROTARY_BY_POSITION = c_function(
+    "int dualop_rotary_by_position(const DualopArray* positions, const DualopArray* q, const DualopArray* k, "
+    "const DualopArray* cos_sin_cache, const DualopArray* q_out, const DualopArray* k_out, int64_t rotary_dim, "
+    "int is_neox, int threads)"
+)
+
+__all__ = ["rotary", "rotary_by_position", "supports"]
 
 MAX_HALF = 1024  # the kernel keeps a token's cos/sin row (rotary_dim / 2 floats) on the stack
 
@@ -37,22 +43,82 @@ def _cos_sin_rows(cos: Any, sin: Any) -> tuple[Any, Any]:
     return cos, sin
 
 
-def rotary(query: Any, key: Any, cos: Any, sin: Any, *, rotary_dim: int, is_neox_style: bool) -> tuple[Any, Any]:
-    """Rotate ``query`` ``[T, Hq, D]`` (and ``key`` ``[T, Hk, D]`` or None) by ``cos``/``sin``
-    ``[Tc, rotary_dim // 2]`` (token t takes row t % Tc); returns new ``(query, key)``."""
+def _written(given: Any, like: Any) -> Any:
+    """Where the kernel writes: the given output (viewed as ``like``'s ``[T, H, D]``) when it is
+    row-major, else a new array (copied into the given one afterwards)."""
     import torch
 
+    if given is not None and given.is_contiguous():
+        return given.view(like.shape)
+    return torch.empty_like(like)
+
+
+def _delivered(results: tuple, given: tuple, shapes: tuple) -> tuple[Any, Any]:
+    """The kernel's results in the inputs' shapes, or the given outputs (written, or copied into
+    where the kernel wrote elsewhere)."""
+    out = []
+    for result, target, shape in zip(results, given, shapes):
+        if result is None:
+            out.append(None)
+        elif target is None:
+            out.append(result.view(shape))
+        else:
+            if result.data_ptr() != target.data_ptr():
+                target.copy_(result.view(target.shape))
+            out.append(target)
+    return tuple(out)
+
+
+def rotary_by_position(positions: Any, query: Any, key: Any, cos_sin_cache: Any, *, head_size: int, rotary_dim: int,
+                       is_neox_style: bool, query_out: Any = None, key_out: Any = None) -> tuple[Any, Any]:
+    """The engine's rope in one kernel: token t of ``query`` / ``key`` (``[..., H*D]`` or
+    ``[..., H, D]``, T tokens) rotates by row ``positions[t]`` of ``cos_sin_cache``
+    ``[P, rotary_dim]`` (cos half then sin half, in the query's dtype). Positions were checked by
+    the op (the kernel clamps them all the same). Returns ``(query, key)`` of the inputs' shapes:
+    new arrays, or the given ``query_out`` / ``key_out`` written (which may be the inputs: in place)."""
+    load()  # KernelUnavailable (the call declines) before any work if the library cannot be built
+    why = supports(query, cos_sin_cache[:, : rotary_dim // 2])
+    if why is not None:
+        raise NotImplementedError(why)
+    if cos_sin_cache.dtype != query.dtype:
+        raise NotImplementedError(f"a cos/sin cache of {cos_sin_cache.dtype} for a {query.dtype} query")
+    flat = positions.reshape(-1)
+    tokens = flat.shape[0]
+    shapes = (query.shape, None if key is None else key.shape)
+    if tokens == 0:  # nothing to rotate (and no head count to read from an empty array)
+        return _delivered((query.new_empty(query.shape), None if key is None else key.new_empty(key.shape)),
+                          (query_out, key_out), shapes)
+    q = query.contiguous().view(tokens, -1, head_size)
+    k = None if key is None else key.contiguous().view(tokens, -1, head_size)
+    q_out, k_out = _written(query_out, q), None if k is None else _written(key_out, k)
+    if q.numel() + (0 if k is None else k.numel()):
+        status = _C_ROTARY_BY_POSITION(
+            positions=flat.contiguous(), q=q, k=k, cos_sin_cache=cos_sin_cache, q_out=q_out, k_out=k_out,
+            rotary_dim=rotary_dim, is_neox=int(is_neox_style),
+            threads=threads_for(q.numel() + (0 if k is None else k.numel())),
+        )
+        if status != 0:
+            raise NotImplementedError(f"dualop_rotary_by_position returned {status}")
+    return _delivered((q_out, k_out), (query_out, key_out), shapes)
+
+
+def rotary(query: Any, key: Any, cos: Any, sin: Any, *, rotary_dim: int, is_neox_style: bool, query_out: Any = None,
+           key_out: Any = None) -> tuple[Any, Any]:
+    """Rotate ``query`` ``[T, Hq, D]`` (and ``key`` ``[T, Hk, D]`` or None) by ``cos``/``sin``
+    ``[Tc, rotary_dim // 2]`` (token t takes row t % Tc); returns new ``(query, key)``, or the given
+    ``query_out`` / ``key_out`` (any shape of as many elements; may be the inputs) written."""
     load()  # KernelUnavailable (the call declines) before any work if the library cannot be built
     why = supports(query, cos)
     if why is not None:
         raise NotImplementedError(why)
     tokens = query.shape[0]
+    shapes = (query.shape, None if key is None else key.shape)
     query = query.contiguous()
-    q_out = torch.empty_like(query)
+    q_out = _written(query_out, query)
     k_out = None
     if key is not None:
         key = key.contiguous()
-        k_out = torch.empty_like(key)
+        k_out = _written(key_out, key)
     if tokens and query.numel() + (0 if key is None else key.numel()):  # no query heads still rotates the key
         cos, sin = _cos_sin_rows(cos, sin)
         status = _C_ROTARY(
@@ -61,4 +127,4 @@ def rotary(query: Any, key: Any, cos: Any, sin: Any, *, rotary_dim: int, is_neox
         )
         if status != 0:
             raise NotImplementedError(f"dualop_rotary returned {status}")
-    return q_out, k_out
+    return _delivered((q_out, k_out), (query_out, key_out), shapes)

@@ -16,7 +16,7 @@ enum WeightMode { kNoWeight = 0, kWeightAfterCast = 1, kWeightInF32 = 2 };
 #ifdef DUALOP_HAVE_AVX2
 // bfloat16 rows with AVX2, 16 elements a step; both return the index the portable tail starts at.
 template <bool kResidual>
-static int64_t sum_sq_bf16(const bf16* xr, const bf16* rr, bf16* ro, int64_t hidden, float& sum_sq) {
+static int64_t sum_sq_bf16(const bf16* xr, const bf16* rr, int64_t hidden, float& sum_sq) {
   __m256 acc_lo = _mm256_setzero_ps(), acc_hi = _mm256_setzero_ps();
   int64_t i = 0;
   for (; i + 16 <= hidden; i += 16) {
@@ -27,7 +27,6 @@ static int64_t sum_sq_bf16(const bf16* xr, const bf16* rr, bf16* ro, int64_t hid
       avx2::load_bf16(rr + i, r_lo, r_hi);
       lo = _mm256_add_ps(lo, r_lo);
       hi = _mm256_add_ps(hi, r_hi);
-      avx2::store_bf16<true>(ro + i, lo, hi);
     }
     acc_lo = _mm256_fmadd_ps(lo, lo, acc_lo);
     acc_hi = _mm256_fmadd_ps(hi, hi, acc_hi);
@@ -37,8 +36,8 @@ static int64_t sum_sq_bf16(const bf16* xr, const bf16* rr, bf16* ro, int64_t hid
 }
 
 template <bool kResidual, int kWeight, bool kMayBeNaN>
-static int64_t normalize_bf16(const bf16* xr, const bf16* rr, const float* weight, bf16* orow, int64_t hidden,
-                              float inv_rms) {
+static int64_t normalize_bf16(const bf16* xr, const bf16* rr, const float* weight, bf16* orow, bf16* ro,
+                              int64_t hidden, float inv_rms) {
   const __m256 inv = _mm256_set1_ps(inv_rms);
   int64_t i = 0;
   for (; i + 16 <= hidden; i += 16) {
@@ -49,6 +48,7 @@ static int64_t normalize_bf16(const bf16* xr, const bf16* rr, const float* weigh
       avx2::load_bf16(rr + i, r_lo, r_hi);
       lo = _mm256_add_ps(lo, r_lo);
       hi = _mm256_add_ps(hi, r_hi);
+      avx2::store_bf16<true>(ro + i, lo, hi);
     }
     lo = _mm256_mul_ps(lo, inv);
     hi = _mm256_mul_ps(hi, inv);
@@ -68,28 +68,27 @@ static int64_t normalize_bf16(const bf16* xr, const bf16* rr, const float* weigh
 }
 #endif
 
+// The first pass over a row only reads (its statistic); the second reads x and residual again and
+// writes out and residual_out, element by element after reading: so out may be x and residual_out
+// may be residual (the in-place fused add-norm), and no pointer here is restrict.
 template <class T, bool kResidual, int kWeight>
-static void rms_norm_rows(const T* __restrict x, const T* __restrict residual, const float* __restrict weight,
-                          T* __restrict out, T* __restrict residual_out, int64_t rows, int64_t hidden, float eps,
-                          bool weight_finite, int threads) {
+static void rms_norm_rows(const T* x, const T* residual, const float* weight, T* out, T* residual_out, int64_t rows,
+                          int64_t hidden, float eps, bool weight_finite, int threads) {
 #pragma omp parallel for schedule(static) num_threads(threads)
   for (int64_t row = 0; row < rows; ++row) {
-    const T* __restrict xr = x + row * hidden;
-    const T* __restrict rr = kResidual ? residual + row * hidden : nullptr;
-    T* __restrict orow = out + row * hidden;
-    T* __restrict ro = kResidual ? residual_out + row * hidden : nullptr;
+    const T* xr = x + row * hidden;
+    const T* rr = kResidual ? residual + row * hidden : nullptr;
+    T* orow = out + row * hidden;
+    T* ro = kResidual ? residual_out + row * hidden : nullptr;
     float sum_sq = 0.0f;
     int64_t start = 0;
 #ifdef DUALOP_HAVE_AVX2
-    if constexpr (std::is_same_v<T, bf16>) start = sum_sq_bf16<kResidual>(xr, rr, ro, hidden, sum_sq);
+    if constexpr (std::is_same_v<T, bf16>) start = sum_sq_bf16<kResidual>(xr, rr, hidden, sum_sq);
 #endif
 #pragma omp simd reduction(+ : sum_sq)
     for (int64_t i = start; i < hidden; ++i) {
       float v = to_f32(xr[i]);
-      if constexpr (kResidual) {
-        v += to_f32(rr[i]);
-        ro[i] = from_f32<T>(v);
-      }
+      if constexpr (kResidual) v += to_f32(rr[i]);
       sum_sq = std::fma(v, v, sum_sq);
     }
     const float inv_rms = 1.0f / std::sqrt(sum_sq / static_cast<float>(hidden) + eps);
@@ -98,15 +97,18 @@ static void rms_norm_rows(const T* __restrict x, const T* __restrict residual, c
     if constexpr (std::is_same_v<T, bf16>) {
       // A row with only finite values (and a finite weight) cannot produce NaN: skip its check.
       if (std::isfinite(sum_sq) && std::isfinite(inv_rms) && weight_finite)
-        start = normalize_bf16<kResidual, kWeight, false>(xr, rr, weight, orow, hidden, inv_rms);
+        start = normalize_bf16<kResidual, kWeight, false>(xr, rr, weight, orow, ro, hidden, inv_rms);
       else
-        start = normalize_bf16<kResidual, kWeight, true>(xr, rr, weight, orow, hidden, inv_rms);
+        start = normalize_bf16<kResidual, kWeight, true>(xr, rr, weight, orow, ro, hidden, inv_rms);
     }
 #endif
 #pragma omp simd
     for (int64_t i = start; i < hidden; ++i) {
       float v = to_f32(xr[i]);
-      if constexpr (kResidual) v += to_f32(rr[i]);
+      if constexpr (kResidual) {
+        v += to_f32(rr[i]);
+        ro[i] = from_f32<T>(v);
+      }
       const float y = v * inv_rms;
       if constexpr (kWeight == kNoWeight) orow[i] = from_f32<T>(y);
       if constexpr (kWeight == kWeightInF32) orow[i] = from_f32<T>(y * weight[i]);
@@ -191,8 +193,8 @@ static void rms_norm_gated_rows(const T* __restrict x, const T* __restrict z, co
 }  // namespace dualop
 
 // x, out, and residual, residual_out (both absent or both present): row-major [..., hidden] of one
-// float dtype, read as [rows, hidden]. weight: float32 [hidden] with any offset already added, or absent (weight_mode 0).
-// Returns 0, -1 for an unknown dtype, kBadArrays for arrays that disagree.
+// float dtype, read as [rows, hidden]; out may be x and residual_out residual (in place). weight:
+// float32 [hidden] with any offset already added, or absent (weight_mode 0). Returns 0, -1 for an unknown dtype, kBadArrays for arrays that disagree.
 extern "C" int dualop_rms_norm(const DualopArray* x, const DualopArray* residual, const DualopArray* weight,
                                const DualopArray* out, const DualopArray* residual_out, float eps, int weight_mode,
                                int threads) {
