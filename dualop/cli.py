@@ -332,6 +332,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
                             "frontend") or list(throughput.FRONTENDS)
     if args.device is not None:
         roofline.check_device(args.device)
+    if args.threads is not None and not 1 <= args.threads <= (os.cpu_count() or 1):
+        raise ValueError(f"--threads: expected 1 to {os.cpu_count()} (this machine's CPUs), got {args.threads}")
     if args.list:
         return _print_lines(bench_cases.case_listing(ops, shapes))
 
@@ -366,6 +368,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if not frontends:
         print(f"dualop bench: none of the frontends {', '.join(requested)} can be imported here", file=sys.stderr)
         return 2
+    if args.threads is not None:  # torch's intra-op threads, which dualop's C++ CPU kernels use too
+        import torch
+
+        torch.set_num_threads(args.threads)
     if args.model is not None:
         return _bench_model(args, frontends, dtypes)
 
@@ -377,6 +383,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
         )
     if not args.no_dispatch:
         records += _bench_dispatch(frontends, args.rounds, not args.no_progress)
+    if args.threads is not None:
+        for rec in records:
+            rec["threads"] = args.threads
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(records, fh, indent=2)
@@ -390,6 +399,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     dispatch = [r for r in records if r.get("op") == "dispatch"]
     if dispatch:
         parts.append(format_dispatch(dispatch))
+    if args.threads is not None:
+        parts.append(f"threads: {args.threads} (torch.set_num_threads, for every implementation)")
     print("\n\n".join(parts))
     return 0
 
@@ -606,6 +617,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="time a whole model's prefill and decode steps, dualop (both frontends) against "
                         "transformers' forward: PATH a local checkpoint (default: a tiny random Llama)")
     s.add_argument("--batch", type=int, default=8, help="with --model: sequences per step (default 8)")
+    s.add_argument("--threads", type=int, help="torch's CPU threads (torch.set_num_threads; dualop's C++ CPU kernels "
+                                               "and vLLM's use them too) for the whole run (default: torch's own)")
     s.add_argument("--device", help="tpu-v5e, tpu-v6e or h100: with --roofline-only, the device to predict "
                                     "for (default: all); when timing, add its predicted time to each record")
     s.add_argument("--list", action="store_true", help="instead of running: print the sorted set of what would run, one line each (compare two versions byte for byte)")

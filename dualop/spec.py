@@ -96,7 +96,10 @@ class BenchCase:
     peer's function, called with the same arguments as the op, or None when there is none.
     default: run when ``--ops`` is not given. shape_of: see ``input_shape``. matrix: the flops
     are matmuls on the matrix units (the roofline then takes the device's 16-bit matrix peak for
-    16-bit inputs, rather than its float32 vector peak).
+    16-bit inputs, rather than its float32 vector peak). written: a written form (``out=``, in
+    place: torch only): ``written(args)`` gives the op's ``(positional, keyword)`` arguments from
+    the case's inputs, outputs by keyword, and each check runs on copies of the inputs; a
+    ``vllm-kernel`` peer takes the inputs as they are.
     """
 
     label: str
@@ -109,6 +112,7 @@ class BenchCase:
     default: bool = True
     shape_of: Callable[[tuple[int, ...]], tuple[int, ...]] | None = None
     matrix: bool = False
+    written: Callable[[tuple], tuple[tuple, dict]] | None = None
 
     def input_shape(self, size: tuple[int, ...]) -> tuple[int, ...]:
         """The shape this case runs for a bench size (``small``, ``RxC``, ...): the size itself,

@@ -39,8 +39,12 @@ _VLLM_ONLY_ARGS = frozenset({"compile_native", "init_cache", "dtype", "params_dt
 
 
 def _norm_call(module: Any, op: Any, x: Any, residual: Any = None) -> Any:
+    """With a residual, in place as vLLM's own CPU and CUDA paths are (its fused add-norm may
+    overwrite ``x`` and ``residual``)."""
     weight = module.weight if getattr(module, "has_weight", True) else None
-    return op(x, weight, residual)
+    if residual is None:
+        return op(x, weight)
+    return op(x, weight, residual, out=x, residual_out=residual)
 
 
 def _activation_call(module: Any, op: Any, x: Any) -> Any:
@@ -48,7 +52,8 @@ def _activation_call(module: Any, op: Any, x: Any) -> Any:
 
 
 def _rope_call(module: Any, op: Any, positions: Any, query: Any, key: Any = None) -> Any:
-    return op(positions, query, key)
+    """In place, as vLLM's own CPU and CUDA ropes rotate query and key."""
+    return op(positions, query, key, query_out=query, key_out=key)
 
 
 def _gated_norm_call(module: Any, op: Any, x: Any, gate: Any) -> Any:

@@ -124,9 +124,9 @@ def _torch_impls(case: BenchCase, op: Any, wanted: Iterable[str]) -> dict[str, C
 
     from dualop.bench.vllm_peers import vllm_peer
 
-    def dualop_native(*args: Any) -> Any:
+    def dualop_native(*args: Any, **kwargs: Any) -> Any:
         with set_config(NATIVE_CONFIG):
-            return op(*args)
+            return op(*args, **kwargs)
 
     def compiled() -> Callable[..., Any]:
         torch._dynamo.reset()  # a fresh compilation per case: no recompile limit, honest warm-up
@@ -168,6 +168,21 @@ def _method(op: Any, frontend: str, impl: str) -> str | None:
         with set_config(NATIVE_CONFIG):
             return op.dispatched_method(frontend)
     return None
+
+
+def _call_of(case: BenchCase, impl: str, args: tuple) -> tuple[tuple, dict]:
+    """The arguments ``impl`` takes: a written form's split into the op's positional and keyword
+    arguments (outputs by keyword), except for a vLLM kernel, which takes its outputs positionally."""
+    if case.written is None or impl == "vllm-kernel":
+        return args, {}
+    return case.written(args)
+
+
+def _copies(case: BenchCase, args: tuple) -> tuple:
+    """Fresh copies of a written form's inputs (a check must not see an earlier call's writes)."""
+    if case.written is None:
+        return args
+    return tuple(a.clone() if hasattr(a, "clone") else a for a in args)
 
 
 # --- checking ----------------------------------------------------------------------------------
@@ -238,7 +253,8 @@ def _run_case(
             import jax
 
             native = jax.jit(op.forward_native)
-        want = finish(native(*args))
+        native_args, native_kwargs = _call_of(case, "torch-eager", _copies(case, args))
+        want = finish(native(*native_args, **native_kwargs))
         fns = (_torch_impls if frontend == "torch" else _jax_impls)(case, op, wanted)
     except Exception as err:  # bad shape for this op, a missing frontend piece
         return [error(impl, f"{type(err).__name__}: {err}") for impl in FRONTEND_IMPLS[frontend] if impl in wanted]
@@ -249,8 +265,9 @@ def _run_case(
     for impl, fn in fns.items():
         on_step(f"check {impl}")
         try:
+            call_args, call_kwargs = _call_of(case, impl, _copies(case, args))
             t0 = time.perf_counter()
-            got = finish(fn(*args))
+            got = finish(fn(*call_args, **call_kwargs))
             first_call_s[impl] = time.perf_counter() - t0
             why = _disagreement(got, want, dtype)
             del got
@@ -266,7 +283,10 @@ def _run_case(
 
     on_step(f"time {len(ready)} impls")
     copy, copy_bytes = copy_fn(shape, dtype, frontend)
-    thunks: dict[str, Callable[[], Any]] = {impl: functools.partial(fn, *args) for impl, fn in ready.items()}
+    thunks: dict[str, Callable[[], Any]] = {}
+    for impl, fn in ready.items():
+        call_args, call_kwargs = _call_of(case, impl, args)
+        thunks[impl] = functools.partial(fn, *call_args, **call_kwargs)
     thunks[COPY_ENTRY] = copy
     try:
         samples = measure(thunks, rounds, warmup, sync, settle=SETTLE_ROUNDS if allocator == ALLOCATOR_REUSE else 0)
@@ -350,7 +370,7 @@ def run_throughput(
     if device is not None:
         check_device(device)
     combos = [(c, s, d, f) for c in cases for s in shapes for d in dtypes for f in frontends
-              if any(i in wanted for i in FRONTEND_IMPLS[f])]
+              if any(i in wanted for i in FRONTEND_IMPLS[f]) and (c.written is None or f == "torch")]
     rng = np.random.default_rng(seed)
     records: list[dict] = []
     bar = tqdm(combos, desc="throughput", unit="case", disable=not progress, leave=False)

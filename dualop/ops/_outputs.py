@@ -67,10 +67,39 @@ def check_output(op: str, arg: str, out: Any, shape: tuple[int, ...], dtype: Any
             raise ValueError(f"{op}: arguments '{arg}' and '{name}' overlap; expected separate outputs")
 
 
+def _rows(t: Any) -> tuple[int, int, int, int] | None:
+    """A tensor as rows of one stride: ``(first element, rows, row length, row stride)`` in
+    elements, or None when its layout is not that (a column slice of a matrix is: q, k and v split
+    from one qkv projection)."""
+    if t.ndim == 0 or t.stride(-1) != 1:
+        return None
+    width, rows, stride = t.shape[-1], 1, None
+    for d in range(t.ndim - 2, -1, -1):
+        if t.shape[d] == 1:
+            continue
+        step = t.stride(d) if stride is None else stride * rows
+        if stride is None:
+            stride = t.stride(d)
+        elif t.stride(d) != step:
+            return None
+        rows *= t.shape[d]
+    return (t.storage_offset(), rows, width, stride or width)
+
+
 def _overlap(a: Any, b: Any) -> bool:
-    """Whether two tensors of one storage cover a common byte (by their element ranges)."""
+    """Whether two tensors of one storage share an element: exactly for rows of one stride (column
+    slices of one matrix), else by their byte ranges (which may refuse two interleaved tensors that
+    share nothing; never passes two that do)."""
     if a.numel() == 0 or b.numel() == 0:
         return False
+    ra, rb = _rows(a), _rows(b)
+    if ra is not None and rb is not None and ra[3] == rb[3] and a.element_size() == b.element_size():
+        (start_a, rows_a, width_a, stride), (start_b, rows_b, width_b, _) = ra, rb
+        col_a, col_b = start_a % stride, start_b % stride
+        if col_a + width_a <= stride and col_b + width_b <= stride:  # no row wraps into the next
+            row_a, row_b = start_a // stride, start_b // stride
+            rows_meet = row_a < row_b + rows_b and row_b < row_a + rows_a
+            return rows_meet and col_a < col_b + width_b and col_b < col_a + width_a
     (lo_a, hi_a), (lo_b, hi_b) = _span(a), _span(b)
     return lo_a < hi_b and lo_b < hi_a
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 import math
 from typing import Any, ClassVar
 
+import numpy as np
+
 from dualop.backends import array_namespace
 from dualop.backends.torch.triton_launch import call_triton
 from dualop.backends.xla.jax_bridge import call_jax_function
@@ -242,7 +244,15 @@ def bench_cases():
                   _torch_gated("silu", act_on_first=False), _jax_gated("silu", act_on_first=False), default=False),
         BenchCase("gelu_tanh_and_mul", "gelu_and_mul", lambda hidden: GeluAndMul("tanh"), x_only_inputs, _gated_cost,
                   _torch_gated("gelu", approximate="tanh"), _jax_gated("gelu", approximate=True), default=False),
+        # the engine's form (torch): into a preallocated output
+        BenchCase("silu_and_mul[out]", "silu_and_mul", lambda hidden: SiluAndMul(), _gated_out_inputs, _gated_cost,
+                  default=False, written=lambda a: ((a[0],), {"out": a[1]})),
     ]
+
+
+def _gated_out_inputs(shape, rng):
+    """x as the other cases', and the ``(..., d)`` output to write."""
+    return (*x_only_inputs(shape, rng), np.zeros((*shape[:-1], shape[-1] // 2), np.float32))
 
 
 # Prefill of 8192 tokens and a 16-token decode batch at the widths of Llama-3-70B (intermediate

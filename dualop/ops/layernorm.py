@@ -289,7 +289,18 @@ def bench_cases():
                   _torch_rms_norm(True), _jax_rms_norm(True)),
         BenchCase("gemma_rms_norm", "gemma_rms_norm", GemmaRMSNorm, _norm_inputs(False), _norm_cost(False),
                   _torch_gemma_rms_norm, _jax_rms_norm(False, gemma=True)),
+        # the engine's written forms (torch; against its own kernels where vLLM is installed): into a
+        # preallocated output, and the fused add-norm in place
+        BenchCase("rms_norm[out]", "rms_norm", RMSNorm, _norm_out_inputs, _norm_cost(False), default=False,
+                  written=lambda a: ((a[0], a[1]), {"out": a[2]})),
+        BenchCase("rms_norm[in_place]", "rms_norm", RMSNorm, _norm_inputs(True), _norm_cost(True),
+                  default=False, written=lambda a: (a, {"out": a[0], "residual_out": a[2]})),
     ]
+
+
+def _norm_out_inputs(shape, rng):
+    """x and a weight as ``rms_norm``'s, and the output to write."""
+    return (*_norm_inputs(False)(shape, rng), np.zeros(shape, np.float32))
 
 
 # Prefill of 8192 tokens and a 16-token decode batch at the widths of Llama-3-70B (hidden 8192) and

@@ -679,10 +679,30 @@ def _serving_rope(case_label: str):
     return make
 
 
+def _rope_in_place_inputs(shape, rng):
+    """The engine's in-place rope: int64 positions, the query (tokens, heads * 128) and a key of a
+    quarter of its heads (Llama-3-8B: 32 query heads, 8 KV heads)."""
+    from dualop.testing import Pinned
+
+    tokens, hidden = shape
+    positions = Pinned(rng.integers(0, _ROPE_POSITIONS, tokens).astype(np.int64), "int64")
+    return (positions, _normal(shape, rng), _normal((tokens, max(_rope_head(hidden), hidden // 4)), rng))
+
+
+def _rope_in_place_cost(op, shape, itemsize) -> KernelCost:
+    tokens, hidden = shape
+    heads = (hidden + max(op.head_size, hidden // 4)) // op.head_size
+    return cost_model.rotary_cost(tokens, heads, op.head_size, op.rotary_dim, itemsize)
+
+
 def bench_cases():
-    """Not run by default (ask with --ops): against a hand-written ``jax.numpy`` rope."""
+    """Not run by default (ask with --ops): against a hand-written ``jax.numpy`` rope, and the
+    engine's in-place form (torch; against its own kernel where vLLM is installed)."""
     return [BenchCase("rotary_embedding", "rotary_embedding", _rope, _rope_inputs, _rope_cost, None, _jax_rope,
-                      default=False)]
+                      default=False),
+            BenchCase("rotary_embedding[in_place]", "rotary_embedding", _rope, _rope_in_place_inputs,
+                      _rope_in_place_cost, default=False,
+                      written=lambda a: (a, {"query_out": a[1], "key_out": a[2]}))]
 
 
 def serving():

@@ -192,7 +192,7 @@ def test_every_case_and_peer_agrees_with_forward_native():
     peers = {(r["op"], r["impl"]) for r in recs}
     for case in SWEEP_HERE:
         assert ((case.label, "torch-builtin") in peers) == (case.torch_builtin is not None)
-        if "jax" in FRONTENDS:
+        if "jax" in FRONTENDS and case.written is None:  # a written form is torch's alone
             assert (case.label, "jax-handwritten") in peers
 
 

@@ -190,6 +190,22 @@ def test_bad_outputs_are_refused_before_anything_is_written():
              r"silu_and_mul: argument 'out' has shape \(4, 16\); expected \(4, 8\)")
 
 
+def test_query_and_key_split_from_one_projection_rotate_in_place():
+    """The engine's rope takes query and key as column slices of one qkv matrix: interleaved in
+    memory, sharing no element, so in place is allowed; an output that does share one is refused."""
+    op = RotaryEmbedding(16, 16, 64, 10000.0)
+    qkv = _randn((5, 4 * 16 + 2 * 2 * 16), torch.float32, 0)
+    q, k, _ = qkv.split([4 * 16, 2 * 16, 2 * 16], dim=-1)
+    positions = torch.arange(5)
+    want_q, want_k = op(positions, q.clone(), k.clone())
+    got_q, got_k = op(positions, q, k, query_out=q, key_out=k)
+    assert got_q is q and got_k is k
+    _same(q, want_q)
+    _same(k, want_k)
+    _refused(lambda: op(positions, q, k, query_out=qkv[:, 8:8 + 64], key_out=k), ValueError,
+             r"argument 'query_out' overlaps 'query' without being it", qkv)
+
+
 def test_jax_arrays_cannot_be_written():
     jnp = pytest.importorskip("jax.numpy", reason="jax is in both test environments; this guards a bare install")
     x = jnp.ones((2, 8), jnp.float32)
