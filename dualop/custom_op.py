@@ -292,20 +292,39 @@ def _fast_call_source(cls: type) -> tuple[str, tuple, dict] | None:
     call_args = ", ".join(x for x in (pos_args, kw_args) if x)
     kw_dict = "{" + ", ".join(f"{p.name!r}: {p.name}" for p in keyword) + "}"
     first = positional[0].name
-    check = f"        self.check_inputs({call_args})\n" if cls.check_inputs is not CustomOp.check_inputs else ""
+    has_check = cls.check_inputs is not CustomOp.check_inputs
     present = "".join(f" and {name} is not _MISSING" for name in required)
+
+    def fast_call(args: str, kws: str, indent: str) -> str:
+        check = f"{indent}self.check_inputs({args})\n" if has_check else ""
+        return (f"{check}"
+                f"{indent}try:\n"
+                f"{indent}    return hit.method({args})\n"
+                f"{indent}except NotImplementedError as err:\n"
+                f"{indent}    return self._declined(hit.method, err, ({pos_args},), {kws})\n")
+
+    # Output arguments (``output_args``: the written forms) reach the methods only when given, so
+    # implementations written without them (an out-of-tree subclass's) serve every plain call.
+    outputs = [p.name for p in keyword if p.name in (getattr(cls, "output_args", ()) or ())]
+    plain_kw = [p for p in keyword if p.name not in outputs]
+    plain_args = ", ".join(x for x in (pos_args, ", ".join(f"{p.name}={p.name}" for p in plain_kw)) if x)
+    plain_dict = "{" + ", ".join(f"{p.name!r}: {p.name}" for p in plain_kw) + "}"
+    if outputs:
+        none_given = " and ".join(f"{name} is None" for name in outputs)
+        body = (f"        if {none_given}:\n" + fast_call(plain_args, plain_dict, " " * 12)
+                + fast_call(call_args, kw_dict, " " * 8))
+        fallback = f"    return self._dispatch(({pos_args},), {plain_dict} if {none_given} else {kw_dict})\n"
+    else:
+        body = fast_call(call_args, kw_dict, " " * 8)
+        fallback = f"    return self._dispatch(({pos_args},), {kw_dict})\n"
     source = (
         f"def __call__(self, {sig_text}):\n"
         f"    hit = self._armed\n"
         f"    if (type({first}) is hit.array_type and _eager() "
         f"and _current_config() is hit.override and hit.generation == _generation "
         f"and (hit.probe is None or hit.probe({first})){present}):\n"
-        f"{check}"
-        f"        try:\n"
-        f"            return hit.method({call_args})\n"
-        f"        except NotImplementedError as err:\n"
-        f"            return self._declined(hit.method, err, ({pos_args},), {kw_dict})\n"
-        f"    return self._dispatch(({pos_args},), {kw_dict})\n"
+        f"{body}"
+        f"{fallback}"
     )
     defaults = tuple(_MISSING if p.default is p.empty else p.default for p in positional)
     kwdefaults = {p.name: _MISSING if p.default is p.empty else p.default for p in keyword}
