@@ -98,6 +98,16 @@ static void rotary_tokens(int cos_dtype, const T* q, const T* k, const void* cos
   }
 }
 
+// q, q_out row-major [tokens, q_heads, head_size] of one float dtype; k, k_out the same with k_heads
+// (or both absent).
+static bool query_and_key_agree(const DualopArray* q, const DualopArray* k, const DualopArray* q_out,
+                                const DualopArray* k_out) {
+  if (!q || q->ndim != 3 || !is_row_major(q) || !is_dense_like(q_out, q)) return false;
+  if (k == nullptr) return k_out == nullptr;
+  return is_dense(k, q->dtype, 3) && k->shape[0] == q->shape[0] && k->shape[2] == q->shape[2] &&
+         is_dense_like(k_out, k);
+}
+
 }  // namespace dualop
 
 // q, q_out row-major [tokens, q_heads, head_size] of one float dtype; k, k_out the same with k_heads
@@ -110,11 +120,8 @@ extern "C" int dualop_rotary(const DualopArray* q, const DualopArray* k, const D
   using namespace dualop;
   const int64_t half = rotary_dim / 2;
   if (half > 1024) return -2;
-  if (!q || q->ndim != 3 || !is_row_major(q) || !is_dense_like(q_out, q)) return kBadArrays;
+  if (!query_and_key_agree(q, k, q_out, k_out)) return kBadArrays;
   const int64_t tokens = q->shape[0], q_heads = q->shape[1], head_size = q->shape[2];
-  if (k ? !is_dense(k, q->dtype, 3) || k->shape[0] != tokens || k->shape[2] != head_size || !is_dense_like(k_out, k)
-        : k_out != nullptr)
-    return kBadArrays;
   const int64_t k_heads = k ? k->shape[1] : 0;
   if (!cos || !sin || cos->ndim != 2 || sin->ndim != 2 || sin->dtype != cos->dtype || sin->shape[0] != cos->shape[0] ||
       sin->shape[1] != cos->shape[1] || cos->shape[1] < half || cos->shape[0] < 1)
@@ -152,11 +159,8 @@ extern "C" int dualop_rotary_by_position(const DualopArray* positions, const Dua
   using namespace dualop;
   const int64_t half = rotary_dim / 2;
   if (half > 1024) return -2;
-  if (!q || q->ndim != 3 || !is_row_major(q) || !is_dense_like(q_out, q)) return kBadArrays;
+  if (!query_and_key_agree(q, k, q_out, k_out)) return kBadArrays;
   const int64_t tokens = q->shape[0], q_heads = q->shape[1], head_size = q->shape[2];
-  if (k ? !is_dense(k, q->dtype, 3) || k->shape[0] != tokens || k->shape[2] != head_size || !is_dense_like(k_out, k)
-        : k_out != nullptr)
-    return kBadArrays;
   if (!positions || positions->ndim != 1 || positions->shape[0] != tokens || !is_row_major(positions) ||
       (positions->dtype != dtype_code::int32 && positions->dtype != dtype_code::int64))
     return kBadArrays;
