@@ -597,7 +597,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     s.add_argument("--ops", help="comma-separated case labels or op names (default: "
                                  "rms_norm, rms_norm[residual], gemma_rms_norm, silu_and_mul, gelu_and_mul; "
-                                 "also mul_and_silu, gelu_tanh_and_mul, gelu_new, quick_gelu, relu2)")
+                                 "also mul_and_silu, gelu_tanh_and_mul, gelu_new, quick_gelu, relu2; the "
+                                 "written forms against the engine's kernels by label: rms_norm[out], "
+                                 "rms_norm[in_place], silu_and_mul[out], rotary_embedding[in_place])")
     s.add_argument("--sizes", help="comma-separated: small (4096x4096), large (16384x4096) or ROWSxCOLS, the "
                                    "shape of x (default: small,large)")
     s.add_argument("--dtypes", help="comma-separated: float32, bfloat16, float16 (default: float32,bfloat16)")

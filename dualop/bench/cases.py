@@ -43,7 +43,8 @@ def case_listing(names: Iterable[str] | None = None, sizes: Iterable[tuple[int, 
 
 
 def select_cases(names: Iterable[str] | None = None) -> list[BenchCase]:
-    """The cases whose label or registered op name is in ``names`` (the default cases for None).
+    """The cases whose label or registered op name is in ``names`` (the default cases for None); an
+    op name leaves out the op's written forms (``rms_norm[out]``, ...), which are asked for by label.
 
     Raises ValueError naming every name that matches no case, and the valid ones.
     """
@@ -56,4 +57,4 @@ def select_cases(names: Iterable[str] | None = None) -> list[BenchCase]:
     if unknown:
         valid = sorted({c.label for c in CASES} | {c.op_name for c in CASES})
         raise ValueError(f"--ops: unknown {', '.join(map(repr, unknown))}; valid: {', '.join(valid)}")
-    return [c for c in CASES if c.label in wanted or c.op_name in wanted]
+    return [c for c in CASES if c.label in wanted or (c.op_name in wanted and c.written is None)]
