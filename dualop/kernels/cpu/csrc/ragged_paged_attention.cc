@@ -415,6 +415,32 @@ void chunk_block(const Chunk& ch, int64_t dp, int64_t d, const T* const* krows, 
   if (tail) accumulate<T, NV, 1, true>(ch.acc, dp, vrows, nb, w, a, pairs, tail);
 }
 
+// out[e] = acc * norm for e < d, acc in storage order, rounded to T as from_f32 does.
+template <class T>
+DUALOP_INLINE void store_row(T* out, const float* acc, int64_t d, float norm) {
+  int64_t e = 0;
+  if constexpr (std::is_same_v<T, bf16>) {
+    // a pair's even and odd elements: rounded to nearest even in the high 16 bits of each lane
+    // (NaN made quiet), the even ones shifted down, the odd ones kept: 32 bfloat16 in order
+    const __m512 scale = _mm512_set1_ps(norm);
+    const auto round = [](__m512 v) {
+      const __m512i u = _mm512_castps_si512(v);
+      const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+      const __m512i r = _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), lsb);
+      return _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q),
+                                   _mm512_or_si512(u, _mm512_set1_epi32(0x400000)));
+    };
+    for (; e + 32 <= d; e += 32) {
+      const __m512i lo = round(_mm512_mul_ps(_mm512_loadu_ps(acc + e), scale));
+      const __m512i hi = round(_mm512_mul_ps(_mm512_loadu_ps(acc + e + 16), scale));
+      const __m512i packed = _mm512_or_si512(_mm512_srli_epi32(lo, 16),
+                                             _mm512_and_si512(hi, _mm512_set1_epi32(static_cast<int>(0xffff0000u))));
+      _mm512_storeu_si512(out + e, packed);
+    }
+  }
+  for (; e < d; ++e) out[e] = from_f32<T>(acc[slot<T>(e)] * norm);
+}
+
 // Per-thread buffers of run_task_avx512, sized once per call (nothing allocated per task).
 struct Scratch {
   std::vector<float> q, acc, m, l;  // q, acc: [n, dp]; m, l: 16 lanes per chunk
@@ -422,6 +448,7 @@ struct Scratch {
   std::vector<const void*> qsrc;    // [n]
   std::vector<Chunk> chunks;
   std::vector<int> widths;
+  std::vector<int64_t> heads;
   std::vector<unsigned char> zeros;  // a zero K row (positions of a block past its last row)
   void size_for(int64_t n, int64_t dp, int64_t elem_bytes) {
     q.assign(n * dp, 0.0f);
@@ -433,58 +460,76 @@ struct Scratch {
     qsrc.assign(n, nullptr);
     chunks.assign(n, Chunk{});
     widths.assign(n, 0);
+    heads.assign(n, 0);
     zeros.assign(dp * elem_bytes + 64, 0);
   }
 };
 
 template <class T>
 void run_task_avx512(const T* q, const T* kv, const int32_t* pages, T* out, const Shape& s, const Options& o,
-                     Scratch& sc, int64_t seq, int64_t head, int64_t row0, int64_t row1, int64_t q_start,
-                     int64_t q_len, int64_t kv_len) {
-  const int64_t d = s.head_dim, group = s.q_heads / s.kv_heads, n = (row1 - row0) * group;
+                     Scratch& sc, int64_t seq, int64_t head0, int64_t head1, int64_t row0, int64_t row1,
+                     int64_t q_start, int64_t q_len, int64_t kv_len) {
+  const int64_t d = s.head_dim, group = s.q_heads / s.kv_heads, per_head = (row1 - row0) * group;
+  const int64_t n = (head1 - head0) * per_head;  // vector j: head head0 + j / per_head, then row, then group
   const int64_t combined = 2 * s.kv_heads, pairs = d / 32, rem = d % 32, dp = (d + 31) / 32 * 32;
   const __mmask32 tail = rem ? static_cast<__mmask32>((uint64_t{1} << rem) - 1) : 0;
-  const auto position = [&](int64_t j) { return kv_len - q_len + (row0 + j / group - q_start); };
+  const auto source = [&](int64_t j) {  // (row, q head) of vector j
+    const int64_t h = head0 + j / per_head, k = j % per_head;
+    return std::pair<int64_t, int64_t>{row0 + k / group, h * group + k % group};
+  };
   // the query vectors in storage order (zero past d)
   for (int64_t j = 0; j < n; ++j) {
-    const T* src = q + ((row0 + j / group) * s.q_heads + head * group + j % group) * d;
+    const auto [row, qh] = source(j);
+    const T* src = q + (row * s.q_heads + qh) * d;
     float* dst = sc.q.data() + j * dp;
-    for (int64_t i = d; i < dp; ++i) dst[i] = 0.0f;
-    for (int64_t i = 0; i < d; ++i) dst[slot<T>(i)] = to_f32(src[i]);
+    __m512 a, b;
+    for (int64_t c = 0; c < pairs; ++c) {
+      load_pair<false>(src + c * 32, 0, a, b);
+      _mm512_storeu_ps(dst + c * 32, a);
+      _mm512_storeu_ps(dst + c * 32 + 16, b);
+    }
+    if (tail) {
+      load_pair<true>(src + pairs * 32, tail, a, b);
+      _mm512_storeu_ps(dst + pairs * 32, a);
+      _mm512_storeu_ps(dst + pairs * 32 + 16, b);
+    }
     sc.qsrc[j] = src;
   }
   std::fill(sc.acc.begin(), sc.acc.begin() + n * dp, 0.0f);
-  // chunks of 4 query vectors, then 2, then 1; each lane of a chunk's state belongs to vector lane % NV
+  // per head, chunks of 4 query vectors, then 2, then 1; each lane of a chunk's state belongs to
+  // vector lane % NV of the chunk
   int64_t count = 0, min_pos = INT64_MAX, max_pos = INT64_MIN;
-  for (int64_t j = 0; j < n; ++count) {
-    const int nv = n - j >= 4 ? 4 : (n - j >= 2 ? 2 : 1);
-    Chunk& c = sc.chunks[count];
-    c = Chunk{sc.q.data() + j * dp, sc.acc.data() + j * dp, sc.m.data() + count * 16, sc.l.data() + count * 16,
-              sc.hi.data() + count * 16, sc.lo.data() + count * 16, sc.qsrc.data() + j, INT64_MAX, INT64_MIN};
-    for (int lane = 0; lane < 16; ++lane) {
-      const int64_t pos = position(j + lane % nv);
-      c.min_pos = std::min(c.min_pos, pos);
-      c.max_pos = std::max(c.max_pos, pos);
-      c.hi[lane] = static_cast<int32_t>(pos);
-      c.lo[lane] = o.window > 0 ? static_cast<int32_t>(std::max<int64_t>(pos - o.window, -1)) : -1;
-      c.m[lane] = -FLT_MAX;
-      c.l[lane] = 0.0f;
+  for (int64_t h = head0; h < head1; ++h) {
+    const int64_t end = (h - head0 + 1) * per_head;
+    for (int64_t j = (h - head0) * per_head; j < end; ++count) {
+      const int nv = end - j >= 4 ? 4 : (end - j >= 2 ? 2 : 1);
+      Chunk& c = sc.chunks[count];
+      c = Chunk{sc.q.data() + j * dp, sc.acc.data() + j * dp, sc.m.data() + count * 16, sc.l.data() + count * 16,
+                sc.hi.data() + count * 16, sc.lo.data() + count * 16, sc.qsrc.data() + j, INT64_MAX, INT64_MIN};
+      for (int lane = 0; lane < 16; ++lane) {
+        const int64_t pos = kv_len - q_len + (source(j + lane % nv).first - q_start);
+        c.min_pos = std::min(c.min_pos, pos);
+        c.max_pos = std::max(c.max_pos, pos);
+        c.hi[lane] = static_cast<int32_t>(pos);
+        c.lo[lane] = o.window > 0 ? static_cast<int32_t>(std::max<int64_t>(pos - o.window, -1)) : -1;
+        c.m[lane] = -FLT_MAX;
+        c.l[lane] = 0.0f;
+      }
+      min_pos = std::min(min_pos, c.min_pos);
+      max_pos = std::max(max_pos, c.max_pos);
+      sc.widths[count] = nv;
+      sc.heads[count] = h;
+      j += nv;
     }
-    min_pos = std::min(min_pos, c.min_pos);
-    max_pos = std::max(max_pos, c.max_pos);
-    sc.widths[count] = nv;
-    j += nv;
   }
   // positions [first, last]: past the last row's position (default mask) nothing counts, and
   // below the first row's window neither
   const int64_t last = o.custom_mask ? kv_len - 1 : std::min(kv_len - 1, max_pos);
   const int64_t first = !o.custom_mask && o.window > 0 ? std::max<int64_t>(0, min_pos - o.window + 1) : 0;
   const T* zero = reinterpret_cast<const T*>(sc.zeros.data());
-  const T* krows[kPos];
-  const T* vrows[kPos];
   const int32_t* seq_pages = pages + seq * s.pages_per_seq;
-  for (int64_t p0 = first; p0 <= last; p0 += kPos) {
-    const int64_t nb = std::min(kPos, last + 1 - p0);
+  // the rows (combined head 0) of the nb positions from p0
+  const auto locate = [&](int64_t p0, int64_t nb, const T** rows) {
     int64_t page_slot = p0 / s.page_size, offset = p0 % s.page_size;
     const T* base = kv + clamp64(seq_pages[page_slot], 0, s.num_pages - 1) * s.page_size * combined * d;
     for (int64_t b = 0; b < nb; ++b) {
@@ -492,20 +537,54 @@ void run_task_avx512(const T* q, const T* kv, const int32_t* pages, T* out, cons
         offset = 0;
         base = kv + clamp64(seq_pages[++page_slot], 0, s.num_pages - 1) * s.page_size * combined * d;
       }
-      krows[b] = base + (offset * combined + 2 * head) * d;
-      vrows[b] = krows[b] + d;
+      rows[b] = base + offset * combined * d;
       ++offset;
     }
-    for (int64_t b = nb; b < kPos; ++b) krows[b] = vrows[b] = zero;
+  };
+  // Each head's K and V rows of the next block are fetched into L2 while this block's rows of that
+  // head are computed: the task reads a block head by head, a few hundred bytes every few
+  // kilobytes, which the hardware's prefetchers do not follow.
+  const int64_t head_bytes = 2 * d * static_cast<int64_t>(sizeof(T));
+  const auto prefetch = [&](const T* const* rows, int64_t nb, int64_t h) {
+    for (int64_t b = 0; b < nb; ++b) {
+      const char* row = reinterpret_cast<const char*>(rows[b]) + h * head_bytes;
+      for (int64_t at = 0; at < head_bytes; at += 64) _mm_prefetch(row + at, _MM_HINT_T1);
+    }
+  };
+  const T* rows_a[kPos];
+  const T* rows_b[kPos];
+  const T** rows = rows_a;
+  const T** next = rows_b;
+  const T* krows[kPos];
+  const T* vrows[kPos];
+  if (first <= last) {
+    locate(first, std::min(kPos, last + 1 - first), rows);
+    for (int64_t h = head0; h < head1; ++h) prefetch(rows, std::min(kPos, last + 1 - first), h);
+  }
+  for (int64_t p0 = first; p0 <= last; p0 += kPos) {
+    const int64_t nb = std::min(kPos, last + 1 - p0);
+    const int64_t nb_next = p0 + kPos <= last ? std::min(kPos, last + 1 - p0 - kPos) : 0;
+    if (nb_next > 0) locate(p0 + kPos, nb_next, next);
+    int64_t current = -1;
     for (int64_t i = 0; i < count; ++i) {
       const Chunk& c = sc.chunks[i];
       if (!o.custom_mask && (p0 > c.max_pos || (o.window > 0 && p0 + nb - 1 <= c.min_pos - o.window))) continue;
+      if (sc.heads[i] != current) {
+        current = sc.heads[i];
+        prefetch(next, nb_next, current);
+        for (int64_t b = 0; b < nb; ++b) {
+          krows[b] = rows[b] + 2 * current * d;
+          vrows[b] = krows[b] + d;
+        }
+        for (int64_t b = nb; b < kPos; ++b) krows[b] = vrows[b] = zero;
+      }
       switch (sc.widths[i]) {
         case 4: chunk_block<T, 4>(c, dp, d, krows, vrows, p0, nb, o, pairs, tail); break;
         case 2: chunk_block<T, 2>(c, dp, d, krows, vrows, p0, nb, o, pairs, tail); break;
         default: chunk_block<T, 1>(c, dp, d, krows, vrows, p0, nb, o, pairs, tail); break;
       }
     }
+    std::swap(rows, next);
   }
   for (int64_t i = 0, j = 0; i < count; j += sc.widths[i], ++i) {
     const int nv = sc.widths[i];
@@ -513,10 +592,10 @@ void run_task_avx512(const T* q, const T* kv, const int32_t* pages, T* out, cons
       float total = 0.0f;
       for (int lane = g; lane < 16; lane += nv) total += sc.chunks[i].l[lane];
       const float norm = o.v_scale / total;
-      const int64_t jj = j + g;
-      const float* a = sc.acc.data() + jj * dp;
-      T* dst = out + ((row0 + jj / group) * s.q_heads + head * group + jj % group) * d;
-      for (int64_t e = 0; e < d; ++e) dst[e] = from_f32<T>(a[slot<T>(e)] * norm);
+      const auto [row, qh] = source(j + g);
+      const float* a = sc.acc.data() + (j + g) * dp;
+      T* dst = out + (row * s.q_heads + qh) * d;
+      store_row(dst, a, d, norm);
     }
   }
 }
@@ -525,7 +604,7 @@ void run_task_avx512(const T* q, const T* kv, const int32_t* pages, T* out, cons
 #endif  // DUALOP_RPA_AVX512
 
 struct Task {
-  int64_t seq, head, row0, row1, start, end;  // rows [row0, row1) of the sequence's [start, end)
+  int64_t seq, head0, head1, row0, row1, start, end;  // rows [row0, row1) of the sequence's [start, end), KV heads [head0, head1)
 };
 
 template <class T>
@@ -535,18 +614,44 @@ int run(const void* q, const void* kv, const int32_t* kv_lens, const int32_t* pa
   std::vector<Task> tasks;
   // cu_q_lens clipped to [0, T] and made non-decreasing (a running max), as every path reads it
   int64_t end = count > 0 ? clamp64(cu[0], 0, s.tokens) : 0;
+#ifdef DUALOP_RPA_AVX512
+  // A task takes a range of KV heads: all of them where there are tasks enough for the threads, so
+  // it reads each position's K/V rows (the heads side by side) as one contiguous run; fewer where
+  // the threads need more tasks.
+  int64_t row_tasks = 0;
+  {
+    int64_t e = end;
+    for (int64_t i = 0; i < count; ++i) {
+      const int64_t start = e;
+      e = std::max(start, clamp64(cu[i + 1], 0, s.tokens));
+      if (clamp64(kv_lens[i], 0, span) >= e - start) row_tasks += (e - start + kRows - 1) / kRows;
+    }
+  }
+  const int64_t splits = std::clamp<int64_t>((4 * threads + std::max<int64_t>(row_tasks, 1) - 1) / std::max<int64_t>(row_tasks, 1),
+                                             1, s.kv_heads);
+  const int64_t heads_per_task = (s.kv_heads + splits - 1) / splits;
+#else
+  const int64_t heads_per_task = 1;
+#endif
   for (int64_t i = 0; i < count; ++i) {
     const int64_t start = end;
     end = std::max(start, clamp64(cu[i + 1], 0, s.tokens));
     if (clamp64(kv_lens[i], 0, span) < end - start) continue;  // invalid (refused by the op): no row
     for (int64_t r = start; r < end; r += kRows)
-      for (int64_t h = 0; h < s.kv_heads; ++h) tasks.push_back({i, h, r, std::min(r + kRows, end), start, end});
+      for (int64_t h = 0; h < s.kv_heads; h += heads_per_task)
+        tasks.push_back({i, h, std::min(h + heads_per_task, s.kv_heads), r, std::min(r + kRows, end), start, end});
   }
   const auto* qt = static_cast<const T*>(q);
   const auto* kvt = static_cast<const T*>(kv);
   auto* ot = static_cast<T*>(out);
 #ifdef DUALOP_RPA_AVX512
-  const int64_t most = kRows * (s.q_heads / s.kv_heads), dp = (s.head_dim + 31) / 32 * 32;
+  // longest first (the dynamic schedule then balances the threads' loads)
+  std::stable_sort(tasks.begin(), tasks.end(), [&](const Task& a, const Task& b) {
+    return clamp64(kv_lens[a.seq], 0, span) > clamp64(kv_lens[b.seq], 0, span);
+  });
+  int64_t rows = 0;
+  for (const Task& task : tasks) rows = std::max(rows, task.row1 - task.row0);
+  const int64_t most = rows * heads_per_task * (s.q_heads / s.kv_heads), dp = (s.head_dim + 31) / 32 * 32;
 #pragma omp parallel num_threads(threads)
   {
     v512::Scratch scratch;
@@ -554,15 +659,15 @@ int run(const void* q, const void* kv, const int32_t* kv_lens, const int32_t* pa
 #pragma omp for schedule(dynamic)
     for (int64_t t = 0; t < static_cast<int64_t>(tasks.size()); ++t) {
       const Task& task = tasks[t];
-      v512::run_task_avx512<T>(qt, kvt, pages, ot, s, o, scratch, task.seq, task.head, task.row0, task.row1,
-                               task.start, task.end - task.start, clamp64(kv_lens[task.seq], 0, span));
+      v512::run_task_avx512<T>(qt, kvt, pages, ot, s, o, scratch, task.seq, task.head0, task.head1, task.row0,
+                               task.row1, task.start, task.end - task.start, clamp64(kv_lens[task.seq], 0, span));
     }
   }
 #else
 #pragma omp parallel for schedule(dynamic) num_threads(threads)
   for (int64_t t = 0; t < static_cast<int64_t>(tasks.size()); ++t) {
     const Task& task = tasks[t];
-    run_task<T>(qt, kvt, pages, ot, s, o, task.seq, task.head, task.row0, task.row1, task.start,
+    run_task<T>(qt, kvt, pages, ot, s, o, task.seq, task.head0, task.row0, task.row1, task.start,
                 task.end - task.start, clamp64(kv_lens[task.seq], 0, span));
   }
 #endif
