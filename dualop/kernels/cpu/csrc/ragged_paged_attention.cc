@@ -356,6 +356,10 @@ void chunk_block(const Chunk& ch, int64_t dp, int64_t d, const T* const* krows, 
   __m512 mx = _mm512_set1_ps(-INFINITY);
 #pragma GCC unroll 4
   for (int k = 0; k < NV; ++k) {
+    if (k * P >= nb) {  // past the block's last row: nothing to score
+      sc[k] = _mm512_set1_ps(-INFINITY);
+      continue;
+    }
     __m512 dots = dots16<T, NV>(ch.q, dp, krows + k * P, pairs, tail);
     const __m512i p = _mm512_add_epi32(_mm512_set1_epi32(static_cast<int32_t>(p0 + k * P)), iota);
     const __mmask16 valid = _mm512_cmplt_epi32_mask(p, end);
@@ -449,6 +453,7 @@ struct Scratch {
   std::vector<Chunk> chunks;
   std::vector<int> widths;
   std::vector<int64_t> heads;
+  std::vector<int64_t> rows;  // [n]
   std::vector<unsigned char> zeros;  // a zero K row (positions of a block past its last row)
   void size_for(int64_t n, int64_t dp, int64_t elem_bytes) {
     q.assign(n * dp, 0.0f);
@@ -461,6 +466,7 @@ struct Scratch {
     chunks.assign(n, Chunk{});
     widths.assign(n, 0);
     heads.assign(n, 0);
+    rows.assign(n, 0);
     zeros.assign(dp * elem_bytes + 64, 0);
   }
 };
@@ -473,41 +479,43 @@ void run_task_avx512(const T* q, const T* kv, const int32_t* pages, T* out, cons
   const int64_t n = (head1 - head0) * per_head;  // vector j: head head0 + j / per_head, then row, then group
   const int64_t combined = 2 * s.kv_heads, pairs = d / 32, rem = d % 32, dp = (d + 31) / 32 * 32;
   const __mmask32 tail = rem ? static_cast<__mmask32>((uint64_t{1} << rem) - 1) : 0;
-  const auto source = [&](int64_t j) {  // (row, q head) of vector j
-    const int64_t h = head0 + j / per_head, k = j % per_head;
-    return std::pair<int64_t, int64_t>{row0 + k / group, h * group + k % group};
-  };
+  // vector j = (h - head0) * per_head + (r - row0) * group + g: query row r, query head h * group + g
+  int64_t* row_of = sc.rows.data();  // [per_head]: each vector's query row (the same for every head)
+  for (int64_t r = row0, k = 0; r < row1; ++r)
+    for (int64_t g = 0; g < group; ++g, ++k) row_of[k] = r;
   // the query vectors in storage order (zero past d)
-  for (int64_t j = 0; j < n; ++j) {
-    const auto [row, qh] = source(j);
-    const T* src = q + (row * s.q_heads + qh) * d;
-    float* dst = sc.q.data() + j * dp;
-    __m512 a, b;
-    for (int64_t c = 0; c < pairs; ++c) {
-      load_pair<false>(src + c * 32, 0, a, b);
-      _mm512_storeu_ps(dst + c * 32, a);
-      _mm512_storeu_ps(dst + c * 32 + 16, b);
+  for (int64_t h = head0, j = 0; h < head1; ++h) {
+    for (int64_t k = 0; k < per_head; ++k, ++j) {
+      const T* src = q + (row_of[k] * s.q_heads + h * group + k % group) * d;
+      float* dst = sc.q.data() + j * dp;
+      __m512 a, b;
+      for (int64_t c = 0; c < pairs; ++c) {
+        load_pair<false>(src + c * 32, 0, a, b);
+        _mm512_storeu_ps(dst + c * 32, a);
+        _mm512_storeu_ps(dst + c * 32 + 16, b);
+      }
+      if (tail) {
+        load_pair<true>(src + pairs * 32, tail, a, b);
+        _mm512_storeu_ps(dst + pairs * 32, a);
+        _mm512_storeu_ps(dst + pairs * 32 + 16, b);
+      }
+      sc.qsrc[j] = src;
     }
-    if (tail) {
-      load_pair<true>(src + pairs * 32, tail, a, b);
-      _mm512_storeu_ps(dst + pairs * 32, a);
-      _mm512_storeu_ps(dst + pairs * 32 + 16, b);
-    }
-    sc.qsrc[j] = src;
   }
   std::fill(sc.acc.begin(), sc.acc.begin() + n * dp, 0.0f);
   // per head, chunks of 4 query vectors, then 2, then 1; each lane of a chunk's state belongs to
   // vector lane % NV of the chunk
   int64_t count = 0, min_pos = INT64_MAX, max_pos = INT64_MIN;
   for (int64_t h = head0; h < head1; ++h) {
-    const int64_t end = (h - head0 + 1) * per_head;
-    for (int64_t j = (h - head0) * per_head; j < end; ++count) {
-      const int nv = end - j >= 4 ? 4 : (end - j >= 2 ? 2 : 1);
+    const int64_t base = (h - head0) * per_head;
+    for (int64_t k = 0; k < per_head; ++count) {
+      const int nv = per_head - k >= 4 ? 4 : (per_head - k >= 2 ? 2 : 1);
       Chunk& c = sc.chunks[count];
-      c = Chunk{sc.q.data() + j * dp, sc.acc.data() + j * dp, sc.m.data() + count * 16, sc.l.data() + count * 16,
-                sc.hi.data() + count * 16, sc.lo.data() + count * 16, sc.qsrc.data() + j, INT64_MAX, INT64_MIN};
+      c = Chunk{sc.q.data() + (base + k) * dp, sc.acc.data() + (base + k) * dp, sc.m.data() + count * 16,
+                sc.l.data() + count * 16, sc.hi.data() + count * 16, sc.lo.data() + count * 16,
+                sc.qsrc.data() + base + k, INT64_MAX, INT64_MIN};
       for (int lane = 0; lane < 16; ++lane) {
-        const int64_t pos = kv_len - q_len + (source(j + lane % nv).first - q_start);
+        const int64_t pos = kv_len - q_len + (row_of[k + (lane & (nv - 1))] - q_start);
         c.min_pos = std::min(c.min_pos, pos);
         c.max_pos = std::max(c.max_pos, pos);
         c.hi[lane] = static_cast<int32_t>(pos);
@@ -519,7 +527,7 @@ void run_task_avx512(const T* q, const T* kv, const int32_t* pages, T* out, cons
       max_pos = std::max(max_pos, c.max_pos);
       sc.widths[count] = nv;
       sc.heads[count] = h;
-      j += nv;
+      k += nv;
     }
   }
   // positions [first, last]: past the last row's position (default mask) nothing counts, and
@@ -588,14 +596,14 @@ void run_task_avx512(const T* q, const T* kv, const int32_t* pages, T* out, cons
   }
   for (int64_t i = 0, j = 0; i < count; j += sc.widths[i], ++i) {
     const int nv = sc.widths[i];
+    const int64_t h = sc.heads[i];
     for (int g = 0; g < nv; ++g) {
       float total = 0.0f;
       for (int lane = g; lane < 16; lane += nv) total += sc.chunks[i].l[lane];
       const float norm = o.v_scale / total;
-      const auto [row, qh] = source(j + g);
-      const float* a = sc.acc.data() + (j + g) * dp;
-      T* dst = out + (row * s.q_heads + qh) * d;
-      store_row(dst, a, d, norm);
+      const int64_t k = j + g - (h - head0) * per_head;
+      T* dst = out + (row_of[k] * s.q_heads + h * group + k % group) * d;
+      store_row(dst, sc.acc.data() + (j + g) * dp, d, norm);
     }
   }
 }
