@@ -10,12 +10,17 @@
 // ids to [0, num_pages)), so no value reads out of bounds. Rows outside every sequence are left
 // alone (the caller zeroes the padding rows); positions from kv_len on are never read.
 //
-// With AVX-512 (the host's, -march=native) a task runs run_task_avx512: the query vectors in
-// chunks of 4, 2 or 1, each chunk's scores of a block of positions computed straight from the K
-// rows in their dtype (bfloat16 -> float32 is a shift; float16 by vcvtph2ps) as 16 lanes of
-// partial sums per (position, query vector), 16 such sums reduced at once by a transposing tree of
-// adds, masked and soft-capped 16 scores at a time, exp by exp_f32's steps on 16 lanes, and V
-// accumulated by FMAs from the V rows. Elsewhere, run_task: the same online softmax, portable.
+// With AVX-512 (the host's, -march=native) a task is (sequence, range of KV heads, block of query
+// rows) and runs run_task_avx512: a range of heads (all of them when there are tasks enough for
+// the threads) so that each position's K/V rows, the heads side by side, are read as one run, the
+// next block's rows prefetched head by head. Per KV head the query vectors go in chunks of 4, 2 or
+// 1; a chunk's scores of a block of 16 positions come straight from the K rows in their dtype
+// (bfloat16 -> float32 is a shift; float16 by vcvtph2ps) as 16 lanes of float32 partial sums per
+// (position, query vector), 16 such sums reduced at once by a transposing tree of adds; they are
+// masked and soft-capped 16 at a time, weighed by exp_f32's steps on 16 lanes, and V accumulated
+// by FMAs from the V rows into accumulators held in registers for the block. No -ffast-math: the
+// float32 products and sums are those of the portable body, in another order. Elsewhere,
+// run_task: the same online softmax, portable.
 #include <algorithm>
 #include <cfloat>
 #include <cmath>
@@ -623,9 +628,9 @@ int run(const void* q, const void* kv, const int32_t* kv_lens, const int32_t* pa
   // cu_q_lens clipped to [0, T] and made non-decreasing (a running max), as every path reads it
   int64_t end = count > 0 ? clamp64(cu[0], 0, s.tokens) : 0;
 #ifdef DUALOP_RPA_AVX512
-  // A task takes a range of KV heads: all of them where there are tasks enough for the threads, so
-  // it reads each position's K/V rows (the heads side by side) as one contiguous run; fewer where
-  // the threads need more tasks.
+  // A task takes a range of KV heads: all of them where there are tasks enough for the threads (8
+  // per thread, so a thread held up elsewhere leaves little behind), so it reads each position's
+  // K/V rows (the heads side by side) as one contiguous run; fewer where the threads need more tasks.
   int64_t row_tasks = 0;
   {
     int64_t e = end;
@@ -635,7 +640,7 @@ int run(const void* q, const void* kv, const int32_t* kv_lens, const int32_t* pa
       if (clamp64(kv_lens[i], 0, span) >= e - start) row_tasks += (e - start + kRows - 1) / kRows;
     }
   }
-  const int64_t splits = std::clamp<int64_t>((4 * threads + std::max<int64_t>(row_tasks, 1) - 1) / std::max<int64_t>(row_tasks, 1),
+  const int64_t splits = std::clamp<int64_t>((8 * threads + std::max<int64_t>(row_tasks, 1) - 1) / std::max<int64_t>(row_tasks, 1),
                                              1, s.kv_heads);
   const int64_t heads_per_task = (s.kv_heads + splits - 1) / splits;
 #else
