@@ -150,6 +150,58 @@ def test_torch_cpu_path_matches_reference_and_native(layout, group, options, dty
         _assert_matches(got, arrays, dtype, options)
 
 
+# decode contexts: 1 position, ends mid-page (pages of 16 and 32), mid-block (the C++ kernel's blocks
+# of 16 positions), on a page boundary, and several pages long
+DECODE_KV_LENS = [1, 7, 23, 37, 48, 100, 261]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+@pytest.mark.parametrize("page_size", [16, 32])
+@pytest.mark.parametrize("group", [1, 4, 8])
+@pytest.mark.parametrize("head_dim", [64, 80, 96, 128, 256])
+def test_torch_cpu_decode_matches_native(head_dim, group, page_size, dtype):
+    """The C++ kernel's decode path (query vectors in chunks of 4, 2 and 1 per KV head, head dims
+    read 32 elements at a time with a masked tail) against the native body."""
+    hkv = 2 if group < 8 else 1
+    rng = np.random.default_rng(head_dim * 100 + group * 10 + page_size)
+    arrays = paged_batch(rng, [1] * len(DECODE_KV_LENS), DECODE_KV_LENS, num_tokens=len(DECODE_KV_LENS) + 1,
+                         num_q_heads=hkv * group, num_kv_heads=hkv, head_dim=head_dim, page_size=page_size,
+                         max_seqs=len(DECODE_KV_LENS) + 1)
+    args = _on("torch", arrays, dtype)
+    options = {"sm_scale": _scale(head_dim)}
+    op = RaggedPagedAttention()
+    with override_platform("cpu"), set_config(OpsConfig(["all"])):
+        got = op(*args, **options)
+        assert op.last_run("torch")[0] == "forward_cpu"
+    want = op.forward_native(*args, **options)
+    cmp = testing.compare(testing.to_numpy(got), testing.to_numpy(want), dtype)
+    assert cmp.ok, cmp
+    assert (testing.to_numpy(got)[len(DECODE_KV_LENS):] == 0).all()
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("q_lens, kv_lens", [([1], [300]), ([1, 1], [45, 300]), ([3, 1, 9], [40, 77, 9])])
+def test_torch_cpu_few_sequences_across_threads(q_lens, kv_lens, threads):
+    """Few sequences for the threads: the C++ kernel splits a sequence's KV heads across tasks (and
+    prefill rows take chunks of 3 query vectors: 2 + 1); the result does not depend on it."""
+    rng = np.random.default_rng(sum(kv_lens))
+    arrays = paged_batch(rng, q_lens, kv_lens, num_tokens=sum(q_lens) + 2, num_q_heads=12, num_kv_heads=4,
+                         head_dim=128, page_size=16, max_seqs=len(q_lens) + 1)
+    args = _on("torch", arrays, "bfloat16")
+    options = {"sm_scale": 0.1, "sliding_window": 64}
+    op = RaggedPagedAttention()
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        with override_platform("cpu"), set_config(OpsConfig(["all"])):
+            got = op(*args, **options)
+            assert op.last_run("torch")[0] == "forward_cpu"
+    finally:
+        torch.set_num_threads(before)
+    cmp = testing.compare(testing.to_numpy(got), testing.to_numpy(op.forward_native(*args, **options)), "bfloat16")
+    assert cmp.ok, cmp
+
+
 def test_torch_cpu_path_steps_aside_while_autograd_records():
     args = list(_on("torch", _batch("mixed"), "float32"))
     args[0].requires_grad_()

@@ -4,18 +4,36 @@
 // positions once, reading each K and V row of its head straight from its page (no gathered copy),
 // and updates an online softmax in float32 for the block's G * rows query vectors (G = Hq / Hkv,
 // the query heads sharing that KV head), a block of KV positions at a time (one rescale per block,
-// the weights by a vectorised exp; the block's scores by block_scores). So decode reads every
-// cached K/V row once. Tasks run in parallel (OpenMP). Metadata is validated by the op; here it
-// is clamped anyway (num_seqs to [0, S], cu_q_lens to [0, T] and non-decreasing, kv_lens to
-// [0, pages_per_seq * page_size], page ids to [0, num_pages)), so no value reads out of bounds. Rows outside every
-// sequence are left alone (the caller zeroes the padding rows); positions from kv_len on are
-// never read.
+// the weights by a vectorised exp). So decode reads every cached K/V row once. Tasks run in
+// parallel (OpenMP). Metadata is validated by the op; here it is clamped anyway (num_seqs to
+// [0, S], cu_q_lens to [0, T] and non-decreasing, kv_lens to [0, pages_per_seq * page_size], page
+// ids to [0, num_pages)), so no value reads out of bounds. Rows outside every sequence are left
+// alone (the caller zeroes the padding rows); positions from kv_len on are never read.
+//
+// With AVX-512 (the host's, -march=native) a task is (sequence, range of KV heads, block of query
+// rows) and runs run_task_avx512: a range of heads (all of them when there are tasks enough for
+// the threads) so that each position's K/V rows, the heads side by side, are read as one run, the
+// next block's rows prefetched head by head. Per KV head the query vectors go in chunks of 4, 2 or
+// 1; a chunk's scores of a block of 16 positions come straight from the K rows in their dtype
+// (bfloat16 -> float32 is a shift; float16 by vcvtph2ps) as 16 lanes of float32 partial sums per
+// (position, query vector), 16 such sums reduced at once by a transposing tree of adds; they are
+// masked and soft-capped 16 at a time, weighed by exp_f32's steps on 16 lanes, and V accumulated
+// by FMAs from the V rows into accumulators held in registers for the block. No -ffast-math: the
+// float32 products and sums are those of the portable body, in another order. Elsewhere,
+// run_task: the same online softmax, portable.
 #include <algorithm>
+#include <cfloat>
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
 #include "common.h"
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define DUALOP_RPA_AVX512 1
+#include <immintrin.h>
+#endif
 
 namespace dualop {
 namespace {
@@ -138,8 +156,468 @@ void run_task(const T* q, const T* kv, const int32_t* pages, T* out, const Shape
   }
 }
 
+#ifdef DUALOP_RPA_AVX512
+// --- AVX-512 ------------------------------------------------------------------------------------
+//
+// Layout. A row is read 32 elements (one "pair", two 16-lane vectors) at a time. For bfloat16 the
+// 32 elements load as one 512-bit word whose 32-bit lanes hold pairs (2l, 2l+1): a shift gives the
+// even elements as float32, a mask the odd ones, so a pair's vectors hold elements (0, 2, ..., 30)
+// and (1, 3, ..., 31); float32 and float16 pairs are in element order. The float32 copies of the
+// query vectors and the V accumulators are stored in that same order (storage order, `slot`), so
+// every product pairs the same elements as the plain loop; the output is read back through `slot`.
+// Elements past head_dim load as zeros, their memory never read (masked loads).
+namespace v512 {
+
+constexpr int64_t kPos = 16;  // KV positions per online-softmax block (one rescale per block)
+
+// Where element i of a row lives in storage order.
+template <class T> DUALOP_INLINE int64_t slot(int64_t i) {
+  if constexpr (std::is_same_v<T, bf16>) return (i & ~int64_t{31}) + (i & 1) * 16 + ((i & 31) >> 1);
+  else return i;
+}
+
+// 32 elements of a row (those of `mask`, the rest zero and not read) as two float32 vectors.
+template <bool kMasked>
+DUALOP_INLINE void load_pair(const float* p, __mmask32 mask, __m512& a, __m512& b) {
+  if constexpr (kMasked) {
+    a = _mm512_maskz_loadu_ps(static_cast<__mmask16>(mask), p);
+    b = _mm512_maskz_loadu_ps(static_cast<__mmask16>(mask >> 16), p + 16);
+  } else {
+    a = _mm512_loadu_ps(p);
+    b = _mm512_loadu_ps(p + 16);
+  }
+}
+template <bool kMasked>
+DUALOP_INLINE void load_pair(const bf16* p, __mmask32 mask, __m512& a, __m512& b) {
+  const __m512i raw = kMasked ? _mm512_maskz_loadu_epi16(mask, p) : _mm512_loadu_si512(p);
+  a = _mm512_castsi512_ps(_mm512_slli_epi32(raw, 16));
+  b = _mm512_castsi512_ps(_mm512_and_si512(raw, _mm512_set1_epi32(static_cast<int>(0xffff0000u))));
+}
+template <bool kMasked>
+DUALOP_INLINE void load_pair(const f16* p, __mmask32 mask, __m512& a, __m512& b) {
+  if constexpr (kMasked) {
+    a = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(static_cast<__mmask16>(mask), p));
+    b = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(static_cast<__mmask16>(mask >> 16), p + 16));
+  } else {
+    a = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    b = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 16)));
+  }
+}
+
+// exp_f32 (common.h) on 16 lanes, step for step (so the same values).
+DUALOP_INLINE __m512 exp16(__m512 x) {
+  const __m512 clamped = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
+  const __m512 shifter = _mm512_set1_ps(12582912.0f);
+  const __m512 n = _mm512_sub_ps(_mm512_fmadd_ps(clamped, _mm512_set1_ps(1.44269504088896341f), shifter), shifter);
+  const __m512 r = _mm512_fmadd_ps(n, _mm512_set1_ps(-0.693145751953125f),
+                                   _mm512_fmadd_ps(n, _mm512_set1_ps(-1.42860682030941723212e-6f), clamped));
+  __m512 p = _mm512_set1_ps(1.0f / 5040.0f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 720.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  __m512 y = _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
+  y = _mm512_mask_mov_ps(y, _mm512_cmp_ps_mask(x, _mm512_set1_ps(88.0f), _CMP_GT_OQ), _mm512_set1_ps(INFINITY));
+  y = _mm512_mask_mov_ps(y, _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_LT_OQ), _mm512_setzero_ps());
+  return _mm512_mask_mov_ps(y, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), x);
+}
+
+// Lane i of the result is the sum of v[i]'s 16 lanes: a transposing tree of adds (45 operations
+// for 16 sums).
+DUALOP_INLINE __m512 sum_lanes16(const __m512 (&v)[16]) {
+  __m512 t[4];
+#pragma GCC unroll 4
+  for (int q = 0; q < 4; ++q) {
+    const __m512 s0 = _mm512_add_ps(_mm512_unpacklo_ps(v[4 * q], v[4 * q + 1]), _mm512_unpackhi_ps(v[4 * q], v[4 * q + 1]));
+    const __m512 s1 =
+        _mm512_add_ps(_mm512_unpacklo_ps(v[4 * q + 2], v[4 * q + 3]), _mm512_unpackhi_ps(v[4 * q + 2], v[4 * q + 3]));
+    t[q] = _mm512_add_ps(_mm512_shuffle_ps(s0, s1, _MM_SHUFFLE(1, 0, 1, 0)), _mm512_shuffle_ps(s0, s1, _MM_SHUFFLE(3, 2, 3, 2)));
+  }
+  const __m512 u0 = _mm512_add_ps(_mm512_shuffle_f32x4(t[0], t[1], _MM_SHUFFLE(1, 0, 1, 0)),
+                                  _mm512_shuffle_f32x4(t[0], t[1], _MM_SHUFFLE(3, 2, 3, 2)));
+  const __m512 u1 = _mm512_add_ps(_mm512_shuffle_f32x4(t[2], t[3], _MM_SHUFFLE(1, 0, 1, 0)),
+                                  _mm512_shuffle_f32x4(t[2], t[3], _MM_SHUFFLE(3, 2, 3, 2)));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(u0, u1, _MM_SHUFFLE(2, 0, 2, 0)), _mm512_shuffle_f32x4(u0, u1, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+// Every lane l gets the max (kMax) or sum of the lanes l' with l' % NV == l % NV (the lanes of one
+// query vector in a block's score layout).
+template <int NV, bool kMax>
+DUALOP_INLINE __m512 combine_lanes(__m512 x) {
+  const auto op = [](__m512 a, __m512 b) { return kMax ? _mm512_max_ps(a, b) : _mm512_add_ps(a, b); };
+  x = op(x, _mm512_shuffle_f32x4(x, x, _MM_SHUFFLE(1, 0, 3, 2)));
+  x = op(x, _mm512_shuffle_f32x4(x, x, _MM_SHUFFLE(2, 3, 0, 1)));
+  if constexpr (NV <= 2) x = op(x, _mm512_permute_ps(x, _MM_SHUFFLE(1, 0, 3, 2)));
+  if constexpr (NV == 1) x = op(x, _mm512_permute_ps(x, _MM_SHUFFLE(2, 3, 0, 1)));
+  return x;
+}
+
+// The dot products of NV query vectors (rows of q, stride dp, storage order, zero past d) with
+// 16 / NV K rows: lane b * NV + g holds row b's product with vector g (unscaled), each summed as 16
+// lane-wise FMA chains then the tree of sum_lanes16.
+template <class T, int NV>
+DUALOP_INLINE __m512 dots16(const float* q, int64_t dp, const T* const* rows, int64_t pairs, __mmask32 tail) {
+  constexpr int P = 16 / NV;
+  __m512 acc[16];
+#pragma GCC unroll 16
+  for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
+  const auto step = [&](int64_t c, auto masked) {
+    constexpr bool kMasked = decltype(masked)::value;
+    __m512 qa[NV], qb[NV];
+#pragma GCC unroll 4
+    for (int g = 0; g < NV; ++g) {
+      qa[g] = _mm512_loadu_ps(q + g * dp + c * 32);
+      qb[g] = _mm512_loadu_ps(q + g * dp + c * 32 + 16);
+    }
+#pragma GCC unroll 16
+    for (int b = 0; b < P; ++b) {
+      __m512 ka, kb;
+      load_pair<kMasked>(rows[b] + c * 32, tail, ka, kb);
+#pragma GCC unroll 4
+      for (int g = 0; g < NV; ++g) {
+        acc[b * NV + g] = _mm512_fmadd_ps(qa[g], ka, acc[b * NV + g]);
+        acc[b * NV + g] = _mm512_fmadd_ps(qb[g], kb, acc[b * NV + g]);
+      }
+    }
+  };
+  for (int64_t c = 0; c < pairs; ++c) step(c, std::false_type{});
+  if (tail) step(pairs, std::true_type{});
+  return sum_lanes16(acc);
+}
+
+// acc[g] (stride dp, storage order), pairs [c0, c0 + PC) of it: acc = acc * alpha[g] + sum over the
+// block's first nb positions b of w[b * NV + g] * V row b. The accumulators stay in registers for
+// the whole block (NV * 2 * PC of them).
+template <class T, int NV, int PC, bool kMasked>
+DUALOP_INLINE void accumulate(float* acc, int64_t dp, const T* const* rows, int64_t nb, const float* w,
+                              const float* alpha, int64_t c0, __mmask32 tail) {
+  __m512 a[NV][2 * PC];
+#pragma GCC unroll 4
+  for (int g = 0; g < NV; ++g) {
+    const __m512 s = _mm512_set1_ps(alpha[g]);
+#pragma GCC unroll 16
+    for (int i = 0; i < 2 * PC; ++i) a[g][i] = _mm512_mul_ps(_mm512_loadu_ps(acc + g * dp + c0 * 32 + i * 16), s);
+  }
+  for (int64_t b = 0; b < nb; ++b) {
+    const T* v = rows[b] + c0 * 32;
+    __m512 wb[NV];
+#pragma GCC unroll 4
+    for (int g = 0; g < NV; ++g) wb[g] = _mm512_set1_ps(w[b * NV + g]);
+#pragma GCC unroll 8
+    for (int c = 0; c < PC; ++c) {
+      __m512 va, vb;
+      load_pair<kMasked>(v + c * 32, tail, va, vb);
+#pragma GCC unroll 4
+      for (int g = 0; g < NV; ++g) {
+        a[g][2 * c] = _mm512_fmadd_ps(wb[g], va, a[g][2 * c]);
+        a[g][2 * c + 1] = _mm512_fmadd_ps(wb[g], vb, a[g][2 * c + 1]);
+      }
+    }
+  }
+#pragma GCC unroll 4
+  for (int g = 0; g < NV; ++g)
+#pragma GCC unroll 16
+    for (int i = 0; i < 2 * PC; ++i) _mm512_storeu_ps(acc + g * dp + c0 * 32 + i * 16, a[g][i]);
+}
+
+// accumulate over `count` whole pairs from c0, in passes of PC pairs, then fewer.
+template <class T, int NV, int PC>
+DUALOP_INLINE void accumulate_passes(float* acc, int64_t dp, const T* const* rows, int64_t nb, const float* w,
+                                     const float* alpha, int64_t c0, int64_t count, __mmask32 tail) {
+  for (; count >= PC; c0 += PC, count -= PC) accumulate<T, NV, PC, false>(acc, dp, rows, nb, w, alpha, c0, tail);
+  if constexpr (PC > 1)
+    if (count > 0) accumulate_passes<T, NV, PC - 1>(acc, dp, rows, nb, w, alpha, c0, count, tail);
+}
+
+// One chunk of NV query vectors (q, acc: their rows, stride dp) over one block of positions
+// [p0, p0 + kPos), of which the first nb have rows (K rows in krows, V rows in vrows; the rest
+// point at zeros): scores, masks, the online softmax update (m, l: the chunk's 16 lanes of running
+// max and sum, in the score layout) and the V accumulation.
+struct Chunk {
+  float* q;         // NV rows, storage order
+  float* acc;       // NV rows, storage order
+  float* m;         // 16 lanes
+  float* l;         // 16 lanes
+  int32_t* hi;      // 16 lanes: the lane's vector's position (it sees p <= hi)
+  int32_t* lo;      // 16 lanes: it sees p > lo (window; -1 without)
+  const void* const* qsrc;  // NV pointers to the vectors in q (for the double recompute)
+  int64_t min_pos, max_pos;
+};
+
+template <class T, int NV>
+void chunk_block(const Chunk& ch, int64_t dp, int64_t d, const T* const* krows, const T* const* vrows, int64_t p0,
+                 int64_t nb, const Options& o, int64_t pairs, __mmask32 tail) {
+  constexpr int P = 16 / NV;
+  __m512 sc[NV];
+  const __m512i iota = _mm512_set_epi32(15 / NV, 14 / NV, 13 / NV, 12 / NV, 11 / NV, 10 / NV, 9 / NV, 8 / NV,
+                                        7 / NV, 6 / NV, 5 / NV, 4 / NV, 3 / NV, 2 / NV, 1 / NV, 0);
+  const __m512i hi = _mm512_loadu_si512(ch.hi), lo = _mm512_loadu_si512(ch.lo);
+  const __m512i end = _mm512_set1_epi32(static_cast<int32_t>(p0 + nb));
+  const __m512 fill = _mm512_set1_ps(o.custom_mask ? o.mask_value : -INFINITY);
+  __m512 mx = _mm512_set1_ps(-INFINITY);
+#pragma GCC unroll 4
+  for (int k = 0; k < NV; ++k) {
+    if (k * P >= nb) {  // past the block's last row: nothing to score
+      sc[k] = _mm512_set1_ps(-INFINITY);
+      continue;
+    }
+    __m512 dots = dots16<T, NV>(ch.q, dp, krows + k * P, pairs, tail);
+    const __m512i p = _mm512_add_epi32(_mm512_set1_epi32(static_cast<int32_t>(p0 + k * P)), iota);
+    const __mmask16 valid = _mm512_cmplt_epi32_mask(p, end);
+    const __mmask16 allowed = _mm512_mask_cmple_epi32_mask(_mm512_cmpgt_epi32_mask(p, lo), p, hi);
+    // a non-finite sum (an overflowing partial sum, or a non-finite input) is recomputed in
+    // double, as block_scores does: finite inputs then give their exact dot product's rounding
+    const __mmask16 bad =
+        valid & _mm512_cmp_ps_mask(_mm512_abs_ps(dots), _mm512_set1_ps(INFINITY), _CMP_NLT_UQ);
+    if (bad) [[unlikely]] {
+      alignas(64) float tmp[16];
+      _mm512_store_ps(tmp, dots);
+      for (int lane = 0; lane < 16; ++lane) {
+        if (!((bad >> lane) & 1)) continue;
+        const T* qv = static_cast<const T*>(ch.qsrc[lane % NV]);
+        const T* kv = krows[k * P + lane / NV];
+        double sum = 0.0;
+        for (int64_t i = 0; i < d; ++i) sum += static_cast<double>(to_f32(qv[i])) * static_cast<double>(to_f32(kv[i]));
+        tmp[lane] = static_cast<float>(sum);
+      }
+      dots = _mm512_load_ps(tmp);
+    }
+    __m512 s = _mm512_mul_ps(dots, _mm512_set1_ps(o.scale));
+    if (o.soft_cap != 0.0f) {
+      alignas(64) float tmp[16];
+      _mm512_store_ps(tmp, s);
+      for (int lane = 0; lane < 16; ++lane) tmp[lane] = o.soft_cap * std::tanh(tmp[lane] / o.soft_cap);
+      s = _mm512_load_ps(tmp);
+    }
+    s = _mm512_mask_mov_ps(fill, allowed, s);
+    s = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), valid, s);
+    sc[k] = s;
+    mx = _mm512_max_ps(mx, s);
+  }
+  mx = combine_lanes<NV, true>(mx);
+  // nothing in this block counts for this chunk (every lane -inf): no weight, no V row read
+  if (_mm512_cmp_ps_mask(mx, _mm512_set1_ps(-INFINITY), _CMP_NEQ_UQ) == 0) return;
+  const __m512 m_old = _mm512_loadu_ps(ch.m);
+  // m starts at -FLT_MAX, not -inf: a lane whose scores are all -inf so far keeps weights
+  // exp(-inf) = 0 and alpha exp(0) = 1 (no inf - inf)
+  const __m512 m_new = _mm512_max_ps(m_old, mx);
+  const __m512 alpha = exp16(_mm512_sub_ps(m_old, m_new));
+  alignas(64) float w[16 * NV];
+  __m512 total = _mm512_setzero_ps();
+#pragma GCC unroll 4
+  for (int k = 0; k < NV; ++k) {
+    const __m512 e = exp16(_mm512_sub_ps(sc[k], m_new));
+    total = _mm512_add_ps(total, e);
+    _mm512_store_ps(w + 16 * k, e);
+  }
+  _mm512_storeu_ps(ch.m, m_new);
+  _mm512_storeu_ps(ch.l, _mm512_fmadd_ps(_mm512_loadu_ps(ch.l), alpha, total));
+  alignas(64) float a[16];
+  _mm512_store_ps(a, alpha);  // lane g: vector g's factor
+  // V: pairs in passes of up to 16 / NV vectors per query vector (their accumulators in registers),
+  // the masked tail last
+  accumulate_passes<T, NV, NV == 4 ? 2 : (NV == 2 ? 4 : 8)>(ch.acc, dp, vrows, nb, w, a, 0, pairs, tail);
+  if (tail) accumulate<T, NV, 1, true>(ch.acc, dp, vrows, nb, w, a, pairs, tail);
+}
+
+// out[e] = acc * norm for e < d, acc in storage order, rounded to T as from_f32 does.
+template <class T>
+DUALOP_INLINE void store_row(T* out, const float* acc, int64_t d, float norm) {
+  int64_t e = 0;
+  if constexpr (std::is_same_v<T, bf16>) {
+    // a pair's even and odd elements: rounded to nearest even in the high 16 bits of each lane
+    // (NaN made quiet), the even ones shifted down, the odd ones kept: 32 bfloat16 in order
+    const __m512 scale = _mm512_set1_ps(norm);
+    const auto round = [](__m512 v) {
+      const __m512i u = _mm512_castps_si512(v);
+      const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+      const __m512i r = _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), lsb);
+      return _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q),
+                                   _mm512_or_si512(u, _mm512_set1_epi32(0x400000)));
+    };
+    for (; e + 32 <= d; e += 32) {
+      const __m512i lo = round(_mm512_mul_ps(_mm512_loadu_ps(acc + e), scale));
+      const __m512i hi = round(_mm512_mul_ps(_mm512_loadu_ps(acc + e + 16), scale));
+      const __m512i packed = _mm512_or_si512(_mm512_srli_epi32(lo, 16),
+                                             _mm512_and_si512(hi, _mm512_set1_epi32(static_cast<int>(0xffff0000u))));
+      _mm512_storeu_si512(out + e, packed);
+    }
+  }
+  for (; e < d; ++e) out[e] = from_f32<T>(acc[slot<T>(e)] * norm);
+}
+
+// Per-thread buffers of run_task_avx512, sized once per call (nothing allocated per task).
+struct Scratch {
+  std::vector<float> q, acc, m, l;  // q, acc: [n, dp]; m, l: 16 lanes per chunk
+  std::vector<int32_t> hi, lo;      // 16 lanes per chunk
+  std::vector<const void*> qsrc;    // [n]
+  std::vector<Chunk> chunks;
+  std::vector<int> widths;
+  std::vector<int64_t> heads;
+  std::vector<int64_t> rows;  // [n]
+  std::vector<unsigned char> zeros;  // a zero K row (positions of a block past its last row)
+  void size_for(int64_t n, int64_t dp, int64_t elem_bytes) {
+    q.assign(n * dp, 0.0f);
+    acc.assign(n * dp, 0.0f);
+    m.assign(n * 16, 0.0f);
+    l.assign(n * 16, 0.0f);
+    hi.assign(n * 16, 0);
+    lo.assign(n * 16, 0);
+    qsrc.assign(n, nullptr);
+    chunks.assign(n, Chunk{});
+    widths.assign(n, 0);
+    heads.assign(n, 0);
+    rows.assign(n, 0);
+    zeros.assign(dp * elem_bytes + 64, 0);
+  }
+};
+
+template <class T>
+void run_task_avx512(const T* q, const T* kv, const int32_t* pages, T* out, const Shape& s, const Options& o,
+                     Scratch& sc, int64_t seq, int64_t head0, int64_t head1, int64_t row0, int64_t row1,
+                     int64_t q_start, int64_t q_len, int64_t kv_len) {
+  const int64_t d = s.head_dim, group = s.q_heads / s.kv_heads, per_head = (row1 - row0) * group;
+  const int64_t n = (head1 - head0) * per_head;  // vector j: head head0 + j / per_head, then row, then group
+  const int64_t combined = 2 * s.kv_heads, pairs = d / 32, rem = d % 32, dp = (d + 31) / 32 * 32;
+  const __mmask32 tail = rem ? static_cast<__mmask32>((uint64_t{1} << rem) - 1) : 0;
+  // vector j = (h - head0) * per_head + (r - row0) * group + g: query row r, query head h * group + g
+  int64_t* row_of = sc.rows.data();  // [per_head]: each vector's query row (the same for every head)
+  for (int64_t r = row0, k = 0; r < row1; ++r)
+    for (int64_t g = 0; g < group; ++g, ++k) row_of[k] = r;
+  // the query vectors in storage order (zero past d)
+  for (int64_t h = head0, j = 0; h < head1; ++h) {
+    for (int64_t k = 0; k < per_head; ++k, ++j) {
+      const T* src = q + (row_of[k] * s.q_heads + h * group + k % group) * d;
+      float* dst = sc.q.data() + j * dp;
+      __m512 a, b;
+      for (int64_t c = 0; c < pairs; ++c) {
+        load_pair<false>(src + c * 32, 0, a, b);
+        _mm512_storeu_ps(dst + c * 32, a);
+        _mm512_storeu_ps(dst + c * 32 + 16, b);
+      }
+      if (tail) {
+        load_pair<true>(src + pairs * 32, tail, a, b);
+        _mm512_storeu_ps(dst + pairs * 32, a);
+        _mm512_storeu_ps(dst + pairs * 32 + 16, b);
+      }
+      sc.qsrc[j] = src;
+    }
+  }
+  std::fill(sc.acc.begin(), sc.acc.begin() + n * dp, 0.0f);
+  // per head, chunks of 4 query vectors, then 2, then 1; each lane of a chunk's state belongs to
+  // vector lane % NV of the chunk
+  int64_t count = 0, min_pos = INT64_MAX, max_pos = INT64_MIN;
+  for (int64_t h = head0; h < head1; ++h) {
+    const int64_t base = (h - head0) * per_head;
+    for (int64_t k = 0; k < per_head; ++count) {
+      const int nv = per_head - k >= 4 ? 4 : (per_head - k >= 2 ? 2 : 1);
+      Chunk& c = sc.chunks[count];
+      c = Chunk{sc.q.data() + (base + k) * dp, sc.acc.data() + (base + k) * dp, sc.m.data() + count * 16,
+                sc.l.data() + count * 16, sc.hi.data() + count * 16, sc.lo.data() + count * 16,
+                sc.qsrc.data() + base + k, INT64_MAX, INT64_MIN};
+      for (int lane = 0; lane < 16; ++lane) {
+        const int64_t pos = kv_len - q_len + (row_of[k + (lane & (nv - 1))] - q_start);
+        c.min_pos = std::min(c.min_pos, pos);
+        c.max_pos = std::max(c.max_pos, pos);
+        c.hi[lane] = static_cast<int32_t>(pos);
+        c.lo[lane] = o.window > 0 ? static_cast<int32_t>(std::max<int64_t>(pos - o.window, -1)) : -1;
+        c.m[lane] = -FLT_MAX;
+        c.l[lane] = 0.0f;
+      }
+      min_pos = std::min(min_pos, c.min_pos);
+      max_pos = std::max(max_pos, c.max_pos);
+      sc.widths[count] = nv;
+      sc.heads[count] = h;
+      k += nv;
+    }
+  }
+  // positions [first, last]: past the last row's position (default mask) nothing counts, and
+  // below the first row's window neither
+  const int64_t last = o.custom_mask ? kv_len - 1 : std::min(kv_len - 1, max_pos);
+  const int64_t first = !o.custom_mask && o.window > 0 ? std::max<int64_t>(0, min_pos - o.window + 1) : 0;
+  const T* zero = reinterpret_cast<const T*>(sc.zeros.data());
+  const int32_t* seq_pages = pages + seq * s.pages_per_seq;
+  // the rows (combined head 0) of the nb positions from p0
+  const auto locate = [&](int64_t p0, int64_t nb, const T** rows) {
+    int64_t page_slot = p0 / s.page_size, offset = p0 % s.page_size;
+    const T* base = kv + clamp64(seq_pages[page_slot], 0, s.num_pages - 1) * s.page_size * combined * d;
+    for (int64_t b = 0; b < nb; ++b) {
+      if (offset == s.page_size) {
+        offset = 0;
+        base = kv + clamp64(seq_pages[++page_slot], 0, s.num_pages - 1) * s.page_size * combined * d;
+      }
+      rows[b] = base + offset * combined * d;
+      ++offset;
+    }
+  };
+  // Each head's K and V rows of the next block are fetched into L2 while this block's rows of that
+  // head are computed: the task reads a block head by head, a few hundred bytes every few
+  // kilobytes, which the hardware's prefetchers do not follow.
+  const int64_t head_bytes = 2 * d * static_cast<int64_t>(sizeof(T));
+  const auto prefetch = [&](const T* const* rows, int64_t nb, int64_t h) {
+    for (int64_t b = 0; b < nb; ++b) {
+      const char* row = reinterpret_cast<const char*>(rows[b]) + h * head_bytes;
+      for (int64_t at = 0; at < head_bytes; at += 64) _mm_prefetch(row + at, _MM_HINT_T1);
+    }
+  };
+  const T* rows_a[kPos];
+  const T* rows_b[kPos];
+  const T** rows = rows_a;
+  const T** next = rows_b;
+  const T* krows[kPos];
+  const T* vrows[kPos];
+  if (first <= last) {
+    locate(first, std::min(kPos, last + 1 - first), rows);
+    for (int64_t h = head0; h < head1; ++h) prefetch(rows, std::min(kPos, last + 1 - first), h);
+  }
+  for (int64_t p0 = first; p0 <= last; p0 += kPos) {
+    const int64_t nb = std::min(kPos, last + 1 - p0);
+    const int64_t nb_next = p0 + kPos <= last ? std::min(kPos, last + 1 - p0 - kPos) : 0;
+    if (nb_next > 0) locate(p0 + kPos, nb_next, next);
+    int64_t current = -1;
+    for (int64_t i = 0; i < count; ++i) {
+      const Chunk& c = sc.chunks[i];
+      if (!o.custom_mask && (p0 > c.max_pos || (o.window > 0 && p0 + nb - 1 <= c.min_pos - o.window))) continue;
+      if (sc.heads[i] != current) {
+        current = sc.heads[i];
+        prefetch(next, nb_next, current);
+        for (int64_t b = 0; b < nb; ++b) {
+          krows[b] = rows[b] + 2 * current * d;
+          vrows[b] = krows[b] + d;
+        }
+        for (int64_t b = nb; b < kPos; ++b) krows[b] = vrows[b] = zero;
+      }
+      switch (sc.widths[i]) {
+        case 4: chunk_block<T, 4>(c, dp, d, krows, vrows, p0, nb, o, pairs, tail); break;
+        case 2: chunk_block<T, 2>(c, dp, d, krows, vrows, p0, nb, o, pairs, tail); break;
+        default: chunk_block<T, 1>(c, dp, d, krows, vrows, p0, nb, o, pairs, tail); break;
+      }
+    }
+    std::swap(rows, next);
+  }
+  for (int64_t i = 0, j = 0; i < count; j += sc.widths[i], ++i) {
+    const int nv = sc.widths[i];
+    const int64_t h = sc.heads[i];
+    for (int g = 0; g < nv; ++g) {
+      float total = 0.0f;
+      for (int lane = g; lane < 16; lane += nv) total += sc.chunks[i].l[lane];
+      const float norm = o.v_scale / total;
+      const int64_t k = j + g - (h - head0) * per_head;
+      T* dst = out + (row_of[k] * s.q_heads + h * group + k % group) * d;
+      store_row(dst, sc.acc.data() + (j + g) * dp, d, norm);
+    }
+  }
+}
+
+}  // namespace v512
+#endif  // DUALOP_RPA_AVX512
+
 struct Task {
-  int64_t seq, head, row0, row1, start, end;  // rows [row0, row1) of the sequence's [start, end)
+  int64_t seq, head0, head1, row0, row1, start, end;  // rows [row0, row1) of the sequence's [start, end), KV heads [head0, head1)
 };
 
 template <class T>
@@ -149,22 +627,63 @@ int run(const void* q, const void* kv, const int32_t* kv_lens, const int32_t* pa
   std::vector<Task> tasks;
   // cu_q_lens clipped to [0, T] and made non-decreasing (a running max), as every path reads it
   int64_t end = count > 0 ? clamp64(cu[0], 0, s.tokens) : 0;
+#ifdef DUALOP_RPA_AVX512
+  // A task takes a range of KV heads: all of them where there are tasks enough for the threads (8
+  // per thread, so a thread held up elsewhere leaves little behind), so it reads each position's
+  // K/V rows (the heads side by side) as one contiguous run; fewer where the threads need more tasks.
+  int64_t row_tasks = 0;
+  {
+    int64_t e = end;
+    for (int64_t i = 0; i < count; ++i) {
+      const int64_t start = e;
+      e = std::max(start, clamp64(cu[i + 1], 0, s.tokens));
+      if (clamp64(kv_lens[i], 0, span) >= e - start) row_tasks += (e - start + kRows - 1) / kRows;
+    }
+  }
+  const int64_t splits = std::clamp<int64_t>((8 * threads + std::max<int64_t>(row_tasks, 1) - 1) / std::max<int64_t>(row_tasks, 1),
+                                             1, s.kv_heads);
+  const int64_t heads_per_task = (s.kv_heads + splits - 1) / splits;
+#else
+  const int64_t heads_per_task = 1;
+#endif
   for (int64_t i = 0; i < count; ++i) {
     const int64_t start = end;
     end = std::max(start, clamp64(cu[i + 1], 0, s.tokens));
     if (clamp64(kv_lens[i], 0, span) < end - start) continue;  // invalid (refused by the op): no row
     for (int64_t r = start; r < end; r += kRows)
-      for (int64_t h = 0; h < s.kv_heads; ++h) tasks.push_back({i, h, r, std::min(r + kRows, end), start, end});
+      for (int64_t h = 0; h < s.kv_heads; h += heads_per_task)
+        tasks.push_back({i, h, std::min(h + heads_per_task, s.kv_heads), r, std::min(r + kRows, end), start, end});
   }
   const auto* qt = static_cast<const T*>(q);
   const auto* kvt = static_cast<const T*>(kv);
   auto* ot = static_cast<T*>(out);
+#ifdef DUALOP_RPA_AVX512
+  // longest first (the dynamic schedule then balances the threads' loads)
+  std::stable_sort(tasks.begin(), tasks.end(), [&](const Task& a, const Task& b) {
+    return clamp64(kv_lens[a.seq], 0, span) > clamp64(kv_lens[b.seq], 0, span);
+  });
+  int64_t rows = 0;
+  for (const Task& task : tasks) rows = std::max(rows, task.row1 - task.row0);
+  const int64_t most = rows * heads_per_task * (s.q_heads / s.kv_heads), dp = (s.head_dim + 31) / 32 * 32;
+#pragma omp parallel num_threads(threads)
+  {
+    v512::Scratch scratch;
+    scratch.size_for(most, dp, sizeof(T));
+#pragma omp for schedule(dynamic)
+    for (int64_t t = 0; t < static_cast<int64_t>(tasks.size()); ++t) {
+      const Task& task = tasks[t];
+      v512::run_task_avx512<T>(qt, kvt, pages, ot, s, o, scratch, task.seq, task.head0, task.head1, task.row0,
+                               task.row1, task.start, task.end - task.start, clamp64(kv_lens[task.seq], 0, span));
+    }
+  }
+#else
 #pragma omp parallel for schedule(dynamic) num_threads(threads)
   for (int64_t t = 0; t < static_cast<int64_t>(tasks.size()); ++t) {
     const Task& task = tasks[t];
-    run_task<T>(qt, kvt, pages, ot, s, o, task.seq, task.head, task.row0, task.row1, task.start,
+    run_task<T>(qt, kvt, pages, ot, s, o, task.seq, task.head0, task.row0, task.row1, task.start,
                 task.end - task.start, clamp64(kv_lens[task.seq], 0, span));
   }
+#endif
   return 0;
 }
 
