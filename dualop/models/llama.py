@@ -115,7 +115,7 @@ class LlamaForCausalLM(CausalLM):
         plan = [P.vocab("embed", self.embed_tensor, self.embed),
                 P.whole("norm", self.final_norm_tensor, (self.hidden,))]
         if not self.tie:
-            plan.append(P.vocab("lm_head", "lm_head.weight", self.lm_head))
+            plan.append(P.vocab("lm_head", "lm_head.weight", self.lm_head, packable=True))
         for i in range(self.num_layers):
             plan += self.layer_params(i, f"{self.layers_prefix}{i}.")
         return plan
@@ -129,8 +129,8 @@ class LlamaForCausalLM(CausalLM):
 
     def attention_params(self, i: int, at: str) -> list[P.Param]:
         """Layer ``i``'s attention parameters from the checkpoint tensors under ``at``."""
-        plan = [P.linear(f"{i}.qkv", self.qkv, [(at + f"{x}_proj.weight", x) for x in "qkv"]),
-                P.linear(f"{i}.o_proj", self.o_proj, [(at + "o_proj.weight", None)])]
+        plan = [P.linear(f"{i}.qkv", self.qkv, [(at + f"{x}_proj.weight", x) for x in "qkv"], packable=True),
+                P.linear(f"{i}.o_proj", self.o_proj, [(at + "o_proj.weight", None)], packable=True)]
         if self.qkv_bias:
             plan.append(P.linear(f"{i}.qkv_bias", self.qkv, [(at + f"{x}_proj.bias", x) for x in "qkv"], "bias"))
         if self.o_bias:
@@ -141,8 +141,9 @@ class LlamaForCausalLM(CausalLM):
         return plan
 
     def mlp_params(self, i: int, pre: str) -> list[P.Param]:
-        plan = [P.linear(f"{i}.gate_up", self.gate_up, [(pre + "gate_proj.weight", 0), (pre + "up_proj.weight", 1)]),
-                P.linear(f"{i}.down", self.down, [(pre + "down_proj.weight", None)])]
+        plan = [P.linear(f"{i}.gate_up", self.gate_up, [(pre + "gate_proj.weight", 0), (pre + "up_proj.weight", 1)],
+                         packable=True),
+                P.linear(f"{i}.down", self.down, [(pre + "down_proj.weight", None)], packable=True)]
         if self.mlp_bias:
             plan += [P.linear(f"{i}.gate_up_bias", self.gate_up, [(pre + "gate_proj.bias", 0), (pre + "up_proj.bias", 1)],
                               "bias"),

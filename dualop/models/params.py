@@ -25,12 +25,15 @@ Getter = Callable[[str], Any]
 @dataclasses.dataclass(frozen=True)
 class Param:
     """One parameter: ``expected`` {checkpoint tensor: full shape}, ``split_dim`` over the ranks
-    (None: replicated) and ``build(get, rank)`` -> rank ``rank``'s array."""
+    (None: replicated) and ``build(get, rank)`` -> rank ``rank``'s array. ``packable``: a GEMM
+    weight that only linear ops and the LM head read, which a frontend may hold in its GEMM's
+    packed layout (torch on the CPU: ``kernels/cpu/linear.py``)."""
 
     name: str
     expected: dict[str, tuple[int, ...]]
     split_dim: int | None
     build: Callable[[Getter, int], Any]
+    packable: bool = False
 
 
 def _slice(x: Any, dim: int, start: int, stop: int) -> Any:
@@ -65,7 +68,8 @@ def split(name: str, tensor: str, shape: Sequence[int], dim: int, tp: int) -> Pa
                  lambda get, rank: _slice(get(tensor), dim, rank * size, (rank + 1) * size))
 
 
-def linear(name: str, op: Any, sources: Sequence[tuple[str, Any]], param: str = "weight") -> Param:
+def linear(name: str, op: Any, sources: Sequence[tuple[str, Any]], param: str = "weight", *,
+           packable: bool = False) -> Param:
     """``param`` ("weight"/"bias") of the linear op ``op`` built from checkpoint tensors
     ``sources`` = [(tensor, loaded_shard_id)] (shard id None for a plain linear; 'q'/'k'/'v' for
     QKV; 0, 1, ... for merged), each rank's rows where the op's ``checkpoint_layout`` puts them."""
@@ -86,10 +90,10 @@ def linear(name: str, op: Any, sources: Sequence[tuple[str, Any]], param: str = 
         pieces.sort(key=lambda p: p[0])
         return _concat([p for _, p in pieces], 0 if dim is None else dim)
 
-    return Param(name, expected, dim if op.tp.size > 1 else None, build)
+    return Param(name, expected, dim if op.tp.size > 1 else None, build, packable and param == "weight")
 
 
-def vocab(name: str, tensor: str, op: Any) -> Param:
+def vocab(name: str, tensor: str, op: Any, *, packable: bool = False) -> Param:
     """A vocabulary-parallel embedding / LM head weight: rank r's rows are ``op.shard(r)``'s base
     rows padded with zeros to its per-partition size (no added vocabulary in a checkpoint)."""
     shape = (op.org_vocab_size, op.embedding_dim)
@@ -104,7 +108,7 @@ def vocab(name: str, tensor: str, op: Any) -> Param:
         zeros = rows[:1] * 0
         return _concat([rows, _concat([zeros] * pad, 0)], 0)
 
-    return Param(name, {tensor: shape}, 0 if op.tp.size > 1 else None, build)
+    return Param(name, {tensor: shape}, 0 if op.tp.size > 1 else None, build, packable)
 
 
 def stacked(name: str, tensors: Sequence[Sequence[str]], shapes: Sequence[Sequence[int]], dim: int,

@@ -16,7 +16,9 @@ in float32 at full precision: the reference). The platform paths are the vendor 
 GEMM written here:
 
 - torch on the CPU / CUDA / ROCm: ``F.linear`` (one addmm: oneDNN / cuBLAS / hipBLASLt on the
-  operands' own dtype, the bias in the GEMM's epilogue);
+  operands' own dtype, the bias in the GEMM's epilogue); on the CPU a weight its owner packed for
+  oneDNN (``kernels/cpu/linear.py``; ``dualop.models`` packs its models' linear weights) takes
+  oneDNN's GEMM on the packed layout, with no per-call reorder;
 - on a TPU (jax, torch_xla, torchax, torch_tpu arrays, through the Pallas bridge) and for jax
   arrays on a GPU: ``kernels/xla/linear``, ``jax.lax.dot_general`` on the operands' own dtype with
   float32 accumulation (``preferred_element_type``), the bias added in float32 (XLA fuses it into
@@ -39,6 +41,7 @@ from typing import Any
 from dualop.backends import array_namespace
 from dualop.backends.xla.jax_bridge import call_jax_function
 from dualop.custom_op import ALL_FRONTENDS, CustomOp, Serves
+from dualop.kernels.cpu.linear import matmul as packed_matmul, unpacked
 from dualop.kernels import cost as cost_model
 from dualop.kernels.cost import KernelCost
 from dualop.kernels.registry import KernelRef
@@ -92,6 +95,7 @@ def _native_gemm(x: Any, weight: Any, bias: Any = None) -> Any:
     """The reference GEMM: operands upcast to float32, multiplied at full float32 precision, the
     bias added in float32, one cast to ``x``'s dtype."""
     xp = array_namespace(x)
+    weight = unpacked(weight)  # a weight packed for oneDNN by its owner: its plain values
     y = xp.einsum("...k,nk->...n", xp.astype(x, xp.float32), xp.astype(weight, xp.float32))
     if bias is not None:
         y = y + xp.astype(bias, xp.float32)
@@ -106,9 +110,8 @@ def _jax_gpu_linear(x: Any, weight: Any, bias: Any) -> Any:
 
 
 def _torch_linear(x: Any, weight: Any, bias: Any) -> Any:
-    import torch.nn.functional as F
-
-    return F.linear(x, weight, bias)
+    """``F.linear``, or oneDNN's GEMM on a weight its owner packed (``kernels/cpu/linear.py``)."""
+    return packed_matmul(x, weight, bias)
 
 
 class _Linear(CustomOp):

@@ -11,6 +11,7 @@ from dualop.backends import array_namespace
 from dualop.backends.torch.triton_launch import call_triton
 from dualop.backends.xla.jax_bridge import call_jax_function
 from dualop.custom_op import CustomOp
+from dualop.kernels.cpu.linear import is_packed, matmul as packed_matmul, unpacked
 from dualop.kernels import cost as cost_model
 from dualop.kernels.cost import KernelCost
 from dualop.kernels.logits_math import LogitsSpec, cap_and_scale
@@ -150,8 +151,12 @@ class LogitsProcessor(CustomOp):
         if self.logits_as_input:
             logits = xp.astype(hidden_states, xp.float32)
         else:
-            weight = lm_head_weight[: self.local_rows]
             bias = None if embedding_bias is None else embedding_bias[: self.local_rows]
+            if is_packed(lm_head_weight):  # packed for oneDNN by its owner (kernels/cpu/linear.py)
+                if lm_head_weight.shape[0] == self.local_rows and not self.spec.has_epilogue:
+                    return packed_matmul(hidden_states, lm_head_weight, bias)
+                lm_head_weight = unpacked(lm_head_weight)
+            weight = lm_head_weight[: self.local_rows]
             if not self.spec.has_epilogue and family_of(frontend_of(hidden_states)) == "torch":
                 # the plain matmul: the vendor's, float32 accumulation and one rounding (no copies)
                 import torch.nn.functional as F
