@@ -159,7 +159,9 @@ class TorchFrontend(Frontend):
         return x.detach().float().cpu().numpy()
 
     def argmax(self, logits: Any) -> list[int]:
-        return logits.argmax(-1).tolist()
+        # max's indices: the first maximal value, as argmax's, and about 3x faster than argmax on
+        # bfloat16 CPU logits (a decode step's [batch, vocab])
+        return logits.max(-1).indices.tolist()
 
 
 class JaxFrontend(Frontend):
