@@ -12,7 +12,8 @@ import torch
 from dualop import OpsConfig, set_config, testing  # noqa: E402
 from dualop.custom_op import report_row  # noqa: E402
 from dualop.kernels import cpu  # noqa: E402
-from dualop.ops import GeluAndMul, GemmaRMSNorm, MulAndSilu, RMSNorm, SiluAndMul  # noqa: E402
+from dualop.ops import (ApplyRotaryEmb, GeluAndMul, GemmaRMSNorm, MulAndSilu, RMSNorm, RotaryEmbedding,  # noqa: E402
+                        SiluAndMul)
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
@@ -132,6 +133,53 @@ def test_gated_kernel_matches_native(dtype, shape, make):
     x = _with_specials(torch.randn(shape, generator=g).mul(4).to(dtype))
     op = make()
     _close(op.forward_cpu(x), op.forward_native(x))
+
+
+def _with_nan_payloads(x):
+    """Specials, and for bfloat16 NaNs with the largest payloads (their float32 widening must still
+    round back to NaN: 0x7fff and 0xffff)."""
+    x = _with_specials(x)
+    if x.dtype == torch.bfloat16 and x.numel() >= 6:
+        x.view(-1).view(torch.int16)[4:6] = torch.tensor([0x7FFF, -1], dtype=torch.int16)
+    return x
+
+
+# Head and rotary sizes through the kernel's paths: rotated halves of 64 and 32 (angles kept in
+# registers), others in steps of 32 pairs with a masked last one, partial rotary_dim (the rest
+# copied, or left in place), GPT-J pairs; 70 tokens use several threads when torch has them.
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("head, rot", [(128, 128), (64, 64), (128, 64), (80, 80), (80, 48), (256, 128), (96, 32),
+                                       (40, 40), (18, 18), (200, 136)])
+@pytest.mark.parametrize("neox", [True, False], ids=["neox", "gptj"])
+@pytest.mark.parametrize("tokens, in_place", [(7, False), (7, True), (70, True)])
+def test_rope_kernel_matches_native(dtype, head, rot, neox, tokens, in_place):
+    g = torch.Generator().manual_seed(5)
+    op = RotaryEmbedding(head, rot, 512, 10000.0, neox)
+    positions = torch.randint(0, 512, (tokens,), generator=g, dtype=torch.int32 if tokens % 2 else torch.int64)
+    q = _with_nan_payloads(torch.randn(tokens, 4 * head, generator=g).mul(3).to(dtype))
+    k = _with_nan_payloads(torch.randn(tokens, 2 * head, generator=g).mul(3).to(dtype).flip(0))
+    want = op.forward_native(positions, q.clone(), k.clone())
+    if in_place:
+        got = op.forward_cpu(positions, q, k, query_out=q, key_out=k)
+        assert got[0] is q and got[1] is k
+    else:
+        got = op.forward_cpu(positions, q, k)
+    _close(got, want)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("neox", [True, False], ids=["neox", "gptj"])
+@pytest.mark.parametrize("head", [128, 80])
+def test_rope_kernel_with_float32_angles_holding_specials(dtype, neox, head):
+    """Given angles (float32 for a 16-bit x) with NaN and infinities: the rows holding them give
+    NaN where the native formula does, the others stay exact."""
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(5, 3, head, generator=g).to(dtype)
+    cos, sin = torch.randn(5, head // 2, generator=g), torch.randn(5, head // 2, generator=g)
+    cos[1, 3], sin[2, 0], cos[3, head // 2 - 1] = float("nan"), float("inf"), -float("inf")
+    cos.view(torch.int32)[4, 5] = 0x7FFFFFFF  # a NaN whose payload fills the low 16 bits
+    op = ApplyRotaryEmb(is_neox_style=neox, enable_fp32_compute=True)
+    _close(op.forward_cpu(x, cos, sin), op.forward_native(x, cos, sin))
 
 
 def test_float32_functions_near_their_edges():

@@ -13,6 +13,8 @@
 
 #include <cstdint>
 
+#include "common.h"
+
 namespace dualop::avx512 {
 
 #define DUALOP_AVX512_INLINE inline __attribute__((always_inline))
@@ -119,6 +121,74 @@ DUALOP_AVX512_INLINE void load_f32_even_odd(const float* p, __m512& even, __m512
 }
 
 DUALOP_AVX512_INLINE float sum(__m512 v) { return _mm512_reduce_add_ps(v); }
+
+// A step of 32 elements of T as two float32 vectors (a, b), loaded (lanes past n read as 0 and
+// are not touched), rounded back and stored (kMayBeNaN: without it the caller knows no value is
+// NaN), and T's round trip (through). bfloat16 keeps the even/odd order (kEvenOdd; a: elements
+// 0, 2, ..., 30, b: 1, ..., 31); float32 and float16 are in natural order (a: elements 0-15, b:
+// 16-31).
+template <class T> struct Lanes;
+
+template <> struct Lanes<bf16> {
+  static constexpr bool kEvenOdd = true;
+  static DUALOP_AVX512_INLINE void load(const bf16* p, __m512& a, __m512& b) { load_bf16(p, a, b); }
+  static DUALOP_AVX512_INLINE void load(const bf16* p, __m512& a, __m512& b, int64_t n) {
+    load_bf16(p, a, b, first32(n));
+  }
+  template <bool kMayBeNaN> static DUALOP_AVX512_INLINE void store(bf16* p, __m512 a, __m512 b) {
+    store_bf16<kMayBeNaN>(p, a, b);
+  }
+  template <bool kMayBeNaN> static DUALOP_AVX512_INLINE void store(bf16* p, __m512 a, __m512 b, int64_t n) {
+    store_bf16<kMayBeNaN>(p, a, b, first32(n));
+  }
+  template <bool kMayBeNaN> static DUALOP_AVX512_INLINE __m512 through(__m512 v) { return through_bf16<kMayBeNaN>(v); }
+};
+
+template <> struct Lanes<float> {
+  static constexpr bool kEvenOdd = false;
+  static DUALOP_AVX512_INLINE void load(const float* p, __m512& a, __m512& b) {
+    a = _mm512_loadu_ps(p);
+    b = _mm512_loadu_ps(p + 16);
+  }
+  static DUALOP_AVX512_INLINE void load(const float* p, __m512& a, __m512& b, int64_t n) {
+    a = _mm512_maskz_loadu_ps(first16(n), p);
+    b = _mm512_maskz_loadu_ps(first16(n - 16), p + 16);
+  }
+  template <bool> static DUALOP_AVX512_INLINE void store(float* p, __m512 a, __m512 b) {
+    _mm512_storeu_ps(p, a);
+    _mm512_storeu_ps(p + 16, b);
+  }
+  template <bool> static DUALOP_AVX512_INLINE void store(float* p, __m512 a, __m512 b, int64_t n) {
+    _mm512_mask_storeu_ps(p, first16(n), a);
+    _mm512_mask_storeu_ps(p + 16, first16(n - 16), b);
+  }
+  template <bool> static DUALOP_AVX512_INLINE __m512 through(__m512 v) { return v; }
+};
+
+// float16 by the F16C conversions (round to nearest even, denormals and NaN kept: the compiler's
+// _Float16 casts).
+template <> struct Lanes<f16> {
+  static constexpr bool kEvenOdd = false;
+  static DUALOP_AVX512_INLINE __m512 cvt(__m256i h) { return _mm512_cvtph_ps(h); }
+  static DUALOP_AVX512_INLINE __m256i cvt(__m512 v) { return _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+  static DUALOP_AVX512_INLINE void load(const f16* p, __m512& a, __m512& b) {
+    a = cvt(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    b = cvt(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 16)));
+  }
+  static DUALOP_AVX512_INLINE void load(const f16* p, __m512& a, __m512& b, int64_t n) {
+    a = cvt(_mm256_maskz_loadu_epi16(first16(n), p));
+    b = cvt(_mm256_maskz_loadu_epi16(first16(n - 16), p + 16));
+  }
+  template <bool> static DUALOP_AVX512_INLINE void store(f16* p, __m512 a, __m512 b) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), cvt(a));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + 16), cvt(b));
+  }
+  template <bool> static DUALOP_AVX512_INLINE void store(f16* p, __m512 a, __m512 b, int64_t n) {
+    _mm256_mask_storeu_epi16(p, first16(n), cvt(a));
+    _mm256_mask_storeu_epi16(p + 16, first16(n - 16), cvt(b));
+  }
+  template <bool> static DUALOP_AVX512_INLINE __m512 through(__m512 v) { return cvt(cvt(v)); }
+};
 
 #undef DUALOP_AVX512_INLINE
 

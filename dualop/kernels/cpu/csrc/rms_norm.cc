@@ -72,73 +72,10 @@ static int64_t normalize_bf16(const bf16* xr, const bf16* rr, const float* weigh
 #endif
 
 #ifdef DUALOP_HAVE_AVX512
-// AVX-512 rows: 32 elements a step as two float32 vectors (a, b), whatever T; the last partial step
-// masked (lanes past the row read as 0 and are not written), so no element takes a portable tail.
-// bfloat16 keeps avx512.h's even/odd order (a: elements 0, 2, ..., 30 of the step, b: 1, ..., 31),
-// with the weight rearranged once per call to match; float32 and float16 are in natural order (a:
-// elements 0-15, b: 16-31).
-template <class T> struct Lanes;
-
-template <> struct Lanes<bf16> {
-  static constexpr bool kArrangedWeight = true;
-  static DUALOP_INLINE void load(const bf16* p, __m512& a, __m512& b) { avx512::load_bf16(p, a, b); }
-  static DUALOP_INLINE void load(const bf16* p, __m512& a, __m512& b, int64_t n) {
-    avx512::load_bf16(p, a, b, avx512::first32(n));
-  }
-  template <bool kMayBeNaN> static DUALOP_INLINE void store(bf16* p, __m512 a, __m512 b) {
-    avx512::store_bf16<kMayBeNaN>(p, a, b);
-  }
-  template <bool kMayBeNaN> static DUALOP_INLINE void store(bf16* p, __m512 a, __m512 b, int64_t n) {
-    avx512::store_bf16<kMayBeNaN>(p, a, b, avx512::first32(n));
-  }
-  template <bool kMayBeNaN> static DUALOP_INLINE __m512 through(__m512 v) { return avx512::through_bf16<kMayBeNaN>(v); }
-};
-
-template <> struct Lanes<float> {
-  static constexpr bool kArrangedWeight = false;
-  static DUALOP_INLINE void load(const float* p, __m512& a, __m512& b) {
-    a = _mm512_loadu_ps(p);
-    b = _mm512_loadu_ps(p + 16);
-  }
-  static DUALOP_INLINE void load(const float* p, __m512& a, __m512& b, int64_t n) {
-    a = _mm512_maskz_loadu_ps(avx512::first16(n), p);
-    b = _mm512_maskz_loadu_ps(avx512::first16(n - 16), p + 16);
-  }
-  template <bool> static DUALOP_INLINE void store(float* p, __m512 a, __m512 b) {
-    _mm512_storeu_ps(p, a);
-    _mm512_storeu_ps(p + 16, b);
-  }
-  template <bool> static DUALOP_INLINE void store(float* p, __m512 a, __m512 b, int64_t n) {
-    _mm512_mask_storeu_ps(p, avx512::first16(n), a);
-    _mm512_mask_storeu_ps(p + 16, avx512::first16(n - 16), b);
-  }
-  template <bool> static DUALOP_INLINE __m512 through(__m512 v) { return v; }
-};
-
-// float16 by the F16C conversions (round to nearest even, denormals and NaN kept: the compiler's
-// _Float16 casts).
-template <> struct Lanes<f16> {
-  static constexpr bool kArrangedWeight = false;
-  static DUALOP_INLINE __m512 cvt(__m256i h) { return _mm512_cvtph_ps(h); }
-  static DUALOP_INLINE __m256i cvt(__m512 v) { return _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
-  static DUALOP_INLINE void load(const f16* p, __m512& a, __m512& b) {
-    a = cvt(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-    b = cvt(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 16)));
-  }
-  static DUALOP_INLINE void load(const f16* p, __m512& a, __m512& b, int64_t n) {
-    a = cvt(_mm256_maskz_loadu_epi16(avx512::first16(n), p));
-    b = cvt(_mm256_maskz_loadu_epi16(avx512::first16(n - 16), p + 16));
-  }
-  template <bool> static DUALOP_INLINE void store(f16* p, __m512 a, __m512 b) {
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), cvt(a));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + 16), cvt(b));
-  }
-  template <bool> static DUALOP_INLINE void store(f16* p, __m512 a, __m512 b, int64_t n) {
-    _mm256_mask_storeu_epi16(p, avx512::first16(n), cvt(a));
-    _mm256_mask_storeu_epi16(p + 16, avx512::first16(n - 16), cvt(b));
-  }
-  template <bool> static DUALOP_INLINE __m512 through(__m512 v) { return cvt(cvt(v)); }
-};
+// AVX-512 rows: 32 elements a step as two float32 vectors (avx512::Lanes), whatever T; the last
+// partial step masked (lanes past the row read as 0 and are not written), so no element takes a
+// portable tail. A bfloat16 row's weight is rearranged once per call into the Lanes order.
+using avx512::Lanes;
 
 // Scratch of a thread, one per use (kUse): at least n elements, 64-byte aligned (whole cache
 // lines: a vector access never splits one), kept between calls.
