@@ -210,28 +210,23 @@ DUALOP_INLINE void output_step(const T* xr, const T* rr, const float* buffer, co
   if constexpr (kPartial) L::template store<kMayBeNaN>(orow + i, a, b, n); else L::template store<kMayBeNaN>(orow + i, a, b);
 }
 
-// The output pass. next_x / next_r (or null) are the next row's, fetched into the cache meanwhile
-// (this pass reads only what the first pass brought in, so memory would otherwise idle): into L1
-// when near_prefetch, else L2.
+// The output pass. next_x / next_r (or null) are the next row's, fetched into L2 meanwhile (this
+// pass reads only what the first pass brought in, so memory would otherwise idle). A float32
+// residual row is not prefetched: with four lines a step (x's and the residual's) the prefetches
+// slowed the fused add down (measured at 4096 x 4096; L1 as the target was slower too).
 template <class T, bool kResidual, int kWeight, Source kSource, bool kMayBeNaN>
 static void output_pass(const T* xr, const T* rr, const float* buffer, const float* weight, T* orow, T* ro,
-                        int64_t hidden, float inv_rms, const T* next_x, const T* next_r, bool near_prefetch) {
+                        int64_t hidden, float inv_rms, const T* next_x, const T* next_r) {
   const __m512 inv = _mm512_set1_ps(inv_rms);
   constexpr int64_t kLine = 64 / sizeof(T);  // elements per cache line
+  constexpr bool kPrefetchResidual = kResidual && sizeof(T) == 2;
   int64_t i = 0;
   for (; i + 32 <= hidden; i += 32) {
     if (next_x != nullptr) {
 #pragma GCC unroll 2
       for (int64_t j = 0; j < 32; j += kLine) {
-        const char* px = reinterpret_cast<const char*>(next_x + i + j);
-        const char* pr = reinterpret_cast<const char*>(next_r + i + j);
-        if (near_prefetch) {
-          _mm_prefetch(px, _MM_HINT_T0);
-          if constexpr (kResidual) _mm_prefetch(pr, _MM_HINT_T0);
-        } else {
-          _mm_prefetch(px, _MM_HINT_T1);
-          if constexpr (kResidual) _mm_prefetch(pr, _MM_HINT_T1);
-        }
+        _mm_prefetch(reinterpret_cast<const char*>(next_x + i + j), _MM_HINT_T1);
+        if constexpr (kPrefetchResidual) _mm_prefetch(reinterpret_cast<const char*>(next_r + i + j), _MM_HINT_T1);
       }
     }
     output_step<T, kResidual, kWeight, kSource, kMayBeNaN, false>(xr, rr, buffer, weight, orow, ro, i, 32, inv);
@@ -245,8 +240,7 @@ static void output_pass(const T* xr, const T* rr, const float* buffer, const flo
 // whole steps (for kFromBuffer).
 template <class T, bool kResidual, int kWeight>
 static void rms_norm_row_avx512(const T* xr, const T* rr, const float* weight, T* orow, T* ro, int64_t hidden,
-                                float eps, bool weight_finite, float* buffer, const T* next_x, const T* next_r,
-                                bool near_prefetch) {
+                                float eps, bool weight_finite, float* buffer, const T* next_x, const T* next_r) {
   constexpr Source kSource = source_of<T, kResidual>();
   const float sum_sq = first_pass<T, kResidual, kSource>(xr, rr, ro, buffer, hidden);
   if constexpr (kSource == kFromBuffer && std::is_same_v<T, bf16>) {
@@ -260,28 +254,26 @@ static void rms_norm_row_avx512(const T* xr, const T* rr, const float* weight, T
   // A row with only finite values (and a finite weight) cannot produce NaN: skip its check.
   if (std::isfinite(sum_sq) && std::isfinite(inv_rms) && weight_finite)
     output_pass<T, kResidual, kWeight, kSource, false>(xr, rr, buffer, weight, orow, ro, hidden, inv_rms, next_x,
-                                                          next_r, near_prefetch);
+                                                       next_r);
   else
     output_pass<T, kResidual, kWeight, kSource, true>(xr, rr, buffer, weight, orow, ro, hidden, inv_rms, next_x,
-                                                         next_r, near_prefetch);
+                                                      next_r);
 }
 
 // Rows [begin, end) of one thread. Each row's successor is prefetched while the row is written
-// where the rows are too many to stay in the caches anyway (into L1 while a row's inputs fit there
-// twice over).
+// where the rows are too many to stay in the caches anyway.
 template <class T, bool kResidual, int kWeight>
 static void rms_norm_range_avx512(const T* x, const T* residual, const float* weight, T* out, T* residual_out,
                                   int64_t begin, int64_t end, int64_t hidden, float eps, bool weight_finite) {
   const int64_t row_bytes = hidden * static_cast<int64_t>(sizeof(T)) * (kResidual ? 2 : 1);
-  const bool prefetch = (end - begin) * row_bytes > (int64_t(1) << 20), near_prefetch = row_bytes <= (16 << 10);
+  const bool prefetch = (end - begin) * row_bytes > (int64_t(1) << 20);
   float* buffer = source_of<T, kResidual>() == kFromBuffer ? aligned_scratch<float, kSumScratch>((hidden + 31) / 32 * 32) : nullptr;
   for (int64_t row = begin; row < end; ++row) {
     const bool more = prefetch && row + 1 < end;
     rms_norm_row_avx512<T, kResidual, kWeight>(
         x + row * hidden, kResidual ? residual + row * hidden : nullptr, weight, out + row * hidden,
         kResidual ? residual_out + row * hidden : nullptr, hidden, eps, weight_finite, buffer,
-        more ? x + (row + 1) * hidden : nullptr, more && kResidual ? residual + (row + 1) * hidden : nullptr,
-        near_prefetch);
+        more ? x + (row + 1) * hidden : nullptr, more && kResidual ? residual + (row + 1) * hidden : nullptr);
   }
 }
 
