@@ -12,7 +12,8 @@ import torch
 from dualop import OpsConfig, set_config, testing  # noqa: E402
 from dualop.custom_op import report_row  # noqa: E402
 from dualop.kernels import cpu  # noqa: E402
-from dualop.ops import GeluAndMul, GemmaRMSNorm, MulAndSilu, RMSNorm, SiluAndMul  # noqa: E402
+from dualop.ops import (ApplyRotaryEmb, GeluAndMul, GemmaRMSNorm, MulAndSilu, RMSNorm, RotaryEmbedding,  # noqa: E402
+                        SiluAndMul)
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
@@ -58,6 +59,71 @@ def test_rms_norm_kernel_matches_native(dtype, shape, variant):
     _close(op.forward_cpu(*args), op.forward_native(*args))
 
 
+# Hidden sizes around the vector kernels' steps (16, 32, 64 elements) and their masked last step;
+# (300, 2050) and (130, 4100) hold more than a megabyte of rows, where the kernel prefetches the next
+# row (into L1 for a 16-bit row, L2 for a wide float32 one), and use several threads when torch has them.
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", [(3, 1), (2, 15), (2, 16), (3, 17), (2, 31), (2, 32), (3, 33), (2, 63), (2, 64),
+                                   (3, 65), (2, 95), (5, 100), (2, 4095), (300, 2050), (130, 4100)])
+@pytest.mark.parametrize("variant", ["plain", "weight", "residual_in_place", "gemma_in_place", "no_weight_residual"])
+def test_rms_norm_kernel_tails_and_in_place(dtype, shape, variant):
+    g = torch.Generator().manual_seed(3)
+    h = shape[-1]
+    x = _with_specials(torch.randn(shape, generator=g).mul(3).to(dtype))
+    w = (1 + 0.5 * torch.randn(h, generator=g)).to(dtype)
+    r = torch.randn(shape, generator=g).to(dtype)
+    op = GemmaRMSNorm(h) if variant.startswith("gemma") else RMSNorm(h, has_weight=variant in ("weight", "residual_in_place"))
+    weight = None if variant in ("plain", "no_weight_residual") else w
+    residual = r if variant not in ("plain", "weight") else None
+    want = op.forward_native(x.clone(), weight, None if residual is None else residual.clone())
+    if variant.endswith("in_place"):
+        got = op.forward_cpu(x, weight, residual, out=x, residual_out=residual)
+        assert got[0] is x and got[1] is residual
+    else:
+        got = op.forward_cpu(x, weight, residual)
+    _close(got, want)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_rms_norm_kernel_non_finite_weight_and_rows(dtype):
+    """A non-finite weight value, and rows of inf and NaN next to finite rows (each row picks its own
+    path: with or without the NaN rule)."""
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(6, 130, generator=g).to(dtype)
+    x[1, 7], x[2, 100], x[3, 129], x[4, :] = float("inf"), float("nan"), -float("inf"), float("nan")
+    r = torch.randn(6, 130, generator=g).to(dtype)
+    r[5, 3] = float("nan")
+    w = (1 + 0.5 * torch.randn(130, generator=g)).to(dtype)
+    w[5] = float("inf")
+    for op in (RMSNorm(130), GemmaRMSNorm(130)):
+        _close(op.forward_cpu(x, w, r), op.forward_native(x, w, r))
+        _close(op.forward_cpu(x, w), op.forward_native(x, w))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_rms_norm_kernel_keeps_denormals(dtype):
+    """16-bit results in the subnormal range stay subnormal (no flush to zero): the residual sum
+    of subnormal inputs (bit for bit torch's rounding) and outputs scaled into that range by one
+    large value in the row."""
+    tiny = torch.finfo(dtype).tiny
+    h = 70
+    x = torch.full((3, h), tiny / 8).to(dtype)
+    x[:, 1::3] = -tiny / 4
+    x[1:, :] = 4 * tiny
+    x[1:, 0] = 2.0 ** 10  # rows whose rms makes their other values' outputs subnormal
+    r = torch.full((3, h), tiny / 16).to(dtype)
+    r[1] = 0
+    r[2, 0] = 0
+    w = torch.ones(h, dtype=dtype)
+    for op, weight in ((RMSNorm(h), w), (GemmaRMSNorm(h), w - 1), (RMSNorm(h, has_weight=False), None)):
+        got_y, got_sum = op.forward_cpu(x, weight, r)
+        want_y, want_sum = op.forward_native(x, weight, r)
+        assert torch.equal(got_sum.view(torch.int16), want_sum.view(torch.int16))
+        assert (want_sum[0] != 0).all() and (want_y[1, 1:] != 0).all() and (want_y[1, 1:].abs() < tiny).all()
+        assert torch.equal(got_y != 0, want_y != 0)
+        _close(got_y, want_y)
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("shape", [(1, 16), (5, 600), (2, 3, 2048), (0, 64), (9, 8194)])
 @pytest.mark.parametrize("make", [SiluAndMul, MulAndSilu, GeluAndMul, lambda: GeluAndMul(approximate="tanh")],
@@ -67,6 +133,53 @@ def test_gated_kernel_matches_native(dtype, shape, make):
     x = _with_specials(torch.randn(shape, generator=g).mul(4).to(dtype))
     op = make()
     _close(op.forward_cpu(x), op.forward_native(x))
+
+
+def _with_nan_payloads(x):
+    """Specials, and for bfloat16 NaNs with the largest payloads (their float32 widening must still
+    round back to NaN: 0x7fff and 0xffff)."""
+    x = _with_specials(x)
+    if x.dtype == torch.bfloat16 and x.numel() >= 6:
+        x.view(-1).view(torch.int16)[4:6] = torch.tensor([0x7FFF, -1], dtype=torch.int16)
+    return x
+
+
+# Head and rotary sizes through the kernel's paths: rotated halves of 64 and 32 (angles kept in
+# registers), others in steps of 32 pairs with a masked last one, partial rotary_dim (the rest
+# copied, or left in place), GPT-J pairs; 70 tokens use several threads when torch has them.
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("head, rot", [(128, 128), (64, 64), (128, 64), (80, 80), (80, 48), (256, 128), (96, 32),
+                                       (40, 40), (18, 18), (200, 136)])
+@pytest.mark.parametrize("neox", [True, False], ids=["neox", "gptj"])
+@pytest.mark.parametrize("tokens, in_place", [(7, False), (7, True), (70, True)])
+def test_rope_kernel_matches_native(dtype, head, rot, neox, tokens, in_place):
+    g = torch.Generator().manual_seed(5)
+    op = RotaryEmbedding(head, rot, 512, 10000.0, neox)
+    positions = torch.randint(0, 512, (tokens,), generator=g, dtype=torch.int32 if tokens % 2 else torch.int64)
+    q = _with_nan_payloads(torch.randn(tokens, 4 * head, generator=g).mul(3).to(dtype))
+    k = _with_nan_payloads(torch.randn(tokens, 2 * head, generator=g).mul(3).to(dtype).flip(0))
+    want = op.forward_native(positions, q.clone(), k.clone())
+    if in_place:
+        got = op.forward_cpu(positions, q, k, query_out=q, key_out=k)
+        assert got[0] is q and got[1] is k
+    else:
+        got = op.forward_cpu(positions, q, k)
+    _close(got, want)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("neox", [True, False], ids=["neox", "gptj"])
+@pytest.mark.parametrize("head", [128, 80])
+def test_rope_kernel_with_float32_angles_holding_specials(dtype, neox, head):
+    """Given angles (float32 for a 16-bit x) with NaN and infinities: the rows holding them give
+    NaN where the native formula does, the others stay exact."""
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(5, 3, head, generator=g).to(dtype)
+    cos, sin = torch.randn(5, head // 2, generator=g), torch.randn(5, head // 2, generator=g)
+    cos[1, 3], sin[2, 0], cos[3, head // 2 - 1] = float("nan"), float("inf"), -float("inf")
+    cos.view(torch.int32)[4, 5] = 0x7FFFFFFF  # a NaN whose payload fills the low 16 bits
+    op = ApplyRotaryEmb(is_neox_style=neox, enable_fp32_compute=True)
+    _close(op.forward_cpu(x, cos, sin), op.forward_native(x, cos, sin))
 
 
 def test_float32_functions_near_their_edges():

@@ -6,7 +6,10 @@
 #include <type_traits>
 #include <vector>
 
+#include <omp.h>
+
 #include "avx2.h"
+#include "avx512.h"
 #include "common.h"
 
 namespace dualop {
@@ -68,53 +71,310 @@ static int64_t normalize_bf16(const bf16* xr, const bf16* rr, const float* weigh
 }
 #endif
 
-// The first pass over a row only reads (its statistic); the second reads x and residual again and
-// writes out and residual_out, element by element after reading: so out may be x and residual_out
-// may be residual (the in-place fused add-norm), and no pointer here is restrict.
+#ifdef DUALOP_HAVE_AVX512
+// AVX-512 rows: 32 elements a step as two float32 vectors (avx512::Lanes), whatever T; the last
+// partial step masked (lanes past the row read as 0 and are not written), so no element takes a
+// portable tail. A bfloat16 row's weight is rearranged once per call into the Lanes order.
+using avx512::Lanes;
+
+// Scratch of a thread, one per use (kUse): at least n elements, 64-byte aligned (whole cache
+// lines: a vector access never splits one), kept between calls.
+enum ScratchUse { kWeightScratch = 0, kSumScratch = 1 };
+template <class E, ScratchUse kUse>
+static E* aligned_scratch(int64_t n) {
+  thread_local std::vector<E> store;
+  const int64_t pad = 64 / sizeof(E);
+  if (static_cast<int64_t>(store.size()) < n + pad) store.resize(n + pad);
+  const auto address = reinterpret_cast<uintptr_t>(store.data());
+  return reinterpret_cast<E*>((address + 63) & ~uintptr_t(63));
+}
+
+// The weight as a bfloat16 row reads it, made once per call into a scratch of whole steps (zero
+// padded): each step's 32 values rearranged into its even then its odd ones (Lanes' order).
+// (Packing a weight that bfloat16 holds exactly into bfloat16 instead was tried: unpacking it costs
+// more than the smaller cache footprint saves.)
+static const float* arrange_weight(const float* weight, int64_t hidden) {
+  float* w = aligned_scratch<float, kWeightScratch>((hidden + 31) / 32 * 32);
+  for (int64_t i = 0; i < hidden; i += 32) {
+    __m512 even, odd;
+    avx512::load_f32_even_odd(weight + i, even, odd, hidden - i);
+    _mm512_store_ps(w + i, even);
+    _mm512_store_ps(w + i + 16, odd);
+  }
+  return w;
+}
+
+// A step's weight in T's Lanes order: arranged for a bfloat16 row (whole steps), else the caller's
+// weight (masked past the row).
+template <class T, bool kPartial>
+DUALOP_INLINE void load_weight(const float* w, __m512& a, __m512& b, int64_t n) {
+  if constexpr (std::is_same_v<T, bf16> || !kPartial)
+    Lanes<float>::load(w, a, b);
+  else
+    Lanes<float>::load(w, a, b, n);
+}
+
+// Where the output pass reads a row's values (x, or s = x + residual) from: x itself; residual_out
+// (float32, which holds s exactly); or a float32 buffer (a 16-bit residual_out holds s rounded), in
+// the Lanes order, whole steps. With a residual the first pass writes residual_out and the buffer
+// (summing x and the residual again in the output pass instead was tried: slower).
+enum Source { kFromX = 0, kFromResidualOut = 1, kFromBuffer = 2 };
+
+template <class T, bool kResidual>
+constexpr Source source_of() {
+  if constexpr (!kResidual) return kFromX;
+  if constexpr (std::is_same_v<T, float>) return kFromResidualOut;
+  return kFromBuffer;
+}
+
+// x (+ residual) of a step, and (kStore) residual_out written, each step read before it writes.
+template <class T, bool kResidual, bool kStore, bool kMayBeNaN, bool kPartial>
+DUALOP_INLINE void load_sum(const T* xr, const T* rr, T* ro, int64_t i, int64_t n, __m512& a, __m512& b) {
+  using L = Lanes<T>;
+  if constexpr (kPartial) L::load(xr + i, a, b, n); else L::load(xr + i, a, b);
+  if constexpr (kResidual) {
+    __m512 ra, rb;
+    if constexpr (kPartial) L::load(rr + i, ra, rb, n); else L::load(rr + i, ra, rb);
+    a = _mm512_add_ps(a, ra);
+    b = _mm512_add_ps(b, rb);
+    if constexpr (kStore) {
+      if constexpr (kPartial)
+        L::template store<kMayBeNaN>(ro + i, a, b, n);
+      else
+        L::template store<kMayBeNaN>(ro + i, a, b);
+    }
+  }
+}
+
+// The first pass: the sum of squares of x (+ residual). Where the output pass does not read x and
+// the residual again it writes residual_out here (kFromResidualOut, kFromBuffer; bfloat16 rounded
+// without the NaN rule: the caller redoes a row holding NaN from the buffer), and the buffer.
+template <class T, bool kResidual, Source kSource, bool kPartial>
+DUALOP_INLINE void first_step(const T* xr, const T* rr, T* ro, float* buffer, int64_t i, int64_t n, __m512& acc_a,
+                              __m512& acc_b) {
+  constexpr bool kStore = kSource == kFromResidualOut || kSource == kFromBuffer;
+  __m512 a, b;
+  load_sum<T, kResidual, kStore, false, kPartial>(xr, rr, ro, i, n, a, b);
+  if constexpr (kSource == kFromBuffer) {
+    _mm512_store_ps(buffer + i, a);
+    _mm512_store_ps(buffer + i + 16, b);
+  }
+  acc_a = _mm512_fmadd_ps(a, a, acc_a);
+  acc_b = _mm512_fmadd_ps(b, b, acc_b);
+}
+
+template <class T, bool kResidual, Source kSource>
+static float first_pass(const T* xr, const T* rr, T* ro, float* buffer, int64_t hidden) {
+  __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps(), acc2 = _mm512_setzero_ps(),
+         acc3 = _mm512_setzero_ps();
+  int64_t i = 0;
+  for (; i + 64 <= hidden; i += 64) {  // two steps in flight (four accumulators)
+    first_step<T, kResidual, kSource, false>(xr, rr, ro, buffer, i, 32, acc0, acc1);
+    first_step<T, kResidual, kSource, false>(xr, rr, ro, buffer, i + 32, 32, acc2, acc3);
+  }
+  if (i + 32 <= hidden) {
+    first_step<T, kResidual, kSource, false>(xr, rr, ro, buffer, i, 32, acc0, acc1);
+    i += 32;
+  }
+  if (i < hidden) first_step<T, kResidual, kSource, true>(xr, rr, ro, buffer, i, hidden - i, acc2, acc3);
+  return avx512::sum(_mm512_add_ps(_mm512_add_ps(acc0, acc1), _mm512_add_ps(acc2, acc3)));
+}
+
+// One step of the output pass (n < 32 for the masked last step): each step reads (x, residual)
+// before it writes (out, residual_out), so out may be x and residual_out the residual.
+template <class T, bool kResidual, int kWeight, Source kSource, bool kMayBeNaN, bool kPartial>
+DUALOP_INLINE void output_step(const T* xr, const T* rr, const float* buffer, const float* weight, T* orow, T* ro,
+                               int64_t i, int64_t n, __m512 inv) {
+  using L = Lanes<T>;
+  __m512 a, b;
+  if constexpr (kSource == kFromBuffer) {
+    a = _mm512_load_ps(buffer + i);
+    b = _mm512_load_ps(buffer + i + 16);
+  } else if constexpr (kSource == kFromResidualOut) {
+    if constexpr (kPartial) L::load(ro + i, a, b, n); else L::load(ro + i, a, b);
+  } else {
+    if constexpr (kPartial) L::load(xr + i, a, b, n); else L::load(xr + i, a, b);
+  }
+  a = _mm512_mul_ps(a, inv);
+  b = _mm512_mul_ps(b, inv);
+  if constexpr (kWeight != kNoWeight) {
+    if constexpr (kWeight == kWeightAfterCast) {
+      a = L::template through<kMayBeNaN>(a);
+      b = L::template through<kMayBeNaN>(b);
+    }
+    __m512 wa, wb;
+    load_weight<T, kPartial>(weight + i, wa, wb, n);
+    a = _mm512_mul_ps(a, wa);
+    b = _mm512_mul_ps(b, wb);
+  }
+  if constexpr (kPartial) L::template store<kMayBeNaN>(orow + i, a, b, n); else L::template store<kMayBeNaN>(orow + i, a, b);
+}
+
+// The output pass. next_x / next_r (or null) are the next row's, fetched into L2 meanwhile (this
+// pass reads only what the first pass brought in, so memory would otherwise idle). A float32
+// residual row is not prefetched: with four lines a step (x's and the residual's) the prefetches
+// slowed the fused add down (measured at 4096 x 4096; L1 as the target was slower too).
+template <class T, bool kResidual, int kWeight, Source kSource, bool kMayBeNaN>
+static void output_pass(const T* xr, const T* rr, const float* buffer, const float* weight, T* orow, T* ro,
+                        int64_t hidden, float inv_rms, const T* next_x, const T* next_r) {
+  const __m512 inv = _mm512_set1_ps(inv_rms);
+  constexpr int64_t kLine = 64 / sizeof(T);  // elements per cache line
+  constexpr bool kPrefetchResidual = kResidual && sizeof(T) == 2;
+  int64_t i = 0;
+  for (; i + 32 <= hidden; i += 32) {
+    if (next_x != nullptr) {
+#pragma GCC unroll 2
+      for (int64_t j = 0; j < 32; j += kLine) {
+        _mm_prefetch(reinterpret_cast<const char*>(next_x + i + j), _MM_HINT_T1);
+        if constexpr (kPrefetchResidual) _mm_prefetch(reinterpret_cast<const char*>(next_r + i + j), _MM_HINT_T1);
+      }
+    }
+    output_step<T, kResidual, kWeight, kSource, kMayBeNaN, false>(xr, rr, buffer, weight, orow, ro, i, 32, inv);
+  }
+  if (i < hidden)
+    output_step<T, kResidual, kWeight, kSource, kMayBeNaN, true>(xr, rr, buffer, weight, orow, ro, i, hidden - i,
+                                                                    inv);
+}
+
+// One row by AVX-512 (see Lanes): the first pass, then the output pass. buffer: float32 scratch of
+// whole steps (for kFromBuffer).
+template <class T, bool kResidual, int kWeight>
+static void rms_norm_row_avx512(const T* xr, const T* rr, const float* weight, T* orow, T* ro, int64_t hidden,
+                                float eps, bool weight_finite, float* buffer, const T* next_x, const T* next_r) {
+  constexpr Source kSource = source_of<T, kResidual>();
+  const float sum_sq = first_pass<T, kResidual, kSource>(xr, rr, ro, buffer, hidden);
+  if constexpr (kSource == kFromBuffer && std::is_same_v<T, bf16>) {
+    if (std::isnan(sum_sq)) {  // a NaN in the sum: residual_out again, with the NaN rule
+      for (int64_t i = 0; i < hidden; i += 32)
+        avx512::store_bf16<true>(ro + i, _mm512_load_ps(buffer + i), _mm512_load_ps(buffer + i + 16),
+                                 avx512::first32(hidden - i));
+    }
+  }
+  const float inv_rms = 1.0f / std::sqrt(sum_sq / static_cast<float>(hidden) + eps);
+  // A row with only finite values (and a finite weight) cannot produce NaN: skip its check.
+  if (std::isfinite(sum_sq) && std::isfinite(inv_rms) && weight_finite)
+    output_pass<T, kResidual, kWeight, kSource, false>(xr, rr, buffer, weight, orow, ro, hidden, inv_rms, next_x,
+                                                       next_r);
+  else
+    output_pass<T, kResidual, kWeight, kSource, true>(xr, rr, buffer, weight, orow, ro, hidden, inv_rms, next_x,
+                                                      next_r);
+}
+
+// Rows [begin, end) of one thread. Each row's successor is prefetched while the row is written
+// where the rows are too many to stay in the caches anyway.
+template <class T, bool kResidual, int kWeight>
+static void rms_norm_range_avx512(const T* x, const T* residual, const float* weight, T* out, T* residual_out,
+                                  int64_t begin, int64_t end, int64_t hidden, float eps, bool weight_finite) {
+  const int64_t row_bytes = hidden * static_cast<int64_t>(sizeof(T)) * (kResidual ? 2 : 1);
+  const bool prefetch = (end - begin) * row_bytes > (int64_t(1) << 20);
+  float* buffer = source_of<T, kResidual>() == kFromBuffer ? aligned_scratch<float, kSumScratch>((hidden + 31) / 32 * 32) : nullptr;
+  for (int64_t row = begin; row < end; ++row) {
+    const bool more = prefetch && row + 1 < end;
+    rms_norm_row_avx512<T, kResidual, kWeight>(
+        x + row * hidden, kResidual ? residual + row * hidden : nullptr, weight, out + row * hidden,
+        kResidual ? residual_out + row * hidden : nullptr, hidden, eps, weight_finite, buffer,
+        more ? x + (row + 1) * hidden : nullptr, more && kResidual ? residual + (row + 1) * hidden : nullptr);
+  }
+}
+
+// One thread takes the rows itself (no OpenMP region for small work); more split them in
+// contiguous blocks.
+template <class T, bool kResidual, int kWeight>
+static void rms_norm_rows_avx512(const T* x, const T* residual, const float* weight, T* out, T* residual_out,
+                                 int64_t rows, int64_t hidden, float eps, bool weight_finite, int threads) {
+  if (threads <= 1 || rows < 2)
+    return rms_norm_range_avx512<T, kResidual, kWeight>(x, residual, weight, out, residual_out, 0, rows, hidden,
+                                                           eps, weight_finite);
+  if (threads > rows) threads = static_cast<int>(rows);
+#pragma omp parallel num_threads(threads)
+  {
+    const int64_t team = omp_get_num_threads(), me = omp_get_thread_num();
+    rms_norm_range_avx512<T, kResidual, kWeight>(x, residual, weight, out, residual_out, rows * me / team,
+                                                    rows * (me + 1) / team, hidden, eps, weight_finite);
+  }
+}
+#endif
+
+// One row, portably (AVX2 for bfloat16's bulk where there is AVX2). The first pass only reads (its
+// statistic); the second reads x and residual again and writes out and residual_out, element by
+// element after reading: so out may be x and residual_out may be residual (the in-place fused
+// add-norm), and no pointer here is restrict.
+template <class T, bool kResidual, int kWeight>
+DUALOP_INLINE void rms_norm_row(const T* xr, const T* rr, const float* weight, T* orow, T* ro, int64_t hidden,
+                                float eps, bool weight_finite) {
+  float sum_sq = 0.0f;
+  int64_t start = 0;
+#ifdef DUALOP_HAVE_AVX2
+  if constexpr (std::is_same_v<T, bf16>) start = sum_sq_bf16<kResidual>(xr, rr, hidden, sum_sq);
+#endif
+#pragma omp simd reduction(+ : sum_sq)
+  for (int64_t i = start; i < hidden; ++i) {
+    float v = to_f32(xr[i]);
+    if constexpr (kResidual) v += to_f32(rr[i]);
+    sum_sq = std::fma(v, v, sum_sq);
+  }
+  const float inv_rms = 1.0f / std::sqrt(sum_sq / static_cast<float>(hidden) + eps);
+  start = 0;
+#ifdef DUALOP_HAVE_AVX2
+  if constexpr (std::is_same_v<T, bf16>) {
+    // A row with only finite values (and a finite weight) cannot produce NaN: skip its check.
+    if (std::isfinite(sum_sq) && std::isfinite(inv_rms) && weight_finite)
+      start = normalize_bf16<kResidual, kWeight, false>(xr, rr, weight, orow, ro, hidden, inv_rms);
+    else
+      start = normalize_bf16<kResidual, kWeight, true>(xr, rr, weight, orow, ro, hidden, inv_rms);
+  }
+#endif
+#pragma omp simd
+  for (int64_t i = start; i < hidden; ++i) {
+    float v = to_f32(xr[i]);
+    if constexpr (kResidual) {
+      v += to_f32(rr[i]);
+      ro[i] = from_f32<T>(v);
+    }
+    const float y = v * inv_rms;
+    if constexpr (kWeight == kNoWeight) orow[i] = from_f32<T>(y);
+    if constexpr (kWeight == kWeightInF32) orow[i] = from_f32<T>(y * weight[i]);
+    if constexpr (kWeight == kWeightAfterCast) orow[i] = from_f32<T>(through<T>(y) * weight[i]);
+  }
+}
+
+// Rows [begin, end) of one thread, portably.
+template <class T, bool kResidual, int kWeight>
+static void rms_norm_range(const T* x, const T* residual, const float* weight, T* out, T* residual_out,
+                           int64_t begin, int64_t end, int64_t hidden, float eps, bool weight_finite) {
+  for (int64_t row = begin; row < end; ++row)
+    rms_norm_row<T, kResidual, kWeight>(x + row * hidden, kResidual ? residual + row * hidden : nullptr, weight,
+                                        out + row * hidden, kResidual ? residual_out + row * hidden : nullptr,
+                                        hidden, eps, weight_finite);
+}
+
 template <class T, bool kResidual, int kWeight>
 static void rms_norm_rows(const T* x, const T* residual, const float* weight, T* out, T* residual_out, int64_t rows,
                           int64_t hidden, float eps, bool weight_finite, int threads) {
-#pragma omp parallel for schedule(static) num_threads(threads)
-  for (int64_t row = 0; row < rows; ++row) {
-    const T* xr = x + row * hidden;
-    const T* rr = kResidual ? residual + row * hidden : nullptr;
-    T* orow = out + row * hidden;
-    T* ro = kResidual ? residual_out + row * hidden : nullptr;
-    float sum_sq = 0.0f;
-    int64_t start = 0;
-#ifdef DUALOP_HAVE_AVX2
-    if constexpr (std::is_same_v<T, bf16>) start = sum_sq_bf16<kResidual>(xr, rr, hidden, sum_sq);
-#endif
-#pragma omp simd reduction(+ : sum_sq)
-    for (int64_t i = start; i < hidden; ++i) {
-      float v = to_f32(xr[i]);
-      if constexpr (kResidual) v += to_f32(rr[i]);
-      sum_sq = std::fma(v, v, sum_sq);
-    }
-    const float inv_rms = 1.0f / std::sqrt(sum_sq / static_cast<float>(hidden) + eps);
-    start = 0;
-#ifdef DUALOP_HAVE_AVX2
-    if constexpr (std::is_same_v<T, bf16>) {
-      // A row with only finite values (and a finite weight) cannot produce NaN: skip its check.
-      if (std::isfinite(sum_sq) && std::isfinite(inv_rms) && weight_finite)
-        start = normalize_bf16<kResidual, kWeight, false>(xr, rr, weight, orow, ro, hidden, inv_rms);
-      else
-        start = normalize_bf16<kResidual, kWeight, true>(xr, rr, weight, orow, ro, hidden, inv_rms);
-    }
-#endif
-#pragma omp simd
-    for (int64_t i = start; i < hidden; ++i) {
-      float v = to_f32(xr[i]);
-      if constexpr (kResidual) {
-        v += to_f32(rr[i]);
-        ro[i] = from_f32<T>(v);
-      }
-      const float y = v * inv_rms;
-      if constexpr (kWeight == kNoWeight) orow[i] = from_f32<T>(y);
-      if constexpr (kWeight == kWeightInF32) orow[i] = from_f32<T>(y * weight[i]);
-      if constexpr (kWeight == kWeightAfterCast) orow[i] = from_f32<T>(through<T>(y) * weight[i]);
-    }
+#ifdef DUALOP_HAVE_AVX512
+  if constexpr (std::is_same_v<T, bf16> && kWeight != kNoWeight) weight = arrange_weight(weight, hidden);
+  return rms_norm_rows_avx512<T, kResidual, kWeight>(x, residual, weight, out, residual_out, rows, hidden,
+                                                            eps, weight_finite, threads);
+#else
+  if (threads <= 1 || rows < 2)
+    return rms_norm_range<T, kResidual, kWeight>(x, residual, weight, out, residual_out, 0, rows, hidden, eps,
+                                                 weight_finite);
+  if (threads > rows) threads = static_cast<int>(rows);
+#pragma omp parallel num_threads(threads)
+  {
+    const int64_t team = omp_get_num_threads(), me = omp_get_thread_num();
+    rms_norm_range<T, kResidual, kWeight>(x, residual, weight, out, residual_out, rows * me / team,
+                                          rows * (me + 1) / team, hidden, eps, weight_finite);
   }
+#endif
+}
+
+// Whether every weight is finite: w * 0 is 0 for a finite w and NaN for infinities and NaN.
+static bool all_finite(const float* weight, int64_t n) {
+  float acc = 0.0f;
+#pragma omp simd reduction(+ : acc)
+  for (int64_t i = 0; i < n; ++i) acc += weight[i] * 0.0f;
+  return acc == 0.0f;
 }
 
 template <class T, bool kResidual>
@@ -124,8 +384,7 @@ static void by_weight(const void* x, const void* residual, const float* weight, 
   const T* rt = static_cast<const T*>(residual);
   T* ot = static_cast<T*>(out);
   T* rot = static_cast<T*>(residual_out);
-  bool weight_finite = true;
-  for (int64_t i = 0; weight != nullptr && i < hidden; ++i) weight_finite = weight_finite && std::isfinite(weight[i]);
+  const bool weight_finite = weight == nullptr || all_finite(weight, hidden);
   switch (weight_mode) {
     case kNoWeight: return rms_norm_rows<T, kResidual, kNoWeight>(xt, rt, weight, ot, rot, rows, hidden, eps, weight_finite, threads);
     case kWeightAfterCast:
