@@ -129,16 +129,10 @@ class TorchFrontend(Frontend):
         return parts[0]
 
     def packed(self, weight: Any) -> Any:
-        """On the CPU, packed once for oneDNN's GEMM (``kernels/cpu/linear.py``; about twice the
-        decode-batch speed of ``F.linear`` on the plain weight), where oneDNN takes its dtype
-        (float32, bfloat16); ``DUALOP_CPU_PACKED_WEIGHTS=0`` keeps the plain weights."""
-        import os
+        """On the CPU, packed once for oneDNN's GEMM (``dualop.ops.linear.packed_weight``)."""
+        from dualop.ops.linear import packed_weight
 
-        from dualop.kernels.cpu import linear
-
-        if os.environ.get("DUALOP_CPU_PACKED_WEIGHTS", "1") == "0" or linear.packable(weight) is not None:
-            return weight
-        return linear.pack(weight)
+        return packed_weight(weight)
 
     def int_array(self, value: np.ndarray) -> Any:
         return self.torch.from_numpy(np.ascontiguousarray(value, dtype=np.int32)).to(self.device)
