@@ -49,6 +49,18 @@ DUALOP_INLINE void rotate_head(const T* in, T* out, const float* __restrict c, c
   if (rotary < head_size && out != in) std::memcpy(out + rotary, in + rotary, (head_size - rotary) * sizeof(T));
 }
 
+// range(begin, end) over [0, tokens) split evenly across `threads` OpenMP threads (no OpenMP region
+// for one thread).
+template <class F>
+static void split_tokens(int64_t tokens, int threads, const F& range) {
+  if (threads <= 1 || tokens < 2) return range(0, tokens);
+#pragma omp parallel num_threads(threads)
+  {
+    const int64_t team = omp_get_num_threads(), me = omp_get_thread_num();
+    range(tokens * me / team, tokens * (me + 1) / team);
+  }
+}
+
 #ifdef DUALOP_HAVE_AVX512
 // AVX-512 heads. A token's cos/sin are laid out once (Angles) in the order the steps read them;
 // each step loads what it rotates whole before it stores (so out may be in), in float32, and rounds
@@ -299,12 +311,7 @@ static void rotary_by_position(const P* positions, const C* cache, int64_t cache
       rotate_token_avx512(q, k, q_out, k_out, t, angles, q_heads, k_heads, head_size, half, neox);
     }
   };
-  if (threads <= 1 || tokens < 2) return range(0, tokens);  // no OpenMP region for one thread
-#pragma omp parallel num_threads(threads)
-  {
-    const int64_t team = omp_get_num_threads(), me = omp_get_thread_num();
-    range(tokens * me / team, tokens * (me + 1) / team);
-  }
+  split_tokens(tokens, threads, range);
 #else
 #pragma omp parallel num_threads(threads)
   {
@@ -349,12 +356,7 @@ static void rotary_tokens(int cos_dtype, const T* q, const T* k, const void* cos
       rotate_token_avx512(q, k, q_out, k_out, t, angles, q_heads, k_heads, head_size, half, neox);
     }
   };
-  if (threads <= 1 || tokens < 2) return range(0, tokens);  // no OpenMP region for one thread
-#pragma omp parallel num_threads(threads)
-  {
-    const int64_t team = omp_get_num_threads(), me = omp_get_thread_num();
-    range(tokens * me / team, tokens * (me + 1) / team);
-  }
+  split_tokens(tokens, threads, range);
 #else
 #pragma omp parallel num_threads(threads)
   {
