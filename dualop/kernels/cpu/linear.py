@@ -77,8 +77,7 @@ def matmul(x: Any, weight: Any, bias: Any = None) -> Any:
     """``x @ weight.T + bias`` in x's dtype (float32 accumulation): oneDNN on a packed weight, else
     ``F.linear``."""
     import torch
-    import torch.nn.functional as F
 
-    if not is_packed(weight):
-        return F.linear(x, weight, bias)
+    if not is_packed(weight):  # every plain call of a linear op passes here: one import, no more
+        return torch.nn.functional.linear(x, weight, bias)
     return torch.ops.mkldnn._linear_pointwise(x.contiguous(), weight, bias, "none", [], "")
