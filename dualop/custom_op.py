@@ -50,7 +50,7 @@ from dualop import config as _config
 from dualop import ctor_spec
 from dualop import platforms as _platforms
 
-__all__ = ["CustomOp", "DEFAULT_SERVES", "PLATFORM_METHOD", "Serves", "dispatch_report"]
+__all__ = ["CustomOp", "DEFAULT_SERVES", "PLATFORM_METHOD", "Serves", "dispatch_report", "validates_inputs"]
 
 logger = logging.getLogger("dualop")
 
@@ -109,6 +109,15 @@ _report: dict[tuple[type, str, str], dict[str, Any]] = {}
 _report_lock = threading.Lock()
 # Configs whose +name/-name entries have been checked against the registry.
 _checked_configs: set[_config.OpsConfig] = set()
+
+
+def validates_inputs(method: Any) -> Any:
+    """Mark a platform method that checks each call itself: dispatch then skips ``check_inputs``
+    before it. The method must still refuse every call ``check_inputs`` refuses, with its words:
+    a fast path that takes only calls it has proven valid (in C++, say) and runs
+    ``self.check_inputs`` before anything else it does, as ``RMSNorm.forward_cpu``."""
+    method.validates_inputs = True
+    return method
 
 
 def dispatch_report() -> list[dict[str, Any]]:
@@ -235,6 +244,7 @@ class _Resolution:
     array_type: type = _Unarmed
     override: Any = None
     probe: Any = None
+    checks: bool = True  # whether dispatch runs check_inputs before the method (see validates_inputs)
 
     @property
     def key(self) -> tuple[str, str, str]:
@@ -296,7 +306,7 @@ def _fast_call_source(cls: type) -> tuple[str, tuple, dict] | None:
     present = "".join(f" and {name} is not _MISSING" for name in required)
 
     def fast_call(args: str, kws: str, indent: str) -> str:
-        check = f"{indent}self.check_inputs({args})\n" if has_check else ""
+        check = f"{indent}if hit.checks:\n{indent}    self.check_inputs({args})\n" if has_check else ""
         return (f"{check}"
                 f"{indent}try:\n"
                 f"{indent}    return hit.method({args})\n"
@@ -626,6 +636,17 @@ class CustomOp:
     # ---------------------------------------------------------------- dispatch
 
     @classmethod
+    def validates_own_inputs(cls, method: str) -> bool:
+        """Whether ``method`` checks its calls itself (``validates_inputs``), so dispatch does not run
+        ``check_inputs`` before it: only while the class's ``check_inputs`` is the one beside that
+        method (a subclass that adds checks gets them run by dispatch)."""
+        fn = getattr(cls, method, None)
+        if not getattr(fn, "validates_inputs", False):
+            return False
+        owner = next(klass for klass in cls.__mro__ if method in vars(klass))
+        return cls.check_inputs is owner.check_inputs
+
+    @classmethod
     def _implements(cls, method: str) -> bool:
         return getattr(cls, method) is not getattr(CustomOp, method)
 
@@ -656,7 +677,8 @@ class CustomOp:
         if candidate != method:
             reason += f", so {candidate}"
         entry = _Resolution(
-            frontend, platform, cfg.dispatch_key, generation, getattr(self, candidate), candidate, reason
+            frontend, platform, cfg.dispatch_key, generation, getattr(self, candidate), candidate, reason,
+            checks=not cls.validates_own_inputs(candidate),
         )
         self._resolutions[entry.key] = entry
         self._record(frontend, platform, candidate, enabled, reason)
@@ -698,7 +720,8 @@ class CustomOp:
             method = hit.method
         else:
             method = self._lookup(first, override)
-        self.check_inputs(*args, **kwargs)
+        if not type(self).validates_own_inputs(method.__name__):
+            self.check_inputs(*args, **kwargs)
         try:
             return method(*args, **kwargs)
         except NotImplementedError as err:

@@ -11,7 +11,7 @@ import numpy as np
 from dualop.backends import array_namespace
 from dualop.backends.torch.triton_launch import call_triton
 from dualop.backends.xla.jax_bridge import call_jax_function
-from dualop.custom_op import CustomOp
+from dualop.custom_op import CustomOp, validates_inputs
 from dualop.kernels import cost as cost_model
 from dualop.kernels.cost import KernelCost
 from dualop.kernels.gate_math import GateSpec, apply_gate, gate_and_up, gelu  # noqa: F401  (gelu: models' nn.GELU)
@@ -34,6 +34,8 @@ _PALLAS_GATED = KernelRef("dualop.kernels.pallas.gated_activation", "gated_activ
 _TRITON_GATED = KernelRef("dualop.kernels.cuda.gated_activation", "gated_activation")
 _CPU_GATED = KernelRef("dualop.kernels.cpu.gated_activation", "gated_activation")
 _CPU_GATED_COVERS = KernelRef("dualop.kernels.cpu.gated_activation", "covers")
+_CPU_FAST_GATED = KernelRef("dualop.kernels.cpu.gated_activation", "FAST_GATED_ACTIVATION")
+_CPU_FAST_GATED_ARGUMENTS = KernelRef("dualop.kernels.cpu.gated_activation", "fast_arguments")
 
 
 class _GatedActivation(CustomOp):
@@ -66,11 +68,30 @@ class _GatedActivation(CustomOp):
         either half; the other gates (sparse, interleaved, fatrelu) run the native body."""
         return _CPU_GATED_COVERS(self.spec) if method == "forward_cpu" else None
 
+    @validates_inputs
     def forward_cpu(self, x: Any, *, out: Any = None) -> Any:
         """torch on the CPU: the C++ row kernel (``kernels/cpu``, straight into a given ``out``); it
-        declines while autograd records (no backward) and when the kernels cannot be built here."""
+        declines while autograd records (no backward) and when the kernels cannot be built here.
+        A call of plain row-major tensors goes straight to the kernel's torch operator, which checks
+        it in C++; any other call is checked here first."""
+        fast = self._cpu_fast
+        if fast is None:
+            fast = self._cpu_fast = self._fast_cpu_call()
+        if fast:
+            y = fast[0](x, fast[1].get(x.dtype), out, fast[2], fast[3])
+            if y is not None:
+                return y
+        self.check_inputs(x, out=out)
         decline_if_recording(type(self).name, x)
         return _CPU_GATED(x, spec=self.spec, out=out)
+
+    _cpu_fast: tuple | None = None
+
+    def _fast_cpu_call(self) -> tuple:
+        """``(operator, tables by dtype, activation code, act on first)`` of the CPU fast path, or
+        ``()`` where the operators cannot be built here."""
+        operator = _CPU_FAST_GATED.resolve().get()
+        return () if operator is None else (operator, *_CPU_FAST_GATED_ARGUMENTS(self.spec))
 
     def forward_cuda(self, x: Any, *, out: Any = None) -> Any:
         return write_outputs(call_triton(frontend_of(x), _TRITON_GATED, x, spec=self.spec), (out,))

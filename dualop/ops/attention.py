@@ -53,7 +53,7 @@ from typing import Any
 from dualop.backends import array_namespace
 from dualop.backends.torch.triton_launch import call_triton
 from dualop.backends.xla.jax_bridge import call_jax_function
-from dualop.custom_op import CustomOp, Serves
+from dualop.custom_op import CustomOp, Serves, validates_inputs
 from dualop.kernels.paged_attention_math import DEFAULT_MASK_VALUE
 from dualop.kernels.registry import KernelRef
 from dualop.ops._checks import (
@@ -73,6 +73,7 @@ INT32 = frozenset({"int32"})
 _PALLAS_RPA = KernelRef("dualop.kernels.pallas.ragged_paged_attention", "ragged_paged_attention")
 _TRITON_RPA = KernelRef("dualop.kernels.cuda.ragged_paged_attention", "ragged_paged_attention")
 _CPU_RPA = KernelRef("dualop.kernels.cpu.ragged_paged_attention", "ragged_paged_attention")
+_CPU_FAST_RPA = KernelRef("dualop.kernels.cpu.ragged_paged_attention", "FAST_RAGGED_PAGED_ATTENTION")
 
 
 def _check_option(name: str, value: Any, *, kind: type, positive: bool) -> None:
@@ -369,6 +370,7 @@ class RaggedPagedAttention(CustomOp):
         return call_triton(frontend_of(q), _TRITON_RPA, q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs,
                            **_options(sm_scale, sliding_window, soft_cap, mask_value, k_scale, v_scale))
 
+    @validates_inputs
     def forward_cpu(self, q: Any, kv_pages: Any, kv_lens: Any, page_indices: Any, cu_q_lens: Any, num_seqs: Any,
                     *, sm_scale: float = 1.0, sliding_window: int | None = None, soft_cap: float | None = None,
                     mask_value: float | None = None, k_scale: float | None = None,
@@ -376,7 +378,20 @@ class RaggedPagedAttention(CustomOp):
         """torch on the CPU: the C++ kernel (``kernels/cpu``), which reads each K/V row from its page
         once per (sequence, KV head, block of query rows), no gathered copy (docs/BENCHMARKS.md: about
         twice a gather-then-SDPA decode in float32 here). It declines while autograd records (no
-        backward) and where the kernels cannot be built."""
+        backward) and where the kernels cannot be built. A call with ``sm_scale`` alone and plain
+        row-major tensors goes straight to the kernel's torch operator, which checks it (metadata
+        values included) in C++; any other call is checked here first."""
+        if (type(sm_scale) is float and sliding_window is None and soft_cap is None and mask_value is None
+                and k_scale is None and v_scale is None):
+            fast = _CPU_FAST_RPA.resolve()
+            operator = fast.op or fast.get()
+            if operator is not None:
+                out = operator(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, sm_scale)
+                if out is not None:
+                    return out
+        self.check_inputs(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, sm_scale=sm_scale,
+                          sliding_window=sliding_window, soft_cap=soft_cap, mask_value=mask_value, k_scale=k_scale,
+                          v_scale=v_scale)
         decline_if_recording(OP, q, kv_pages)
         return _CPU_RPA(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs,
                         **_options(sm_scale, sliding_window, soft_cap, mask_value, k_scale, v_scale))

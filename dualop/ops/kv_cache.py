@@ -44,7 +44,7 @@ from typing import Any, ClassVar
 from dualop.backends import array_namespace
 from dualop.backends.torch.triton_launch import call_triton
 from dualop.backends.xla.jax_bridge import call_jax_function
-from dualop.custom_op import CustomOp
+from dualop.custom_op import CustomOp, validates_inputs
 from dualop.kernels.registry import KernelRef
 from dualop.ops._checks import (
     check_array, check_optional_like, check_writable_cache, checked_before, concrete_values, dtype_name,
@@ -57,6 +57,7 @@ __all__ = ["ReshapeAndCache", "last_writes"]
 
 _PALLAS_RESHAPE_AND_CACHE = KernelRef("dualop.kernels.pallas.reshape_and_cache", "reshape_and_cache")
 _TRITON_RESHAPE_AND_CACHE = KernelRef("dualop.kernels.cuda.reshape_and_cache", "reshape_and_cache")
+_CPU_FAST_RESHAPE_AND_CACHE = KernelRef("dualop.kernels.cpu.kv_cache", "FAST_RESHAPE_AND_CACHE")
 _SLOT_DTYPES = ("int32", "int64")
 
 
@@ -203,9 +204,17 @@ class ReshapeAndCache(CustomOp):
         return xp.set_at_dropping(kv_pages, index, xp.astype(rows, kv_pages.dtype), keep)
 
 
+    @validates_inputs
     def forward_cpu(self, key: Any, value: Any, kv_pages: Any, slot_mapping: Any) -> Any:
-        """torch on the CPU: ``index_copy_`` of the kept tokens' interleaved rows into the cache
-        viewed as ``[num_pages * page_size, 2*Hkv, D]`` (needs a contiguous cache to view)."""
+        """torch on the CPU: a plain call (row-major tensors, slots in range) goes to the C++ torch
+        operator (``kernels/cpu/kv_cache.py``: the rows copied in token order, checked in C++); any
+        other call is checked here, then ``index_copy_`` of the kept tokens' interleaved rows into
+        the cache viewed as ``[num_pages * page_size, 2*Hkv, D]`` (needs a contiguous cache to view)."""
+        fast = _CPU_FAST_RESHAPE_AND_CACHE.resolve()
+        operator = fast.op or fast.get()
+        if operator is not None and operator(key, value, kv_pages, slot_mapping) is not None:
+            return kv_pages
+        self.check_inputs(key, value, kv_pages, slot_mapping)
         import torch
 
         if not kv_pages.is_contiguous():

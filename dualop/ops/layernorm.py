@@ -14,7 +14,7 @@ import numpy as np
 from dualop.backends import array_namespace
 from dualop.backends.torch.triton_launch import call_triton
 from dualop.backends.xla.jax_bridge import call_jax_function
-from dualop.custom_op import CustomOp
+from dualop.custom_op import CustomOp, validates_inputs
 from dualop.kernels import cost as cost_model
 from dualop.kernels.cost import KernelCost
 from dualop.kernels.norm_math import NormSpec, rms_normalize
@@ -30,6 +30,8 @@ _PALLAS_RMS_NORM = KernelRef("dualop.kernels.pallas.rms_norm", "rms_norm")
 _TRITON_RMS_NORM = KernelRef("dualop.kernels.cuda.rms_norm", "rms_norm")
 _CPU_RMS_NORM = KernelRef("dualop.kernels.cpu.rms_norm", "rms_norm")
 _CPU_RMS_NORM_COVERS = KernelRef("dualop.kernels.cpu.rms_norm", "covers")
+_CPU_FAST_RMS_NORM = KernelRef("dualop.kernels.cpu.rms_norm", "FAST_RMS_NORM")
+_CPU_FAST_CONSTANTS = KernelRef("dualop.kernels.cpu.rms_norm", "fast_constants")
 
 
 def _check_size(op: str, name: str, value: Any) -> int:
@@ -100,13 +102,35 @@ class _RMSNormFamily(CustomOp):
         """The C++ CPU kernel serves torch tensors, with the statistic over the whole row."""
         return _CPU_RMS_NORM_COVERS(self.spec) if method == "forward_cpu" else None
 
+    @validates_inputs
     def forward_cpu(self, x: Any, weight: Any = None, residual: Any = None, *, out: Any = None,
                     residual_out: Any = None) -> Any:
         """torch on the CPU: the C++ row kernel (``kernels/cpu``: one read, one write, straight into
         given outputs; see docs/BENCHMARKS.md); it declines while autograd records (no backward),
-        for a residual of another dtype, and when the kernels cannot be built here."""
+        for a residual of another dtype, and when the kernels cannot be built here. A call of plain
+        row-major tensors goes straight to the kernel's torch operator, which checks it in C++ (a
+        decode step's norm costs about the kernel); any other call is checked here first."""
+        if weight is not None:
+            fast = self._cpu_fast
+            if fast is None:
+                fast = self._cpu_fast = self._fast_cpu_call()
+            if fast:
+                y, r = fast[0](x, weight, residual, out, residual_out, *fast[1])
+                if y is not None:
+                    return y if r is None else (y, r)
+        self.check_inputs(x, weight, residual, out=out, residual_out=residual_out)
         decline_if_recording(type(self).name, x, weight, residual)
         return _CPU_RMS_NORM(x, weight, residual, spec=self.spec, out=out, residual_out=residual_out)
+
+    _cpu_fast: tuple | None = None
+
+    def _fast_cpu_call(self) -> tuple:
+        """``(operator, constants)`` of the CPU fast path, or ``()`` where there is none (the
+        operators cannot be built here, or a norm without a weight)."""
+        operator = _CPU_FAST_RMS_NORM.resolve().get()
+        if operator is None or not getattr(self, "has_weight", True):
+            return ()
+        return operator, _CPU_FAST_CONSTANTS(self.hidden_size, self.spec)
 
     def forward_cuda(self, x: Any, weight: Any = None, residual: Any = None, *, out: Any = None,
                      residual_out: Any = None) -> Any:

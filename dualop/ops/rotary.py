@@ -20,7 +20,7 @@ import numpy as np
 from dualop.backends import array_namespace
 from dualop.backends.torch.triton_launch import call_triton
 from dualop.backends.xla.jax_bridge import call_jax_function
-from dualop.custom_op import CustomOp
+from dualop.custom_op import CustomOp, validates_inputs
 from dualop.kernels import cost as cost_model
 from dualop.kernels.cost import KernelCost
 from dualop.kernels.registry import KernelRef
@@ -44,6 +44,7 @@ _PALLAS_ROTARY_QUERY = KernelRef("dualop.kernels.pallas.rotary", "rotary_query")
 _TRITON_ROTARY = KernelRef("dualop.kernels.cuda.rotary", "rotary")
 _CPU_ROTARY = KernelRef("dualop.kernels.cpu.rotary", "rotary")
 _CPU_ROTARY_BY_POSITION = KernelRef("dualop.kernels.cpu.rotary", "rotary_by_position")
+_CPU_FAST_ROTARY = KernelRef("dualop.kernels.cpu.rotary", "FAST_ROTARY_BY_POSITION")
 KERNEL_METHODS = ("forward_tpu", "forward_cuda", "forward_cpu")
 
 
@@ -320,18 +321,44 @@ class RotaryEmbedding(CustomOp):
                      key_out: Any = None) -> tuple[Any, Any]:
         return write_outputs(self.forward_kernel("forward_cuda", positions, query, key), (query_out, key_out))
 
+    @validates_inputs
     def forward_cpu(self, positions: Any, query: Any, key: Any = None, *, query_out: Any = None,
                     key_out: Any = None) -> tuple[Any, Any]:
         """torch on the CPU: the C++ kernel (``kernels/cpu/csrc/rotary.cc``, query and key in one
         OpenMP pass, straight into given outputs); a rope whose angles are rows of its cache picked
         by position (``cos_sin`` not overridden) gathers them inside the kernel. It declines while
-        autograd records (no backward)."""
+        autograd records (no backward). A call of plain row-major tensors goes straight to the
+        kernel's torch operator, which checks it (positions included) in C++; any other call is
+        checked here first."""
+        by_position = type(self).cos_sin is RotaryEmbedding.cos_sin
+        if by_position:
+            fast = self._cpu_fast
+            if fast is None:
+                fast = self._cpu_fast = self._fast_cpu_call()
+            if fast:
+                cache = fast[1].get(query.dtype)
+                if cache is None:
+                    cache = fast[1][query.dtype] = self.cache_for(positions, query.dtype)
+                q, k = fast[0](positions, query, key, cache, query_out, key_out, *fast[2])
+                if q is not None:
+                    return q, k
+        self.check_inputs(positions, query, key, query_out=query_out, key_out=key_out)
         decline_if_recording("rotary", query, key)
-        if type(self).cos_sin is RotaryEmbedding.cos_sin:
+        if by_position:
             return _CPU_ROTARY_BY_POSITION(positions, query, key, self.cache_for(positions, query.dtype),
                                            head_size=self.head_size, rotary_dim=self.rotary_dim,
                                            is_neox_style=self.is_neox_style, query_out=query_out, key_out=key_out)
         return write_outputs(self.forward_kernel("forward_cpu", positions, query, key), (query_out, key_out))
+
+    _cpu_fast: tuple | None = None
+
+    def _fast_cpu_call(self) -> tuple:
+        """``(operator, caches by dtype, constants)`` of the CPU fast path, or ``()`` where the
+        operators cannot be built here."""
+        operator = _CPU_FAST_ROTARY.resolve().get()
+        if operator is None:
+            return ()
+        return operator, {}, (self.head_size, self.rotary_dim, self.cache_positions, self.is_neox_style)
 
 
     def extra_repr(self) -> str:

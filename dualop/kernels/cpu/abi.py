@@ -29,11 +29,15 @@ import re
 import struct
 from typing import Any
 
-__all__ = ["ARRAY_FIELDS", "CFunction", "DTYPE_CODES", "DualopArray", "MAX_DIMS", "array_arg", "array_layout",
-           "c_function", "declared_functions", "header_text"]
+__all__ = ["ARRAY_FIELDS", "CFunction", "DTYPE_CODES", "DualopArray", "MAX_DIMS", "PARALLEL_MIN_ELEMENTS", "array_arg",
+           "array_layout", "c_function", "declared_functions", "header_text"]
 
 # Element types of array arguments and their codes (DualopArray::dtype).
 DTYPE_CODES = {"float32": 0, "bfloat16": 1, "float16": 2, "int32": 3, "int64": 4, "uint8": 5}
+
+# Below this many elements a kernel runs on one thread: waking the OpenMP team costs more than the
+# work. Emitted into the header as ``dualop::parallel_min_elements`` for the C++ side.
+PARALLEL_MIN_ELEMENTS = 1 << 15
 
 # csrc/common.h's DualopArray, field by field, in order. The ctypes mirror and array_arg's packing
 # both follow from this list; tests/infra/test_c_interface.py checks it against the compiled layout.
@@ -213,7 +217,8 @@ def header_text() -> str:
              "#pragma once", "#include <cstdint>", "", '#include "common.h"  // DualopArray', "",
              "namespace dualop::dtype_code {  // DualopArray::dtype"]
     lines += [f"constexpr int32_t {name} = {code};" for name, code in DTYPE_CODES.items()]
-    lines += ["}  // namespace dualop::dtype_code", ""]
+    lines += ["}  // namespace dualop::dtype_code", "",
+              f"namespace dualop {{ constexpr int64_t parallel_min_elements = {PARALLEL_MIN_ELEMENTS}; }}", ""]
     lines += [fn.declaration() for fn in declared_functions().values()]
     return "\n".join(lines) + "\n"
 

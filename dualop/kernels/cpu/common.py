@@ -5,11 +5,9 @@ from __future__ import annotations
 from typing import Any
 
 from dualop.kernels.cpu import DTYPE_CODES
+from dualop.kernels.cpu.abi import PARALLEL_MIN_ELEMENTS
 
 __all__ = ["dtype_code", "threads_for"]
-
-# Below this many elements one thread is faster than waking the OpenMP team.
-_PARALLEL_MIN_ELEMENTS = 1 << 15
 
 
 def dtype_code(t: Any) -> int | None:
@@ -22,4 +20,4 @@ def dtype_code(t: Any) -> int | None:
 def threads_for(numel: int) -> int:
     import torch
 
-    return 1 if numel < _PARALLEL_MIN_ELEMENTS else torch.get_num_threads()
+    return 1 if numel < PARALLEL_MIN_ELEMENTS else torch.get_num_threads()

@@ -9,6 +9,7 @@ from dualop.kernels.cpu import load
 from dualop.kernels.cpu.common import dtype_code, threads_for
 from dualop.kernels.gate_math import ACTIVATIONS, GateSpec
 from dualop.kernels.cpu.abi import MAX_DIMS, c_function
+from dualop.kernels.cpu.torch_ops import TorchOperator
 
 _C_GATED_TABLE = c_function(
     "int dualop_gated_table(const DualopArray* table, const DualopArray* x, const DualopArray* out, "
@@ -19,9 +20,24 @@ _C_GATED_ACTIVATION = c_function(
     "int threads)"
 )
 
-__all__ = ["gated_activation", "supports"]
+__all__ = ["FAST_GATED_ACTIVATION", "fast_arguments", "gated_activation", "supports"]
 
 _ACTIVATION_CODES = {"silu": 0, "gelu": 1, "gelu_tanh": 2}
+
+# The torch operator in front of the two entry points (csrc/torch/ops.cc): called as
+# FAST_GATED_ACTIVATION.get()(x, table, out, *fast_arguments(spec)[1:]) with the table of x's dtype
+# (fast_arguments(spec)[0], by dtype) for 16-bit x, it returns the result, or None for a call it
+# does not take.
+FAST_GATED_ACTIVATION = TorchOperator("gated_activation")
+
+
+def fast_arguments(spec: GateSpec) -> tuple[Any, int, bool]:
+    """``(table by 16-bit dtype, activation code, act on first)`` of the operator for a gate the
+    kernel covers (``covers``)."""
+    import torch
+
+    tables = {dtype: _activation_table(spec.activation, dtype) for dtype in (torch.bfloat16, torch.float16)}
+    return tables, _ACTIVATION_CODES[spec.activation], spec.act_on == "first"
 
 
 @functools.lru_cache(maxsize=None)

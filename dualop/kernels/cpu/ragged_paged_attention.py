@@ -8,6 +8,7 @@ from typing import Any
 from dualop.kernels.cpu import load
 from dualop.kernels.cpu.common import dtype_code
 from dualop.kernels.cpu.abi import c_function
+from dualop.kernels.cpu.torch_ops import TorchOperator
 
 _C_RAGGED_PAGED_ATTENTION = c_function(
     "int dualop_ragged_paged_attention(const DualopArray* q, const DualopArray* kv_pages, const DualopArray* kv_lens, "
@@ -15,7 +16,13 @@ _C_RAGGED_PAGED_ATTENTION = c_function(
     "float scale, int64_t window, float soft_cap, int custom_mask, float mask_value, float v_scale, int threads)"
 )
 
-__all__ = ["ragged_paged_attention"]
+__all__ = ["FAST_RAGGED_PAGED_ATTENTION", "ragged_paged_attention"]
+
+# The torch operator in front of dualop_ragged_paged_attention (csrc/torch/ops.cc) for calls with
+# sm_scale alone: FAST_RAGGED_PAGED_ATTENTION.get()(q, kv_pages, kv_lens, page_indices, cu_q_lens,
+# num_seqs, sm_scale) returns the output, or None for a call it does not take (metadata values
+# included).
+FAST_RAGGED_PAGED_ATTENTION = TorchOperator("ragged_paged_attention")
 
 
 def ragged_paged_attention(q: Any, kv_pages: Any, kv_lens: Any, page_indices: Any, cu_q_lens: Any, num_seqs: Any, *,

@@ -8,6 +8,7 @@ from dualop.kernels.cpu import load
 from dualop.kernels.cpu.common import dtype_code, threads_for
 from dualop.kernels.norm_math import NormSpec
 from dualop.kernels.cpu.abi import MAX_DIMS, c_function
+from dualop.kernels.cpu.torch_ops import TorchOperator
 
 _C_RMS_NORM = c_function(
     "int dualop_rms_norm(const DualopArray* x, const DualopArray* residual, const DualopArray* weight, "
@@ -18,9 +19,19 @@ _C_RMS_NORM_GATED = c_function(
     "const DualopArray* out, int64_t group, float eps, int norm_before_gate, int cast_before_weight, int threads)"
 )
 
-__all__ = ["rms_norm", "rms_norm_gated", "supports"]
+__all__ = ["FAST_RMS_NORM", "fast_constants", "rms_norm", "rms_norm_gated", "supports"]
 
 _NO_WEIGHT, _WEIGHT_AFTER_CAST, _WEIGHT_IN_F32 = 0, 1, 2
+
+# The torch operator in front of dualop_rms_norm (csrc/torch/ops.cc): called as
+# FAST_RMS_NORM.get()(x, weight, residual, out, residual_out, *fast_constants(hidden_size, spec)),
+# it returns (out, residual_out), or (None, None) for a call it does not take.
+FAST_RMS_NORM = TorchOperator("rms_norm")
+
+
+def fast_constants(hidden_size: int, spec: NormSpec) -> tuple[int, float, float, int]:
+    """The operator's arguments after the tensors, for a norm of ``hidden_size`` and ``spec``."""
+    return hidden_size, spec.eps, spec.weight_offset, _WEIGHT_IN_F32 if spec.weight_in_f32 else _WEIGHT_AFTER_CAST
 
 
 def _rows(t: Any) -> Any:

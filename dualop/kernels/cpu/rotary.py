@@ -8,6 +8,7 @@ from typing import Any
 from dualop.kernels.cpu import load
 from dualop.kernels.cpu.common import dtype_code, threads_for
 from dualop.kernels.cpu.abi import c_function
+from dualop.kernels.cpu.torch_ops import TorchOperator
 
 _C_ROTARY = c_function(
     "int dualop_rotary(const DualopArray* q, const DualopArray* k, const DualopArray* cos, const DualopArray* sin, "
@@ -20,7 +21,13 @@ _C_ROTARY_BY_POSITION = c_function(
     "int is_neox, int threads)"
 )
 
-__all__ = ["rotary", "rotary_by_position", "supports"]
+__all__ = ["FAST_ROTARY_BY_POSITION", "rotary", "rotary_by_position", "supports"]
+
+# The torch operator in front of dualop_rotary_by_position (csrc/torch/ops.cc): called as
+# FAST_ROTARY_BY_POSITION.get()(positions, query, key, cos_sin_cache, query_out, key_out, head_size,
+# rotary_dim, max_position, is_neox), it returns (query, key), or (None, None) for a call it does
+# not take (a position outside [0, max_position) among them).
+FAST_ROTARY_BY_POSITION = TorchOperator("rotary_by_position")
 
 MAX_HALF = 1024  # the kernel keeps a token's cos/sin row (rotary_dim / 2 floats) on the stack
 

@@ -1,0 +1,145 @@
+"""torch operators in front of the hottest CPU kernels (``csrc/torch/ops.cc``, namespace ``dualop_cpu``).
+
+Why: an op's eager call on a few tokens (a decode step's norm or rope) costs its kernel plus the
+Python around it, and a ctypes call alone packs each array and converts each argument (about 6 µs,
+more than the kernel at 16 tokens). A torch operator takes the tensors as they are (about 1.3 µs
+through ``torch.ops``) and does the cheap structural tests in C++, so the op's Python path (its
+checks and the ctypes wrapper) runs only for calls the operator does not take. Each operator
+returns undefined tensors (``None``) for those, having touched nothing; see ``ops.cc``.
+
+The library is compiled on first use against the running torch's headers (only
+``torch/library.h`` and ATen's core, a few seconds), linked to the kernel library
+(``dualop.kernels.cpu.load``), into ``$DUALOP_CACHE_DIR`` keyed by the sources, the flags, the
+compiler, the CPU, the kernel library and torch's version and location. ``DUALOP_CPU_TORCH_OPS=0``
+(or ``DUALOP_CPU_KERNELS=0``) turns the operators off: the ops then take their Python path. Without
+them nothing is lost but speed; why they are missing is ``unavailable_reason()``.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+from pathlib import Path
+from typing import Any
+
+from dualop.kernels.cpu import KernelUnavailable, _CSRC, _compiler, _cpu_model, abi, load
+
+__all__ = ["TorchOperator", "BUILD_MESSAGE", "library_path", "unavailable_reason"]
+
+_SOURCE = _CSRC / "torch" / "ops.cc"
+_FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-fno-trapping-math", "-std=c++20", "-fPIC", "-shared")
+BUILD_MESSAGE = "dualop: building the torch operators of the CPU kernels (first use with this torch, a few seconds)..."
+
+_lock = threading.Lock()
+_loaded = False
+_failure: str | None = None
+
+
+def _torch_dirs() -> tuple[Path, Path]:
+    import torch
+
+    root = Path(torch.__file__).parent
+    return root / "include", root / "lib"
+
+
+def library_path(compiler: str, kernels: Path) -> Path:
+    """Where the operator library for these sources, this torch and this kernel library lives."""
+    import torch
+
+    digest = hashlib.sha256()
+    for path in (_SOURCE, _CSRC / "common.h"):
+        digest.update(path.read_bytes())
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
+    include, _ = _torch_dirs()
+    for part in (abi.header_text(), " ".join(_FLAGS), compiler, version, _cpu_model(), str(kernels),
+                 torch.__version__, str(include), str(int(torch._C._GLIBCXX_USE_CXX11_ABI))):
+        digest.update(part.encode())
+    return kernels.parent.parent / "torch_ops" / f"dualop_cpu_torch_{digest.hexdigest()[:16]}.so"
+
+
+def compile_command(compiler: str, header: Path, kernels: Path, out: Path) -> list[str]:
+    """The compiler's command line: ``ops.cc`` with the kernels' declarations force-included,
+    against torch's headers, linked to the kernel library and to torch's ``c10``/``torch_cpu``."""
+    import torch
+
+    include, lib = _torch_dirs()
+    return [compiler, *_FLAGS, f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
+            "-I", str(include), "-I", str(_CSRC), "-include", str(header), str(_SOURCE), str(kernels),
+            f"-L{lib}", "-lc10", "-ltorch_cpu", f"-Wl,-rpath,{lib}", f"-Wl,-rpath,{kernels.parent}", "-o", str(out)]
+
+
+def _build(compiler: str, kernels: Path, target: Path) -> None:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with open(target.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # one build per machine, whichever process gets here first
+        if target.exists():
+            return
+        print(BUILD_MESSAGE, file=sys.stderr, flush=True)
+        with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+            header = Path(tmp) / "dualop_api.h"
+            header.write_text(abi.header_text())
+            out = Path(tmp) / target.name
+            cmd = compile_command(compiler, header, kernels, out)
+            proc = subprocess.run(cmd, capture_output=True, text=True)
+            if proc.returncode != 0:
+                raise KernelUnavailable(f"building dualop's torch operators failed: {' '.join(cmd)}\n"
+                                        f"{proc.stderr[-2000:]}")
+            os.replace(out, target)
+
+
+def _load() -> bool:
+    """Build (once per machine) and load the operator library; False, with the reason kept, if it cannot be."""
+    global _loaded, _failure
+    if _loaded or _failure is not None:
+        return _loaded
+    with _lock:
+        if _loaded or _failure is not None:
+            return _loaded
+        if os.environ.get("DUALOP_CPU_TORCH_OPS", "1") == "0":
+            _failure = "DUALOP_CPU_TORCH_OPS=0"
+            return False
+        try:
+            kernels = Path(load()._name)
+            compiler = _compiler()
+            if compiler is None:
+                raise KernelUnavailable("no C++ compiler found (set CXX, or install g++)")
+            target = library_path(compiler, kernels)
+            if not target.exists():
+                _build(compiler, kernels, target)
+            import torch
+
+            torch.ops.load_library(str(target))
+            _loaded = True
+        except (KernelUnavailable, OSError, RuntimeError) as err:
+            _failure = str(err)
+    return _loaded
+
+
+def unavailable_reason() -> str | None:
+    """Why the operators cannot be used here (building them if not tried yet), or None."""
+    _load()
+    return _failure
+
+
+class TorchOperator:
+    """One operator of the ``dualop_cpu`` library, as the ops call it: ``op`` is its
+    ``OpOverload`` once ``get()`` loaded the library, and ``get()`` returns it, or None where the
+    library cannot be built (then the op's Python path serves every call)."""
+
+    __slots__ = ("name", "op")
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.op: Any = None
+
+    def get(self) -> Any:
+        if self.op is None and _load():
+            import torch
+
+            self.op = getattr(torch.ops.dualop_cpu, self.name).default
+        return self.op
