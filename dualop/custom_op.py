@@ -704,7 +704,8 @@ class CustomOp:
 
     def _dispatch(self, args: tuple, kwargs: dict) -> Any:
         """The full dispatch: torch.compile hook, cached resolution, validation, the call, fallback."""
-        if any(a is _MISSING for a in args) or any(v is _MISSING for v in kwargs.values()):
+        incomplete = any(a is _MISSING for a in args) or any(v is _MISSING for v in kwargs.values())
+        if incomplete:
             args, kwargs = _without_missing(args, kwargs)
         if _torch_compiling():  # Dynamo is tracing: see dualop/backends/torch/library.py
             return _compile_hook(self, args, kwargs)
@@ -720,8 +721,8 @@ class CustomOp:
             method = hit.method
         else:
             method = self._lookup(first, override)
-        if not type(self).validates_own_inputs(method.__name__):
-            self.check_inputs(*args, **kwargs)
+        if incomplete or not type(self).validates_own_inputs(method.__name__):
+            self.check_inputs(*args, **kwargs)  # a call missing an argument: its error names it
         try:
             return method(*args, **kwargs)
         except NotImplementedError as err:

@@ -78,7 +78,10 @@ class _GatedActivation(CustomOp):
         if fast is None:
             fast = self._cpu_fast = self._fast_cpu_call()
         if fast:
-            y = fast[0](x, fast[1].get(x.dtype), out, fast[2], fast[3])
+            try:
+                y = fast[0](x, fast[1].get(getattr(x, "dtype", None)), out, fast[2], fast[3])
+            except (RuntimeError, TypeError):  # an argument torch cannot take: the checks below name it
+                y = None
             if y is not None:
                 return y
         self.check_inputs(x, out=out)

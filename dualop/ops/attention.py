@@ -386,7 +386,10 @@ class RaggedPagedAttention(CustomOp):
             fast = _CPU_FAST_RPA.resolve()
             operator = fast.op or fast.get()
             if operator is not None:
-                out = operator(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, sm_scale)
+                try:
+                    out = operator(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, sm_scale)
+                except (RuntimeError, TypeError):  # an argument torch cannot take: the checks below name it
+                    out = None
                 if out is not None:
                     return out
         self.check_inputs(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, sm_scale=sm_scale,

@@ -212,8 +212,12 @@ class ReshapeAndCache(CustomOp):
         the cache viewed as ``[num_pages * page_size, 2*Hkv, D]`` (needs a contiguous cache to view)."""
         fast = _CPU_FAST_RESHAPE_AND_CACHE.resolve()
         operator = fast.op or fast.get()
-        if operator is not None and operator(key, value, kv_pages, slot_mapping) is not None:
-            return kv_pages
+        if operator is not None:
+            try:
+                if operator(key, value, kv_pages, slot_mapping) is not None:
+                    return kv_pages
+            except (RuntimeError, TypeError):  # an argument torch cannot take: the checks below name it
+                pass
         self.check_inputs(key, value, kv_pages, slot_mapping)
         import torch
 

@@ -115,7 +115,10 @@ class _RMSNormFamily(CustomOp):
             if fast is None:
                 fast = self._cpu_fast = self._fast_cpu_call()
             if fast:
-                y, r = fast[0](x, weight, residual, out, residual_out, *fast[1])
+                try:
+                    y, r = fast[0](x, weight, residual, out, residual_out, *fast[1])
+                except (RuntimeError, TypeError):  # an argument torch cannot take: the checks below name it
+                    y = None
                 if y is not None:
                     return y if r is None else (y, r)
         self.check_inputs(x, weight, residual, out=out, residual_out=residual_out)

@@ -335,11 +335,14 @@ class RotaryEmbedding(CustomOp):
             fast = self._cpu_fast
             if fast is None:
                 fast = self._cpu_fast = self._fast_cpu_call()
-            if fast:
-                cache = fast[1].get(query.dtype)
-                if cache is None:
-                    cache = fast[1][query.dtype] = self.cache_for(positions, query.dtype)
-                q, k = fast[0](positions, query, key, cache, query_out, key_out, *fast[2])
+            cache = fast[1].get(getattr(query, "dtype", None)) if fast else None
+            if cache is None and fast and frontend_of(query) == "torch" and frontend_of(positions) == "torch":
+                cache = fast[1][query.dtype] = self.cache_for(positions, query.dtype)
+            if cache is not None:
+                try:
+                    q, k = fast[0](positions, query, key, cache, query_out, key_out, *fast[2])
+                except (RuntimeError, TypeError):  # an argument torch cannot take: the checks below name it
+                    q = None
                 if q is not None:
                     return q, k
         self.check_inputs(positions, query, key, query_out=query_out, key_out=key_out)
