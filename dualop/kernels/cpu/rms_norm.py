@@ -12,7 +12,8 @@ from dualop.kernels.cpu.torch_ops import TorchOperator
 
 _C_RMS_NORM = c_function(
     "int dualop_rms_norm(const DualopArray* x, const DualopArray* residual, const DualopArray* weight, "
-    "const DualopArray* out, const DualopArray* residual_out, float eps, int weight_mode, int threads)"
+    "const DualopArray* out, const DualopArray* residual_out, float eps, float weight_offset, int weight_mode, "
+    "int threads)"
 )
 _C_RMS_NORM_GATED = c_function(
     "int dualop_rms_norm_gated(const DualopArray* x, const DualopArray* z, const DualopArray* weight, "
@@ -22,6 +23,7 @@ _C_RMS_NORM_GATED = c_function(
 __all__ = ["FAST_RMS_NORM", "fast_constants", "rms_norm", "rms_norm_gated", "supports"]
 
 _NO_WEIGHT, _WEIGHT_AFTER_CAST, _WEIGHT_IN_F32 = 0, 1, 2
+_KERNEL_WEIGHT_DTYPES: tuple = ()  # torch's float32, bfloat16, float16, set on the first call
 
 # The torch operator in front of dualop_rms_norm (csrc/torch/ops.cc): called as
 # FAST_RMS_NORM.get()(x, weight, residual, out, residual_out, *fast_constants(hidden_size, spec)),
@@ -74,7 +76,12 @@ def rms_norm(x: Any, weight: Any = None, residual: Any = None, *, spec: NormSpec
     """``rms_normalize`` of ``x`` (plus ``residual``) with ``weight``; returns ``out`` or ``(out, x + residual)``,
     written into the given ``out`` / ``residual_out`` when given (which may be ``x`` / ``residual``:
     each row is read before it is written)."""
+    global _KERNEL_WEIGHT_DTYPES
     load()  # KernelUnavailable (the call declines) before any work if the library cannot be built
+    if not _KERNEL_WEIGHT_DTYPES:
+        import torch
+
+        _KERNEL_WEIGHT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
     why = supports(x, weight, residual, spec)
     if why is not None:
         raise NotImplementedError(why)
@@ -87,16 +94,13 @@ def rms_norm(x: Any, weight: Any = None, residual: Any = None, *, spec: NormSpec
         residual_out = _written(given[1], x)
     if weight is None:
         mode, w = _NO_WEIGHT, None
-    else:
-        w = weight.float()
-        if spec.weight_offset:
-            w = w + spec.weight_offset
-        w = w.contiguous()
+    else:  # any float dtype: the kernel reads it as float32, the offset added
+        w = weight if weight.dtype in _KERNEL_WEIGHT_DTYPES and weight.is_contiguous() else weight.float().contiguous()
         mode = _WEIGHT_IN_F32 if spec.weight_in_f32 else _WEIGHT_AFTER_CAST
     if x.numel():
         status = _C_RMS_NORM(
             x=_rows(x), residual=_rows(residual), weight=w, out=_rows(out), residual_out=_rows(residual_out),
-            eps=spec.eps, weight_mode=mode, threads=threads_for(x.numel()),
+            eps=spec.eps, weight_offset=spec.weight_offset, weight_mode=mode, threads=threads_for(x.numel()),
         )
         if status != 0:
             raise NotImplementedError(f"dualop_rms_norm returned {status}")

@@ -71,15 +71,9 @@ static int64_t normalize_bf16(const bf16* xr, const bf16* rr, const float* weigh
 }
 #endif
 
-#ifdef DUALOP_HAVE_AVX512
-// AVX-512 rows: 32 elements a step as two float32 vectors (avx512::Lanes), whatever T; the last
-// partial step masked (lanes past the row read as 0 and are not written), so no element takes a
-// portable tail. A bfloat16 row's weight is rearranged once per call into the Lanes order.
-using avx512::Lanes;
-
 // Scratch of a thread, one per use (kUse): at least n elements, 64-byte aligned (whole cache
 // lines: a vector access never splits one), kept between calls.
-enum ScratchUse { kWeightScratch = 0, kSumScratch = 1 };
+enum ScratchUse { kWeightScratch = 0, kSumScratch = 1, kConvertScratch = 2 };
 template <class E, ScratchUse kUse>
 static E* aligned_scratch(int64_t n) {
   thread_local std::vector<E> store;
@@ -88,6 +82,44 @@ static E* aligned_scratch(int64_t n) {
   const auto address = reinterpret_cast<uintptr_t>(store.data());
   return reinterpret_cast<E*>((address + 63) & ~uintptr_t(63));
 }
+
+// The weight as the caller gave it (float32, bfloat16 or float16 [hidden], or null) plus an offset
+// (Gemma's 1 + w): each thread reads it as float32 (weight_for_thread).
+struct WeightIn {
+  const void* data;
+  int32_t dtype;
+  float offset;
+};
+
+// The weight as float32 for the calling thread: the caller's array when it is float32 without an
+// offset, else converted into the thread's scratch (a copy one thread writes for all would cross
+// cores on every call).
+static const float* weight_for_thread(const WeightIn& w, int64_t hidden) {
+  if (w.data == nullptr) return nullptr;
+  if (w.dtype == dtype_code::float32 && w.offset == 0.0f) return static_cast<const float*>(w.data);
+  float* __restrict to = aligned_scratch<float, kConvertScratch>(hidden);
+  const float offset = w.offset;
+  if (w.dtype == dtype_code::float32) {
+    const float* __restrict from = static_cast<const float*>(w.data);
+#pragma omp simd
+    for (int64_t i = 0; i < hidden; ++i) to[i] = from[i] + offset;
+  } else if (w.dtype == dtype_code::bfloat16) {
+    const bf16* __restrict from = static_cast<const bf16*>(w.data);
+#pragma omp simd
+    for (int64_t i = 0; i < hidden; ++i) to[i] = to_f32(from[i]) + offset;
+  } else {
+    const f16* __restrict from = static_cast<const f16*>(w.data);
+#pragma omp simd
+    for (int64_t i = 0; i < hidden; ++i) to[i] = to_f32(from[i]) + offset;
+  }
+  return to;
+}
+
+#ifdef DUALOP_HAVE_AVX512
+// AVX-512 rows: 32 elements a step as two float32 vectors (avx512::Lanes), whatever T; the last
+// partial step masked (lanes past the row read as 0 and are not written), so no element takes a
+// portable tail. A bfloat16 row's weight is rearranged once per call into the Lanes order.
+using avx512::Lanes;
 
 // The weight as a bfloat16 row reads it, made once per call into a scratch of whole steps (zero
 // padded): each step's 32 values rearranged into its even then its odd ones (Lanes' order).
@@ -263,10 +295,13 @@ static void rms_norm_row_avx512(const T* xr, const T* rr, const float* weight, T
 // Rows [begin, end) of one thread. Each row's successor is prefetched while the row is written
 // where the rows are too many to stay in the caches anyway.
 template <class T, bool kResidual, int kWeight>
-static void rms_norm_range_avx512(const T* x, const T* residual, const float* weight, T* out, T* residual_out,
+static void rms_norm_range_avx512(const T* x, const T* residual, const WeightIn& given, T* out, T* residual_out,
                                   int64_t begin, int64_t end, int64_t hidden, float eps, bool weight_finite) {
+  const float* weight = weight_for_thread(given, hidden);
   const int64_t row_bytes = hidden * static_cast<int64_t>(sizeof(T)) * (kResidual ? 2 : 1);
   const bool prefetch = (end - begin) * row_bytes > (int64_t(1) << 20);
+  // each thread arranges its own copy: one the caller's thread wrote would cross cores every call
+  if constexpr (std::is_same_v<T, bf16> && kWeight != kNoWeight) weight = arrange_weight(weight, hidden);
   float* buffer = source_of<T, kResidual>() == kFromBuffer ? aligned_scratch<float, kSumScratch>((hidden + 31) / 32 * 32) : nullptr;
   for (int64_t row = begin; row < end; ++row) {
     const bool more = prefetch && row + 1 < end;
@@ -280,7 +315,7 @@ static void rms_norm_range_avx512(const T* x, const T* residual, const float* we
 // One thread takes the rows itself (no OpenMP region for small work); more split them in
 // contiguous blocks.
 template <class T, bool kResidual, int kWeight>
-static void rms_norm_rows_avx512(const T* x, const T* residual, const float* weight, T* out, T* residual_out,
+static void rms_norm_rows_avx512(const T* x, const T* residual, const WeightIn& weight, T* out, T* residual_out,
                                  int64_t rows, int64_t hidden, float eps, bool weight_finite, int threads) {
   if (threads <= 1 || rows < 2)
     return rms_norm_range_avx512<T, kResidual, kWeight>(x, residual, weight, out, residual_out, 0, rows, hidden,
@@ -349,13 +384,13 @@ static void rms_norm_range(const T* x, const T* residual, const float* weight, T
 }
 
 template <class T, bool kResidual, int kWeight>
-static void rms_norm_rows(const T* x, const T* residual, const float* weight, T* out, T* residual_out, int64_t rows,
+static void rms_norm_rows(const T* x, const T* residual, const WeightIn& given, T* out, T* residual_out, int64_t rows,
                           int64_t hidden, float eps, bool weight_finite, int threads) {
 #ifdef DUALOP_HAVE_AVX512
-  if constexpr (std::is_same_v<T, bf16> && kWeight != kNoWeight) weight = arrange_weight(weight, hidden);
-  return rms_norm_rows_avx512<T, kResidual, kWeight>(x, residual, weight, out, residual_out, rows, hidden,
+  return rms_norm_rows_avx512<T, kResidual, kWeight>(x, residual, given, out, residual_out, rows, hidden,
                                                             eps, weight_finite, threads);
 #else
+  const float* weight = weight_for_thread(given, hidden);  // float32 once, shared by the threads
   if (threads <= 1 || rows < 2)
     return rms_norm_range<T, kResidual, kWeight>(x, residual, weight, out, residual_out, 0, rows, hidden, eps,
                                                  weight_finite);
@@ -370,21 +405,30 @@ static void rms_norm_rows(const T* x, const T* residual, const float* weight, T*
 }
 
 // Whether every weight is finite: w * 0 is 0 for a finite w and NaN for infinities and NaN.
-static bool all_finite(const float* weight, int64_t n) {
+template <class W>
+static bool all_finite(const W* weight, float offset, int64_t n) {
   float acc = 0.0f;
 #pragma omp simd reduction(+ : acc)
-  for (int64_t i = 0; i < n; ++i) acc += weight[i] * 0.0f;
+  for (int64_t i = 0; i < n; ++i) acc += (to_f32(weight[i]) + offset) * 0.0f;
   return acc == 0.0f;
 }
 
+static bool all_finite(const WeightIn& w, int64_t n) {
+  switch (w.dtype) {
+    case dtype_code::float32: return all_finite(static_cast<const float*>(w.data), w.offset, n);
+    case dtype_code::bfloat16: return all_finite(static_cast<const bf16*>(w.data), w.offset, n);
+    default: return all_finite(static_cast<const f16*>(w.data), w.offset, n);
+  }
+}
+
 template <class T, bool kResidual>
-static void by_weight(const void* x, const void* residual, const float* weight, void* out, void* residual_out,
+static void by_weight(const void* x, const void* residual, const WeightIn& weight, void* out, void* residual_out,
                       int64_t rows, int64_t hidden, float eps, int weight_mode, int threads) {
   const T* xt = static_cast<const T*>(x);
   const T* rt = static_cast<const T*>(residual);
   T* ot = static_cast<T*>(out);
   T* rot = static_cast<T*>(residual_out);
-  const bool weight_finite = weight == nullptr || all_finite(weight, hidden);
+  const bool weight_finite = weight.data == nullptr || all_finite(weight, hidden);
   switch (weight_mode) {
     case kNoWeight: return rms_norm_rows<T, kResidual, kNoWeight>(xt, rt, weight, ot, rot, rows, hidden, eps, weight_finite, threads);
     case kWeightAfterCast:
@@ -394,7 +438,7 @@ static void by_weight(const void* x, const void* residual, const float* weight, 
 }
 
 template <class T>
-static void by_residual(const void* x, const void* residual, const float* weight, void* out, void* residual_out,
+static void by_residual(const void* x, const void* residual, const WeightIn& weight, void* out, void* residual_out,
                         int64_t rows, int64_t hidden, float eps, int weight_mode, int threads) {
   if (residual != nullptr)
     by_weight<T, true>(x, residual, weight, out, residual_out, rows, hidden, eps, weight_mode, threads);
@@ -455,17 +499,20 @@ static void rms_norm_gated_rows(const T* __restrict x, const T* __restrict z, co
 // float dtype, read as [rows, hidden]; out may be x and residual_out residual (in place). weight:
 // float32 [hidden] with any offset already added, or absent (weight_mode 0). Returns 0, -1 for an unknown dtype, kBadArrays for arrays that disagree.
 extern "C" int dualop_rms_norm(const DualopArray* x, const DualopArray* residual, const DualopArray* weight,
-                               const DualopArray* out, const DualopArray* residual_out, float eps, int weight_mode,
-                               int threads) {
+                               const DualopArray* out, const DualopArray* residual_out, float eps, float weight_offset,
+                               int weight_mode, int threads) {
   using namespace dualop;
   if (!x || x->ndim < 1 || !is_row_major(x) || !is_dense_like(out, x)) return kBadArrays;
   if (residual ? !is_dense_like(residual, x) || !is_dense_like(residual_out, x) : residual_out != nullptr)
     return kBadArrays;
   const int64_t hidden = x->shape[x->ndim - 1], rows = hidden ? element_count(x) / hidden : 0;
-  if (!is_absent_or_dense(weight, dtype_code::float32, 1) || (weight && weight->shape[0] != hidden)) return kBadArrays;
+  if (weight && (weight->ndim != 1 || !is_row_major(weight) || weight->shape[0] != hidden ||
+                 (weight->dtype != dtype_code::float32 && weight->dtype != dtype_code::bfloat16 &&
+                  weight->dtype != dtype_code::float16)))
+    return kBadArrays;
   const void* r = data_of(residual);
   void* ro = data_of(residual_out);
-  const auto* w = static_cast<const float*>(data_of(weight));
+  const WeightIn w{data_of(weight), weight ? weight->dtype : dtype_code::float32, weight_offset};
   switch (x->dtype) {
     case dtype_code::float32: by_residual<float>(x->data, r, w, out->data, ro, rows, hidden, eps, weight_mode, threads); return 0;
     case dtype_code::bfloat16: by_residual<bf16>(x->data, r, w, out->data, ro, rows, hidden, eps, weight_mode, threads); return 0;

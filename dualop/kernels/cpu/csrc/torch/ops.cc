@@ -117,31 +117,6 @@ int threads_for(int64_t elements) {
   return elements < dualop::parallel_min_elements ? 1 : at::get_num_threads();
 }
 
-// The norm's weight as float32, plus an offset (Gemma's 1 + w): the tensor itself when it already
-// is that, else converted into a per-thread buffer (hidden floats, reused call after call).
-const float* weight_f32(const Tensor& weight, double offset) {
-  const int64_t n = weight.numel();
-  if (weight.scalar_type() == at::kFloat && offset == 0.0) return weight.const_data_ptr<float>();
-  thread_local std::vector<float> buffer;
-  if (static_cast<int64_t>(buffer.size()) < n) buffer.resize(n);
-  float* __restrict to = buffer.data();
-  const float add = static_cast<float>(offset);
-  if (weight.scalar_type() == at::kFloat) {
-    const float* __restrict w = weight.const_data_ptr<float>();
-#pragma omp simd
-    for (int64_t i = 0; i < n; ++i) to[i] = w[i] + add;
-  } else if (weight.scalar_type() == at::kBFloat16) {
-    const auto* __restrict w = static_cast<const dualop::bf16*>(weight.const_data_ptr());
-#pragma omp simd
-    for (int64_t i = 0; i < n; ++i) to[i] = dualop::to_f32(w[i]) + add;
-  } else {
-    const auto* __restrict w = static_cast<const dualop::f16*>(weight.const_data_ptr());
-#pragma omp simd
-    for (int64_t i = 0; i < n; ++i) to[i] = dualop::to_f32(w[i]) + add;
-  }
-  return to;
-}
-
 // RMSNorm's call op(x, weight, residual, out=, residual_out=) with a weight of [hidden_size]:
 // (out, residual_out), results written where given (in place when they are x / residual), or two
 // undefined tensors when the call is not one this takes. weight_mode: the kernel's (1 weight after
@@ -165,13 +140,12 @@ std::tuple<Tensor, Tensor> rms_norm(const Tensor& x, const Tensor& weight, const
   const int64_t rows = hidden_size ? x.numel() / hidden_size : 0;
   if (x.numel()) {
     const DualopArray xa = array_of(x, {rows, hidden_size}), ya = array_of(y, {rows, hidden_size});
-    const DualopArray wa = array_of(const_cast<float*>(weight_f32(weight, weight_offset)),
-                                    dualop::dtype_code::float32, {hidden_size});
+    const DualopArray wa = array_of(weight, {hidden_size});  // any float dtype: each thread reads it as float32
     DualopArray ra{}, roa{};
     if (res.defined()) ra = array_of(res, {rows, hidden_size}), roa = array_of(r, {rows, hidden_size});
     const int status = dualop_rms_norm(&xa, res.defined() ? &ra : nullptr, &wa, &ya, res.defined() ? &roa : nullptr,
-                                       static_cast<float>(eps), static_cast<int>(weight_mode),
-                                       threads_for(x.numel()));
+                                       static_cast<float>(eps), static_cast<float>(weight_offset),
+                                       static_cast<int>(weight_mode), threads_for(x.numel()));
     TORCH_CHECK(status == 0, "dualop_rms_norm returned ", status, " for arrays checked before the call");
   }
   return {y, r};
