@@ -186,6 +186,25 @@ def _paged_decode(op: Any) -> Callable[..., Any]:
     return peer
 
 
+def _mla_decode(op: Any) -> Callable[..., Any]:
+    """vLLM's CPU MLA decode (``mla_decode_kvcache``: one query row per sequence, DeepSeek's 512 + 64
+    latent width and 16-token pages, the only ones it takes) on the same paged latent cache, which
+    has its layout ``[blocks, block_size, 576]``; its output ``[seqs, H, 512]`` preallocated once. The
+    op's default ``sm_scale`` (1)."""
+    import torch
+
+    kept: dict[str, Any] = {}
+
+    def peer(q: Any, pages: Any, kv_lens: Any, page_indices: Any, cu_q_lens: Any, num_seqs: Any) -> Any:
+        out = kept.get("out")
+        if out is None or out.shape[:2] != q.shape[:2] or out.dtype != q.dtype:
+            out = kept["out"] = q.new_empty((q.shape[0], q.shape[1], op.kv_lora_rank))
+        torch.ops._C.mla_decode_kvcache(out, q, pages, 1.0, page_indices, kv_lens)
+        return out
+
+    return peer
+
+
 # Bench case label -> the peer's maker (the op the case builds -> the peer's function).
 VLLM_PEER_CASES: dict[str, Callable[[Any], Callable[..., Any]]] = {
     "rms_norm": _rms_norm,
@@ -199,6 +218,7 @@ VLLM_PEER_CASES: dict[str, Callable[[Any], Callable[..., Any]]] = {
     "silu_and_mul[out]": _silu_and_mul_out,
     "rotary_embedding[in_place]": _rotary_embedding_in_place,
     "ragged_paged_attention[decode]": _paged_decode,
+    "ragged_paged_mla_attention[decode]": _mla_decode,
 }
 
 

@@ -33,11 +33,13 @@ import subprocess
 import sys
 import tempfile
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 from dualop.kernels.cpu import abi
 
-__all__ = ["BUILD_MESSAGE", "KernelUnavailable", "load", "library_path", "compile_command", "DTYPE_CODES"]
+__all__ = ["BUILD_MESSAGE", "KernelUnavailable", "build_library", "load", "library_path", "compile_command",
+           "DTYPE_CODES"]
 
 _CSRC = Path(__file__).parent / "csrc"
 # -fno-trapping-math lets GCC if-convert (and so vectorise) the branch-free selects; results are
@@ -101,23 +103,32 @@ def compile_command(compiler: str, sources: list[Path], header: Path, out: Path)
             str(out)]
 
 
-def _build(compiler: str, target: Path) -> None:
+def build_library(target: Path, command: Callable[[Path, Path], list[str]], message: str, what: str) -> None:
+    """Compile a library into ``target`` once per machine, whichever process gets the lock first:
+    ``command(header, out)`` is the compiler's command line, given the declarations header
+    (``abi.header_text()``, written beside it) and where to write; ``message`` goes to stderr when
+    a build starts (the one slow first call), and a failed build raises ``KernelUnavailable``
+    naming ``what`` and the compiler's last words."""
     target.parent.mkdir(parents=True, exist_ok=True)
     with open(target.with_suffix(".lock"), "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # one build per machine, whichever process gets here first
+        fcntl.flock(lock, fcntl.LOCK_EX)
         if target.exists():
             return
-        # The one slow first call of a torch CPU op: say what it waits for (stderr, so output stays clean).
-        print(BUILD_MESSAGE, file=sys.stderr, flush=True)
+        print(message, file=sys.stderr, flush=True)
         with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
             header = Path(tmp) / "dualop_api.h"
             header.write_text(abi.header_text())
             out = Path(tmp) / target.name
-            cmd = compile_command(compiler, _sources(), header, out)
+            cmd = command(header, out)
             proc = subprocess.run(cmd, capture_output=True, text=True)
             if proc.returncode != 0:
-                raise KernelUnavailable(f"building dualop's CPU kernels failed: {' '.join(cmd)}\n{proc.stderr[-2000:]}")
+                raise KernelUnavailable(f"building {what} failed: {' '.join(cmd)}\n{proc.stderr[-2000:]}")
             os.replace(out, target)
+
+
+def _build(compiler: str, target: Path) -> None:
+    build_library(target, lambda header, out: compile_command(compiler, _sources(), header, out), BUILD_MESSAGE,
+                  "dualop's CPU kernels")
 
 
 def load() -> ctypes.CDLL:

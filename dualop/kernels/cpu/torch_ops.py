@@ -17,17 +17,14 @@ them nothing is lost but speed; why they are missing is ``unavailable_reason()``
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import os
 import subprocess
-import sys
-import tempfile
 import threading
 from pathlib import Path
 from typing import Any
 
-from dualop.kernels.cpu import KernelUnavailable, _CSRC, _compiler, _cpu_model, abi, load
+from dualop.kernels.cpu import KernelUnavailable, _CSRC, _compiler, _cpu_model, abi, build_library, load
 
 __all__ = ["TorchOperator", "BUILD_MESSAGE", "library_path", "unavailable_reason"]
 
@@ -73,25 +70,6 @@ def compile_command(compiler: str, header: Path, kernels: Path, out: Path) -> li
             f"-L{lib}", "-lc10", "-ltorch_cpu", f"-Wl,-rpath,{lib}", f"-Wl,-rpath,{kernels.parent}", "-o", str(out)]
 
 
-def _build(compiler: str, kernels: Path, target: Path) -> None:
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with open(target.with_suffix(".lock"), "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # one build per machine, whichever process gets here first
-        if target.exists():
-            return
-        print(BUILD_MESSAGE, file=sys.stderr, flush=True)
-        with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-            header = Path(tmp) / "dualop_api.h"
-            header.write_text(abi.header_text())
-            out = Path(tmp) / target.name
-            cmd = compile_command(compiler, header, kernels, out)
-            proc = subprocess.run(cmd, capture_output=True, text=True)
-            if proc.returncode != 0:
-                raise KernelUnavailable(f"building dualop's torch operators failed: {' '.join(cmd)}\n"
-                                        f"{proc.stderr[-2000:]}")
-            os.replace(out, target)
-
-
 def _load() -> bool:
     """Build (once per machine) and load the operator library; False, with the reason kept, if it cannot be."""
     global _loaded, _failure
@@ -110,7 +88,8 @@ def _load() -> bool:
                 raise KernelUnavailable("no C++ compiler found (set CXX, or install g++)")
             target = library_path(compiler, kernels)
             if not target.exists():
-                _build(compiler, kernels, target)
+                build_library(target, lambda header, out: compile_command(compiler, header, kernels, out),
+                              BUILD_MESSAGE, "dualop's torch operators")
             import torch
 
             torch.ops.load_library(str(target))

@@ -363,7 +363,9 @@ TORCH_LIBRARY(dualop_cpu, m) {
         "Tensor num_seqs, float sm_scale) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(dualop_cpu, CPU, m) {
+// The same kernels for plain CPU tensors and for those autograd would otherwise wrap in its
+// fallback (each operator declines while autograd records).
+static void implementations(torch::Library& m) {
   m.impl("rms_norm", &rms_norm);
   m.impl("rotary_by_position", &rotary_by_position);
   m.impl("gated_activation", &gated_activation);
@@ -371,10 +373,5 @@ TORCH_LIBRARY_IMPL(dualop_cpu, CPU, m) {
   m.impl("ragged_paged_attention", &ragged_paged_attention);
 }
 
-TORCH_LIBRARY_IMPL(dualop_cpu, AutogradCPU, m) {
-  m.impl("rms_norm", &rms_norm);
-  m.impl("rotary_by_position", &rotary_by_position);
-  m.impl("gated_activation", &gated_activation);
-  m.impl("reshape_and_cache", &reshape_and_cache);
-  m.impl("ragged_paged_attention", &ragged_paged_attention);
-}
+TORCH_LIBRARY_IMPL(dualop_cpu, CPU, m) { implementations(m); }
+TORCH_LIBRARY_IMPL(dualop_cpu, AutogradCPU, m) { implementations(m); }
