@@ -1,8 +1,14 @@
-"""Absorbed MLA over a paged latent cache on the CPU for torch tensors: float32 GEMMs (oneDNN/MKL).
+"""Absorbed MLA over a paged latent cache on the CPU for torch tensors: a C++ decode kernel and
+float32 GEMMs (oneDNN/MKL).
+
+Sequences with at most ``DECODE_ROWS`` queries (decode, short chunks) go to the C++ kernel
+(``csrc/ragged_paged_mla_attention.cc``): each sequence's latent rows read once from their pages,
+an online softmax in float32 (against vLLM's ``mla_decode_kvcache``: docs/BENCHMARKS.md). Where
+the kernels cannot be built, those sequences take the GEMM path below.
 
 Every head of a token reads the same latent row, so per cached element the op does about 2H
-multiply-adds: GEMM-shaped work, which a BLAS GEMM runs far faster than a row loop. Sequences with
-at most ``DECODE_ROWS`` queries (decode, short chunks) are batched, ``DECODE_BATCH`` at a time, each
+multiply-adds: GEMM-shaped work, which a BLAS GEMM runs far faster than a row loop. Without the
+kernel, sequences with at most ``DECODE_ROWS`` queries are batched, ``DECODE_BATCH`` at a time, each
 padded to the group's longest query and cached length (sorted by length, so padding stays small):
 one gather of their pages into float32 ``[n, span, L + R]``, then ``bmm`` for the scores and for
 ``probs . rows[:L]``. Longer sequences (prefill) run alone, in chunks of query rows that keep the
@@ -16,6 +22,16 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
+
+from dualop.kernels.cpu import KernelUnavailable, load
+from dualop.kernels.cpu.abi import c_function
+from dualop.kernels.cpu.common import dtype_code
+
+_C_MLA_DECODE = c_function(
+    "int dualop_mla_decode(const DualopArray* q, const DualopArray* latent_pages, const DualopArray* kv_lens, "
+    "const DualopArray* page_indices, const DualopArray* cu_q_lens, const DualopArray* seqs, const DualopArray* out, "
+    "float scale, int threads)"
+)
 
 __all__ = ["ragged_paged_mla_attention"]
 
@@ -40,6 +56,29 @@ def _attend(q: Any, rows: Any, kv_len: Any, q_pos: Any, latent: int, sm_scale: f
     return torch.bmm(probs, rows[:, :, :latent]).reshape(n, r, h, latent)
 
 
+def _decode_in_kernel(q: Any, pages: Any, kv_lens: Any, page_indices: Any, cu_q_lens: Any, seqs: list[int], out: Any,
+                      sm_scale: float) -> bool:
+    """Decode sequences ``seqs`` into their rows of ``out`` with the C++ kernel, given the metadata
+    as this module reads it (``cu_q_lens`` a clipped running max, ``kv_lens`` and page ids clamped);
+    False (nothing written) where it cannot run here."""
+    import torch
+
+    if dtype_code(q) is None or pages.dtype != q.dtype:
+        return False
+    try:
+        load()
+    except KernelUnavailable:
+        return False
+    status = _C_MLA_DECODE(
+        q=q.contiguous(), latent_pages=pages.contiguous(), kv_lens=kv_lens.contiguous(),
+        page_indices=page_indices.contiguous(), cu_q_lens=cu_q_lens.contiguous(),
+        seqs=torch.tensor(seqs, dtype=torch.int64), out=out, scale=sm_scale, threads=torch.get_num_threads(),
+    )
+    if status != 0:
+        raise NotImplementedError(f"dualop_mla_decode returned {status}")
+    return True
+
+
 def ragged_paged_mla_attention(q_latent: Any, latent_pages: Any, kv_lens: Any, page_indices: Any, cu_q_lens: Any,
                                num_seqs: Any, *, kv_lora_rank: int, sm_scale: float = 1.0) -> Any:
     """``[T, H, L]`` in q's dtype, zeros in rows no sequence owns (see the module docstring)."""
@@ -61,6 +100,9 @@ def ragged_paged_mla_attention(q_latent: Any, latent_pages: Any, kv_lens: Any, p
         q_len = int(cu[i + 1] - cu[i])
         if 0 < q_len <= lens[i]:  # kv_len < q_len is refused by the op; nothing to do for q_len 0
             (short if q_len <= DECODE_ROWS else long).append(i)
+    if short and _decode_in_kernel(q_latent, latent_pages, torch.from_numpy(lens.astype(np.int32)), table,
+                                   torch.from_numpy(cu.astype(np.int32)), short, out, sm_scale):
+        short = []
     short.sort(key=lambda i: lens[i])
     for start in range(0, len(short), DECODE_BATCH):
         group = short[start: start + DECODE_BATCH]

@@ -33,6 +33,8 @@
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define DUALOP_RPA_AVX512 1
 #include <immintrin.h>
+
+#include "avx512.h"  // sum_lanes16
 #endif
 
 namespace dualop {
@@ -226,24 +228,6 @@ DUALOP_INLINE __m512 exp16(__m512 x) {
   return _mm512_mask_mov_ps(y, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), x);
 }
 
-// Lane i of the result is the sum of v[i]'s 16 lanes: a transposing tree of adds (45 operations
-// for 16 sums).
-DUALOP_INLINE __m512 sum_lanes16(const __m512 (&v)[16]) {
-  __m512 t[4];
-#pragma GCC unroll 4
-  for (int q = 0; q < 4; ++q) {
-    const __m512 s0 = _mm512_add_ps(_mm512_unpacklo_ps(v[4 * q], v[4 * q + 1]), _mm512_unpackhi_ps(v[4 * q], v[4 * q + 1]));
-    const __m512 s1 =
-        _mm512_add_ps(_mm512_unpacklo_ps(v[4 * q + 2], v[4 * q + 3]), _mm512_unpackhi_ps(v[4 * q + 2], v[4 * q + 3]));
-    t[q] = _mm512_add_ps(_mm512_shuffle_ps(s0, s1, _MM_SHUFFLE(1, 0, 1, 0)), _mm512_shuffle_ps(s0, s1, _MM_SHUFFLE(3, 2, 3, 2)));
-  }
-  const __m512 u0 = _mm512_add_ps(_mm512_shuffle_f32x4(t[0], t[1], _MM_SHUFFLE(1, 0, 1, 0)),
-                                  _mm512_shuffle_f32x4(t[0], t[1], _MM_SHUFFLE(3, 2, 3, 2)));
-  const __m512 u1 = _mm512_add_ps(_mm512_shuffle_f32x4(t[2], t[3], _MM_SHUFFLE(1, 0, 1, 0)),
-                                  _mm512_shuffle_f32x4(t[2], t[3], _MM_SHUFFLE(3, 2, 3, 2)));
-  return _mm512_add_ps(_mm512_shuffle_f32x4(u0, u1, _MM_SHUFFLE(2, 0, 2, 0)), _mm512_shuffle_f32x4(u0, u1, _MM_SHUFFLE(3, 1, 3, 1)));
-}
-
 // Every lane l gets the max (kMax) or sum of the lanes l' with l' % NV == l % NV (the lanes of one
 // query vector in a block's score layout).
 template <int NV, bool kMax>
@@ -286,7 +270,7 @@ DUALOP_INLINE __m512 dots16(const float* q, int64_t dp, const T* const* rows, in
   };
   for (int64_t c = 0; c < pairs; ++c) step(c, std::false_type{});
   if (tail) step(pairs, std::true_type{});
-  return sum_lanes16(acc);
+  return avx512::sum_lanes16(acc);
 }
 
 // acc[g] (stride dp, storage order), pairs [c0, c0 + PC) of it: acc = acc * alpha[g] + sum over the
