@@ -551,7 +551,8 @@ def test_bad_layer_input_is_refused_before_launch(edit, error, words, no_kernels
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
-def test_cpu_decode_kernel_takes_the_short_sequences_and_matches_native(dtype, monkeypatch):
+@pytest.mark.parametrize("page_size", [4, 16])  # 16: float32 rows are read in their pages
+def test_cpu_decode_kernel_takes_the_short_sequences_and_matches_native(dtype, page_size, monkeypatch):
     """The C++ decode kernel (kernels/cpu/ragged_paged_mla_attention.py) serves every sequence of
     1-4 query rows, a prefill chunk beside them takes the GEMM path, and stale rows past kv_len
     (NaN here) are never read."""
@@ -564,20 +565,20 @@ def test_cpu_decode_kernel_takes_the_short_sequences_and_matches_native(dtype, m
         pytest.skip(f"no C++ toolchain to build the CPU kernels here: {err}")
     taken = []
     real = cpu_mla._decode_in_kernel
-    monkeypatch.setattr(cpu_mla, "_decode_in_kernel", lambda *a: taken.append(list(a[5])) or real(*a))
+    monkeypatch.setattr(cpu_mla, "_decode_in_kernel", lambda *a: taken.append((list(a[5]), real(*a))) or taken[-1][1])
     q_lens, kv_lens = [1, 3, 9, 1, 4], [5, 17, 20, 33, 4]
     q, pages, *meta = mla_batch(np.random.default_rng(7), q_lens, kv_lens, num_tokens=20, heads=4, latent=32,
-                                rope_dim=8, page_size=4)
+                                rope_dim=8, page_size=page_size)
     q, pages = torch.from_numpy(q).to(dtype), torch.from_numpy(pages).to(dtype)
     meta = [torch.from_numpy(m) for m in meta]
     table = meta[1]
     for i, kv_len in enumerate(kv_lens):  # NaN in the slots past kv_len of each sequence's last page
-        for pos in range(kv_len, -(-kv_len // 4) * 4):
-            pages[table[i, pos // 4], pos % 4] = float("nan")
+        for pos in range(kv_len, -(-kv_len // page_size) * page_size):
+            pages[table[i, pos // page_size], pos % page_size] = float("nan")
     op = RaggedPagedMLAAttention(32)
     got = op.forward_cpu(q, pages, *meta, sm_scale=0.2)
     want = op.forward_native(q, pages, *meta, sm_scale=0.2)
-    assert taken == [[0, 1, 3, 4]]
+    assert taken == [([0, 1, 3, 4], True)]  # the kernel ran for the four short sequences
     assert torch.isfinite(got).all()
     key, _ = testing.tolerance_for(str(dtype).removeprefix("torch."), want)
     assert testing.compare(testing.to_numpy(got), testing.to_numpy(want), key).ok

@@ -3,9 +3,9 @@
 // sequences with few query rows (decode) and runs longer ones as GEMMs.
 //
 // One task is a sequence: its R query rows x H heads (R * H query vectors, float32, scaled) walk
-// the sequence's cached latent rows once, a block of kBlock positions at a time: the block's rows
-// converted to float32 into a per-thread buffer straight from their pages (no gathered copy of the
-// cache), each vector's scores (dot products over the whole latent + rope width), an online softmax
+// the sequence's cached latent rows once, a block of kBlock positions at a time: float32 rows read
+// in their pages, 16-bit ones converted into a per-thread buffer (no gathered copy of the cache),
+// each vector's scores (dot products over the whole latent + rope width), an online softmax
 // in float32 (one rescale per block, the weights by exp_f32 over the block) and the output
 // accumulated from the rows' first L channels. Positions past a query row's own (causal) and from
 // kv_len on are never read. Sequences run in parallel (OpenMP). Metadata was validated by the op;
@@ -14,6 +14,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
 #include "avx512.h"  // DUALOP_HAVE_AVX512 where the host has it
@@ -37,7 +38,7 @@ struct Dims {
   int64_t heads, width, latent, num_pages, page_size;
 };
 
-// scores[j] = q . rows[j] for the block's first n rows (rows [kBlock][width], float32).
+// scores[j] = q . rows[j] for the block's first n rows (kBlock float32 rows of width).
 #ifdef DUALOP_HAVE_AVX512
 // Sixteen rows at once: a lane-wise FMA chain per row (one load of q per 16 FMAs), then the 16
 // chains' sums by avx512::sum_lanes16. Rows past n hold an earlier block's values (or zeros), never
@@ -82,7 +83,10 @@ void decode_sequence(const T* q, const T* pages, T* out, const Task& task, const
   acc_store.resize(vectors * latent);
   stat_store.resize(vectors * (2 + kBlock));
   float* __restrict qf = q_store.data();
-  float* __restrict rows = rows_store.data();  // the block's rows as float32
+  float* __restrict converted = rows_store.data();  // the block's rows as float32, when not read in place
+  // float32 rows are read in their page when every block lies in one page (blocks start at
+  // multiples of kBlock); others are converted (or copied) into the buffer first
+  const bool in_place = std::is_same_v<T, float> && d.page_size % kBlock == 0;
   float* __restrict acc = acc_store.data();
   float* __restrict m = stat_store.data();           // running max per vector
   float* __restrict l = m + vectors;                  // running denominator per vector
@@ -97,13 +101,19 @@ void decode_sequence(const T* q, const T* pages, T* out, const Task& task, const
   std::fill(acc, acc + vectors * latent, 0.0f);
   for (int64_t p0 = 0; p0 < task.kv_len; p0 += kBlock) {
     const int64_t n = std::min(kBlock, task.kv_len - p0);
-    for (int64_t j = 0; j < n; ++j) {
-      const int64_t pos = p0 + j;
-      const int64_t page = clamp64(task.table[pos / d.page_size], 0, d.num_pages - 1);
-      const T* src = pages + (page * d.page_size + pos % d.page_size) * width;
-      float* __restrict dst = rows + j * width;
+    const float* rows = converted;  // [kBlock][width]; rows past n: an earlier block's, never used
+    if (in_place) {
+      const int64_t page = clamp64(task.table[p0 / d.page_size], 0, d.num_pages - 1);
+      rows = reinterpret_cast<const float*>(pages + (page * d.page_size + p0 % d.page_size) * width);
+    } else {
+      for (int64_t j = 0; j < n; ++j) {
+        const int64_t pos = p0 + j;
+        const int64_t page = clamp64(task.table[pos / d.page_size], 0, d.num_pages - 1);
+        const T* src = pages + (page * d.page_size + pos % d.page_size) * width;
+        float* __restrict dst = converted + j * width;
 #pragma omp simd
-      for (int64_t i = 0; i < width; ++i) dst[i] = to_f32(src[i]);
+        for (int64_t i = 0; i < width; ++i) dst[i] = to_f32(src[i]);
+      }
     }
     for (int64_t r = 0; r < task.q_len; ++r) {
       const int64_t q_pos = task.kv_len - task.q_len + r;  // the row's own position: it sees up to it
