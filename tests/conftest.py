@@ -265,6 +265,18 @@ def clean_registry():
     invalidate()
 
 
+@pytest.fixture(scope="module")
+def cpu_kernels():
+    """The C++ CPU kernels, built here; a skip that says why where they cannot be (every CI machine
+    has g++)."""
+    from dualop.kernels import cpu
+
+    try:
+        cpu.load()
+    except cpu.KernelUnavailable as err:  # pragma: no cover
+        pytest.skip(f"no C++ toolchain to build the CPU kernels here: {err}")
+
+
 @pytest.fixture(autouse=True)
 def _fresh_dispatch_state():
     clear_dispatch_report()

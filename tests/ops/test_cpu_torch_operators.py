@@ -8,19 +8,13 @@ import pytest
 import torch
 
 from dualop.custom_op import validates_inputs
-from dualop.kernels import cpu
 from dualop.kernels.cpu import rms_norm as cpu_rms_norm, rotary as cpu_rotary, torch_ops
 from dualop.ops import GemmaRMSNorm, RMSNorm, RotaryEmbedding
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def built():
-    try:
-        cpu.load()
-    except cpu.KernelUnavailable as err:  # pragma: no cover - every CI machine has g++
-        pytest.skip(f"no C++ toolchain to build the CPU kernels here: {err}")
+pytestmark = pytest.mark.usefixtures("cpu_kernels")
 
 
 def test_the_operators_build_and_load_here():

@@ -34,12 +34,7 @@ def _with_specials(x):
     return x
 
 
-@pytest.fixture(scope="module", autouse=True)
-def built():
-    try:
-        cpu.load()
-    except cpu.KernelUnavailable as err:  # pragma: no cover - every CI machine has g++
-        pytest.skip(f"no C++ toolchain to build the CPU kernels here: {err}")
+pytestmark = pytest.mark.usefixtures("cpu_kernels")
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
