@@ -78,10 +78,7 @@ class _GatedActivation(CustomOp):
         if fast is None:
             fast = self._cpu_fast = self._fast_cpu_call()
         if fast:
-            try:
-                y = fast[0](x, fast[1].get(getattr(x, "dtype", None)), out, fast[2], fast[3])
-            except (RuntimeError, TypeError):  # an argument torch cannot take: the checks below name it
-                y = None
+            y = fast[0].take(x, fast[1].get(getattr(x, "dtype", None)), out, fast[2], fast[3])
             if y is not None:
                 return y
         self.check_inputs(x, out=out)
@@ -93,8 +90,8 @@ class _GatedActivation(CustomOp):
     def _fast_cpu_call(self) -> tuple:
         """``(operator, tables by dtype, activation code, act on first)`` of the CPU fast path, or
         ``()`` where the operators cannot be built here."""
-        operator = _CPU_FAST_GATED.resolve().get()
-        return () if operator is None else (operator, *_CPU_FAST_GATED_ARGUMENTS(self.spec))
+        operator = _CPU_FAST_GATED.resolve()
+        return () if operator.get() is None else (operator, *_CPU_FAST_GATED_ARGUMENTS(self.spec))
 
     def forward_cuda(self, x: Any, *, out: Any = None) -> Any:
         return write_outputs(call_triton(frontend_of(x), _TRITON_GATED, x, spec=self.spec), (out,))

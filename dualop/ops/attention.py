@@ -383,15 +383,9 @@ class RaggedPagedAttention(CustomOp):
         values included) in C++; any other call is checked here first."""
         if (type(sm_scale) is float and sliding_window is None and soft_cap is None and mask_value is None
                 and k_scale is None and v_scale is None):
-            fast = _CPU_FAST_RPA.resolve()
-            operator = fast.op or fast.get()
-            if operator is not None:
-                try:
-                    out = operator(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, sm_scale)
-                except (RuntimeError, TypeError):  # an argument torch cannot take: the checks below name it
-                    out = None
-                if out is not None:
-                    return out
+            out = _CPU_FAST_RPA.resolve().take(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, sm_scale)
+            if out is not None:
+                return out
         self.check_inputs(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, sm_scale=sm_scale,
                           sliding_window=sliding_window, soft_cap=soft_cap, mask_value=mask_value, k_scale=k_scale,
                           v_scale=v_scale)

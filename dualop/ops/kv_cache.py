@@ -210,14 +210,8 @@ class ReshapeAndCache(CustomOp):
         operator (``kernels/cpu/kv_cache.py``: the rows copied in token order, checked in C++); any
         other call is checked here, then ``index_copy_`` of the kept tokens' interleaved rows into
         the cache viewed as ``[num_pages * page_size, 2*Hkv, D]`` (needs a contiguous cache to view)."""
-        fast = _CPU_FAST_RESHAPE_AND_CACHE.resolve()
-        operator = fast.op or fast.get()
-        if operator is not None:
-            try:
-                if operator(key, value, kv_pages, slot_mapping) is not None:
-                    return kv_pages
-            except (RuntimeError, TypeError):  # an argument torch cannot take: the checks below name it
-                pass
+        if _CPU_FAST_RESHAPE_AND_CACHE.resolve().take(key, value, kv_pages, slot_mapping) is not None:
+            return kv_pages
         self.check_inputs(key, value, kv_pages, slot_mapping)
         import torch
 

@@ -115,10 +115,7 @@ class _RMSNormFamily(CustomOp):
             if fast is None:
                 fast = self._cpu_fast = self._fast_cpu_call()
             if fast:
-                try:
-                    y, r = fast[0](x, weight, residual, out, residual_out, *fast[1])
-                except (RuntimeError, TypeError):  # an argument torch cannot take: the checks below name it
-                    y = None
+                y, r = fast[0].take(x, weight, residual, out, residual_out, *fast[1]) or (None, None)
                 if y is not None:
                     return y if r is None else (y, r)
         self.check_inputs(x, weight, residual, out=out, residual_out=residual_out)
@@ -130,8 +127,8 @@ class _RMSNormFamily(CustomOp):
     def _fast_cpu_call(self) -> tuple:
         """``(operator, constants)`` of the CPU fast path, or ``()`` where there is none (the
         operators cannot be built here, or a norm without a weight)."""
-        operator = _CPU_FAST_RMS_NORM.resolve().get()
-        if operator is None or not getattr(self, "has_weight", True):
+        operator = _CPU_FAST_RMS_NORM.resolve()
+        if operator.get() is None or not getattr(self, "has_weight", True):
             return ()
         return operator, _CPU_FAST_CONSTANTS(self.hidden_size, self.spec)
 

@@ -339,10 +339,7 @@ class RotaryEmbedding(CustomOp):
             if cache is None and fast and frontend_of(query) == "torch" and frontend_of(positions) == "torch":
                 cache = fast[1][query.dtype] = self.cache_for(positions, query.dtype)
             if cache is not None:
-                try:
-                    q, k = fast[0](positions, query, key, cache, query_out, key_out, *fast[2])
-                except (RuntimeError, TypeError):  # an argument torch cannot take: the checks below name it
-                    q = None
+                q, k = fast[0].take(positions, query, key, cache, query_out, key_out, *fast[2]) or (None, None)
                 if q is not None:
                     return q, k
         self.check_inputs(positions, query, key, query_out=query_out, key_out=key_out)
@@ -358,8 +355,8 @@ class RotaryEmbedding(CustomOp):
     def _fast_cpu_call(self) -> tuple:
         """``(operator, caches by dtype, constants)`` of the CPU fast path, or ``()`` where the
         operators cannot be built here."""
-        operator = _CPU_FAST_ROTARY.resolve().get()
-        if operator is None:
+        operator = _CPU_FAST_ROTARY.resolve()
+        if operator.get() is None:
             return ()
         return operator, {}, (self.head_size, self.rotary_dim, self.cache_positions, self.is_neox_style)
 

@@ -122,3 +122,15 @@ class TorchOperator:
 
             self.op = getattr(torch.ops.dualop_cpu, self.name).default
         return self.op
+
+    def take(self, *args: Any) -> Any:
+        """The operator's answer to a call: its result (undefined tensors, ``None``, where it
+        declined), or None where the library cannot be built here or torch refuses an argument
+        before the operator runs (not a tensor: the op's own checks then name it)."""
+        op = self.op or self.get()
+        if op is None:
+            return None
+        try:
+            return op(*args)
+        except (RuntimeError, TypeError):
+            return None
