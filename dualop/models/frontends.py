@@ -143,9 +143,18 @@ class TorchFrontend(Frontend):
     def compile(self, step: Callable, param_splits: dict[str, int | None], cache_specs: Sequence[CacheSpec]) -> Callable:
         torch = self.torch
 
-        def run(params, batch, caches):
-            with torch.inference_mode():
-                return step(params, batch, caches)
+        if self.device.type != "cpu":
+            def run(params, batch, caches):
+                with torch.inference_mode():
+                    return step(params, batch, caches)
+        else:
+            from dualop.kernels.cpu.common import threads_beside_busy_cores
+
+            def run(params, batch, caches):
+                # a step's GEMMs and kernels leave the cores other processes keep busy: a team thread
+                # sharing its core stalls every barrier of the step
+                with torch.inference_mode(), threads_beside_busy_cores():
+                    return step(params, batch, caches)
 
         return run
 

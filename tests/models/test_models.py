@@ -340,6 +340,28 @@ def test_prompts_longer_than_the_cache_and_bad_ids_are_refused(checkpoints, fron
     assert model.generate([[1, 2]], 2)  # the refusals left the model usable
 
 
+def test_torch_steps_give_up_busy_cores_and_restore_torchs_thread_count(checkpoints, monkeypatch):
+    """Each torch CPU step runs with torch's count lowered to the kernels' team (here forced to one
+    thread, as beside a busy core) and restores it after: same tokens, the user's count kept."""
+    from dualop.kernels.cpu import common
+
+    path, _ = checkpoints["llama"]
+    configured = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        quiet = dm.from_pretrained(path, frontend="torch", **SERVING).generate(PROMPTS, 4)
+        counts = []
+        monkeypatch.setattr(common, "team_size", lambda requested: 1)
+        real_set = torch.set_num_threads
+        monkeypatch.setattr(torch, "set_num_threads", lambda n: (counts.append(n), real_set(n))[-1])
+        busy = dm.from_pretrained(path, frontend="torch", **SERVING).generate(PROMPTS, 4)
+        assert busy == quiet
+        assert counts and counts[0::2] == [1] * (len(counts) // 2) and counts[1::2] == [2] * (len(counts) // 2)
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(configured)
+
+
 # --- the command line ---------------------------------------------------------------------------
 
 @pytest.mark.latest_only

@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
-from dualop.kernels.cpu import DTYPE_CODES
-from dualop.kernels.cpu.abi import PARALLEL_MIN_ELEMENTS
+from dualop.kernels.cpu import DTYPE_CODES, KernelUnavailable
+from dualop.kernels.cpu.abi import PARALLEL_MIN_ELEMENTS, c_function
 
-__all__ = ["dtype_code", "threads_for"]
+__all__ = ["dtype_code", "team_for_usage", "team_size", "threads_for", "threads_beside_busy_cores"]
+
+# csrc/threads.cc: the OpenMP team a kernel runs on, the cores other processes keep busy given up.
+# Every kernel's parallel region asks dualop_team_size itself; these serve Python callers and tests.
+_TEAM_SIZE = c_function("int dualop_team_size(int requested)")
+_TEAM_FOR_USAGE = c_function("int dualop_team_for_usage(int requested, int cores, double others_busy_cores)")
 
 
 def dtype_code(t: Any) -> int | None:
@@ -21,3 +28,38 @@ def threads_for(numel: int) -> int:
     import torch
 
     return 1 if numel < PARALLEL_MIN_ELEMENTS else torch.get_num_threads()
+
+
+def team_size(requested: int) -> int:
+    """How many of ``requested`` threads a kernel runs on now: fewer by the cores other processes
+    keep busy (measured from /proc/stat at most every 100 ms; ``DUALOP_CPU_ADAPTIVE_THREADS=0``
+    keeps ``requested``). ``requested`` itself where the kernels are unavailable."""
+    try:
+        return int(_TEAM_SIZE(requested=int(requested)))
+    except KernelUnavailable:
+        return max(1, int(requested))
+
+
+def team_for_usage(requested: int, cores: int, others_busy_cores: float) -> int:
+    """The rule ``team_size`` applies: of ``cores``, those other processes keep busy more than half
+    the time are taken; at least 1 and at most ``requested`` threads run."""
+    return int(_TEAM_FOR_USAGE(requested=int(requested), cores=int(cores), others_busy_cores=float(others_busy_cores)))
+
+
+@contextlib.contextmanager
+def threads_beside_busy_cores() -> Iterator[int]:
+    """torch's CPU thread count lowered, for the block, to ``team_size`` of it (restored after), so
+    torch's own ops (the GEMMs) leave the cores other processes keep busy as dualop's kernels do.
+    Yields the count the block runs with."""
+    import torch
+
+    configured = torch.get_num_threads()
+    team = team_size(configured) if configured > 1 else configured
+    if team == configured:
+        yield configured
+        return
+    torch.set_num_threads(team)
+    try:
+        yield team
+    finally:
+        torch.set_num_threads(configured)

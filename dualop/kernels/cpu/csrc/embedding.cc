@@ -11,7 +11,7 @@ template <class Id>
 void lookup(const Id* ids, const char* weight, int64_t weight_row_stride, char* out, int64_t tokens, int64_t row_bytes,
             int64_t org_start, int64_t org_end, int64_t added_start, int64_t added_end, int64_t added_offset,
             int threads) {
-#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
+#pragma omp parallel for num_threads(dualop_team_size(threads)) schedule(static) if (threads > 1)
   for (int64_t t = 0; t < tokens; ++t) {
     const int64_t id = static_cast<int64_t>(ids[t]);
     char* dst = out + t * row_bytes;

@@ -25,7 +25,7 @@ static void gated_rows(const T* __restrict x, T* __restrict out, int64_t rows, i
                        int threads) {
   const int64_t gate_col = act_on_first ? 0 : d;
   const int64_t up_col = act_on_first ? d : 0;
-#pragma omp parallel for schedule(static) num_threads(threads)
+#pragma omp parallel for schedule(static) num_threads(dualop_team_size(threads))
   for (int64_t row = 0; row < rows; ++row) {
     const T* __restrict gate = x + row * 2 * d + gate_col;
     const T* __restrict up = x + row * 2 * d + up_col;
@@ -74,7 +74,7 @@ static void gated_table_rows(const float* __restrict table, const T* __restrict 
                              int64_t d, bool act_on_first, int threads) {
   const int64_t gate_col = act_on_first ? 0 : d;
   const int64_t up_col = act_on_first ? d : 0;
-#pragma omp parallel for schedule(static) num_threads(threads)
+#pragma omp parallel for schedule(static) num_threads(dualop_team_size(threads))
   for (int64_t row = 0; row < rows; ++row) {
     const T* __restrict gate = x + row * 2 * d + gate_col;
     const T* __restrict up = x + row * 2 * d + up_col;

@@ -72,7 +72,7 @@ DUALOP_INLINE float dot1(const float* __restrict x, const T* __restrict w, int64
 template <class Body>
 static void for_each_group_block(int64_t groups, int64_t n, int64_t block, int threads, const Body& body) {
   const int64_t blocks = (n + block - 1) / block;
-#pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
+#pragma omp parallel for schedule(dynamic, 1) num_threads(dualop_team_size(threads))
   for (int64_t item = 0; item < groups * blocks; ++item) {
     const int64_t g = item / blocks, n0 = (item % blocks) * block;
     body(g, n0, n0 + block < n ? n0 + block : n);
@@ -287,7 +287,7 @@ static void grouped_linear_bf16(const bf16* hi, const bf16* lo, const bf16* w, c
 
 static void split_bf16(const float* __restrict v, bf16* __restrict hi, bf16* __restrict lo, int64_t count,
                        int threads) {
-#pragma omp parallel for simd schedule(static) num_threads(threads)
+#pragma omp parallel for simd schedule(static) num_threads(dualop_team_size(threads))
   for (int64_t i = 0; i < count; ++i) {
     const bf16 h = from_f32<bf16>(v[i]);
     const float high = to_f32(h);
@@ -321,7 +321,7 @@ static void grouped_topk(const T* logits, const float* bias, float* weights, int
                          int64_t experts, int top_k, bool renormalize, int64_t groups, int topk_group, int scoring,
                          float scale, int threads) {
   const float neg_inf = -std::numeric_limits<float>::infinity();
-#pragma omp parallel num_threads(threads)
+#pragma omp parallel num_threads(dualop_team_size(threads))
   {
     std::vector<float> score(experts), choice(experts), group_score(groups > 1 ? groups : 1);
     std::vector<uint8_t> taken(experts), group_taken(groups > 1 ? groups : 1);

@@ -649,7 +649,7 @@ int run(const void* q, const void* kv, const int32_t* kv_lens, const int32_t* pa
   int64_t rows = 0;
   for (const Task& task : tasks) rows = std::max(rows, task.row1 - task.row0);
   const int64_t most = rows * heads_per_task * (s.q_heads / s.kv_heads), dp = (s.head_dim + 31) / 32 * 32;
-#pragma omp parallel num_threads(threads)
+#pragma omp parallel num_threads(dualop_team_size(threads))
   {
     v512::Scratch scratch;
     scratch.size_for(most, dp, sizeof(T));
@@ -661,7 +661,7 @@ int run(const void* q, const void* kv, const int32_t* kv_lens, const int32_t* pa
     }
   }
 #else
-#pragma omp parallel for schedule(dynamic) num_threads(threads)
+#pragma omp parallel for schedule(dynamic) num_threads(dualop_team_size(threads))
   for (int64_t t = 0; t < static_cast<int64_t>(tasks.size()); ++t) {
     const Task& task = tasks[t];
     run_task<T>(qt, kvt, pages, ot, s, o, task.seq, task.head0, task.row0, task.row1, task.start,

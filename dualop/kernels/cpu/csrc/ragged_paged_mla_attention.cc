@@ -194,7 +194,7 @@ void run(const DualopArray* q, const DualopArray* pages, const int32_t* lens, co
   const T* qd = static_cast<const T*>(q->data);
   const T* pd = static_cast<const T*>(pages->data);
   const int64_t n = static_cast<int64_t>(tasks.size());
-#pragma omp parallel for schedule(dynamic, 1) num_threads(std::max<int64_t>(1, std::min<int64_t>(threads, n)))
+#pragma omp parallel for schedule(dynamic, 1) num_threads(dualop_team_size(static_cast<int>(std::min<int64_t>(threads, n))))
   for (int64_t k = 0; k < n; ++k) decode_sequence<T>(qd, pd, out, tasks[k], d, scale);
 }
 

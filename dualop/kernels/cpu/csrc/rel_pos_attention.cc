@@ -15,7 +15,7 @@ extern "C" int dualop_rel_pos_attention(const float* q, const float* k, const fl
   using namespace dualop;
   if (seq_len != height * width || head_dim <= 0 || (rel_h == nullptr) != (rel_w == nullptr)) return -1;
   const int64_t rows = images * seq_len;
-#pragma omp parallel num_threads(threads)
+#pragma omp parallel num_threads(dualop_team_size(threads))
   {
     std::vector<float> scores(static_cast<size_t>(seq_len));
     std::vector<float> acc(static_cast<size_t>(head_dim));

@@ -317,11 +317,12 @@ static void rms_norm_range_avx512(const T* x, const T* residual, const WeightIn&
 template <class T, bool kResidual, int kWeight>
 static void rms_norm_rows_avx512(const T* x, const T* residual, const WeightIn& weight, T* out, T* residual_out,
                                  int64_t rows, int64_t hidden, float eps, bool weight_finite, int threads) {
+  threads = dualop_team_size(threads);
   if (threads <= 1 || rows < 2)
     return rms_norm_range_avx512<T, kResidual, kWeight>(x, residual, weight, out, residual_out, 0, rows, hidden,
                                                            eps, weight_finite);
   if (threads > rows) threads = static_cast<int>(rows);
-#pragma omp parallel num_threads(threads)
+#pragma omp parallel num_threads(dualop_team_size(threads))
   {
     const int64_t team = omp_get_num_threads(), me = omp_get_thread_num();
     rms_norm_range_avx512<T, kResidual, kWeight>(x, residual, weight, out, residual_out, rows * me / team,
@@ -391,11 +392,12 @@ static void rms_norm_rows(const T* x, const T* residual, const WeightIn& given, 
                                                             eps, weight_finite, threads);
 #else
   const float* weight = weight_for_thread(given, hidden);  // float32 once, shared by the threads
+  threads = dualop_team_size(threads);
   if (threads <= 1 || rows < 2)
     return rms_norm_range<T, kResidual, kWeight>(x, residual, weight, out, residual_out, 0, rows, hidden, eps,
                                                  weight_finite);
   if (threads > rows) threads = static_cast<int>(rows);
-#pragma omp parallel num_threads(threads)
+#pragma omp parallel num_threads(dualop_team_size(threads))
   {
     const int64_t team = omp_get_num_threads(), me = omp_get_thread_num();
     rms_norm_range<T, kResidual, kWeight>(x, residual, weight, out, residual_out, rows * me / team,
@@ -456,7 +458,7 @@ template <class T>
 static void rms_norm_gated_rows(const T* __restrict x, const T* __restrict z, const float* __restrict weight,
                                 T* __restrict out, int64_t rows, int64_t hidden, int64_t group, float eps,
                                 bool norm_before_gate, bool cast_before_weight, int threads) {
-#pragma omp parallel num_threads(threads)
+#pragma omp parallel num_threads(dualop_team_size(threads))
   {
     std::vector<float> h_buffer(hidden), g_buffer(hidden);
     float* __restrict h = h_buffer.data();

@@ -53,8 +53,9 @@ DUALOP_INLINE void rotate_head(const T* in, T* out, const float* __restrict c, c
 // for one thread).
 template <class F>
 static void split_tokens(int64_t tokens, int threads, const F& range) {
+  threads = dualop_team_size(threads);
   if (threads <= 1 || tokens < 2) return range(0, tokens);
-#pragma omp parallel num_threads(threads)
+#pragma omp parallel num_threads(dualop_team_size(threads))
   {
     const int64_t team = omp_get_num_threads(), me = omp_get_thread_num();
     range(tokens * me / team, tokens * (me + 1) / team);
@@ -313,7 +314,7 @@ static void rotary_by_position(const P* positions, const C* cache, int64_t cache
   };
   split_tokens(tokens, threads, range);
 #else
-#pragma omp parallel num_threads(threads)
+#pragma omp parallel num_threads(dualop_team_size(threads))
   {
     float c[1024], s[1024];  // half <= 1024 (checked by the caller)
 #pragma omp for schedule(static)
@@ -358,7 +359,7 @@ static void rotary_tokens(int cos_dtype, const T* q, const T* k, const void* cos
   };
   split_tokens(tokens, threads, range);
 #else
-#pragma omp parallel num_threads(threads)
+#pragma omp parallel num_threads(dualop_team_size(threads))
   {
     float c[1024], s[1024];  // half <= 1024 (checked by the caller)
 #pragma omp for schedule(static)

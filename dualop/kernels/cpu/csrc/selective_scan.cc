@@ -30,7 +30,7 @@ static void scan_rows(const T* __restrict x, const float* __restrict delta, cons
                       int64_t dim, int64_t n, int64_t groups, int64_t seqs, int threads) {
   const int64_t per_group = dim / groups;
   const int64_t blocks = (dim + kScanBlock - 1) / kScanBlock;
-#pragma omp parallel for collapse(2) schedule(dynamic, 1) num_threads(threads)
+#pragma omp parallel for collapse(2) schedule(dynamic, 1) num_threads(dualop_team_size(threads))
   for (int64_t s = 0; s < seqs; ++s) {
     for (int64_t blk = 0; blk < blocks; ++blk) {
       const int64_t i0 = blk * kScanBlock;
