@@ -130,6 +130,18 @@ def test_gated_kernel_matches_native(dtype, shape, make):
     _close(op.forward_cpu(x), op.forward_native(x))
 
 
+@pytest.mark.parametrize("rows, d", [(2048, 2048), (1024, 4100)], ids=["rows_aligned", "rows_unaligned"])
+def test_large_bfloat16_silu_output_written_around_the_caches_matches_native(rows, d):
+    """Outputs of 8 MB and more take the streaming stores (64-byte aligned row parts streamed, the
+    rest stored plainly); specials and NaN payloads at the row starts."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(rows, 2 * d, generator=g).mul(4).to(torch.bfloat16)
+    x[:8] = _with_nan_payloads(x[:8].clone())
+    assert rows * d * 2 >= 8 << 20
+    op = SiluAndMul()
+    _close(op.forward_cpu(x), op.forward_native(x))
+
+
 def _with_nan_payloads(x):
     """Specials, and for bfloat16 NaNs with the largest payloads (their float32 widening must still
     round back to NaN: 0x7fff and 0xffff)."""

@@ -15,6 +15,7 @@ _C_GATED_TABLE = c_function(
     "int dualop_gated_table(const DualopArray* table, const DualopArray* x, const DualopArray* out, "
     "int act_on_first, int threads)"
 )
+_C_GATED_TABLE_PAYS = c_function("int dualop_gated_table_pays(int activation, int dtype, int64_t gates)")
 _C_GATED_ACTIVATION = c_function(
     "int dualop_gated_activation(const DualopArray* x, const DualopArray* out, int activation, int act_on_first, "
     "int threads)"
@@ -92,16 +93,15 @@ def gated_activation(x: Any, *, spec: GateSpec = GateSpec(), out: Any = None) ->
         first, threads = spec.act_on == "first", threads_for(x.numel())
         # the kernels read any rank as rows; an array argument has at most MAX_DIMS dimensions
         rows_in, rows_out = (x, out) if x.ndim <= MAX_DIMS else (x.view(-1, 2 * d), out.view(-1, d))
-        if x.dtype.itemsize == 2:
+        code = _ACTIVATION_CODES[spec.activation]
+        if _C_GATED_TABLE_PAYS(activation=code, dtype=dtype_code(x), gates=out.numel()):
             status = _C_GATED_TABLE(
                 table=_activation_table(spec.activation, x.dtype), x=rows_in, out=rows_out, act_on_first=first,
                 threads=threads,
             )
         else:
-            status = _C_GATED_ACTIVATION(
-                x=rows_in, out=rows_out, activation=_ACTIVATION_CODES[spec.activation], act_on_first=first,
-                threads=threads,
-            )
+            status = _C_GATED_ACTIVATION(x=rows_in, out=rows_out, activation=code, act_on_first=first,
+                                         threads=threads)
         if status != 0:
             raise NotImplementedError(f"dualop_gated_activation returned {status}")
     return out if given is None or given is out else given.copy_(out)

@@ -215,11 +215,6 @@ std::tuple<Tensor, Tensor> rotary_by_position(const Tensor& positions, const Ten
   return {qo, ko};
 }
 
-// Below this many gates a 16-bit input computes act(gate) instead of looking it up: a decode
-// step's few rows would find the 256 KB table evicted by the step's weights (measured: 37 µs for
-// one row of 2816 gates in the engine, against 7 µs computed).
-constexpr int64_t kTableMinGates = int64_t{1} << 15;
-
 // The gated activations' call op(x, out=) (act(gate) * up over x's halves): the result, written
 // into out when given, or an undefined tensor when the call is not one this takes. table: act(g) in
 // float32 for every bit pattern g of a 16-bit x (the kernel's lookup, bit-exact with the native
@@ -230,7 +225,7 @@ Tensor gated_activation(const Tensor& x, const OptTensor& table, const OptTensor
   const int32_t code = code_of(x);
   if (!plain(x) || x.dim() < 1 || x.size(-1) % 2 || !is_float_code(code)) return none;
   const int64_t d = x.size(-1) / 2, rows = d ? x.numel() / (2 * d) : 0;
-  const bool by_table = x.element_size() == 2 && rows * d >= kTableMinGates;
+  const bool by_table = dualop_gated_table_pays(static_cast<int>(activation), code, rows * d) != 0;
   if (by_table && (!table.has_value() || !plain(*table) || table->scalar_type() != at::kFloat ||
                    table->numel() != 65536))
     return none;
