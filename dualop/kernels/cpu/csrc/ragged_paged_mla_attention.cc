@@ -5,7 +5,8 @@
 // One task is a sequence: its R query rows x H heads (R * H query vectors, float32, scaled) walk
 // the sequence's cached latent rows once, a block of kBlock positions at a time: float32 rows read
 // in their pages, 16-bit ones converted into a per-thread buffer (no gathered copy of the cache),
-// each vector's scores (dot products over the whole latent + rope width), an online softmax
+// each vector's scores (dot products over the whole latent + rope width; bfloat16 ones by
+// vdpbf16ps on the rows in their pages where the host has AVX512-BF16), an online softmax
 // in float32 (one rescale per block, the weights by exp_f32 over the block) and the output
 // accumulated from the rows' first L channels. Positions past a query row's own (causal) and from
 // kv_len on are never read. Sequences run in parallel (OpenMP). Metadata was validated by the op;
@@ -74,6 +75,33 @@ DUALOP_INLINE void block_scores(const float* q, const float* rows, int64_t width
 }
 #endif
 
+#if defined(DUALOP_HAVE_AVX512) && defined(__AVX512BF16__)
+#define DUALOP_MLA_BF16_DOT 1
+// scores[j] = scale * (q . rows[j]) for bfloat16 q and rows, read where they lie: vdpbf16ps takes
+// 32 element pairs per instruction (products exact in float32, sums in float32, as the native
+// body's float32 einsum), half the instructions of converting and using float32 FMAs. Row
+// pointers past n repeat row 0 (their scores are never used).
+DUALOP_INLINE void block_scores_bf16(const bf16* q, const bf16* const (&rows)[16], int64_t width, int64_t n,
+                                     float scale, float* scores) {
+  __m512 acc[16];
+  for (int j = 0; j < 16; ++j) acc[j] = _mm512_setzero_ps();
+  int64_t i = 0;
+  for (; i + 32 <= width; i += 32) {
+    const __m512bh qi = (__m512bh)_mm512_loadu_si512(q + i);
+#pragma GCC unroll 16
+    for (int j = 0; j < 16; ++j) acc[j] = _mm512_dpbf16_ps(acc[j], qi, (__m512bh)_mm512_loadu_si512(rows[j] + i));
+  }
+  if (i < width) {
+    const __mmask32 tail = avx512::first32(width - i);  // lanes past the width read as +0.0
+    const __m512bh qi = (__m512bh)_mm512_maskz_loadu_epi16(tail, q + i);
+#pragma GCC unroll 16
+    for (int j = 0; j < 16; ++j)
+      acc[j] = _mm512_dpbf16_ps(acc[j], qi, (__m512bh)_mm512_maskz_loadu_epi16(tail, rows[j] + i));
+  }
+  _mm512_mask_storeu_ps(scores, avx512::first16(n), _mm512_mul_ps(avx512::sum_lanes16(acc), _mm512_set1_ps(scale)));
+}
+#endif
+
 template <class T>
 void decode_sequence(const T* q, const T* pages, T* out, const Task& task, const Dims& d, float scale) {
   const int64_t vectors = task.q_len * d.heads, width = d.width, latent = d.latent;
@@ -99,9 +127,27 @@ void decode_sequence(const T* q, const T* pages, T* out, const Task& task, const
     l[v] = 0.0f;
   }
   std::fill(acc, acc + vectors * latent, 0.0f);
+  // the output reads the rows' first latent channels; the scores read all width of them, from
+  // this buffer unless bfloat16 dot products read them in the page
+#ifdef DUALOP_MLA_BF16_DOT
+  const int64_t converted_width = std::is_same_v<T, bf16> ? latent : width;
+#else
+  const int64_t converted_width = width;
+#endif
   for (int64_t p0 = 0; p0 < task.kv_len; p0 += kBlock) {
     const int64_t n = std::min(kBlock, task.kv_len - p0);
     const float* rows = converted;  // [kBlock][width]; rows past n: an earlier block's, never used
+#ifdef DUALOP_MLA_BF16_DOT
+    // bfloat16: the block's rows where they lie, for the scores (block_scores_bf16)
+    const bf16* row_at[kBlock];
+    if constexpr (std::is_same_v<T, bf16>) {
+      for (int64_t j = 0; j < kBlock; ++j) {
+        const int64_t pos = p0 + (j < n ? j : 0);
+        const int64_t page = clamp64(task.table[pos / d.page_size], 0, d.num_pages - 1);
+        row_at[j] = pages + (page * d.page_size + pos % d.page_size) * width;
+      }
+    }
+#endif
     if (in_place) {
       const int64_t page = clamp64(task.table[p0 / d.page_size], 0, d.num_pages - 1);
       rows = reinterpret_cast<const float*>(pages + (page * d.page_size + p0 % d.page_size) * width);
@@ -112,7 +158,7 @@ void decode_sequence(const T* q, const T* pages, T* out, const Task& task, const
         const T* src = pages + (page * d.page_size + pos % d.page_size) * width;
         float* __restrict dst = converted + j * width;
 #pragma omp simd
-        for (int64_t i = 0; i < width; ++i) dst[i] = to_f32(src[i]);
+        for (int64_t i = 0; i < converted_width; ++i) dst[i] = to_f32(src[i]);
       }
     }
     for (int64_t r = 0; r < task.q_len; ++r) {
@@ -123,7 +169,14 @@ void decode_sequence(const T* q, const T* pages, T* out, const Task& task, const
         const int64_t v = r * d.heads + h;
         const float* __restrict qv = qf + v * width;
         float* __restrict sv = s + v * kBlock;
+#ifdef DUALOP_MLA_BF16_DOT
+        if constexpr (std::is_same_v<T, bf16>)
+          block_scores_bf16(q + (task.first_row * d.heads + v) * width, row_at, width, seen, scale, sv);
+        else
+          block_scores(qv, rows, width, seen, sv);
+#else
         block_scores(qv, rows, width, seen, sv);
+#endif
         float block_max = -INFINITY;
         for (int64_t j = 0; j < seen; ++j) block_max = sv[j] > block_max ? sv[j] : block_max;
         // NaN scores: the block's max ignores them and their weights stay NaN, as in the native softmax
