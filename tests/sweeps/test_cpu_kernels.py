@@ -88,11 +88,12 @@ def test_rms_norm_kernel_non_finite_weight_and_rows(dtype):
     x[1, 7], x[2, 100], x[3, 129], x[4, :] = float("inf"), float("nan"), -float("inf"), float("nan")
     r = torch.randn(6, 130, generator=g).to(dtype)
     r[5, 3] = float("nan")
-    w = (1 + 0.5 * torch.randn(130, generator=g)).to(dtype)
-    w[5] = float("inf")
-    for op in (RMSNorm(130), GemmaRMSNorm(130)):
-        _close(op.forward_cpu(x, w, r), op.forward_native(x, w, r))
-        _close(op.forward_cpu(x, w), op.forward_native(x, w))
+    for bad, weight_dtype in ((float("inf"), dtype), (float("nan"), dtype), (-float("inf"), torch.float32)):
+        w = (1 + 0.5 * torch.randn(130, generator=g)).to(weight_dtype)
+        w[5] = bad
+        for op in (RMSNorm(130), GemmaRMSNorm(130)):
+            _close(op.forward_cpu(x, w, r), op.forward_native(x, w, r))
+            _close(op.forward_cpu(x, w), op.forward_native(x, w))
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)

@@ -2,6 +2,8 @@
 // and its output). Semantics are dualop.kernels.norm_math.rms_normalize, with the optional fused
 // residual add of RMSNorm: s = x + residual (float32), residual_out = s in x's dtype, and s is what
 // gets normalised.
+#include <algorithm>
+#include <cmath>
 #include <cstddef>
 #include <type_traits>
 #include <vector>
@@ -406,9 +408,18 @@ static void rms_norm_rows(const T* x, const T* residual, const WeightIn& given, 
 #endif
 }
 
-// Whether every weight is finite: w * 0 is 0 for a finite w and NaN for infinities and NaN.
-template <class W>
-static bool all_finite(const W* weight, float offset, int64_t n) {
+// Whether every weight plus the offset is finite. For |offset| <= 1 that is whether every weight
+// is (adding at most 1 cannot overflow a finite float), read from the exponent bits as an integer
+// max (no chain of dependent float adds); other offsets check w * 0 == 0 on the sums.
+template <class W, class Bits>
+static bool all_finite(const W* weight, float offset, int64_t n, Bits exponent) {
+  if (std::fabs(offset) <= 1.0f) {
+    const Bits* bits = reinterpret_cast<const Bits*>(weight);
+    Bits top = 0;
+#pragma omp simd reduction(max : top)
+    for (int64_t i = 0; i < n; ++i) top = std::max<Bits>(top, static_cast<Bits>(bits[i] & exponent));
+    return top != exponent;
+  }
   float acc = 0.0f;
 #pragma omp simd reduction(+ : acc)
   for (int64_t i = 0; i < n; ++i) acc += (to_f32(weight[i]) + offset) * 0.0f;
@@ -417,9 +428,9 @@ static bool all_finite(const W* weight, float offset, int64_t n) {
 
 static bool all_finite(const WeightIn& w, int64_t n) {
   switch (w.dtype) {
-    case dtype_code::float32: return all_finite(static_cast<const float*>(w.data), w.offset, n);
-    case dtype_code::bfloat16: return all_finite(static_cast<const bf16*>(w.data), w.offset, n);
-    default: return all_finite(static_cast<const f16*>(w.data), w.offset, n);
+    case dtype_code::float32: return all_finite(static_cast<const float*>(w.data), w.offset, n, uint32_t{0x7f800000u});
+    case dtype_code::bfloat16: return all_finite(static_cast<const bf16*>(w.data), w.offset, n, uint16_t{0x7f80u});
+    default: return all_finite(static_cast<const f16*>(w.data), w.offset, n, uint16_t{0x7c00u});
   }
 }
 
@@ -430,7 +441,9 @@ static void by_weight(const void* x, const void* residual, const WeightIn& weigh
   const T* rt = static_cast<const T*>(residual);
   T* ot = static_cast<T*>(out);
   T* rot = static_cast<T*>(residual_out);
-  const bool weight_finite = weight.data == nullptr || all_finite(weight, hidden);
+  // only bfloat16's rounding treats NaN apart (the check a row of finite values skips): other
+  // dtypes need not scan the weight
+  const bool weight_finite = !std::is_same_v<T, bf16> || weight.data == nullptr || all_finite(weight, hidden);
   switch (weight_mode) {
     case kNoWeight: return rms_norm_rows<T, kResidual, kNoWeight>(xt, rt, weight, ot, rot, rows, hidden, eps, weight_finite, threads);
     case kWeightAfterCast:
