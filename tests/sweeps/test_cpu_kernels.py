@@ -131,16 +131,30 @@ def test_gated_kernel_matches_native(dtype, shape, make):
     _close(op.forward_cpu(x), op.forward_native(x))
 
 
-@pytest.mark.parametrize("rows, d", [(2048, 2048), (1024, 4100)], ids=["rows_aligned", "rows_unaligned"])
-def test_large_bfloat16_silu_output_written_around_the_caches_matches_native(rows, d):
-    """Outputs of 8 MB and more take the streaming stores (64-byte aligned row parts streamed, the
-    rest stored plainly); specials and NaN payloads at the row starts."""
+@pytest.mark.parametrize("rows, d", [(2048, 2048), (1024, 4100)], ids=["whole_steps", "tail"])
+def test_large_bfloat16_silu_matches_native(rows, d):
+    """Many gates (where 16-bit gates would read the table, bfloat16 silu computes act with
+    AVX-512 where the host has it), rows of whole 32-element steps and with a tail; specials and
+    NaN payloads at the row starts."""
     g = torch.Generator().manual_seed(3)
     x = torch.randn(rows, 2 * d, generator=g).mul(4).to(torch.bfloat16)
     x[:8] = _with_nan_payloads(x[:8].clone())
-    assert rows * d * 2 >= 8 << 20
     op = SiluAndMul()
     _close(op.forward_cpu(x), op.forward_native(x))
+
+
+@pytest.mark.parametrize("rows", [1, 4096], ids=["computed_few", "computed_many"])
+def test_bfloat16_silu_where_exp_overflows(rows):
+    """Gates where exp(-g) nears and passes float32's overflow (g about -88.7): the native body's
+    tiny and zero results, zero exactly where it is zero, NaN only for -inf."""
+    edge = torch.tensor([-88.0, -88.5, -88.7, -88.75, -89.0, -100.0, -1e30, -float("inf"), 88.8, float("inf"),
+                         float("nan"), -87.5, -87.0, 0.0, -0.0, 1.0] * 2)
+    gate = edge.repeat(rows, 1)
+    x = torch.cat([gate, torch.full_like(gate, 1.5)], dim=1).to(torch.bfloat16)
+    got, want = SiluAndMul().forward_cpu(x), SiluAndMul().forward_native(x)
+    assert torch.equal(got.isnan(), want.isnan())
+    assert torch.equal(got == 0, want == 0)
+    _close(got, want)
 
 
 def _with_nan_payloads(x):

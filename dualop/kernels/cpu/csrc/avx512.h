@@ -208,10 +208,10 @@ DUALOP_AVX512_INLINE __m512 sum_lanes16(const __m512 (&v)[16]) {
   return _mm512_add_ps(_mm512_shuffle_f32x4(u0, u1, _MM_SHUFFLE(2, 0, 2, 0)), _mm512_shuffle_f32x4(u0, u1, _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
-// exp(x) for silu's sigmoid, 16 lanes: 2^n exp(r) with |r| <= ln2/2 and exp(r) by a degree-4 fit
-// made here (relative error 2.8e-6: past what a bfloat16 result keeps). x is clamped to
-// [-87.3, 89] first, so the reduction stays exact; past 88.7 the result overflows to inf, as
-// exp does (silu then gives g * 0, and NaN for g = -inf). NaN propagates.
+// exp(x) for silu's sigmoid, 16 lanes: 2^n exp(r) with |r| <= ln2/2 and exp(r) by avx2.h's
+// degree-5 fit (relative error 1.2e-7). x is clamped to [-87.3, 89] first, so the reduction stays
+// exact; past 88.7 the result overflows to inf, as exp does (silu then gives g * 0, and NaN for
+// g = -inf). NaN propagates.
 DUALOP_AVX512_INLINE __m512 exp_clamped(__m512 x) {
   x = _mm512_min_ps(_mm512_set1_ps(89.0f), _mm512_max_ps(_mm512_set1_ps(-87.3f), x));
   const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
@@ -219,16 +219,20 @@ DUALOP_AVX512_INLINE __m512 exp_clamped(__m512 x) {
   __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
   r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860682030941723212e-6f), r);
   const __m512 r2 = _mm512_mul_ps(r, r);
-  const __m512 hi = _mm512_fmadd_ps(r2, _mm512_set1_ps(0.04151384f),
-                                    _mm512_fmadd_ps(r, _mm512_set1_ps(0.16787477f), _mm512_set1_ps(0.50003014f)));
-  const __m512 p = _mm512_fmadd_ps(r2, hi, _mm512_fmadd_ps(r, _mm512_set1_ps(0.99996683f), _mm512_set1_ps(1.0f)));
-  return _mm512_scalef_ps(p, n);  // p * 2^n in one instruction
+  const __m512 hi = _mm512_fmadd_ps(_mm512_set1_ps(8.333837950e-03f), r, _mm512_set1_ps(4.189857794e-02f));
+  const __m512 mid = _mm512_fmadd_ps(_mm512_set1_ps(1.666688638e-01f), r, _mm512_set1_ps(4.999914257e-01f));
+  const __m512 lo = _mm512_add_ps(r, _mm512_set1_ps(1.0f));
+  const __m512 p = _mm512_fmadd_ps(_mm512_fmadd_ps(hi, r2, mid), r2, lo);
+  return _mm512_scalef_ps(p, n);  // p * 2^n, finite up to exp's own overflow (n = 128 included)
 }
 
-// silu(g) = g / (1 + exp(-g)) for a bfloat16 result: the division as the 14-bit reciprocal estimate
-// (relative error 6e-5, a sixtieth of a bfloat16 ulp); g = -inf gives -inf * 0 = NaN, as the
-// native g * sigmoid(g) does.
-DUALOP_AVX512_INLINE __m512 silu(__m512 g) {
+// silu(g) = g / (1 + exp(-g)) for a bfloat16 result: the division as the 14-bit reciprocal
+// estimate (relative error below 2^-14, a thirty-second of the half-ulp a bfloat16 result rounds
+// by, so the result is the float32 silu's rounding but within 2^-14 of a rounding boundary; a
+// Newton step would cost a tenth of the kernel's time). Where exp(-g) overflows (g < -88.7) the
+// estimate of 1 / inf is 0, so g * 0: -0 for finite g and NaN for g = -inf, as the native
+// g * sigmoid(g).
+DUALOP_AVX512_INLINE __m512 silu_for_bf16(__m512 g) {
   const __m512 d = _mm512_add_ps(_mm512_set1_ps(1.0f), exp_clamped(_mm512_sub_ps(_mm512_setzero_ps(), g)));
   return _mm512_mul_ps(g, _mm512_rcp14_ps(d));
 }

@@ -21,17 +21,11 @@ DUALOP_INLINE float activate(float g) {
   }
 }
 
-// Outputs of at least this many bytes are written with streaming stores (where the loop has them).
-constexpr int64_t kStreamMinBytes = int64_t{8} << 20;
-
 template <class T, int kAct>
 static void gated_rows(const T* __restrict x, T* __restrict out, int64_t rows, int64_t d, bool act_on_first,
                        int threads) {
   const int64_t gate_col = act_on_first ? 0 : d;
   const int64_t up_col = act_on_first ? d : 0;
-  // An output this large cannot stay in cache for its reader: written around the caches, it is not
-  // first read for ownership (a third of the kernel's memory traffic).
-  [[maybe_unused]] const bool stream = rows * d * int64_t{sizeof(T)} >= kStreamMinBytes;
 #pragma omp parallel for schedule(static) num_threads(dualop_team_size(threads))
   for (int64_t row = 0; row < rows; ++row) {
     const T* __restrict gate = x + row * 2 * d + gate_col;
@@ -44,14 +38,11 @@ static void gated_rows(const T* __restrict x, T* __restrict out, int64_t rows, i
         __m512 g_even, g_odd, u_even, u_odd;
         avx512::load_bf16(gate + start, g_even, g_odd);
         avx512::load_bf16(up + start, u_even, u_odd);
-        const __m512i packed = avx512::pack_bf16<false>(_mm512_mul_ps(avx512::silu(g_even), u_even),
-                                                       _mm512_mul_ps(avx512::silu(g_odd), u_odd));
-        if (stream && (reinterpret_cast<uintptr_t>(o + start) & 63) == 0)
-          _mm512_stream_si512(reinterpret_cast<__m512i*>(o + start), packed);
-        else
-          _mm512_storeu_si512(o + start, packed);
+        // no NaN check in the rounding: a NaN here is a bfloat16 input's, or the default NaN of
+        // -inf * 0, and passes on with its low 16 bits zero, so rounding cannot carry out of it
+        avx512::store_bf16<false>(o + start, _mm512_mul_ps(avx512::silu_for_bf16(g_even), u_even),
+                                  _mm512_mul_ps(avx512::silu_for_bf16(g_odd), u_odd));
       }
-      if (stream) _mm_sfence();  // the streaming stores ordered before anything after the kernel
     }
 #endif
 #ifdef DUALOP_HAVE_AVX2
