@@ -70,8 +70,12 @@ def test_packing_of_compressed_tensors_unpacks(num_bits, cols):
     torch.testing.assert_close(got, codes.to(got.dtype), rtol=0, atol=0)
 
 
-def test_awq_gemm_layout_matches_vllms_conversion():
+def test_awq_gemm_layout_matches_vllms_conversion(monkeypatch):
     from vllm.model_executor.layers.quantization import auto_awq
+
+    # vLLM's parameter class asks for its tensor-parallel group; plain parameters hold the same data
+    monkeypatch.setattr(auto_awq, "PackedvLLMParameter",
+                        lambda data, **layout: torch.nn.Parameter(data, requires_grad=False))
 
     g = torch.Generator().manual_seed(4)
     k, n, group = 128, 64, 32
