@@ -148,7 +148,7 @@ class TorchFrontend(Frontend):
                 with torch.inference_mode():
                     return step(params, batch, caches)
         else:
-            from dualop.kernels.cpu.common import threads_beside_busy_cores
+            from dualop.torch.threads import threads_beside_busy_cores
 
             def run(params, batch, caches):
                 # a step's GEMMs and kernels leave the cores other processes keep busy: a team thread

@@ -12,7 +12,8 @@ import time
 import pytest
 import torch
 
-from dualop.kernels.cpu.common import team_for_usage, team_size, threads_beside_busy_cores
+from dualop.kernels.cpu.common import team_for_usage, team_size
+from dualop.torch.threads import threads_beside_busy_cores
 
 pytestmark = pytest.mark.usefixtures("cpu_kernels")
 

@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
 from typing import Any
 
 from dualop.kernels.cpu import DTYPE_CODES, KernelUnavailable
 from dualop.kernels.cpu.abi import PARALLEL_MIN_ELEMENTS, c_function
 
-__all__ = ["dtype_code", "team_for_usage", "team_size", "threads_for", "threads_beside_busy_cores"]
+__all__ = ["dtype_code", "team_for_usage", "team_size", "threads_for"]
 
 # csrc/threads.cc: the OpenMP team a kernel runs on, the cores other processes keep busy given up.
 # Every kernel's parallel region asks dualop_team_size itself; these serve Python callers and tests.
@@ -44,22 +42,3 @@ def team_for_usage(requested: int, cores: int, others_busy_cores: float) -> int:
     """The rule ``team_size`` applies: of ``cores``, those other processes keep busy more than half
     the time are taken; at least 1 and at most ``requested`` threads run."""
     return int(_TEAM_FOR_USAGE(requested=int(requested), cores=int(cores), others_busy_cores=float(others_busy_cores)))
-
-
-@contextlib.contextmanager
-def threads_beside_busy_cores() -> Iterator[int]:
-    """torch's CPU thread count lowered, for the block, to ``team_size`` of it (restored after), so
-    torch's own ops (the GEMMs) leave the cores other processes keep busy as dualop's kernels do.
-    Yields the count the block runs with."""
-    import torch
-
-    configured = torch.get_num_threads()
-    team = team_size(configured) if configured > 1 else configured
-    if team == configured:
-        yield configured
-        return
-    torch.set_num_threads(team)
-    try:
-        yield team
-    finally:
-        torch.set_num_threads(configured)
