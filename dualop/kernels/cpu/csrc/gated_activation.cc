@@ -21,20 +21,50 @@ DUALOP_INLINE float activate(float g) {
   }
 }
 
+// The next row's gate, up and output lines, fetched into L2 while this row is computed. A row's
+// halves are short streams (a 4096-wide bfloat16 row is one 4 KB page each), and the hardware
+// prefetchers stop at page boundaries, so without this every row began with misses (measured: 4096 x
+// 4096 bfloat16 from memory, 2.0 -> 1.55 ms at 2 threads). Only where the rows outgrow the caches.
+template <class T>
+struct NextRow {
+  const T* gate = nullptr;
+  const T* up = nullptr;
+  T* out = nullptr;
+
+  // at element `at` of each stream, once per 64-byte line
+  DUALOP_INLINE void fetch(int64_t at) const {
+    if (gate == nullptr || at % (64 / static_cast<int64_t>(sizeof(T))) != 0) return;
+    __builtin_prefetch(gate + at, 0, 2);  // read, into L2
+    __builtin_prefetch(up + at, 0, 2);
+    __builtin_prefetch(out + at, 1, 2);  // to be written: fetched for ownership
+  }
+};
+
+// Whether rows [0, rows) split over `threads` are too many to stay in the caches between calls.
+template <class T>
+static bool rows_outgrow_caches(int64_t rows, int64_t d, int threads) {
+  return rows / (threads > 0 ? threads : 1) * 3 * d * static_cast<int64_t>(sizeof(T)) > (int64_t(1) << 20);
+}
+
 template <class T, int kAct>
 static void gated_rows(const T* __restrict x, T* __restrict out, int64_t rows, int64_t d, bool act_on_first,
                        int threads) {
   const int64_t gate_col = act_on_first ? 0 : d;
   const int64_t up_col = act_on_first ? d : 0;
-#pragma omp parallel for schedule(static) num_threads(dualop_team_size(threads))
+  threads = dualop_team_size(threads);
+  const bool prefetch = rows_outgrow_caches<T>(rows, d, threads);
+#pragma omp parallel for schedule(static) num_threads(threads)
   for (int64_t row = 0; row < rows; ++row) {
     const T* __restrict gate = x + row * 2 * d + gate_col;
     const T* __restrict up = x + row * 2 * d + up_col;
     T* __restrict o = out + row * d;
+    NextRow<T> next;
+    if (prefetch && row + 1 < rows) next = {gate + 2 * d, up + 2 * d, o + d};
     int64_t start = 0;
 #ifdef DUALOP_HAVE_AVX512
     if constexpr (kAct == kSilu && std::is_same_v<T, bf16>) {
       for (; start + 32 <= d; start += 32) {  // gate, up and out all in load_bf16's even/odd order
+        next.fetch(start);
         __m512 g_even, g_odd, u_even, u_odd;
         avx512::load_bf16(gate + start, g_even, g_odd);
         avx512::load_bf16(up + start, u_even, u_odd);
@@ -48,6 +78,7 @@ static void gated_rows(const T* __restrict x, T* __restrict out, int64_t rows, i
 #ifdef DUALOP_HAVE_AVX2
     if constexpr (kAct == kSilu && std::is_same_v<T, bf16>) {
       for (; start + 16 <= d; start += 16) {
+        next.fetch(start);
         __m256 g_lo, g_hi, u_lo, u_hi;
         avx2::load_bf16(gate + start, g_lo, g_hi);
         avx2::load_bf16(up + start, u_lo, u_hi);
@@ -55,12 +86,16 @@ static void gated_rows(const T* __restrict x, T* __restrict out, int64_t rows, i
       }
     }
     if constexpr (kAct == kSilu && std::is_same_v<T, float>) {
-      for (; start + 8 <= d; start += 8)
+      for (; start + 8 <= d; start += 8) {
+        next.fetch(start);
         _mm256_storeu_ps(o + start, _mm256_mul_ps(avx2::silu(_mm256_loadu_ps(gate + start)), _mm256_loadu_ps(up + start)));
+      }
     }
     if constexpr (kAct == kGelu && std::is_same_v<T, float>) {
-      for (; start + 8 <= d; start += 8)
+      for (; start + 8 <= d; start += 8) {
+        next.fetch(start);
         _mm256_storeu_ps(o + start, _mm256_mul_ps(avx2::gelu(_mm256_loadu_ps(gate + start)), _mm256_loadu_ps(up + start)));
+      }
     }
 #endif
 #pragma omp simd
@@ -88,16 +123,21 @@ static void gated_table_rows(const float* __restrict table, const T* __restrict 
                              int64_t d, bool act_on_first, int threads) {
   const int64_t gate_col = act_on_first ? 0 : d;
   const int64_t up_col = act_on_first ? d : 0;
-#pragma omp parallel for schedule(static) num_threads(dualop_team_size(threads))
+  threads = dualop_team_size(threads);
+  const bool prefetch = rows_outgrow_caches<T>(rows, d, threads);
+#pragma omp parallel for schedule(static) num_threads(threads)
   for (int64_t row = 0; row < rows; ++row) {
     const T* __restrict gate = x + row * 2 * d + gate_col;
     const T* __restrict up = x + row * 2 * d + up_col;
     T* __restrict o = out + row * d;
+    NextRow<T> next;
+    if (prefetch && row + 1 < rows) next = {gate + 2 * d, up + 2 * d, o + d};
     int64_t start = 0;
 #ifdef DUALOP_HAVE_AVX2
     if constexpr (std::is_same_v<T, bf16>) {
       const __m256i zero = _mm256_setzero_si256();
       for (; start + 16 <= d; start += 16) {
+        next.fetch(start);
         const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(gate + start));
         const __m256 a_lo = _mm256_i32gather_ps(table, _mm256_unpacklo_epi16(bits, zero), 4);
         const __m256 a_hi = _mm256_i32gather_ps(table, _mm256_unpackhi_epi16(bits, zero), 4);

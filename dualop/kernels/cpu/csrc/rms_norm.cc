@@ -324,7 +324,7 @@ static void rms_norm_rows_avx512(const T* x, const T* residual, const WeightIn& 
     return rms_norm_range_avx512<T, kResidual, kWeight>(x, residual, weight, out, residual_out, 0, rows, hidden,
                                                            eps, weight_finite);
   if (threads > rows) threads = static_cast<int>(rows);
-#pragma omp parallel num_threads(dualop_team_size(threads))
+#pragma omp parallel num_threads(threads)  // the team asked for above
   {
     const int64_t team = omp_get_num_threads(), me = omp_get_thread_num();
     rms_norm_range_avx512<T, kResidual, kWeight>(x, residual, weight, out, residual_out, rows * me / team,
@@ -399,7 +399,7 @@ static void rms_norm_rows(const T* x, const T* residual, const WeightIn& given, 
     return rms_norm_range<T, kResidual, kWeight>(x, residual, weight, out, residual_out, 0, rows, hidden, eps,
                                                  weight_finite);
   if (threads > rows) threads = static_cast<int>(rows);
-#pragma omp parallel num_threads(dualop_team_size(threads))
+#pragma omp parallel num_threads(threads)  // the team asked for above
   {
     const int64_t team = omp_get_num_threads(), me = omp_get_thread_num();
     rms_norm_range<T, kResidual, kWeight>(x, residual, weight, out, residual_out, rows * me / team,

@@ -55,7 +55,7 @@ template <class F>
 static void split_tokens(int64_t tokens, int threads, const F& range) {
   threads = dualop_team_size(threads);
   if (threads <= 1 || tokens < 2) return range(0, tokens);
-#pragma omp parallel num_threads(dualop_team_size(threads))
+#pragma omp parallel num_threads(threads)  // the team asked for above
   {
     const int64_t team = omp_get_num_threads(), me = omp_get_thread_num();
     range(tokens * me / team, tokens * (me + 1) / team);
