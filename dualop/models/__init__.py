@@ -23,6 +23,7 @@ from typing import Any
 
 from dualop.models.checkpoint import Checkpoint, CheckpointError
 from dualop.models.engine import CausalLM, ServingConfig, StepStats
+from dualop.models.quantized import read_quantization
 
 __all__ = ["from_pretrained", "ARCHITECTURES", "CausalLM", "ServingConfig", "StepStats", "CheckpointError"]
 
@@ -62,8 +63,10 @@ def from_pretrained(path: str | os.PathLike, frontend: str = "torch", dtype: Any
     ``progress(name)`` is called after each parameter is loaded.
 
     Errors (``ValueError``, nothing loaded): an architecture not in ``ARCHITECTURES``, a quantized
-    checkpoint (a ``quantization_config`` in config.json or tensors of a quantized dtype: dualop reads
-    float checkpoints only, for now), a missing tensor or one of the wrong shape (``CheckpointError``
+    checkpoint (a ``quantization_config`` in config.json, or tensors of a quantized dtype without
+    one: its layout is checked first, ``dualop.models.quantized``, and a ``quant_method`` outside
+    ``SUPPORTED_METHODS`` or a tensor that does not fit it is named; the models read float
+    checkpoints only, for now), a missing tensor or one of the wrong shape (``CheckpointError``
     lists them), a bad option."""
     import importlib
 
@@ -78,7 +81,12 @@ def from_pretrained(path: str | os.PathLike, frontend: str = "torch", dtype: Any
     if target is None:
         raise ValueError(f"from_pretrained: architecture {arch!r} (config.json of {ckpt.path!r}) is not supported; "
                          f"supported: {', '.join(sorted(ARCHITECTURES))}")
-    ckpt.refuse_quantized()
+    quantization = read_quantization(ckpt)  # a format dualop cannot follow is refused here, nothing read
+    if quantization is not None:
+        raise CheckpointError(
+            f"from_pretrained: the checkpoint {ckpt.path!r} is quantized (quant_method {quantization.method!r}, "
+            f"{quantization.summary()}); dualop reads this format's layout but its models do not take quantized "
+            "weights yet: use a float (float32, bfloat16 or float16) checkpoint of the model; nothing was loaded")
     serving = ServingConfig(max_model_len, max_num_seqs, max_num_batched_tokens, page_size)
     dtype_name = _dtype_name(dtype, ckpt.config)
     fe = make_frontend(frontend, tp)

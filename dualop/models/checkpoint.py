@@ -4,11 +4,10 @@
 ``Checkpoint(path)`` reads the config and every file's header (names, shapes, dtypes) up front;
 ``check(expected)`` compares the tensors a model needs with what is there and raises one
 ``ValueError`` listing every missing tensor and every wrong shape, before any tensor is read, so
-a bad checkpoint never leaves a model half-loaded. ``refuse_quantized()`` refuses, also before any
-tensor is read, a quantized checkpoint (a ``quantization_config`` in config.json, or float8 / 8-,
-16- or 32-bit integer tensors): dualop reads float checkpoints only, and reading quantized weights
-as floats would give wrong logits (torch) or fail on a dtype numpy lacks (jax). ``get(name, framework)`` then reads one tensor
-as a torch tensor (``"pt"``) or a jax array (``"flax"``), in the checkpoint's dtype.
+a bad checkpoint never leaves a model half-loaded (a quantized one is read by
+``dualop.models.quantized``, from the same header). ``get(name, framework)`` then reads one tensor
+as a torch tensor (``"pt"``), a jax array (``"flax"``) or a numpy array (``"numpy"``), in the
+checkpoint's dtype.
 """
 
 from __future__ import annotations
@@ -62,24 +61,6 @@ class Checkpoint:
                     self._file_of[key] = file
         self._handles: dict[tuple[str, str], Any] = {}
 
-    def refuse_quantized(self) -> None:
-        """Raise a ``CheckpointError`` for a quantized checkpoint (see the module docstring), naming
-        its quantization method (``quant_method``) or the first tensors of a quantized dtype."""
-        quant = self.config.get("quantization_config")
-        if quant is not None:
-            method = quant.get("quant_method", "?") if isinstance(quant, Mapping) else "?"
-            raise CheckpointError(
-                f"from_pretrained: the checkpoint {self.path!r} is quantized (config.json has a quantization_config, "
-                f"quant_method {method!r}); dualop does not read quantized checkpoints yet: use a float (float32, "
-                f"bfloat16 or float16) checkpoint of the model; nothing was loaded")
-        quantized = [f"{name} ({dtype})" for name, dtype in self.dtypes.items() if dtype in QUANTIZED_DTYPES]
-        if quantized:
-            raise CheckpointError(
-                f"from_pretrained: the checkpoint {self.path!r} holds tensors of quantized dtypes ({len(quantized)}: "
-                + ", ".join(quantized[:4]) + (" ..." if len(quantized) > 4 else "")
-                + ") though config.json has no quantization_config; dualop does not read quantized checkpoints yet: "
-                  "use a float (float32, bfloat16 or float16) checkpoint of the model; nothing was loaded")
-
     def check(self, expected: Mapping[str, tuple[int, ...]]) -> None:
         """Raise a ``CheckpointError`` naming every tensor of ``expected`` ({name: shape}) that is
         missing or has another shape."""
@@ -99,7 +80,7 @@ class Checkpoint:
         raise CheckpointError("\n  ".join(lines))
 
     def get(self, name: str, framework: str) -> Any:
-        """Tensor ``name`` as ``framework``'s array ("pt": torch, "flax": jax), checkpoint dtype."""
+        """Tensor ``name`` as ``framework``'s array ("pt": torch, "flax": jax, "numpy"), checkpoint dtype."""
         from safetensors import safe_open
 
         file = self._file_of[name]
