@@ -46,6 +46,7 @@ from dualop.kernels import cost as cost_model
 from dualop.kernels.cost import KernelCost
 from dualop.kernels.registry import KernelRef
 from dualop.ops._checks import check_array, check_optional_like
+from dualop.ops.quantized_weight import QuantizedWeight, quantize_activations
 from dualop.parallel import TensorParallel, current_tensor_parallel, divide, qkv_layout
 from dualop.platforms import family_of, frontend_of
 from dualop.spec import BenchCase, InputSpec, Serving, float32_normal as _normal, rows_of
@@ -94,10 +95,16 @@ def _rank_slice(x: Any, rank: Any, size: int, axis: int = -1) -> Any:
 
 def _native_gemm(x: Any, weight: Any, bias: Any = None) -> Any:
     """The reference GEMM: operands upcast to float32, multiplied at full float32 precision, the
-    bias added in float32, one cast to ``x``'s dtype."""
+    bias added in float32, one cast to ``x``'s dtype. A ``QuantizedWeight`` is dequantised by its
+    scheme's definition, and ``x`` first quantized as the scheme's W8A8 GEMM quantizes it
+    (``quantize_activations``; weight-only schemes take ``x`` as it is)."""
     xp = array_namespace(x)
-    weight = unpacked(weight)  # a weight packed for oneDNN by its owner: its plain values
-    y = xp.einsum("...k,nk->...n", xp.astype(x, xp.float32), xp.astype(weight, xp.float32))
+    if isinstance(weight, QuantizedWeight):
+        xf, wf = quantize_activations(x, weight), weight.dequantize()
+    else:
+        weight = unpacked(weight)  # a weight packed for oneDNN by its owner: its plain values
+        xf, wf = xp.astype(x, xp.float32), xp.astype(weight, xp.float32)
+    y = xp.einsum("...k,nk->...n", xf, wf)
     if bias is not None:
         y = y + xp.astype(bias, xp.float32)
     return xp.astype(y, x.dtype)
@@ -106,6 +113,10 @@ def _native_gemm(x: Any, weight: Any, bias: Any = None) -> Any:
 def _jax_gpu_linear(x: Any, weight: Any, bias: Any) -> Any:
     """jax arrays on a GPU: XLA's dot (cuBLAS); a CPU backend standing in upcasts (see the kernel)."""
     import jax
+
+    if isinstance(weight, QuantizedWeight):
+        raise NotImplementedError(f"no GPU GEMM takes {weight.quant.describe()} weights yet: the native body "
+                                  "dequantizes them")
 
     return _XLA_LINEAR(x, weight, bias, interpret=jax.default_backend() == "cpu")
 
@@ -127,7 +138,27 @@ def packed_weight(weight: Any) -> Any:
 
 def _torch_linear(x: Any, weight: Any, bias: Any) -> Any:
     """``F.linear``, or oneDNN's GEMM on a weight its owner packed (``kernels/cpu/linear.py``)."""
+    if isinstance(weight, QuantizedWeight):
+        raise NotImplementedError(f"no GEMM of this platform takes {weight.quant.describe()} weights yet: the native "
+                                  "body dequantizes them")
     return packed_matmul(x, weight, bias)
+
+
+def _torch_cpu_linear(x: Any, weight: Any, bias: Any) -> Any:
+    """torch on the CPU: int8 weight-only per-channel weights through torch's own int8 GEMM
+    (``torch._weight_int8pack_mm``: the int8 codes and per-row scales as they are, never a float
+    weight), anything else as ``_torch_linear``."""
+    if isinstance(weight, QuantizedWeight):
+        q = weight.quant
+        if (q.codes, q.strategy, q.layout, q.symmetric, q.activations) == ("int8", "channel", "plain", True, "none"):
+            import torch
+
+            lead, k = x.shape[:-1], x.shape[-1]
+            y = torch._weight_int8pack_mm(x.reshape(-1, k).contiguous(), weight.codes,
+                                          weight.scale.reshape(-1).to(x.dtype))
+            y = y.reshape(*lead, y.shape[-1])
+            return y if bias is None else (y.float() + bias.float()).to(x.dtype)
+    return _torch_linear(x, weight, bias)
 
 
 class _Linear(CustomOp):
@@ -174,8 +205,11 @@ class _Linear(CustomOp):
         if weight is None:
             raise ValueError(f"{op}: argument 'weight' is required (shape "
                              f"({self.output_size_per_partition}, {self.input_size_per_partition}))")
-        check_optional_like(op, "weight", weight, "x", x, fe, same_dtype=True,
-                            shape=(self.output_size_per_partition, self.input_size_per_partition))
+        if isinstance(weight, QuantizedWeight):
+            weight.check(op, "weight", x, fe, (self.output_size_per_partition, self.input_size_per_partition))
+        else:
+            check_optional_like(op, "weight", weight, "x", x, fe, same_dtype=True,
+                                shape=(self.output_size_per_partition, self.input_size_per_partition))
         if bias is not None and not self.has_bias:
             raise ValueError(f"{op}: argument 'bias' must be None for an op built with bias=False")
         check_optional_like(op, "bias", bias, "x", x, fe, same_dtype=True, shape=(self.bias_size,))
@@ -216,8 +250,10 @@ class _Linear(CustomOp):
     serves = {"forward_cuda": Serves(ALL_FRONTENDS), "forward_hip": Serves(ALL_FRONTENDS)}
 
     def forward_cpu(self, x: Any, weight: Any, bias: Any = None) -> Any:
-        """torch on the CPU: ``F.linear`` (oneDNN / MKL addmm, the bias in its epilogue)."""
-        return self._apply(_torch_linear, x, weight, bias)
+        """torch on the CPU: ``F.linear`` (oneDNN / MKL addmm, the bias in its epilogue); int8
+        weight-only per-channel weights ``torch._weight_int8pack_mm``; other quantized weights
+        decline to the native body (no CPU GEMM of theirs yet)."""
+        return self._apply(_torch_cpu_linear, x, weight, bias)
 
     def forward_cuda(self, x: Any, weight: Any, bias: Any = None) -> Any:
         """torch on a GPU: ``F.linear`` (cuBLAS / hipBLASLt); jax arrays: XLA's dot (cuBLAS)."""
@@ -229,6 +265,9 @@ class _Linear(CustomOp):
         Pallas bridge (jax gets the native body's gradient)."""
 
         def gemm(x, weight, bias):
+            if isinstance(weight, QuantizedWeight):
+                raise NotImplementedError(f"no TPU kernel takes {weight.quant.describe()} weights yet: the native "
+                                          "body dequantizes them")
             return call_jax_function(frontend_of(x), _XLA_LINEAR, x, weight, bias, native=_native_gemm)
 
         return self._apply(gemm, x, weight, bias)

@@ -49,6 +49,11 @@ def maximum(x: torch.Tensor, y) -> torch.Tensor:
     return torch.maximum(x, y)
 
 
+def round(x: torch.Tensor) -> torch.Tensor:  # noqa: A001 - the array API's name
+    """To the nearest integer, halves to even."""
+    return torch.round(x)
+
+
 def where(cond: torch.Tensor, x, y) -> torch.Tensor:
     return torch.where(cond, x, y)
 

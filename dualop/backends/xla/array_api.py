@@ -44,6 +44,11 @@ def maximum(x: jax.Array, y) -> jax.Array:
     return jnp.maximum(x, y)
 
 
+def round(x: jax.Array) -> jax.Array:  # noqa: A001 - the array API's name
+    """To the nearest integer, halves to even."""
+    return jnp.round(x)
+
+
 def where(cond: jax.Array, x, y) -> jax.Array:
     return jnp.where(cond, x, y)
 
