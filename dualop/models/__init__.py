@@ -23,7 +23,6 @@ from typing import Any
 
 from dualop.models.checkpoint import Checkpoint, CheckpointError
 from dualop.models.engine import CausalLM, ServingConfig, StepStats
-from dualop.models.quantized import read_quantization
 
 __all__ = ["from_pretrained", "ARCHITECTURES", "CausalLM", "ServingConfig", "StepStats", "CheckpointError"]
 
@@ -54,7 +53,8 @@ def _dtype_name(dtype: Any, config: dict[str, Any]) -> str:
 
 def from_pretrained(path: str | os.PathLike, frontend: str = "torch", dtype: Any = None, tp: int = 1, *,
                     max_model_len: int = 512, max_num_seqs: int = 8, max_num_batched_tokens: int = 256,
-                    page_size: int = 16, progress: Callable[[str], None] | None = None) -> CausalLM:
+                    page_size: int = 16, progress: Callable[[str], None] | None = None,
+                    weight_only: bool = False) -> CausalLM:
     """The model in the checkpoint directory ``path``, built from dualop ops in ``frontend``
     ("torch" or "jax"), its parameters in ``dtype`` (None: the config's), sharded over ``tp``
     ranks (torch: call in each of ``tp`` processes of an initialised torch.distributed group;
@@ -62,12 +62,16 @@ def from_pretrained(path: str | os.PathLike, frontend: str = "torch", dtype: Any
     ``max_num_batched_tokens`` and ``page_size`` size the caches and the batch (``ServingConfig``).
     ``progress(name)`` is called after each parameter is loaded.
 
+    Quantized checkpoints (``fp8``, ``compressed-tensors``, ``awq``: ``dualop.models.quantized``)
+    load with their linear weights kept quantized (``dualop.ops.QuantizedWeight``), ``tp=1``; their
+    activations are quantized as the checkpoint says (W8A8), or not at all with ``weight_only``
+    (what hardware without 8-bit matrix units runs, and transformers' CPU loading computes).
+
     Errors (``ValueError``, nothing loaded): an architecture not in ``ARCHITECTURES``, a quantized
-    checkpoint (a ``quantization_config`` in config.json, or tensors of a quantized dtype without
-    one: its layout is checked first, ``dualop.models.quantized``, and a ``quant_method`` outside
-    ``SUPPORTED_METHODS`` or a tensor that does not fit it is named; the models read float
-    checkpoints only, for now), a missing tensor or one of the wrong shape (``CheckpointError``
-    lists them), a bad option."""
+    checkpoint dualop cannot follow (a ``quant_method`` outside ``SUPPORTED_METHODS``, a tensor
+    that does not fit its config, tensors of a quantized dtype without one, a quantized layer the
+    model reads no linear weight from, tensor parallelism), a missing tensor or one of the wrong
+    shape (``CheckpointError`` lists them), a bad option."""
     import importlib
 
     from dualop.models.frontends import make_frontend
@@ -81,15 +85,11 @@ def from_pretrained(path: str | os.PathLike, frontend: str = "torch", dtype: Any
     if target is None:
         raise ValueError(f"from_pretrained: architecture {arch!r} (config.json of {ckpt.path!r}) is not supported; "
                          f"supported: {', '.join(sorted(ARCHITECTURES))}")
-    quantization = read_quantization(ckpt)  # a format dualop cannot follow is refused here, nothing read
-    if quantization is not None:
-        raise CheckpointError(
-            f"from_pretrained: the checkpoint {ckpt.path!r} is quantized (quant_method {quantization.method!r}, "
-            f"{quantization.summary()}); dualop reads this format's layout but its models do not take quantized "
-            "weights yet: use a float (float32, bfloat16 or float16) checkpoint of the model; nothing was loaded")
     serving = ServingConfig(max_model_len, max_num_seqs, max_num_batched_tokens, page_size)
     dtype_name = _dtype_name(dtype, ckpt.config)
     fe = make_frontend(frontend, tp)
     module, cls = target.split(":")
     model_class = getattr(importlib.import_module(module), cls)
-    return model_class(ckpt, fe, dtype_name, serving, progress)
+    if not isinstance(weight_only, bool):
+        raise TypeError(f"from_pretrained: weight_only must be a bool, got {weight_only!r}")
+    return model_class(ckpt, fe, dtype_name, serving, progress, weight_only=weight_only)

@@ -84,6 +84,8 @@ class Checkpoint:
         from safetensors import safe_open
 
         file = self._file_of[name]
+        if framework != "pt" and self.dtypes[name] in _ML_DTYPES:
+            return _read_ml_dtype(file, name, self.dtypes[name], framework)
         handle = self._handles.get((file, framework))
         if handle is None:
             handle = self._handles[(file, framework)] = safe_open(file, framework=framework)
@@ -92,3 +94,28 @@ class Checkpoint:
     def close(self) -> None:
         """Drop the open file handles (the tensors already read stay valid)."""
         self._handles.clear()
+
+
+# safetensors dtypes numpy has no type of its own for: read through ml_dtypes' (jax's) types, since
+# safetensors' numpy and flax readers cannot convert them.
+_ML_DTYPES = {"F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2", "F8_E8M0": "float8_e8m0fnu"}
+
+
+def _read_ml_dtype(file: str, name: str, dtype: str, framework: str) -> Any:
+    """Tensor ``name`` of a safetensors ``file`` read from its bytes (the format: an 8-byte
+    little-endian header length, a JSON header of dtypes, shapes and data offsets, the data)."""
+    import ml_dtypes
+    import numpy as np
+
+    with open(file, "rb") as f:
+        header_len = int.from_bytes(f.read(8), "little")
+        entry = json.loads(f.read(header_len))[name]
+        begin, end = entry["data_offsets"]
+        f.seek(8 + header_len + begin)
+        raw = f.read(end - begin)
+    array = np.frombuffer(raw, dtype=getattr(ml_dtypes, _ML_DTYPES[dtype])).reshape(entry["shape"])
+    if framework == "flax":
+        import jax.numpy as jnp
+
+        return jnp.asarray(array)
+    return array.copy()

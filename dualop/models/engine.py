@@ -41,7 +41,8 @@ import numpy as np
 
 from dualop.models.checkpoint import Checkpoint
 from dualop.models.frontends import CacheSpec, Frontend
-from dualop.models.params import Param
+from dualop.models.params import Param, with_quantization
+from dualop.models.quantized import read_quantization
 
 __all__ = ["CausalLM", "ServingConfig", "StepStats"]
 
@@ -120,8 +121,11 @@ class CausalLM:
     position_rows = 0  # 0: a step's positions are [T]; R > 0: [R, T] (``token_positions``)
 
     def __init__(self, ckpt: Checkpoint, frontend: Frontend, dtype: str, serving: ServingConfig,
-                 progress: Callable[[str], None] | None = None) -> None:
+                 progress: Callable[[str], None] | None = None, *, weight_only: bool = False) -> None:
         plan = self._setup(ckpt.config, frontend, dtype, serving, ckpt.path)
+        # quantized layers (a layout dualop cannot follow refused here, before anything is read)
+        self.quantization = read_quantization(ckpt)
+        plan = self.plan = with_quantization(plan, self.quantization, frontend.tp_size, weight_only)
         expected: dict[str, tuple[int, ...]] = {}
         for p in plan:
             expected.update(p.expected)

@@ -56,13 +56,21 @@ class Frontend:
                     progress: Callable[[str], None] | None = None) -> dict[str, Any]:
         """Every parameter, built from the checkpoint (``get``) and cast to ``dtype`` (float32 for
         the names ``keep_float32`` picks), as this frontend holds it."""
+        from dualop.ops.quantized_weight import QuantizedWeight
+
         out = {}
         for p in params:
             ranks = self.local_ranks()
-            parts = [self.cast(p.build(get, rank), "float32" if keep_float32(p.name) else dtype) for rank in ranks]
-            out[p.name] = self.place(parts, p.split_dim)
-            if p.packable:
-                out[p.name] = self.packed(out[p.name])
+            built = [p.build(get, rank) for rank in ranks]
+            if isinstance(built[0], QuantizedWeight):  # codes and scales kept as stored (tp=1: one part)
+                w = built[0]
+                out[p.name] = QuantizedWeight(w.quant, shape=w.shape, **{k: self.place([self.on_device(v)], None)
+                                                                         for k, v in w.arrays().items()})
+            else:
+                parts = [self.cast(b, "float32" if keep_float32(p.name) else dtype) for b in built]
+                out[p.name] = self.place(parts, p.split_dim)
+                if p.packable:
+                    out[p.name] = self.packed(out[p.name])
             if progress is not None:
                 progress(p.name)
         return out
@@ -71,6 +79,10 @@ class Frontend:
         """A GEMM weight (``Param.packable``) in the layout this frontend's GEMM reads fastest: as
         it is, unless the frontend packs."""
         return weight
+
+    def on_device(self, x: Any) -> Any:
+        """``x`` (a checkpoint tensor) on this frontend's device, its dtype kept."""
+        raise NotImplementedError
 
     def local_ranks(self) -> list[int]:
         raise NotImplementedError
@@ -124,6 +136,9 @@ class TorchFrontend(Frontend):
 
     def cast(self, x: Any, dtype: str) -> Any:
         return x.to(device=self.device, dtype=getattr(self.torch, dtype)).contiguous()
+
+    def on_device(self, x: Any) -> Any:
+        return x.to(device=self.device).contiguous()
 
     def place(self, parts: Sequence[Any], split_dim: int | None) -> Any:
         return parts[0]
@@ -190,6 +205,11 @@ class JaxFrontend(Frontend):
         import jax.numpy as jnp
 
         return jnp.asarray(x).astype(dtype)
+
+    def on_device(self, x: Any) -> Any:
+        import jax.numpy as jnp
+
+        return jnp.asarray(x)
 
     def _spec(self, ndim: int, split_dim: int | None):
         from jax.sharding import PartitionSpec

@@ -17,7 +17,7 @@ import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
 
-__all__ = ["Param", "whole", "linear", "split", "vocab", "stacked"]
+__all__ = ["Param", "whole", "linear", "split", "vocab", "stacked", "with_quantization"]
 
 Getter = Callable[[str], Any]
 
@@ -34,6 +34,10 @@ class Param:
     split_dim: int | None
     build: Callable[[Getter, int], Any]
     packable: bool = False
+    # a linear op's weight: the op and its checkpoint sources [(tensor, loaded_shard_id)], which
+    # ``with_quantization`` reads where the checkpoint stores that weight quantized
+    linear_op: Any = None
+    sources: tuple[tuple[str, Any], ...] = ()
 
 
 def _slice(x: Any, dim: int, start: int, stop: int) -> Any:
@@ -90,7 +94,8 @@ def linear(name: str, op: Any, sources: Sequence[tuple[str, Any]], param: str = 
         pieces.sort(key=lambda p: p[0])
         return _concat([p for _, p in pieces], 0 if dim is None else dim)
 
-    return Param(name, expected, dim if op.tp.size > 1 else None, build, packable and param == "weight")
+    return Param(name, expected, dim if op.tp.size > 1 else None, build, packable and param == "weight",
+                 op if param == "weight" else None, tuple(sources) if param == "weight" else ())
 
 
 def vocab(name: str, tensor: str, op: Any, *, packable: bool = False) -> Param:
@@ -129,3 +134,130 @@ def stacked(name: str, tensors: Sequence[Sequence[str]], shapes: Sequence[Sequen
         return _concat(experts, 0)
 
     return Param(name, expected, dim + 1 if tp > 1 else None, build)
+
+
+# --- quantized checkpoints ------------------------------------------------------------------------
+
+def _weight_quant(layer: Any, weight_only: bool) -> Any:
+    """The ``WeightQuant`` of a checkpoint's quantized layer (``dualop.models.quantized``)."""
+    from dualop.ops.quantized_weight import WeightQuant
+
+    codes = "fp8" if layer.scheme == "fp8" else f"int{layer.bits}"
+    return WeightQuant(codes, layer.strategy, group_size=layer.group_size, block=layer.block,
+                       symmetric=layer.symmetric, layout=layer.layout,
+                       activations="none" if weight_only else layer.activations)
+
+
+def with_quantization(plan: Sequence[Param], quantization: Any, tp_size: int,
+                      weight_only: bool = False) -> list[Param]:
+    """``plan`` with each linear weight the checkpoint stores quantized (``quantization``: a
+    ``dualop.models.quantized.QuantizedCheckpoint``) built as a ``QuantizedWeight`` of its codes and
+    scales, kept quantized. A fused weight (QKV, gate/up) takes its parts' codes side by side along
+    the output features; per-tensor scales of several parts become per-channel ones (each part's
+    scale on its rows, exactly), and their static activation scales the largest (as the engine
+    does). ``weight_only``: activations stay unquantized whatever the checkpoint says (its static
+    input scales unread). Raises ``CheckpointError`` (nothing read yet) where the model cannot take the layout:
+    tensor parallelism, a fused weight with quantized and float parts or parts of different
+    schemes, or a quantized layer no linear op of the model reads (an LM head, experts)."""
+    from dualop.models.checkpoint import CheckpointError
+
+    if quantization is None:
+        return list(plan)
+    layers = quantization.linears
+    out, used, problems = [], set(), []
+    for p in plan:
+        parts = [layers.get(tensor.removesuffix(".weight")) for tensor, _ in p.sources]
+        if not p.sources or not any(parts):
+            out.append(p)
+            continue
+        used.update(q.layer for q in parts if q is not None)
+        if not all(parts):
+            problems.append(f"{p.name}: fuses quantized and float checkpoint layers "
+                            f"({', '.join(t for t, _ in p.sources)})")
+            continue
+        try:
+            quants = {_weight_quant(q, weight_only) for q in parts}
+        except ValueError as err:
+            problems.append(f"{p.name}: {err}")
+            continue
+        if len(quants) > 1:
+            problems.append(f"{p.name}: its parts are quantized differently ({'; '.join(q.describe() for q in quants)})")
+            continue
+        if tp_size > 1:
+            problems.append(f"{p.name}: quantized weights load with tp=1 for now (asked: tp={tp_size})")
+            continue
+        out.append(_quantized_param(p, parts, quants.pop()))
+    unused = sorted(set(layers) - used)
+    if unused:
+        problems.append(f"quantized layers this model reads no linear weight from ({len(unused)}): "
+                        + ", ".join(unused[:4]) + (" ..." if len(unused) > 4 else ""))
+    if problems:
+        raise CheckpointError(f"from_pretrained: the {quantization.method!r} quantized checkpoint cannot be "
+                              "loaded into this model; nothing was loaded\n  " + "\n  ".join(problems))
+    return out
+
+
+def _quantized_param(p: Param, parts: Sequence[Any], quant: Any) -> Param:
+    """``p`` (a linear weight) from its parts' codes, scales, zero points and input scales."""
+    from dualop.ops.quantized_weight import QuantizedWeight, WeightQuant
+
+    fused = len(parts) > 1
+    n = sum(q.shape[0] for q in parts)
+    k = parts[0].shape[1]
+    axis = 1 if quant.layout == "awq" else 0  # the output features' axis of codes, scales, zero points
+    final = quant
+    if fused and quant.strategy == "tensor":
+        final = WeightQuant(quant.codes, "channel", symmetric=quant.symmetric, layout=quant.layout,
+                            activations=quant.activations)
+    expected = {}
+    for q in parts:
+        expected[q.tensors["codes"]] = quant.codes_shape(*q.shape)
+        if "zero_point" in q.tensors:
+            expected[q.tensors["zero_point"]] = quant.zero_point_shape(*q.shape)
+
+    def build(get: Getter, rank: int) -> Any:
+        arrays: dict[str, list[Any]] = {"codes": [], "scale": [], "zero_point": [], "input_scale": []}
+        for q in parts:
+            arrays["codes"].append(get(q.tensors["codes"]))
+            scale = _as_float32_if_e8m0(get(q.tensors["scale"]))
+            if quant.strategy == "tensor":  # one element, stored as () or (1,)
+                scale = scale.reshape(1, 1) if final.strategy == "channel" else scale.reshape(1)
+                if final.strategy == "channel":  # a fused weight's per-tensor scales, on each part's rows
+                    scale = _concat([scale] * q.shape[0], 0)
+            arrays["scale"].append(scale)
+            if "zero_point" in q.tensors:
+                arrays["zero_point"].append(get(q.tensors["zero_point"]))
+            if "input_scale" in q.tensors and final.activations == "static":
+                arrays["input_scale"].append(get(q.tensors["input_scale"]).reshape(1))
+        joined = {name: _concat(v, axis) if name != "input_scale" else _largest(v)
+                  for name, v in arrays.items() if v}
+        return QuantizedWeight(final, shape=(n, k), **joined)
+
+    return Param(p.name, expected, None, build, False, p.linear_op, p.sources)
+
+
+def _as_float32_if_e8m0(scale: Any) -> Any:
+    """float8_e8m0 scales (powers of two) as float32, exactly: the linear ops take float scales."""
+    if "e8m0" not in str(scale.dtype):
+        return scale
+    if type(scale).__module__.startswith("torch"):
+        import torch
+
+        return scale.to(torch.float32)
+    import jax.numpy as jnp
+
+    return scale.astype(jnp.float32)
+
+
+def _largest(values: Sequence[Any]) -> Any:
+    out = values[0]
+    for v in values[1:]:
+        if type(v).__module__.startswith("torch"):
+            import torch
+
+            out = torch.maximum(out, v)
+        else:
+            import jax.numpy as jnp
+
+            out = jnp.maximum(out, v)
+    return out

@@ -144,7 +144,7 @@ class Qwen2_5_VLForConditionalGeneration(LlamaForCausalLM):
     position_rows = 3
 
     def __init__(self, ckpt: Checkpoint, frontend: Frontend, dtype: str, serving: ServingConfig,
-                 progress: Callable[[str], None] | None = None) -> None:
+                 progress: Callable[[str], None] | None = None, *, weight_only: bool = False) -> None:
         # transformers >= 4.52 saved ``model.language_model.*`` / ``model.visual.*``; 5.x writes the
         # original layout (``model.*``, ``visual.*``) back, as the hub checkpoints have it.
         nested = "model.language_model.embed_tokens.weight" in ckpt.shapes
@@ -152,7 +152,7 @@ class Qwen2_5_VLForConditionalGeneration(LlamaForCausalLM):
         self.embed_tensor, self.final_norm_tensor = f"{decoder}embed_tokens.weight", f"{decoder}norm.weight"
         self.layers_prefix = f"{decoder}layers."
         self.visual_prefix = "model.visual." if nested else "visual."
-        super().__init__(ckpt, frontend, dtype, serving, progress)
+        super().__init__(ckpt, frontend, dtype, serving, progress, weight_only=weight_only)
         text_eos = self.text_config.get("eos_token_id")
         if not self.eos_token_ids and text_eos is not None:
             self.eos_token_ids = self._eos_ids(text_eos)

@@ -264,6 +264,39 @@ def _scale_shapes(group_shape: GroupShape, lead: tuple[int, ...], hidden: int) -
     return ((*lead, hidden // group_shape.col),)
 
 
+def quantize_fp8_native(x: Any, gs: GroupShape, scale: Any = None, scale_ub: Any = None) -> tuple[Any, Any]:
+    """``quant_fp8``'s native body (the module docstring's contract) for any group shape ``gs``:
+    the op takes groups of multiples of 128 (the engine's kernels); the linear ops' W8A8
+    reference (``quantized_weight``) quantizes activations in any block width."""
+    xp = array_namespace(x)
+    fmt = fp8_format(x)
+    lead, hidden = tuple(x.shape[:-1]), x.shape[-1]
+    xf = xp.astype(x, xp.float32)
+    if gs.is_per_group():
+        xf = xf.reshape((*lead, hidden // gs.col, gs.col))  # (..., groups, g)
+    if scale is None:
+        xla = frontend_of(x) != "torch"
+        if gs.is_per_tensor():
+            if math.prod(x.shape) == 0:
+                amax = xp.asarray([0.0], like=xf, dtype=xp.float32)
+            else:
+                # a 1-D reduction over axis 0 (torch_xla's amax of no dims reduces none)
+                amax = _abs_max(xp, xf.reshape((-1,)), 0, True, xla)
+        else:  # per token: (..., 1); group: (..., groups)
+            amax = _abs_max(xp, xf, -1, gs.is_per_token(), xla)
+            if scale_ub is not None:
+                amax = xp.minimum(amax, xp.astype(scale_ub, xp.float32).reshape(()))
+        scale = xp.maximum(_div_by_fp8_max(xp, amax, fmt.max), fmt.min_scale)
+    else:
+        scale = xp.astype(scale, xp.float32).reshape(_scale_shapes(gs, lead, hidden)[0])
+    inv = 1.0 / scale
+    y = xf * (inv[..., None] if gs.is_per_group() else inv)
+    y = xp.clip(y, -fmt.max, fmt.max)
+    if frontend_of(x) != "torch":  # XLA-backed arrays (jax, torch_xla, torchax)
+        y = _round_to_fp8_grid(xp, y, fmt)
+    return xp.astype(y, getattr(xp, fmt.dtype)).reshape(x.shape), scale
+
+
 @CustomOp.register("quant_fp8")
 class QuantFP8(CustomOp):
     """Quantise activations to fp8 (float8_e4m3fn; float8_e4m3fnuz on ROCm MI300, see
@@ -347,34 +380,7 @@ class QuantFP8(CustomOp):
     # ------------------------------------------------------------------ implementations
 
     def forward_native(self, x: Any, scale: Any = None, scale_ub: Any = None) -> tuple[Any, Any]:
-        xp = array_namespace(x)
-        fmt = fp8_format(x)
-        lead, hidden = tuple(x.shape[:-1]), x.shape[-1]
-        gs = self.group_shape
-        xf = xp.astype(x, xp.float32)
-        if gs.is_per_group():
-            xf = xf.reshape((*lead, hidden // gs.col, gs.col))  # (..., groups, g)
-        if scale is None:
-            xla = frontend_of(x) != "torch"
-            if gs.is_per_tensor():
-                if math.prod(x.shape) == 0:
-                    amax = xp.asarray([0.0], like=xf, dtype=xp.float32)
-                else:
-                    # a 1-D reduction over axis 0 (torch_xla's amax of no dims reduces none)
-                    amax = _abs_max(xp, xf.reshape((-1,)), 0, True, xla)
-            else:  # per token: (..., 1); group: (..., groups)
-                amax = _abs_max(xp, xf, -1, gs.is_per_token(), xla)
-                if scale_ub is not None:
-                    amax = xp.minimum(amax, xp.astype(scale_ub, xp.float32).reshape(()))
-            scale = xp.maximum(_div_by_fp8_max(xp, amax, fmt.max), fmt.min_scale)
-        else:
-            scale = xp.astype(scale, xp.float32).reshape(_scale_shapes(gs, lead, hidden)[0])
-        inv = 1.0 / scale
-        y = xf * (inv[..., None] if gs.is_per_group() else inv)
-        y = xp.clip(y, -fmt.max, fmt.max)
-        if frontend_of(x) != "torch":  # XLA-backed arrays (jax, torch_xla, torchax)
-            y = _round_to_fp8_grid(xp, y, fmt)
-        return xp.astype(y, getattr(xp, fmt.dtype)).reshape(x.shape), scale
+        return quantize_fp8_native(x, self.group_shape, scale, scale_ub)
 
 
     def forward_cpu(self, x: Any, scale: Any = None, scale_ub: Any = None) -> Any:

@@ -241,7 +241,7 @@ class QuantizedWeight:
 def quantize_activations(x: Any, weight: QuantizedWeight) -> Any:
     """``x`` as the engine's W8A8 GEMM sees it: quantized by ``weight``'s activation scheme and
     dequantised again, float32 (``x`` itself in float32 for a weight-only scheme)."""
-    from dualop.ops.quantization import GroupShape, QuantFP8
+    from dualop.ops.quantization import GroupShape, quantize_fp8_native
 
     q, xp = weight.quant, array_namespace(x)
     xf = xp.astype(x, xp.float32)
@@ -251,7 +251,7 @@ def quantize_activations(x: Any, weight: QuantizedWeight) -> Any:
     if q.codes == "fp8":
         group = (GroupShape(1, q.block[1]) if q.strategy == "block" else
                  GroupShape.PER_TENSOR if static or q.strategy == "tensor" else GroupShape.PER_TOKEN)
-        codes, scale = QuantFP8(static, group).forward_native(x, weight.input_scale if static else None)
+        codes, scale = quantize_fp8_native(x, group, weight.input_scale if static else None)
         codes = xp.astype(codes, xp.float32)
         if group.is_per_group():
             lead = tuple(x.shape[:-1])

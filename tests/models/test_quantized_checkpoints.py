@@ -217,12 +217,19 @@ def test_awq_gemm_checkpoint_is_read_and_its_mismatches_named(tmp_path):
 
 
 @pytest.mark.parametrize("frontend", ["torch", "jax"])
-def test_from_pretrained_names_the_format_and_reads_no_tensor(tmp_path, frontend, monkeypatch):
+def test_a_quantized_layer_the_model_does_not_read_is_refused_before_any_tensor(tmp_path, frontend, monkeypatch):
+    """An fp8 LM head: the model's LM head takes a float weight, so the load stops at the plan."""
     import dualop.models as dm
 
-    _write(tmp_path, _fp8_block(), FP8_BLOCK)
+    tensors = _fp8_block()
+    tensors["lm_head.weight"] = torch.zeros(64, HIDDEN).to(torch.float8_e4m3fn)
+    tensors["lm_head.weight_scale_inv"] = torch.ones(1, 2)
+    path = tmp_path / "ckpt"
+    _write(path, {}, FP8_BLOCK)  # the float tensors, then the quantized ones over them
+    from safetensors.torch import load_file, save_file
+
+    save_file({**load_file(str(path / "model.safetensors")), **tensors}, str(path / "model.safetensors"))
     monkeypatch.setattr(Checkpoint, "get", lambda *a, **k: pytest.fail("a tensor was read"))
-    with pytest.raises(CheckpointError, match=r"is quantized \(quant_method 'fp8', 7 quantized linear layers: fp8 "
-                                              r"weights in 128x128 blocks, dynamic activation scales\); dualop reads "
-                                              r"this format's layout but its models do not take quantized weights yet"):
-        dm.from_pretrained(str(tmp_path), frontend=frontend)
+    with pytest.raises(CheckpointError, match=r"quantized layers this model reads no linear weight from \(1\): "
+                                              r"lm_head"):
+        dm.from_pretrained(str(path), frontend=frontend)

@@ -1,0 +1,210 @@
+"""Quantized checkpoints loaded whole (``from_pretrained``), their linear weights kept quantized: a
+tiny transformers Llama written here in each format by the format's rules, loaded in both frontends.
+
+- fp8 (128x128-style blocks, here 32x32 for a 64-wide model): against transformers' own loading of
+  the same checkpoint (it dequantises FP8 on a host without an FP8 GPU; needs accelerate).
+  ``weight_only`` computes what it computes (float32 noise apart); the checkpoint's W8A8 scheme
+  (activations quantized per token group of 32) lands within the activations' fp8 rounding, about
+  3% normwise here, and the bound is 8%.
+- compressed-tensors int4 (pack-quantized, groups of 32, with and without zero points) and AWQ:
+  against transformers' float model holding the weights float64 numpy dequantises by the format's
+  definition (codes unpacked bit by bit), within float32 noise; int8 W8A8 (int-quantized, per
+  channel, dynamic per-token activations) within its activations' int8 rounding (bound 4%).
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+import dualop.models as dm  # noqa: E402
+
+HIDDEN, INTER = 64, 128
+PROMPT = [1, 5, 9, 33, 70, 2, 8, 100]
+
+
+def _float_llama(path):
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=128, hidden_size=HIDDEN, intermediate_size=INTER, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    model = transformers.LlamaForCausalLM(config).eval()
+    model.save_pretrained(path)
+    return model
+
+
+def _requantize(path, quantize, quant_config):
+    """Rewrite the float checkpoint at ``path``: every ``*_proj.weight`` replaced by
+    ``quantize(name, float64 weight)`` -> ({tensor suffix: array}, float64 dequantised weight);
+    returns {weight name: dequantised weight}."""
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(path / "model.safetensors"))
+    out, dequantised = {}, {}
+    for name, w in tensors.items():
+        if name.endswith("_proj.weight"):
+            stored, deq = quantize(name, w.double().numpy())
+            layer = name.removesuffix(".weight")
+            out.update({f"{layer}.{suffix}": value for suffix, value in stored.items()})
+            dequantised[name] = deq
+        else:
+            out[name] = w
+    save_file(out, str(path / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((path / "config.json").read_text())
+    config["quantization_config"] = quant_config
+    (path / "config.json").write_text(json.dumps(config))
+    return dequantised
+
+
+def _logits(path, frontend, **kw):
+    model = dm.from_pretrained(str(path), frontend=frontend, dtype="float32", max_model_len=32, max_num_seqs=1,
+                               max_num_batched_tokens=16, page_size=4, **kw)
+    return np.asarray(model.logits(PROMPT), np.float64)
+
+
+def _reference_logits(model) -> np.ndarray:
+    with torch.no_grad():
+        return model(torch.tensor([PROMPT])).logits[0].double().numpy()
+
+
+def _normwise(a, b) -> float:
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+# --- fp8 -------------------------------------------------------------------------------------------
+
+def _fp8_blocks(block):
+    def quantize(name, w):
+        n, k = w.shape
+        g = w.reshape(n // block, block, k // block, block)
+        scale = (np.abs(g).max(axis=(1, 3)) / 448.0).astype(np.float32)
+        codes = torch.from_numpy((g / scale[:, None, :, None].astype(np.float64)).reshape(n, k).astype(np.float32))
+        codes = codes.to(torch.float8_e4m3fn)
+        deq = codes.double().numpy().reshape(g.shape) * scale[:, None, :, None]
+        return {"weight": codes, "weight_scale_inv": torch.from_numpy(scale)}, deq.reshape(n, k)
+
+    return quantize
+
+
+@pytest.fixture(scope="module")
+def fp8_checkpoint(tmp_path_factory):
+    pytest.importorskip("accelerate", reason="transformers loads FP8 checkpoints through accelerate")
+    path = tmp_path_factory.mktemp("fp8")
+    _float_llama(path)
+    _requantize(path, _fp8_blocks(32), {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
+                                        "weight_block_size": [32, 32]})
+    reference = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    return path, _reference_logits(reference)
+
+
+@pytest.mark.parametrize("frontend", ["torch", "jax"])
+def test_fp8_block_checkpoint_against_transformers_loading(fp8_checkpoint, frontend):
+    path, want = fp8_checkpoint
+    weight_only = _logits(path, frontend, weight_only=True)
+    assert _normwise(weight_only, want) < 1e-5
+    w8a8 = _logits(path, frontend)
+    assert 1e-3 < _normwise(w8a8, want) < 0.08  # the activations' fp8 rounding, and only that
+
+
+# --- compressed-tensors and AWQ, against the float model of their dequantised weights -----------------
+
+def _pack_words(codes: np.ndarray, bits: int, axis: int, order=None) -> torch.Tensor:
+    per = 32 // bits
+    order = order or range(per)
+    c = np.moveaxis(codes.astype(np.int64), axis, -1)
+    c = c.reshape(*c.shape[:-1], -1, per)
+    words = sum(c[..., j] << (bits * slot) for j, slot in enumerate(order))
+    return torch.from_numpy(np.ascontiguousarray(np.moveaxis(((words + 2**31) % 2**32 - 2**31).astype(np.int32),
+                                                             -1, axis)))
+
+
+def _int4_groups(group, symmetric):
+    def quantize(name, w):
+        n, k = w.shape
+        g = w.reshape(n, k // group, group)
+        if symmetric:
+            scale = (np.abs(g).max(-1) / 7.5).astype(np.float32)
+            zero = np.zeros_like(scale, dtype=np.int64)
+        else:
+            lo, hi = g.min(-1), g.max(-1)
+            scale = ((hi - lo) / 15).astype(np.float32)
+            zero = np.clip(np.round(-lo / scale) - 8, -8, 7).astype(np.int64)
+        s = scale.astype(np.float64)[..., None]
+        q = np.clip(np.round(g / s) + zero[..., None], -8, 7).astype(np.int64)
+        stored = {"weight_packed": _pack_words((q + 8).reshape(n, k), 4, 1),
+                  "weight_shape": torch.tensor([n, k]), "weight_scale": torch.from_numpy(scale)}
+        if not symmetric:
+            stored["weight_zero_point"] = _pack_words(zero + 8, 4, 0)
+        return stored, ((q - zero[..., None]) * s).reshape(n, k)
+
+    return quantize
+
+
+def _awq(group):
+    order = (0, 4, 1, 5, 2, 6, 3, 7)
+
+    def quantize(name, w):
+        n, k = w.shape
+        g = w.reshape(n, k // group, group)
+        lo, hi = g.min(-1), g.max(-1)
+        scale = ((hi - lo) / 15).astype(np.float16)
+        s = scale.astype(np.float64)[..., None]
+        zero = np.clip(np.round(-lo / scale.astype(np.float64)), 0, 15).astype(np.int64)
+        q = np.clip(np.round(g / s) + zero[..., None], 0, 15).astype(np.int64)
+        stored = {"qweight": _pack_words(q.reshape(n, k).T, 4, 1, order),
+                  "qzeros": _pack_words(zero.T, 4, 1, order), "scales": torch.from_numpy(scale.T.copy())}
+        return stored, ((q - zero[..., None]) * s).reshape(n, k)
+
+    return quantize
+
+
+def _int8_channels(name, w):
+    scale = (np.abs(w).max(-1, keepdims=True) / 127).astype(np.float32)
+    q = np.clip(np.round(w / scale.astype(np.float64)), -128, 127)
+    return {"weight": torch.from_numpy(q.astype(np.int8)), "weight_scale": torch.from_numpy(scale)}, q * scale
+
+
+def _ct_config(fmt, bits, strategy, group, symmetric, activations=None):
+    return {"quant_method": "compressed-tensors", "format": fmt, "ignore": ["lm_head"],
+            "config_groups": {"group_0": {"targets": ["Linear"], "input_activations": activations,
+                                          "weights": {"num_bits": bits, "type": "int", "strategy": strategy,
+                                                      "group_size": group, "symmetric": symmetric,
+                                                      "dynamic": False}}}}
+
+
+FORMATS = {
+    "int4_group_symmetric": (_int4_groups(32, True), _ct_config("pack-quantized", 4, "group", 32, True)),
+    "int4_group_zero_points": (_int4_groups(32, False), _ct_config("pack-quantized", 4, "group", 32, False)),
+    "awq": (_awq(32), {"quant_method": "awq", "bits": 4, "group_size": 32, "zero_point": True, "version": "gemm"}),
+}
+
+
+def _dequantised_reference(path, float_model, dequantised):
+    state = {name: torch.from_numpy(w) for name, w in dequantised.items()}
+    reference = transformers.LlamaForCausalLM(float_model.config).eval()
+    reference.load_state_dict({**float_model.state_dict(), **{k: v.float() for k, v in state.items()}})
+    return _reference_logits(reference)
+
+
+@pytest.mark.parametrize("frontend", ["torch", "jax"])
+@pytest.mark.parametrize("fmt", sorted(FORMATS))
+def test_weight_only_int4_formats_against_their_dequantised_model(tmp_path, fmt, frontend):
+    quantize, config = FORMATS[fmt]
+    float_model = _float_llama(tmp_path)
+    dequantised = _requantize(tmp_path, quantize, config)
+    want = _dequantised_reference(tmp_path, float_model, dequantised)
+    assert _normwise(_logits(tmp_path, frontend), want) < 1e-5
+
+
+def test_int8_w8a8_checkpoint_within_its_activation_rounding(tmp_path):
+    float_model = _float_llama(tmp_path)
+    config = _ct_config("int-quantized", 8, "channel", None, True,
+                        {"num_bits": 8, "type": "int", "strategy": "token", "dynamic": True, "symmetric": True})
+    dequantised = _requantize(tmp_path, _int8_channels, config)
+    want = _dequantised_reference(tmp_path, float_model, dequantised)
+    assert _normwise(_logits(tmp_path, "torch", weight_only=True), want) < 1e-5
+    assert 1e-4 < _normwise(_logits(tmp_path, "torch"), want) < 0.04
