@@ -92,3 +92,85 @@ def test_awq_gemm_layout_matches_vllms_conversion(monkeypatch):
     zeros = ct_pack.unpack_from_int32(layer.qzeros.data, 4, torch.Size((n, k // group)), packed_dim=0).float() + 8
     want = (codes.T - zeros.repeat_interleave(group, 1)) * scales.float().T.repeat_interleave(group, 1)
     _close(qm.dequantize_awq(array_namespace(qweight), qweight, qzeros, scales, group), want)
+
+
+# --- whole checkpoints written by compressed-tensors, loaded by transformers and by dualop --------
+
+def _library_checkpoint(path, weights: dict, scales_for):
+    """A tiny transformers Llama quantized by compressed-tensors itself (``apply_quantization_config``,
+    the scales ``scales_for(module)`` sets, ``ModelCompressor.compress_model``) and saved as
+    llm-compressor saves one; ``weights``: the scheme's weight arguments and ``_format``, the
+    compression format. Returns the path."""
+    import transformers
+    from compressed_tensors.compressors import ModelCompressor
+    from compressed_tensors.quantization import QuantizationConfig, apply_quantization_config
+
+    fmt = weights.pop("_format")
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    model = transformers.LlamaForCausalLM(config).eval()
+    apply_quantization_config(model, QuantizationConfig(
+        config_groups={"group_0": {"targets": ["Linear"], "weights": weights}}, ignore=["lm_head"]))
+    for module in model.modules():
+        if hasattr(module, "quantization_scheme") and hasattr(module, "weight_scale"):
+            scales_for(module)
+    compressor = ModelCompressor.from_pretrained_model(model, quantization_format=fmt)
+    compressor.compress_model(model)
+    model.save_pretrained(path)
+    compressor.update_config(path)
+    return path
+
+
+def _int4_group_scales(symmetric):
+    def set_scales(module):
+        g = module.weight.data.float().reshape(module.weight.shape[0], -1, 32)
+        lo, hi = g.amin(-1), g.amax(-1)
+        scale = torch.maximum(hi.abs(), lo.abs()) / 7.5 if symmetric else (hi - lo) / 15
+        module.weight_scale.data = scale.to(module.weight_scale.dtype)
+        if not symmetric:
+            module.weight_zero_point.data = (torch.round(-lo / scale) - 8).clamp(-8, 7).to(module.weight_zero_point.dtype)
+
+    return set_scales
+
+
+def _fp8_block_scales(module):
+    w = module.weight.data.float()
+    g = w.reshape(w.shape[0] // 32, 32, w.shape[1] // 32, 32)
+    module.weight_scale.data = (g.abs().amax(dim=(1, 3)) / 448).to(module.weight_scale.dtype)
+
+
+LIBRARY_FORMATS = {
+    "int4_group_symmetric": (dict(num_bits=4, type="int", strategy="group", group_size=32, symmetric=True,
+                                  _format="pack-quantized"), _int4_group_scales(True)),
+    "int4_group_zero_points": (dict(num_bits=4, type="int", strategy="group", group_size=32, symmetric=False,
+                                    _format="pack-quantized"), _int4_group_scales(False)),
+    "fp8_block": (dict(num_bits=8, type="float", strategy="block", block_structure=[32, 32], symmetric=True,
+                       _format="float-quantized"), _fp8_block_scales),
+}
+
+
+@pytest.mark.parametrize("fmt", sorted(LIBRARY_FORMATS))
+def test_compressed_tensors_checkpoints_load_as_transformers_loads_them(tmp_path, fmt):
+    """Weight-only: dualop's logits against transformers' loading of the same checkpoint, which
+    decompresses it with compressed-tensors (``CompressedTensorsConfig(run_compressed=False)``)."""
+    import numpy as np
+    import transformers
+
+    import dualop.models as dm
+
+    weights, scales_for = LIBRARY_FORMATS[fmt]
+    path = _library_checkpoint(str(tmp_path), dict(weights), scales_for)
+    reference = transformers.AutoModelForCausalLM.from_pretrained(
+        path, quantization_config=transformers.CompressedTensorsConfig(run_compressed=False),
+        dtype=torch.float32).eval()
+    prompt = [1, 5, 9, 33, 70, 2, 8, 100]
+    with torch.no_grad():
+        want = reference(torch.tensor([prompt])).logits[0].double().numpy()
+    model = dm.from_pretrained(path, frontend="torch", dtype="float32", max_model_len=32, max_num_seqs=1,
+                               max_num_batched_tokens=16, page_size=4)
+    assert set(model.quantization.linears) == {f"model.layers.{i}.{p}" for i in range(2) for p in (
+        "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
+        "mlp.up_proj", "mlp.down_proj")}
+    got = np.asarray(model.logits(prompt), np.float64)
+    assert np.linalg.norm(got - want) / np.linalg.norm(want) < 1e-5
