@@ -186,7 +186,12 @@ def with_quantization(plan: Sequence[Param], quantization: Any, tp_size: int,
         if tp_size > 1:
             problems.append(f"{p.name}: quantized weights load with tp=1 for now (asked: tp={tp_size})")
             continue
-        out.append(_quantized_param(p, parts, quants.pop()))
+        quant = quants.pop()
+        misaligned = _misaligned_part(parts, quant)
+        if misaligned:
+            problems.append(f"{p.name}: {misaligned}")
+            continue
+        out.append(_quantized_param(p, parts, quant))
     unused = sorted(set(layers) - used)
     if unused:
         problems.append(f"quantized layers this model reads no linear weight from ({len(unused)}): "
@@ -195,6 +200,22 @@ def with_quantization(plan: Sequence[Param], quantization: Any, tp_size: int,
         raise CheckpointError(f"from_pretrained: the {quantization.method!r} quantized checkpoint cannot be "
                               "loaded into this model; nothing was loaded\n  " + "\n  ".join(problems))
     return out
+
+
+def _misaligned_part(parts: Sequence[Any], quant: Any) -> str | None:
+    """Why ``parts`` cannot sit side by side in one fused weight (None: they can): a block of
+    scales or a word of packed zero points would straddle two parts."""
+    if len(parts) < 2:
+        return None
+    rows = {"block": quant.block[0] if quant.block else 1}.get(quant.strategy, 1)
+    if quant.layout == "packed" and not quant.symmetric:
+        rows = 32 // quant.bits  # zero points packed along the output features
+    for q in parts[:-1]:
+        if q.shape[0] % rows:
+            return (f"{q.layer} has {q.shape[0]} output features, not a multiple of the {rows} that one "
+                    f"{'scale block' if quant.strategy == 'block' else 'zero-point word'} spans, so its part of "
+                    "the fused weight cannot be laid beside the next")
+    return None
 
 
 def _quantized_param(p: Param, parts: Sequence[Any], quant: Any) -> Param:

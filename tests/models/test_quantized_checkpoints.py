@@ -233,3 +233,14 @@ def test_a_quantized_layer_the_model_does_not_read_is_refused_before_any_tensor(
     with pytest.raises(CheckpointError, match=r"quantized layers this model reads no linear weight from \(1\): "
                                               r"lm_head"):
         dm.from_pretrained(str(path), frontend=frontend)
+
+
+def test_a_fused_weight_whose_parts_split_a_scale_block_is_refused(tmp_path, monkeypatch):
+    """QKV fuses q (256 rows) and k: with 96-row scale blocks q's last block straddles into k."""
+    import dualop.models as dm
+
+    _write(tmp_path, _fp8_block(block=(96, 128)), {**FP8_BLOCK, "weight_block_size": [96, 128]})
+    monkeypatch.setattr(Checkpoint, "get", lambda *a, **k: pytest.fail("a tensor was read"))
+    with pytest.raises(CheckpointError, match=r"model.layers.0.self_attn.q_proj has 256 output features, not a "
+                                              r"multiple of the 96 that one scale block spans"):
+        dm.from_pretrained(str(tmp_path), frontend="torch")
