@@ -36,6 +36,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from dualop.models.checkpoint import QUANTIZED_DTYPES, Checkpoint, CheckpointError
+from dualop.ops.quantized_weight import WeightQuant
 
 __all__ = ["SUPPORTED_METHODS", "QuantizedLinear", "QuantizedCheckpoint", "read_quantization"]
 
@@ -147,6 +148,16 @@ def _quantized_dtype_tensors(ckpt: Checkpoint, claimed: set[str]) -> list[str]:
             if dtype in QUANTIZED_DTYPES and name not in claimed]
 
 
+def _scheme(problems: _Problems, layer: str, *args: Any, **kwargs: Any) -> WeightQuant | None:
+    """The ``WeightQuant`` (whose shape rules the layer's tensors are checked by), or None with the
+    reason added where the scheme cannot exist."""
+    try:
+        return WeightQuant(*args, **kwargs)
+    except ValueError as err:
+        problems.add(f"{layer}: {err}")
+        return None
+
+
 def _positive_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value > 0
 
@@ -220,7 +231,8 @@ def _read_fp8(ckpt: Checkpoint, quant: Mapping[str, Any], problems: _Problems):
         if block is not None:
             bn, bk = block
             scale = f"{layer}.weight_scale_inv"
-            _expect(ckpt, problems, scale, (*_SCALE_DTYPES, "F8_E8M0"), (-(-shape[0] // bn), -(-shape[1] // bk)),
+            _expect(ckpt, problems, scale, (*_SCALE_DTYPES, "F8_E8M0"),
+                    WeightQuant("fp8", "block", block=(bn, bk)).scale_shape(*shape),
                     f"a scale per {bn}x{bk} block of the weight")
         else:
             scale = f"{layer}.weight_scale"
@@ -339,44 +351,45 @@ def _ct_targets(layer: str, targets: Sequence[str], ckpt: Checkpoint) -> bool:
 def _ct_layer(ckpt, problems, layer, weights, acts, fmt) -> QuantizedLinear | None:
     bits, kind, strategy = weights["num_bits"], weights.get("type", "int"), weights.get("strategy", "tensor")
     symmetric = bool(weights.get("symmetric", True))
-    if fmt == "pack-quantized":
-        if kind != "int":
-            problems.add(f"{layer}: pack-quantized holds int weights, the config says {kind}")
-            return None
+    group = weights.get("group_size") if strategy == "group" else None
+    block = tuple(weights["block_structure"]) if strategy == "block" else None
+    layout = "packed" if fmt == "pack-quantized" else "plain"
+    if layout == "packed" and kind != "int":
+        problems.add(f"{layer}: pack-quantized holds int weights, the config says {kind}")
+        return None
+    if layout == "plain" and bits != 8:
+        problems.add(f"{layer}.weight: {fmt} stores 8-bit codes, the config says {bits} bits")
+        return None
+    scheme = _scheme(problems, layer, "fp8" if kind == "float" else f"int{bits}", strategy, group_size=group,
+                     block=block, symmetric=symmetric, layout=layout)
+    if scheme is None:
+        return None
+    if layout == "packed":
         codes, shape_name = f"{layer}.weight_packed", f"{layer}.weight_shape"
         if not (_expect(ckpt, problems, codes, ("I32",), None, "the packed int32 codes")
                 and _expect(ckpt, problems, shape_name, ("I64", "I32"), (2,), "the weight's [out, in] shape")):
             return None
         n, k = (int(v) for v in ckpt.get(shape_name, "numpy"))
-        words = -(-k * bits // 32)
-        if ckpt.shapes[codes] != (n, words):
-            problems.add(f"{codes}: shape {ckpt.shapes[codes]}, expected {(n, words)} ({bits}-bit codes of a "
-                         f"[{n}, {k}] weight packed into int32 along its rows)")
+        if ckpt.shapes[codes] != scheme.codes_shape(n, k):
+            problems.add(f"{codes}: shape {ckpt.shapes[codes]}, expected {scheme.codes_shape(n, k)} ({bits}-bit codes "
+                         f"of a [{n}, {k}] weight packed into int32 along its rows)")
             return None
-        tensors, layout = {"codes": codes, "shape": shape_name}, "packed"
+        tensors = {"codes": codes, "shape": shape_name}
     else:
         codes = f"{layer}.weight"
         want = _FLOAT8[:1] if kind == "float" else ("I8",)
-        if bits != 8:
-            problems.add(f"{codes}: {fmt} stores 8-bit codes, the config says {bits} bits")
-            return None
         if not _expect(ckpt, problems, codes, want, None, f"{fmt}, {kind} {bits}-bit codes"):
             return None
         shape = _weight_shape(ckpt, problems, codes)
         if shape is None:
             return None
         n, k = shape
-        tensors, layout = {"codes": codes}, "plain"
-    group = weights.get("group_size") if strategy == "group" else None
-    block = tuple(weights["block_structure"]) if strategy == "block" else None
-    scale_shape = {"tensor": (1,), "channel": (n, 1), "group": (n, -(-k // group)) if group else None,
-                   "block": (-(-n // block[0]), -(-k // block[1])) if block else None}[strategy]
+        tensors = {"codes": codes}
     scale = tensors["scale"] = f"{layer}.weight_scale"
-    _expect(ckpt, problems, scale, _SCALE_DTYPES, scale_shape, f"{strategy} weight scales")
+    _expect(ckpt, problems, scale, _SCALE_DTYPES, scheme.scale_shape(n, k), f"{strategy} weight scales")
     if not symmetric:
         zp = tensors["zero_point"] = f"{layer}.weight_zero_point"
-        packed_rows = -(-scale_shape[0] * bits // 32) if layout == "packed" else scale_shape[0]
-        _expect(ckpt, problems, zp, ("I8", "I32", *_SCALE_DTYPES), (packed_rows, *scale_shape[1:]),
+        _expect(ckpt, problems, zp, ("I8", "I32", *_SCALE_DTYPES), scheme.zero_point_shape(n, k),
                 "zero points, one per scale" + (", packed into int32 along the first dim" if layout == "packed" else ""))
     activations = "none"
     if acts is not None:
@@ -385,9 +398,8 @@ def _ct_layer(ckpt, problems, layer, weights, acts, fmt) -> QuantizedLinear | No
             tensors["input_scale"] = f"{layer}.input_scale"
             _expect(ckpt, problems, tensors["input_scale"], _SCALE_DTYPES, None, "the static activation scale",
                     numel=1)
-    scheme = "fp8" if kind == "float" else "int"
-    return QuantizedLinear(layer, scheme, bits, strategy, (n, k), tensors, layout=layout, group_size=group,
-                           block=block, symmetric=symmetric, activations=activations)
+    return QuantizedLinear(layer, "fp8" if kind == "float" else "int", bits, strategy, (n, k), tensors, layout=layout,
+                           group_size=group, block=block, symmetric=symmetric, activations=activations)
 
 
 # --- awq ------------------------------------------------------------------------------------------
@@ -426,8 +438,9 @@ def _read_awq(ckpt: Checkpoint, quant: Mapping[str, Any], problems: _Problems):
         if k % group:
             problems.add(f"{name}: {k} input features do not split into groups of {group}")
             continue
-        _expect(ckpt, problems, f"{layer}.qzeros", ("I32",), (k // group, qshape[1]), "AWQ's packed zero points")
-        _expect(ckpt, problems, f"{layer}.scales", _SCALE_DTYPES, (k // group, n), "AWQ's group scales")
+        scheme = WeightQuant("int4", "group", group_size=group, symmetric=False, layout="awq")
+        _expect(ckpt, problems, f"{layer}.qzeros", ("I32",), scheme.zero_point_shape(n, k), "AWQ's packed zero points")
+        _expect(ckpt, problems, f"{layer}.scales", _SCALE_DTYPES, scheme.scale_shape(n, k), "AWQ's group scales")
         linears[layer] = QuantizedLinear(
             layer, "int", 4, "group", (n, k),
             {"codes": name, "zero_point": f"{layer}.qzeros", "scale": f"{layer}.scales"},

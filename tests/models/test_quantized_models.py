@@ -18,11 +18,10 @@ import json
 
 import numpy as np
 import pytest
+import torch
+import transformers
 
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
-
-import dualop.models as dm  # noqa: E402
+import dualop.models as dm
 
 HIDDEN, INTER = 64, 128
 PROMPT = [1, 5, 9, 33, 70, 2, 8, 100]

@@ -7,16 +7,15 @@ before any GEMM."""
 
 from __future__ import annotations
 
+import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import pytest
+import torch
 
 from dualop import OpsConfig, dispatch_report, set_config
 from dualop.custom_op import clear_dispatch_report
 from dualop.ops import QuantizedWeight, ReplicatedLinear, RowParallelLinear, WeightQuant
-
-torch = pytest.importorskip("torch")
-jnp = pytest.importorskip("jax.numpy")
-ml_dtypes = pytest.importorskip("ml_dtypes")
 
 N, K, ROWS = 48, 256, 5
 FP8_MAX = 448.0
