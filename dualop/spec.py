@@ -69,14 +69,15 @@ class Serving:
 
     shapes: one tuple per build. For a row-wise op a shape is x's shape, and the inputs of the
     case's first 2-D check shape are scaled to it; otherwise ``inputs(shape)`` says what the
-    tuple means by returning the op's positional arguments (``InputSpec``, scalars or None).
+    tuple means by returning the op's positional arguments (``InputSpec``, scalars or None);
+    ``inputs`` may also be ``{case label: inputs}`` where cases take different arguments.
     make_op: ``{case label: make(shape)}`` for cases whose own ``make_op`` only knows check
     shapes. dtypes: build the serving shapes in these dtypes only (None: every dtype asked).
     cases: build them for these case labels only (None: every case of the op).
     """
 
     shapes: tuple[tuple[int, ...], ...]
-    inputs: Callable[[tuple[int, ...]], tuple] | None = None
+    inputs: Callable[[tuple[int, ...]], tuple] | Mapping[str, Callable[[tuple[int, ...]], tuple]] | None = None
     make_op: Mapping[str, Callable[[tuple[int, ...]], Any]] = dataclasses.field(default_factory=dict)
     dtypes: tuple[str, ...] | None = None
     cases: tuple[str, ...] | None = None

@@ -197,9 +197,12 @@ class Pinned:
 
 def to_frontend(a: Any, frontend: str, dtype: str) -> Any:
     """float32 numpy -> an array of ``frontend`` in ``dtype``. None and Python scalars pass through;
-    a ``Pinned`` input keeps its own dtype."""
+    a ``Pinned`` input keeps its own dtype; a structured input (one with ``map_arrays``, such as a
+    ``QuantizedWeight``) has each of its arrays converted."""
     if a is None or isinstance(a, (bool, int, float)):
         return a
+    if hasattr(a, "map_arrays"):
+        return a.map_arrays(lambda v: to_frontend(v, frontend, dtype))
     if isinstance(a, Pinned):
         a, dtype = a.array, a.dtype
     if frontend == "jax":
@@ -331,7 +334,11 @@ TRAITS: dict[str, str] = {
     "packed_sequences": "the shape tuple is (tokens, sequences, widths...) of a packed serving batch",
     "mixer": "a whole Mamba mixer: its kernel ops have cells of their own, it interprets several Pallas kernels "
              "per shape",
-    "not_differentiable": "no gradient to check: a rounding op, or one writing a cache in place",
+    "untyped_inputs": "an input a torch.library schema cannot type (a QuantizedWeight): inside torch.compile the "
+                      "enabled op is refused at trace time naming the argument, and torch.library's opcheck does "
+                      "not apply (the torch.library sweeps check that refusal instead)",
+    "not_differentiable": "no gradient to check: a rounding op, one writing a cache in place, or a GEMM on a "
+                          "quantized weight (served, not trained: its kernels have no backward)",
 }
 
 
@@ -483,6 +490,8 @@ def listing_text(value: Any) -> str:
 
     if isinstance(value, Pinned):
         return f"pinned({value.dtype}, {listing_text(value.array)})"
+    if hasattr(value, "map_arrays"):  # a structured input: its kind and its arrays
+        return f"{type(value).__name__}({listing_text(getattr(value, 'quant', ''))}, {listing_text(value.arrays())})"
     if isinstance(value, np.ndarray):
         digest = hashlib.sha1(np.ascontiguousarray(value).tobytes()).hexdigest()[:12]
         return f"{value.dtype}{list(value.shape)}#{digest}"

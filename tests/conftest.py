@@ -70,8 +70,8 @@ NATIVE_CELLS = dict(testing.NATIVE_CELLS)
 NATIVE_CASES = {(c.label, f, p): reason for c in testing.cases_for(None) for (f, p), reason in c.native_cells.items()}
 NATIVE_DTYPE_CASES = {(c.label, *cell): reason for c in testing.cases_for(None)
                       for cell, reason in c.native_dtypes.items()}
-KERNEL_OPS_IN_NATIVE_CELLS = {(c.op, f, p): method for c in testing.cases_for(None)
-                              for (f, p), method in c.kernel_in_native_cells.items()}
+KERNEL_CASES_IN_NATIVE_CELLS = {(c.label, f, p): method for c in testing.cases_for(None)
+                                for (f, p), method in c.kernel_in_native_cells.items()}
 
 
 def require_frontend(frontend: str) -> None:

@@ -133,6 +133,16 @@ def builds_here(variant: Variant, target: str, serving_targets: list[str] | None
     return not variant.serving or serving_targets is None or target in serving_targets
 
 
+def _spec_text(spec: Any) -> str:
+    """An input of a variant as the listing prints it: ``dtype[shape]``, through a structured input's arrays."""
+    if isinstance(spec, InputSpec):
+        return f"{spec.dtype}{list(spec.shape)}"
+    if hasattr(spec, "map_arrays"):
+        arrays = ", ".join(f"{k}={_spec_text(v)}" for k, v in spec.arrays().items())
+        return f"{type(spec).__name__}({arrays})"
+    return repr(spec)
+
+
 def variant_listing(ops: list[str] | None = None, dtypes: list[str] | None = None,
                     serving_dtypes: list[str] | None = None) -> list[str]:
     """``dualop compile --list``: one sorted line per build, the same on every target: each kernel
@@ -145,7 +155,7 @@ def variant_listing(ops: list[str] | None = None, dtypes: list[str] | None = Non
     dtypes = check_dtypes(dtypes)
     lines = []
     for v in variants_for(ops, dtypes, None if serving_dtypes is None else check_dtypes(serving_dtypes)):
-        inputs = ", ".join(f"{s.dtype}{list(s.shape)}" if isinstance(s, InputSpec) else repr(s) for s in v.inputs)
+        inputs = ", ".join(_spec_text(s) for s in v.inputs)
         lines.append(f"kernel | {v.case.label} | {v.dtype} | {'serving' if v.serving else 'check'} {v.shape} | "
                      f"{testing.listing_text(v.make_op())} | options {testing.listing_text(v.case.options)} | "
                      f"inputs ({inputs})")

@@ -164,12 +164,10 @@ def compile_launch(launch: Launch, target) -> tuple[dict[str, Any], str | None]:
 def _meta_inputs(variant: Variant) -> list[Any]:
     import torch
 
-    from dualop.aot.variants import InputSpec
+    from dualop.aot.variants import map_specs
 
-    return [
-        torch.empty(s.shape, dtype=getattr(torch, s.dtype), device="meta") if isinstance(s, InputSpec) else s
-        for s in variant.inputs
-    ]
+    return [map_specs(s, lambda s: torch.empty(s.shape, dtype=getattr(torch, s.dtype), device="meta"))
+            for s in variant.inputs]
 
 
 def compile_variant(variant: Variant, target_name: str) -> KernelResult:

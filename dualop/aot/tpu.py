@@ -100,9 +100,9 @@ def _abstract(spec: Any, sharding) -> Any:
     import jax
     import jax.numpy as jnp
 
-    if not isinstance(spec, InputSpec):
-        return spec
-    return jax.ShapeDtypeStruct(spec.shape, jnp.dtype(spec.dtype), sharding=sharding)
+    from dualop.aot.variants import map_specs
+
+    return map_specs(spec, lambda s: jax.ShapeDtypeStruct(s.shape, jnp.dtype(s.dtype), sharding=sharding))
 
 
 def _sub_jaxprs(value: Any) -> Iterator[Any]:

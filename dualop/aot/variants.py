@@ -18,7 +18,7 @@ import numpy as np
 from dualop import testing
 from dualop.spec import InputSpec, Serving, collect
 
-__all__ = ["InputSpec", "Serving", "Variant", "servings", "variants_for", "check_dtypes"]
+__all__ = ["InputSpec", "Serving", "Variant", "servings", "variants_for", "check_dtypes", "map_specs"]
 
 _NO_SERVING = Serving(())
 _SERVINGS: dict[str, Serving] = {}
@@ -51,6 +51,16 @@ class Variant:
         return (make or self.case.make_op)(self.shape)
 
 
+def map_specs(value, fn):
+    """``fn(spec)`` for an ``InputSpec``, the same through a structured input's arrays
+    (``map_arrays``), anything else (None, a scalar) as it is."""
+    if isinstance(value, InputSpec):
+        return fn(value)
+    if hasattr(value, "map_arrays"):
+        return value.map_arrays(lambda v: map_specs(v, fn))
+    return value
+
+
 def check_dtypes(dtypes: list[str] | None) -> list[str]:
     dtypes = list(dtypes or ("float32", "bfloat16"))
     unknown = [d for d in dtypes if d not in testing.DTYPES]
@@ -64,7 +74,9 @@ def _templates(arrays: tuple) -> tuple:
     (a ``Pinned`` input keeps its own)."""
     out = []
     for a in arrays:
-        if a is None or isinstance(a, (bool, int, float)):
+        if hasattr(a, "map_arrays"):  # a structured input (a QuantizedWeight): each of its arrays
+            out.append(a.map_arrays(lambda v: _templates((v,))[0]))
+        elif a is None or isinstance(a, (bool, int, float)):
             out.append(a)
         elif isinstance(a, testing.Pinned):
             out.append(InputSpec(tuple(a.array.shape), a.dtype))
@@ -97,6 +109,8 @@ def _serving_specs(case: testing.OpCase, shapes: list, templates: dict, shape: t
     """A serving shape's inputs: its ``Serving.inputs`` function, else the case's first
     2-D check shape scaled up."""
     describe = servings()[case.op].inputs
+    if isinstance(describe, dict):
+        describe = describe.get(case.label)
     if describe is not None:
         return tuple(describe(shape))
     probe = next((s for s in shapes if len(s) == 2), None)
@@ -128,9 +142,7 @@ def variants_for(ops: list[str] | None, dtypes: list[str], serving_dtypes: list[
             for shape in shapes + served:
                 is_serving = shape not in templates
                 specs = _serving_specs(case, shapes, templates, shape) if is_serving else templates[shape]
-                specs = tuple(
-                    InputSpec(s.shape, s.dtype or dtype) if isinstance(s, InputSpec) else s for s in specs
-                )
+                specs = tuple(map_specs(s, lambda s: InputSpec(s.shape, s.dtype or dtype)) for s in specs)
                 v = Variant(case, dtype, shape, is_serving, specs)
                 variants.setdefault(v.key, v)
     return list(variants.values())

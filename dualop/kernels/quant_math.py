@@ -31,7 +31,7 @@ dequantisation does. The formats, as their writers define them:
 from __future__ import annotations
 
 __all__ = ["AWQ_NIBBLE_OF", "dequantize_awq", "dequantize_blocks", "dequantize_groups", "dequantize_per_channel",
-           "unpack_int32"]
+           "pack_int32", "unpack_awq", "unpack_int32"]
 
 # AWQ's order within a 32-bit word: logical code j sits in nibble AWQ_NIBBLE_OF[j] (bits 4n to 4n+3).
 AWQ_NIBBLE_OF = (0, 4, 1, 5, 2, 6, 3, 7)
@@ -90,7 +90,7 @@ def unpack_int32(xp, packed, num_bits: int, size: int):
     return codes - (1 << (num_bits - 1))
 
 
-def _unpack_awq(xp, packed):
+def unpack_awq(xp, packed):
     """AWQ's int32 ``[rows, N / 8]`` as unsigned codes ``[rows, N]``."""
     codes = xp.stack(_codes(xp, packed, 4, AWQ_NIBBLE_OF), axis=-1)
     return xp.reshape(codes, (*packed.shape[:-1], packed.shape[-1] * 8))
@@ -100,8 +100,24 @@ def dequantize_awq(xp, qweight, qzeros, scales, group_size: int, dtype=None):
     """AWQ's GEMM layout (``qweight [K, N / 8]``, ``qzeros [K / g, N / 8]``, ``scales [K / g, N]``)
     as the linear's ``[N, K]`` weight."""
     k = qweight.shape[0]
-    q = xp.astype(_unpack_awq(xp, qweight), xp.float32)
-    z = _expand(xp, xp.astype(_unpack_awq(xp, qzeros), xp.float32), k, group_size, 0)
+    q = xp.astype(unpack_awq(xp, qweight), xp.float32)
+    z = _expand(xp, xp.astype(unpack_awq(xp, qzeros), xp.float32), k, group_size, 0)
     s = _expand(xp, xp.astype(scales, xp.float32), k, group_size, 0)
     w = xp.einsum("kn->nk", (q - z) * s)
     return w if dtype is None else xp.astype(w, dtype)
+
+
+def pack_int32(codes, num_bits: int, axis: int = -1, order=None):
+    """Unsigned ``num_bits``-bit numpy ``codes`` packed into int32 words along ``axis`` (padded with
+    zero codes to whole words): code ``j`` of a word in slot ``order[j]`` (default ``j``), slot ``s``
+    at bits ``[num_bits * s, num_bits * (s + 1))``. The inverse of ``unpack_int32`` (which also
+    subtracts the offset) and ``unpack_awq`` (``order=AWQ_NIBBLE_OF``); for writing checkpoints and
+    test weights."""
+    import numpy as np
+
+    per = 32 // num_bits
+    order = tuple(range(per)) if order is None else tuple(order)
+    c = np.moveaxis(np.asarray(codes).astype(np.int64), axis, -1)
+    c = np.pad(c, [(0, 0)] * (c.ndim - 1) + [(0, (-c.shape[-1]) % per)]).reshape(*c.shape[:-1], -1, per)
+    words = sum(c[..., j] << (num_bits * slot) for j, slot in enumerate(order))
+    return np.moveaxis(((words + 2**31) % 2**32 - 2**31).astype(np.int32), -1, axis)

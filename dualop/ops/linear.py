@@ -35,23 +35,34 @@ and where they go in its fused weight) is here once, as ``shard_copies``: the to
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable
 from typing import Any
 
 from dualop.backends import array_namespace
+from dualop.backends.torch.triton_launch import call_triton
 from dualop.backends.xla.jax_bridge import call_jax_function
 from dualop.custom_op import ALL_FRONTENDS, CustomOp, Serves
 from dualop.kernels.cpu.linear import matmul as packed_matmul, unpacked
 from dualop.kernels import cost as cost_model
 from dualop.kernels.cost import KernelCost
 from dualop.kernels.registry import KernelRef
-from dualop.ops._checks import check_array, check_optional_like
-from dualop.ops.quantized_weight import QuantizedWeight, quantize_activations
+from dualop.ops._checks import check_array, check_optional_like, dtype_name
+from dualop.ops.quantized_weight import QuantizedWeight, WeightQuant, quantize_activations
 from dualop.parallel import TensorParallel, current_tensor_parallel, divide, qkv_layout
 from dualop.platforms import family_of, frontend_of
 from dualop.spec import BenchCase, InputSpec, Serving, float32_normal as _normal, rows_of
 
 _XLA_LINEAR = KernelRef("dualop.kernels.xla.linear", "linear")
+# The quantized GEMMs, one per platform, each with its ``supports(quant, n, k, dtype) -> reason | None``.
+_QUANTIZED_KERNELS = {
+    "pallas": "dualop.kernels.pallas.quantized_matmul",
+    "triton": "dualop.kernels.cuda.quantized_matmul",
+    "cpu": "dualop.kernels.cpu.quantized_linear",
+    "xla": "dualop.kernels.xla.quantized_linear",
+}
+_QUANTIZED = {name: (KernelRef(module, "quantized_matmul" if name != "xla" else "quantized_linear"),
+                     KernelRef(module, "supports")) for name, module in _QUANTIZED_KERNELS.items()}
 
 __all__ = [
     "ReplicatedLinear",
@@ -110,15 +121,37 @@ def _native_gemm(x: Any, weight: Any, bias: Any = None) -> Any:
     return xp.astype(y, x.dtype)
 
 
+def _quantized_kernel(platform: str, x: Any, weight: QuantizedWeight) -> tuple[KernelRef, dict[str, Any]]:
+    """``platform``'s quantized GEMM and its static arguments for ``weight``, or
+    ``NotImplementedError`` with the kernel's reason where it does not take the scheme."""
+    kernel, supports = _QUANTIZED[platform]
+    n, k = weight.shape
+    why = supports(weight.quant, n, k, dtype_name(x))
+    if why is not None:
+        raise NotImplementedError(f"the {platform} quantized GEMM does not take {weight.quant.describe()} "
+                                  f"weights of {x.dtype}: {why}")
+    return kernel, {"quant": weight.quant, "n": n, "k": k}
+
+
+def _quantized_arrays(weight: QuantizedWeight, bias: Any) -> tuple[Any, ...]:
+    return weight.codes, weight.scale, weight.zero_point, weight.input_scale, bias
+
+
+def _xla_quantized_linear(x: Any, weight: QuantizedWeight, bias: Any, interpret: bool) -> Any:
+    """jax arrays off the TPU with a quantized weight: ``kernels/xla/quantized_linear``, XLA's dots
+    on the codes (the weight stays quantized; the scales weight the partial sums)."""
+    kernel, static = _quantized_kernel("xla", x, weight)
+    return kernel(x, *_quantized_arrays(weight, bias), interpret=interpret, **static)
+
+
 def _jax_gpu_linear(x: Any, weight: Any, bias: Any) -> Any:
     """jax arrays on a GPU: XLA's dot (cuBLAS); a CPU backend standing in upcasts (see the kernel)."""
     import jax
 
+    interpret = jax.default_backend() == "cpu"
     if isinstance(weight, QuantizedWeight):
-        raise NotImplementedError(f"no GPU GEMM takes {weight.quant.describe()} weights yet: the native body "
-                                  "dequantizes them")
-
-    return _XLA_LINEAR(x, weight, bias, interpret=jax.default_backend() == "cpu")
+        return _xla_quantized_linear(x, weight, bias, interpret)
+    return _XLA_LINEAR(x, weight, bias, interpret=interpret)
 
 
 def packed_weight(weight: Any) -> Any:
@@ -138,27 +171,40 @@ def packed_weight(weight: Any) -> Any:
 
 def _torch_linear(x: Any, weight: Any, bias: Any) -> Any:
     """``F.linear``, or oneDNN's GEMM on a weight its owner packed (``kernels/cpu/linear.py``)."""
-    if isinstance(weight, QuantizedWeight):
-        raise NotImplementedError(f"no GEMM of this platform takes {weight.quant.describe()} weights yet: the native "
-                                  "body dequantizes them")
     return packed_matmul(x, weight, bias)
 
 
-def _torch_cpu_linear(x: Any, weight: Any, bias: Any) -> Any:
-    """torch on the CPU: int8 weight-only per-channel weights through torch's own int8 GEMM
-    (``torch._weight_int8pack_mm``: the int8 codes and per-row scales as they are, never a float
-    weight), anything else as ``_torch_linear``."""
+def _torch_gpu_linear(x: Any, weight: Any, bias: Any) -> Any:
+    """torch on a GPU: ``F.linear`` (cuBLAS / hipBLASLt); a quantized weight the Triton quantized
+    GEMM (``kernels/cuda/quantized_matmul``)."""
     if isinstance(weight, QuantizedWeight):
-        q = weight.quant
-        if (q.codes, q.strategy, q.layout, q.symmetric, q.activations) == ("int8", "channel", "plain", True, "none"):
-            import torch
-
-            lead, k = x.shape[:-1], x.shape[-1]
-            y = torch._weight_int8pack_mm(x.reshape(-1, k).contiguous(), weight.codes,
-                                          weight.scale.reshape(-1).to(x.dtype))
-            y = y.reshape(*lead, y.shape[-1])
-            return y if bias is None else (y.float() + bias.float()).to(x.dtype)
+        kernel, static = _quantized_kernel("triton", x, weight)
+        return call_triton(frontend_of(x), kernel, x, *_quantized_arrays(weight, bias), **static)
     return _torch_linear(x, weight, bias)
+
+
+def _torch_cpu_linear(x: Any, weight: Any, bias: Any) -> Any:
+    """torch on the CPU: a quantized weight through the C++ quantized GEMM
+    (``kernels/cpu/quantized_linear``: the codes dequantised tile by tile), or, where that is
+    unavailable, int8 weight-only per-channel weights through torch's own int8 GEMM
+    (``torch._weight_int8pack_mm``); a float weight as ``_torch_linear``."""
+    if not isinstance(weight, QuantizedWeight):
+        return _torch_linear(x, weight, bias)
+    try:
+        kernel, static = _quantized_kernel("cpu", x, weight)
+        return kernel(x, *_quantized_arrays(weight, bias), **static)
+    except NotImplementedError:  # the scheme is not the C++ GEMM's, or the C++ kernels are unavailable
+        q = weight.quant
+        if (q.codes, q.strategy, q.layout, q.symmetric, q.activations) != ("int8", "channel", "plain", True, "none"):
+            raise
+    import torch
+
+    lead, k = x.shape[:-1], x.shape[-1]
+    if x.numel() == 0:  # torch's int8 GEMM refuses an empty x
+        return x.new_zeros((*lead, weight.shape[0]))
+    y = torch._weight_int8pack_mm(x.reshape(-1, k).contiguous(), weight.codes, weight.scale.reshape(-1).to(x.dtype))
+    y = y.reshape(*lead, y.shape[-1])
+    return y if bias is None else (y.float() + bias.float()).to(x.dtype)
 
 
 class _Linear(CustomOp):
@@ -247,17 +293,25 @@ class _Linear(CustomOp):
 
     # F.linear serves torch tensors on the CPU (the default); on a GPU, jax arrays take XLA's dot
     # and the torch-API tensors F.linear.
-    serves = {"forward_cuda": Serves(ALL_FRONTENDS), "forward_hip": Serves(ALL_FRONTENDS)}
+    serves = {"forward_cuda": Serves(ALL_FRONTENDS), "forward_hip": Serves(ALL_FRONTENDS),
+              "forward_cpu": Serves(("torch", "jax"), "no CPU GEMM for {frontend} arrays: XLA compiles the native body")}
 
     def forward_cpu(self, x: Any, weight: Any, bias: Any = None) -> Any:
-        """torch on the CPU: ``F.linear`` (oneDNN / MKL addmm, the bias in its epilogue); int8
-        weight-only per-channel weights ``torch._weight_int8pack_mm``; other quantized weights
-        decline to the native body (no CPU GEMM of theirs yet)."""
+        """torch on the CPU: ``F.linear`` (oneDNN / MKL addmm, the bias in its epilogue), quantized
+        weights the C++ quantized GEMM (``_torch_cpu_linear``); jax arrays with a quantized weight:
+        XLA's dots on its codes (``kernels/xla/quantized_linear``)."""
+        if frontend_of(x) == "jax":
+            if not isinstance(weight, QuantizedWeight):
+                raise NotImplementedError("no CPU kernel for jax arrays: XLA compiles the native body (of a float "
+                                          "weight; a quantized one takes XLA's dots on its codes)")
+            return self._apply(lambda x, w, b: _xla_quantized_linear(x, w, b, True), x, weight, bias)
         return self._apply(_torch_cpu_linear, x, weight, bias)
 
     def forward_cuda(self, x: Any, weight: Any, bias: Any = None) -> Any:
-        """torch on a GPU: ``F.linear`` (cuBLAS / hipBLASLt); jax arrays: XLA's dot (cuBLAS)."""
-        return self._apply(_jax_gpu_linear if family_of(frontend_of(x)) == "jax" else _torch_linear, x, weight, bias)
+        """torch on a GPU: ``F.linear`` (cuBLAS / hipBLASLt), quantized weights the Triton quantized
+        GEMM; jax arrays: XLA's dot (cuBLAS)."""
+        return self._apply(_jax_gpu_linear if family_of(frontend_of(x)) == "jax" else _torch_gpu_linear, x, weight,
+                           bias)
 
     def forward_tpu(self, x: Any, weight: Any, bias: Any = None) -> Any:
         """On a TPU: XLA's dot on the operands' dtype with float32 accumulation
@@ -266,8 +320,8 @@ class _Linear(CustomOp):
 
         def gemm(x, weight, bias):
             if isinstance(weight, QuantizedWeight):
-                raise NotImplementedError(f"no TPU kernel takes {weight.quant.describe()} weights yet: the native "
-                                          "body dequantizes them")
+                kernel, static = _quantized_kernel("pallas", x, weight)
+                return call_jax_function(frontend_of(x), kernel, x, *_quantized_arrays(weight, bias), **static)
             return call_jax_function(frontend_of(x), _XLA_LINEAR, x, weight, bias, native=_native_gemm)
 
         return self._apply(gemm, x, weight, bias)
@@ -553,6 +607,10 @@ def check_cases():
 
         return make
 
+    return [*_float_cases(OpCase, normal, shapes, inputs), *_quantized_cases(OpCase)]
+
+
+def _float_cases(OpCase, normal, shapes, inputs):
     return [
         OpCase("replicated_linear", "replicated_linear", lambda s: ReplicatedLinear(s[-1], 48, bias=False),
                inputs(48, False), shapes),
@@ -567,6 +625,84 @@ def check_cases():
         OpCase("row_parallel_linear", "row_parallel_linear[bias]", lambda s: RowParallelLinear(s[-1], 48),
                inputs(48, True), shapes),
     ]
+
+
+# The quantized check cases: (label, op, WeightQuant arguments, output features, bias). Output
+# features off every tile (40, 72) and a partial last scale block (fp8: 40 = 32 + 8 rows).
+_QUANTIZED_CASES = (
+    ("replicated_linear[int8_w8a8]", "replicated_linear",
+     dict(codes="int8", strategy="channel", activations="dynamic"), 40, False),
+    ("replicated_linear[int8_channel]", "replicated_linear", dict(codes="int8", strategy="channel"), 40, False),
+    ("replicated_linear[fp8_block_w8a8]", "replicated_linear",
+     dict(codes="fp8", strategy="block", block=(32, 128), activations="dynamic"), 40, False),
+    ("column_parallel_linear[fp8_block,bias]", "column_parallel_linear",
+     dict(codes="fp8", strategy="block", block=(32, 128)), 40, True),
+    ("replicated_linear[fp8_tensor_static]", "replicated_linear",
+     dict(codes="fp8", strategy="tensor", activations="static"), 40, False),
+    ("replicated_linear[int4_g64]", "replicated_linear",
+     dict(codes="int4", strategy="group", group_size=64, layout="packed"), 40, False),
+    ("row_parallel_linear[int4_g32_zero,bias]", "row_parallel_linear",
+     dict(codes="int4", strategy="group", group_size=32, symmetric=False, layout="packed"), 72, True),
+    ("column_parallel_linear[awq_g64]", "column_parallel_linear",
+     dict(codes="int4", strategy="group", group_size=64, symmetric=False, layout="awq"), 72, False),
+)
+
+
+def random_quantized_weight(quant: WeightQuant, n: int, k: int, rng: Any) -> QuantizedWeight:
+    """A ``QuantizedWeight`` of numpy arrays (``Pinned`` to their stored dtypes) for an ``[n, k]``
+    weight of scheme ``quant``: codes over their whole range, scales that keep ``x @ w.T`` near
+    unit size, zero points and a static input scale where the scheme has them."""
+    import numpy as np
+
+    from dualop.kernels import quant_math
+    from dualop.testing import Pinned
+
+    def uniform(shape, lo, hi, dtype="float32"):
+        return Pinned(rng.uniform(lo, hi, shape).astype(np.float32), dtype)
+
+    spread = 1.0 / math.sqrt(k)
+    if quant.codes == "fp8":
+        # small integers times powers of two: every value exact in float8_e4m3fn (|value| <= 256)
+        values = rng.integers(-16, 17, (n, k)) * 2.0 ** rng.integers(-3, 5, (n, k))
+        codes, unit = Pinned(values.astype(np.float32), "float8_e4m3fn"), spread / 64
+    elif quant.codes == "int8":
+        codes, unit = Pinned(rng.integers(-128, 128, (n, k)).astype(np.float32), "int8"), spread / 64
+    else:
+        unsigned = rng.integers(0, 16, (k, n) if quant.layout == "awq" else (n, k))
+        codes, unit = Pinned(quant_math.pack_int32(unsigned, 4, 1, quant_math.AWQ_NIBBLE_OF if quant.layout == "awq"
+                                                   else None), "int32"), spread / 4
+    scale_shape = quant.scale_shape(n, k)
+    scale = uniform(scale_shape, 0.5 * unit, 1.5 * unit, "float16" if quant.layout == "awq" else "float32")
+    zero = None
+    if not quant.symmetric:
+        unsigned = rng.integers(0, 16, scale_shape)
+        zero = Pinned(quant_math.pack_int32(unsigned, 4, 1 if quant.layout == "awq" else 0,
+                                            quant_math.AWQ_NIBBLE_OF if quant.layout == "awq" else None), "int32")
+    input_scale = uniform((1,), 0.01, 0.02) if quant.activations == "static" else None
+    return QuantizedWeight(quant, codes, scale, zero, input_scale, shape=(n, k))
+
+
+def _quantized_cases(OpCase):
+    from dualop.testing import normal
+
+    makers = {"replicated_linear": ReplicatedLinear, "column_parallel_linear": ColumnParallelLinear,
+              "row_parallel_linear": RowParallelLinear}
+
+    def case(label, op_name, scheme, out, bias):
+        quant = WeightQuant(**scheme)
+
+        def make_op(shape):
+            return makers[op_name](shape[-1], out, bias=bias, return_bias=False)
+
+        def make_inputs(shape, rng):
+            weight = random_quantized_weight(quant, out, shape[-1], rng)
+            return normal(shape, rng), weight, normal((out,), rng) if bias else None
+
+        return OpCase(op_name, label, make_op, make_inputs, ((0, 256), (1, 256), (2, 3, 256)),
+                      traits={"contraction", "not_differentiable", "untyped_inputs"},
+                      kernel_in_native_cells={("jax", "cpu"): "forward_cpu"})
+
+    return [case(*spec) for spec in _QUANTIZED_CASES]
 
 
 # --- spec: what dualop bench times and dualop compile builds (check_cases above) -----------
@@ -647,9 +783,41 @@ def serving():
     }
     cases = {"replicated_linear": "replicated_linear", "column_parallel_linear": "column_parallel_linear[bias]",
              "row_parallel_linear": "row_parallel_linear[bias]"}
-    return {op: Serving(shapes[op], _serving_linear_inputs, {cases[op]: _serving_linear_op(op)}, ("bfloat16",),
-                        (cases[op],))
-            for op in _LINEAR_OPS}
+    servings = {op: Serving(shapes[op], _serving_linear_inputs, {cases[op]: _serving_linear_op(op)}, ("bfloat16",),
+                            (cases[op],))
+                for op in _LINEAR_OPS}
+    quantized = servings["replicated_linear"]
+    servings["replicated_linear"] = dataclasses.replace(
+        quantized, shapes=quantized.shapes + _QUANTIZED_SERVING_SHAPES,
+        inputs={cases["replicated_linear"]: _serving_linear_inputs,
+                **{label: _serving_quantized_inputs(quant) for label, quant in _QUANTIZED_SERVING.items()}},
+        make_op={**quantized.make_op, **{label: _serving_linear_op("replicated_linear") for label in _QUANTIZED_SERVING}},
+        cases=(*quantized.cases, *_QUANTIZED_SERVING))
+    return servings
+
+
+# Quantized serving builds: the schemes checkpoints ship (DeepSeek-V3's 128x128 fp8 blocks, W8A8 int8,
+# W4A16 int4 in groups of 128), per the check case they stand for; at the replicated shapes above
+# and DeepSeek-V3's dense MLP at tp 8 (gate_up 7168 -> 4608 for one token, down 2304 -> 7168 for 8192).
+_QUANTIZED_SERVING = {
+    "replicated_linear[int8_w8a8]": WeightQuant("int8", "channel", activations="dynamic"),
+    "replicated_linear[fp8_block_w8a8]": WeightQuant("fp8", "block", block=(128, 128), activations="dynamic"),
+    "replicated_linear[int4_g64]": WeightQuant("int4", "group", group_size=128, layout="packed"),
+}
+_QUANTIZED_SERVING_SHAPES = ((1, 7168, 4608), (8192, 2304, 7168))
+
+
+def _serving_quantized_inputs(quant: WeightQuant):
+    def inputs(shape: tuple[int, ...]) -> tuple:
+        tokens, in_size, out_size = shape
+        spec = {name: InputSpec(shape, dtype) for name, shape, dtype in (
+            ("codes", quant.codes_shape(out_size, in_size), quant.codes_dtype()),
+            ("scale", quant.scale_shape(out_size, in_size), "float32"),
+            ("zero_point", quant.zero_point_shape(out_size, in_size), "int32")) if shape is not None}
+        weight = QuantizedWeight(quant, spec["codes"], spec["scale"], spec.get("zero_point"), shape=(out_size, in_size))
+        return InputSpec((tokens, in_size), None), weight, None
+
+    return inputs
 
 # What the shared test sweeps know about these ops' check cases (``testing.with_notes``: keys are op
 # names or case labels; traits as ``dualop.testing.TRAITS`` defines them).

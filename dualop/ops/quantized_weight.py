@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import sys
 from typing import Any
 
 from dualop.backends import array_namespace
@@ -155,7 +156,7 @@ class QuantizedWeight:
             rows, cols = tuple(codes.shape[-2:]) if getattr(codes, "ndim", 0) == 2 else (0, 0)
             shape = {"packed": (rows, cols * 32 // quant.bits), "awq": (cols * 8, rows)}.get(quant.layout, (rows, cols))
         self.shape = (int(shape[0]), int(shape[1]))
-        if frontend_of(codes) == "jax":
+        if "jax" in sys.modules:  # a pytree wherever jax is in use (jax arrays, abstract ShapeDtypeStructs)
             _register_pytree()
 
     ndim = 2
@@ -167,6 +168,13 @@ class QuantizedWeight:
     def arrays(self) -> dict[str, Any]:
         return {name: getattr(self, name) for name in ("codes", "scale", "zero_point", "input_scale")
                 if getattr(self, name) is not None}
+
+    def map_arrays(self, fn: Any) -> QuantizedWeight:
+        """The same scheme and shape with ``fn`` applied to each array it holds (None stays None):
+        how test inputs, abstract compile inputs and frontend conversions carry a quantized weight."""
+        return QuantizedWeight(self.quant, fn(self.codes), fn(self.scale),
+                               None if self.zero_point is None else fn(self.zero_point),
+                               None if self.input_scale is None else fn(self.input_scale), shape=self.shape)
 
     def check(self, op: str, arg: str, x: Any, x_frontend: str, shape: tuple[int, int]) -> None:
         """Raise a ``TypeError``/``ValueError`` naming ``op`` and ``arg`` unless this weight is a

@@ -15,6 +15,7 @@ import torch
 
 from dualop import OpsConfig, dispatch_report, set_config
 from dualop.custom_op import clear_dispatch_report
+from dualop.kernels import quant_math
 from dualop.ops import QuantizedWeight, ReplicatedLinear, RowParallelLinear, WeightQuant
 
 N, K, ROWS = 48, 256, 5
@@ -23,17 +24,6 @@ FP8_MAX = 448.0
 
 def _cdiv(a, b):
     return -(-a // b)
-
-
-def _pack(codes: np.ndarray, bits: int, axis: int, order=None) -> np.ndarray:
-    """Unsigned ``bits``-bit codes packed into int32 words along ``axis``: code j of a word in slot
-    ``order[j]`` (default j), slot s at bits [bits*s, bits*s + bits)."""
-    per = 32 // bits
-    order = order or range(per)
-    c = np.moveaxis(codes.astype(np.int64), axis, -1)
-    c = np.pad(c, [(0, 0)] * (c.ndim - 1) + [(0, (-c.shape[-1]) % per)]).reshape(*c.shape[:-1], -1, per)
-    words = sum(c[..., j] << (bits * slot) for j, slot in enumerate(order))
-    return np.moveaxis(((words + 2**31) % 2**32 - 2**31).astype(np.int32), -1, axis)
 
 
 def _fp8(a: np.ndarray) -> np.ndarray:
@@ -67,11 +57,11 @@ def _scheme(name: str, rng: np.random.Generator):
         group, zero = 64, name.endswith("zero")
         u = rng.integers(0, 16, (N, K))
         s = rng.uniform(0.001, 0.01, (N, K // group)).astype(np.float32)
-        arrays = {"codes": _pack(u, 4, 1), "scale": s}
+        arrays = {"codes": quant_math.pack_int32(u, 4, 1), "scale": s}
         w = (u - 8).astype(np.float64)
         if zero:
             z = rng.integers(0, 16, (N, K // group))
-            arrays["zero_point"] = _pack(z, 4, 0)
+            arrays["zero_point"] = quant_math.pack_int32(z, 4, 0)
             w = w - np.repeat(z - 8, group, 1)
         return (WeightQuant("int4", "group", group_size=group, symmetric=not zero, layout="packed"), arrays,
                 w * np.repeat(s.astype(np.float64), group, 1))
@@ -81,7 +71,7 @@ def _scheme(name: str, rng: np.random.Generator):
         z = rng.integers(0, 16, (K // group, N))
         s = rng.uniform(0.001, 0.01, (K // group, N)).astype(np.float16)
         order = (0, 4, 1, 5, 2, 6, 3, 7)  # AWQ's nibble of code j
-        arrays = {"codes": _pack(u, 4, 1, order), "zero_point": _pack(z, 4, 1, order), "scale": s}
+        arrays = {"codes": quant_math.pack_int32(u, 4, 1, order), "zero_point": quant_math.pack_int32(z, 4, 1, order), "scale": s}
         w = (u - np.repeat(z, group, 0)) * np.repeat(s.astype(np.float64), group, 0)
         return WeightQuant("int4", "group", group_size=group, symmetric=False, layout="awq"), arrays, w.T
     raise AssertionError(name)

@@ -13,7 +13,7 @@ import math
 
 import pytest
 
-from conftest import (KERNEL_CELLS, KERNEL_OPS_IN_NATIVE_CELLS, NATIVE_CASES, NATIVE_CELLS, NATIVE_DTYPE_CASES,
+from conftest import (KERNEL_CELLS, KERNEL_CASES_IN_NATIVE_CELLS, NATIVE_CASES, NATIVE_CELLS, NATIVE_DTYPE_CASES,
                       require_frontend)
 from dualop import check, testing
 
@@ -21,15 +21,15 @@ CASES = list(testing.cases_for(None))  # every registered op's check cases
 KERNEL_SWEEP = [
     pytest.param(case, frontend, platform, method, id=f"{case.label}-{frontend}-{platform}")
     for case in CASES
-    for frontend, platform, method in [*KERNEL_CELLS, *((f, p, m) for (op, f, p), m in KERNEL_OPS_IN_NATIVE_CELLS.items()
-                                                        if op == case.op)]
+    for frontend, platform, method in [*KERNEL_CELLS, *((f, p, m) for (label, f, p), m in KERNEL_CASES_IN_NATIVE_CELLS.items()
+                                                        if label == case.label)]
     if (case.label, frontend, platform) not in NATIVE_CASES
 ]
 NATIVE_SWEEP = [
     pytest.param(case, frontend, platform, NATIVE_CASES.get((case.label, frontend, platform)) or NATIVE_CELLS[(frontend, platform)],
                  id=f"{case.label}-{frontend}-{platform}")
     for case in CASES for frontend, platform in [*NATIVE_CELLS, *((f, p) for f, p, _ in KERNEL_CELLS)]
-    if ((frontend, platform) in NATIVE_CELLS and (case.op, frontend, platform) not in KERNEL_OPS_IN_NATIVE_CELLS)
+    if ((frontend, platform) in NATIVE_CELLS and (case.label, frontend, platform) not in KERNEL_CASES_IN_NATIVE_CELLS)
     or (case.label, frontend, platform) in NATIVE_CASES
 ]
 

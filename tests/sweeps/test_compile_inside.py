@@ -67,11 +67,23 @@ def _built_inside_matches_eager(case, custom_ops):
     return _dualop_ops(graphs)
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: c.label)
+@pytest.mark.parametrize("case", [c for c in CASES if "untyped_inputs" not in c.traits], ids=lambda c: c.label)
 def test_every_op_case_built_inside_compiles_fullgraph_to_its_custom_op(case):
     """With every op enabled the graph holds the op opaque: the same custom op, with the same
     constructor spec, as an op built outside the compiled function."""
     assert _built_inside_matches_eager(case, ["all"]) == [case.op]
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if "untyped_inputs" in c.traits], ids=lambda c: c.label)
+def test_an_input_no_schema_types_is_refused_at_trace_time(case):
+    """A call whose input torch.library cannot type (a quantized weight) is never traced through
+    forward_native in silence: the trace fails, naming the argument and its type."""
+    shape = next(s for s in case.shapes if s[0] > 0)
+    torch._dynamo.reset()
+    with set_config(OpsConfig(["all"])):
+        compiled, _ = _compile(lambda *a: case.make_op(shape)(*a, **case.options))
+        with pytest.raises(Exception, match=r"argument 'weight' must be a torch.Tensor.*got QuantizedWeight"):
+            compiled(*_inputs(case, shape))
 
 
 @pytest.mark.parametrize("label", REPRESENTATIVE)

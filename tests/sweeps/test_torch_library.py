@@ -209,8 +209,18 @@ def test_a_class_defined_in_a_function_has_no_spec():
 # ---------------------------------------------------------------- every op case
 
 
+TYPED = [c for c in CASES if "untyped_inputs" not in c.traits]
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if "untyped_inputs" in c.traits], ids=lambda c: c.label)
+def test_an_input_no_schema_types_is_refused_by_name(case):
+    op, args = _inputs(case)
+    with pytest.raises(TypeError, match=rf"{op.name}: argument 'weight' must be a torch.Tensor .*got QuantizedWeight"):
+        library.library_args(op, args, {})
+
+
 @pytest.mark.parametrize("dtype, which", [("float32", "first"), ("bfloat16", "first"), ("float32", "last")])
-@pytest.mark.parametrize("case", CASES, ids=lambda c: c.label)
+@pytest.mark.parametrize("case", TYPED, ids=lambda c: c.label)
 def test_opcheck(case, dtype, which):
     nonempty = [s for s in case.shapes if s[0] > 0]
     op, args = _inputs(case, dtype, shape=nonempty[0] if which == "first" else nonempty[-1])
@@ -218,7 +228,7 @@ def test_opcheck(case, dtype, which):
     assert set(result.values()) == {"SUCCESS"}, result
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: c.label)
+@pytest.mark.parametrize("case", TYPED, ids=lambda c: c.label)
 def test_library_op_equals_the_eager_call(case):
     """Each call gets its own inputs, so an op that updates an argument in place
     (``mutates_args``: the library op returns nothing) is compared by that argument."""
@@ -272,8 +282,9 @@ def _dualop_targets(graphs) -> list[str]:
 
 
 
-@pytest.mark.parametrize("custom_ops", [["all"], ["none"]])
-@pytest.mark.parametrize("case", CASES, ids=lambda c: c.label)
+@pytest.mark.parametrize("case, custom_ops", [
+    pytest.param(c, ops, id=f"{c.label}-{ops[0]}") for c in CASES for ops in (["all"], ["none"])
+    if ops == ["none"] or "untyped_inputs" not in c.traits])  # enabled with an untyped input: refused, above
 def test_compiled_case_is_the_opaque_op_exactly_when_enabled(case, custom_ops):
     op, args = _inputs(case)
     _, eager_args = _inputs(case)  # its own inputs: an in-place op must not compare with itself
