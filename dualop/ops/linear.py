@@ -765,9 +765,126 @@ _LINEAR_OPS = ("column_parallel_linear", "row_parallel_linear", "replicated_line
 def bench_cases():
     """Not run by default (a 4096-wide GEMM is seconds on 2 cores): x (tokens, hidden) times a square
     weight, no bias, against F.linear and a hand-written jnp.dot; the vendor GEMM is the path."""
-    return [BenchCase(op_name, op_name, _bench_linear_op(op_name), _bench_linear_inputs, _bench_linear_cost,
-                      _torch_linear_peer, _jax_linear_peer, default=False, matrix=True)
-            for op_name in _LINEAR_OPS]
+    floats = [BenchCase(op_name, op_name, _bench_linear_op(op_name), _bench_linear_inputs, _bench_linear_cost,
+                        _torch_linear_peer, _jax_linear_peer, default=False, matrix=True)
+              for op_name in _LINEAR_OPS]
+    return floats + [BenchCase(label, "replicated_linear", _bench_linear_op("replicated_linear"),
+                               _bench_quantized_inputs(quant), _bench_quantized_cost(quant),
+                               _torch_quantized_peer(quant), _jax_quantized_peer, default=False, matrix=True)
+                     for label, quant in _QUANTIZED_BENCH.items()]
+
+
+# Quantized bench cases (not run by default): a square weight in each scheme checkpoints ship.
+_QUANTIZED_BENCH = {
+    "replicated_linear[int8_channel]": WeightQuant("int8", "channel"),
+    "replicated_linear[int8_w8a8]": WeightQuant("int8", "channel", activations="dynamic"),
+    "replicated_linear[fp8_block]": WeightQuant("fp8", "block", block=(128, 128)),
+    "replicated_linear[fp8_block_w8a8]": WeightQuant("fp8", "block", block=(128, 128), activations="dynamic"),
+    "replicated_linear[int4_g128]": WeightQuant("int4", "group", group_size=128, layout="packed"),
+    "replicated_linear[awq_g128]": WeightQuant("int4", "group", group_size=128, symmetric=False, layout="awq"),
+}
+
+
+def _bench_quant_for(quant: WeightQuant, hidden: int) -> WeightQuant:
+    """``quant`` for a ``hidden``-wide weight: groups and blocks of 128 narrowed to ``hidden`` when it
+    is smaller (the bench's small sizes)."""
+    if quant.strategy == "group" and quant.group_size > hidden:
+        return dataclasses.replace(quant, group_size=hidden)
+    if quant.strategy == "block" and max(quant.block) > hidden:
+        return dataclasses.replace(quant, block=(min(quant.block[0], hidden), min(quant.block[1], hidden)))
+    return quant
+
+
+def _bench_quantized_inputs(quant: WeightQuant):
+    def make(shape, rng):
+        hidden = shape[-1]
+        return _normal(shape, rng), random_quantized_weight(_bench_quant_for(quant, hidden), hidden, hidden, rng)
+
+    return make
+
+
+def _bench_quantized_cost(quant: WeightQuant):
+    """Read x, the codes and scales (and zero points) once, write the output."""
+    def cost(op, shape, itemsize) -> KernelCost:
+        n, k, tokens = op.output_size, op.input_size, rows_of(shape)
+        quant_here = _bench_quant_for(quant, k)
+        weight_bytes = math.prod(quant_here.codes_shape(n, k)) * (4 if quant.layout != "plain" else 1)
+        weight_bytes += 4 * math.prod(quant_here.scale_shape(n, k))
+        weight_bytes += 4 * math.prod(quant_here.zero_point_shape(n, k) or (0,))
+        return KernelCost(flops=2 * tokens * n * k, transcendentals=0,
+                          bytes_accessed=(tokens * k + tokens * n) * itemsize + weight_bytes)
+
+    return cost
+
+
+def _torch_quantized_peer(quant: WeightQuant):
+    """torch's own quantized CPU GEMMs where the scheme is theirs: ``_weight_int8pack_mm`` for int8
+    per channel, ``_weight_int4pack_mm_for_cpu`` for symmetric int4 groups (the weight converted
+    once to its packed form outside the timing), ``_int_mm`` (int8 x int8 -> int32) for
+    int8 W8A8 after quantizing x per token as the scheme does; else ``F.linear`` on the weight
+    dequantised once to x's dtype (serving the float checkpoint; in 16-bit dtypes it rounds the
+    weight, so it leaves the tolerance there), after quantizing x for W8A8."""
+    def peer(op):
+        import torch
+
+        prepared: dict[int, Any] = {}
+
+        def once(weight, make):
+            key = id(weight)
+            if key not in prepared:
+                prepared.clear()
+                prepared[key] = make()
+            return prepared[key]
+
+        if (quant.codes, quant.strategy, quant.activations) == ("int8", "channel", "none"):
+            return lambda x, w: torch._weight_int8pack_mm(x, w.codes, w.scale.reshape(-1).to(x.dtype))
+        if (quant.codes, quant.layout, quant.symmetric) == ("int4", "packed", True):
+            def int4(x, w):
+                packed, scales = once(w, lambda: _torch_int4_form(w))
+                return torch._weight_int4pack_mm_for_cpu(x, packed, w.quant.group_size, scales.to(x.dtype))
+
+            return int4
+        if (quant.codes, quant.strategy, quant.activations) == ("int8", "channel", "dynamic"):
+            def int8_w8a8(x, w):
+                xf = x.float()
+                amax = xf.abs().amax(-1, keepdim=True)
+                xs = torch.where(amax > 0, amax / 127.0, 1.0)
+                xq = torch.clamp(torch.round(xf / xs), -128, 127).to(torch.int8)
+                codes_t = once(w, lambda: w.codes.t().contiguous())
+                return (torch._int_mm(xq, codes_t).float() * xs * w.scale.reshape(-1).float()).to(x.dtype)
+
+            return int8_w8a8
+
+        def dequantised(x, w):
+            xq = quantize_activations(x, w).to(x.dtype) if quant.activations != "none" else x
+            return torch.nn.functional.linear(xq, once(w, lambda: w.dequantize(x.dtype)))
+
+        return dequantised
+
+    return peer
+
+
+def _torch_int4_form(weight: QuantizedWeight) -> tuple[Any, Any]:
+    """A symmetric packed int4 weight in torch's CPU int4 GEMM form: the unsigned codes packed by
+    ``torch._convert_weight_to_int4pack_for_cpu`` and ``[K / g, N, 2]`` (scale, offset) pairs, its
+    ``(code - 8) * scale + offset`` rule with offset 0."""
+    import torch
+
+    from dualop.kernels import quant_math
+
+    n, k = weight.shape
+    unsigned = quant_math.unpack_int32(torch, weight.codes, 4, k) + 8
+    packed = torch._convert_weight_to_int4pack_for_cpu(unsigned.to(torch.int32), 1)
+    scale = weight.scale.float().t().contiguous()
+    return packed, torch.stack([scale, torch.zeros_like(scale)], dim=-1)
+
+
+def _jax_quantized_peer(op):
+    """What a jax user writes: the weight dequantised inside ``jit`` (XLA fuses it into the dot),
+    in float32 (the scales' precision), after quantizing x for W8A8."""
+    import jax.numpy as jnp
+
+    return lambda x, w: jnp.dot(quantize_activations(x, w), w.dequantize().T).astype(x.dtype)
 
 
 def serving():

@@ -27,25 +27,33 @@ HIDDEN, INTER = 64, 128
 PROMPT = [1, 5, 9, 33, 70, 2, 8, 100]
 
 
-def _float_llama(path):
+def _float_llama(path, kind="llama"):
+    """A tiny float model of ``kind`` (llama, qwen3, qwen3_moe) saved at ``path``."""
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(vocab_size=128, hidden_size=HIDDEN, intermediate_size=INTER, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
-    model = transformers.LlamaForCausalLM(config).eval()
+    sizes = dict(vocab_size=128, hidden_size=HIDDEN, intermediate_size=INTER, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    if kind == "llama":
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**sizes))
+    elif kind == "qwen3":
+        model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**sizes, head_dim=16))
+    else:
+        model = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
+            **sizes, head_dim=16, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2))
+    model = model.eval()
     model.save_pretrained(path)
     return model
 
 
-def _requantize(path, quantize, quant_config):
-    """Rewrite the float checkpoint at ``path``: every ``*_proj.weight`` replaced by
-    ``quantize(name, float64 weight)`` -> ({tensor suffix: array}, float64 dequantised weight);
-    returns {weight name: dequantised weight}."""
+def _requantize(path, quantize, quant_config, keep_float=()):
+    """Rewrite the float checkpoint at ``path``: every ``*_proj.weight`` (but those whose name holds
+    one of ``keep_float``) replaced by ``quantize(name, float64 weight)`` -> ({tensor suffix:
+    array}, float64 dequantised weight); returns {weight name: dequantised weight}."""
     from safetensors.torch import load_file, save_file
 
     tensors = load_file(str(path / "model.safetensors"))
     out, dequantised = {}, {}
     for name, w in tensors.items():
-        if name.endswith("_proj.weight"):
+        if name.endswith("_proj.weight") and not any(part in name for part in keep_float):
             stored, deq = quantize(name, w.double().numpy())
             layer = name.removesuffix(".weight")
             out.update({f"{layer}.{suffix}": value for suffix, value in stored.items()})
@@ -184,7 +192,7 @@ FORMATS = {
 
 def _dequantised_reference(path, float_model, dequantised):
     state = {name: torch.from_numpy(w) for name, w in dequantised.items()}
-    reference = transformers.LlamaForCausalLM(float_model.config).eval()
+    reference = type(float_model)(float_model.config).eval()
     reference.load_state_dict({**float_model.state_dict(), **{k: v.float() for k, v in state.items()}})
     return _reference_logits(reference)
 
@@ -207,3 +215,17 @@ def test_int8_w8a8_checkpoint_within_its_activation_rounding(tmp_path):
     want = _dequantised_reference(tmp_path, float_model, dequantised)
     assert _normwise(_logits(tmp_path, "torch", weight_only=True), want) < 1e-5
     assert 1e-4 < _normwise(_logits(tmp_path, "torch"), want) < 0.04
+
+
+@pytest.mark.parametrize("frontend", ["torch", "jax"])
+@pytest.mark.parametrize("kind", ["qwen3", "qwen3_moe"])
+def test_qwen3_dense_layers_in_int4_against_their_dequantised_model(tmp_path, kind, frontend):
+    """Qwen3's projections (and Qwen3-MoE's attention projections: its experts and router stay
+    float, by the checkpoint's ignore list) in compressed-tensors int4 groups."""
+    quantize, config = FORMATS["int4_group_symmetric"]
+    config = {**config, "ignore": ["lm_head", "re:.*mlp.gate$", "re:.*mlp.experts.*"]}
+    float_model = _float_llama(tmp_path, kind)
+    dequantised = _requantize(tmp_path, quantize, config, keep_float=(".experts.",))
+    assert any("self_attn" in name for name in dequantised)
+    want = _dequantised_reference(tmp_path, float_model, dequantised)
+    assert _normwise(_logits(tmp_path, frontend), want) < 1e-5
