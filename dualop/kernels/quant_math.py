@@ -76,9 +76,17 @@ def dequantize_groups(xp, q, scale, group_size: int, zero_point=None, dtype=None
 
 
 def _codes(xp, words, num_bits: int, order) -> list:
-    """The codes of int32 ``words``, one array per position of ``order`` (code j from slot order[j])."""
+    """The codes of int32 ``words``, one array per position of ``order`` (code j from slot order[j]).
+
+    Each slot is masked out before the shift, so the shift divides exactly: torch_xla shifts a
+    negative int32 right by dividing, rounded toward zero (``-3 >> 1 == -1``), where torch, jax and
+    numpy floor; shifting first would give a word's high codes off by one there."""
     mask = (1 << num_bits) - 1
-    return [(words >> (num_bits * slot)) & mask for slot in order]
+
+    def slot_mask(slot: int) -> int:  # mask << (num_bits * slot) as a signed int32
+        return ((mask << (num_bits * slot)) + 2**31) % 2**32 - 2**31
+
+    return [((words & slot_mask(slot)) >> (num_bits * slot)) & mask for slot in order]
 
 
 def unpack_int32(xp, packed, num_bits: int, size: int):

@@ -179,6 +179,11 @@ def _torch_gpu_linear(x: Any, weight: Any, bias: Any) -> Any:
     GEMM (``kernels/cuda/quantized_matmul``)."""
     if isinstance(weight, QuantizedWeight):
         kernel, static = _quantized_kernel("triton", x, weight)
+        if weight.quant.codes == "fp8" and weight.quant.activations != "none":  # x's fp8 format: the platform's
+            from dualop.ops.quantization import fp8_format
+
+            fmt = fp8_format(x)
+            static.update(fp8_dtype=fmt.dtype, fp8_max=fmt.max)
         return call_triton(frontend_of(x), kernel, x, *_quantized_arrays(weight, bias), **static)
     return _torch_linear(x, weight, bias)
 
@@ -648,6 +653,13 @@ _QUANTIZED_CASES = (
 )
 
 
+# Where a quantized case runs the native body, by layout: the reason each kernel's supports() gives.
+_TPU_CELLS = (("jax", "tpu"), ("torch_xla", "tpu"), ("torchax", "tpu"))
+_QUANTIZED_NATIVE_CELLS = {
+    "awq": {cell: "AWQ's words along the output dim are not unpacked by this kernel" for cell in _TPU_CELLS},
+}
+
+
 def random_quantized_weight(quant: WeightQuant, n: int, k: int, rng: Any) -> QuantizedWeight:
     """A ``QuantizedWeight`` of numpy arrays (``Pinned`` to their stored dtypes) for an ``[n, k]``
     weight of scheme ``quant``: codes over their whole range, scales that keep ``x @ w.T`` near
@@ -700,7 +712,8 @@ def _quantized_cases(OpCase):
 
         return OpCase(op_name, label, make_op, make_inputs, ((0, 256), (1, 256), (2, 3, 256)),
                       traits={"contraction", "not_differentiable", "untyped_inputs"},
-                      kernel_in_native_cells={("jax", "cpu"): "forward_cpu"})
+                      kernel_in_native_cells={("jax", "cpu"): "forward_cpu"},
+                      native_cells=_QUANTIZED_NATIVE_CELLS.get(quant.layout, {}))
 
     return [case(*spec) for spec in _QUANTIZED_CASES]
 
