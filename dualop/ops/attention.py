@@ -7,7 +7,8 @@ the serving engine's TPU attention kernel, with the exact call of JAX's
                                  mask_value=None, k_scale=None, v_scale=None)
 
 - ``q`` ``[T, Hq, D]`` (float32/bfloat16/float16); ``kv_pages`` ``[num_pages, page_size, 2*Hkv, D]``
-  in ``q``'s dtype, K and V heads interleaved (combined head ``2h`` is K head ``h``, ``2h+1`` V head
+  in ``q``'s dtype or float8 (float8_e4m3fn, float8_e5m2: the codes ``reshape_and_cache`` writes,
+  each read as its exact float32 value), K and V heads interleaved (combined head ``2h`` is K head ``h``, ``2h+1`` V head
   ``h``); ``kv_lens`` int32 ``[S]``; ``page_indices`` int32 ``[S, pages_per_seq]``; ``cu_q_lens``
   int32 ``[S+1]``; ``num_seqs`` int32 ``[1]``.
 - Sequence ``i < num_seqs[0]`` owns query rows ``cu_q_lens[i]:cu_q_lens[i+1]`` and KV positions
@@ -20,7 +21,9 @@ the serving engine's TPU attention kernel, with the exact call of JAX's
   ``DEFAULT_MASK_VALUE``, ``-0.7 *`` float32 max; JAX's reference adds it instead, which gives the
   same result unless a mask value near the scores is asked for), positions from ``kv_len`` on never
   count; softmax; ``p . v``; cast once to ``q``'s dtype. ``k_scale`` / ``v_scale``
-  (floats, a quantised cache) multiply K / V in float32 before use. GQA: query head ``h`` reads KV
+  (Python numbers, a quantised cache's scales: an fp8 cache's element is read as ``code * scale``)
+  multiply K / V in float32 before use; scale tensors are not taken (the kernels bake the scales in:
+  the Pallas kernel as static values), so an engine passes its float copies (``layer._k_scale_float``). GQA: query head ``h`` reads KV
   head ``h // (Hq // Hkv)``.
 - Rows past ``cu_q_lens[num_seqs[0]]`` (padding up to ``T``) are zeros, never NaN; a sequence with
   ``q_len == 0`` produces nothing.
@@ -55,6 +58,7 @@ from dualop.backends.torch.triton_launch import call_triton
 from dualop.backends.xla.jax_bridge import call_jax_function
 from dualop.custom_op import CustomOp, Serves, validates_inputs
 from dualop.kernels.paged_attention_math import DEFAULT_MASK_VALUE
+from dualop.kernels.kv_cache_math import FP8_KV_FORMATS, fp8_kv_format
 from dualop.kernels.registry import KernelRef
 from dualop.ops._checks import (
     check_array, check_optional_like, checked_before, concrete_values, decline_if_recording,
@@ -69,6 +73,7 @@ __all__ = ["RaggedPagedAttention", "DEFAULT_MASK_VALUE"]
 
 OP = "ragged_paged_attention"
 INT32 = frozenset({"int32"})
+FLOATS = frozenset({"float32", "bfloat16", "float16"})
 
 _PALLAS_RPA = KernelRef("dualop.kernels.pallas.ragged_paged_attention", "ragged_paged_attention")
 _TRITON_RPA = KernelRef("dualop.kernels.cuda.ragged_paged_attention", "ragged_paged_attention")
@@ -236,6 +241,21 @@ def finite_or_safe(xp: Any, fast: Any, safe: Any, *args: Any) -> Any:
     return safe(*args)
 
 
+def _gatherable(pages: Any) -> Any:
+    """A plain torch float8 cache as its uint8 view (torch 2.9's CPU indexing has no float8
+    kernels); anything else as it is."""
+    if frontend_of(pages) == "torch" and fp8_kv_format(pages.dtype) is not None:
+        import torch
+
+        return pages.view(torch.uint8)
+    return pages
+
+
+def _as_cache_dtype(rows: Any, kv_pages: Any) -> Any:
+    """Gathered rows back in the cache's dtype (undoing ``_gatherable``'s view)."""
+    return rows.view(kv_pages.dtype) if rows.dtype != kv_pages.dtype else rows
+
+
 @CustomOp.register("ragged_paged_attention")
 class RaggedPagedAttention(CustomOp):
     """Attention of a ragged batch of queries (prefill, chunked prefill and decode rows mixed) over a
@@ -266,8 +286,9 @@ class RaggedPagedAttention(CustomOp):
         fe = check_array(OP, "q", q, min_ndim=3)
         if q.ndim != 3:
             raise ValueError(f"{OP}: argument 'q' must be [num_tokens, num_q_heads, head_dim], got shape {tuple(q.shape)}")
+        fp8_cache = frontend_of(kv_pages) is not None and fp8_kv_format(kv_pages.dtype) is not None
         check_optional_like(OP, "kv_pages", kv_pages, "q", q, fe, shape=tuple(getattr(kv_pages, "shape", ())),
-                            same_dtype=True)
+                            same_dtype=not fp8_cache, dtypes=frozenset(FP8_KV_FORMATS) if fp8_cache else FLOATS)
         if kv_pages.ndim != 4:
             raise ValueError(f"{OP}: argument 'kv_pages' must be [num_pages, page_size, 2 * num_kv_heads, head_dim], "
                              f"got shape {tuple(kv_pages.shape)}")
@@ -324,7 +345,8 @@ class RaggedPagedAttention(CustomOp):
 
         def rows(kv_pages, pages, half, scale):
             """K (``half`` 0) or V (1) rows ``[T, span, Hkv, D]`` of each row's sequence, float32."""
-            x = xp.take(kv_pages[:, :, half::2, :], pages, axis=0).reshape((num_tokens, span, num_kv_heads, head_dim))
+            x = xp.take(_gatherable(kv_pages[:, :, half::2, :]), pages, axis=0)
+            x = _as_cache_dtype(x, kv_pages).reshape((num_tokens, span, num_kv_heads, head_dim))
             x = xp.astype(x, xp.float32)
             return x if scale is None else x * scale
 

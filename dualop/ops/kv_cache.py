@@ -2,11 +2,23 @@
 serving engine's op that stores a step's new keys and values in the paged cache
 ``ragged_paged_attention`` reads.
 
-``op = ReshapeAndCache()``; ``kv_pages = op(key, value, kv_pages, slot_mapping)``.
+``op = ReshapeAndCache()``; ``kv_pages = op(key, value, kv_pages, slot_mapping, *,
+kv_cache_dtype="auto", k_scale=None, v_scale=None)``.
 
-- ``key``, ``value``: ``[T, Hkv, D]``, float32/bfloat16/float16, the cache's dtype.
+- ``key``, ``value``: ``[T, Hkv, D]``, float32/bfloat16/float16.
 - ``kv_pages``: ``[num_pages, page_size, 2*Hkv, D]``, K and V heads interleaved as
   ``ragged_paged_attention`` reads them: key head h goes to combined head 2h, value head h to 2h+1.
+  Its dtype is the key's (``kv_cache_dtype="auto"``, the engine's default), or float8: an fp8
+  cache (``"fp8"`` or ``"fp8_e4m3"``: float8_e4m3fn; ``"fp8_e5m2"``: float8_e5m2) holds half the
+  bytes of a 16-bit one. A ``kv_cache_dtype`` that names another dtype than the cache's is refused.
+- ``k_scale``, ``v_scale`` (an fp8 cache's scales, the engine's ``layer._k_scale`` /
+  ``layer._v_scale``): a Python number or a float32 array of one element, positive and finite;
+  None is 1.0 (the engine's default). An fp8 cache stores ``fp8(clip(key * (1 / k_scale), -max,
+  max))`` computed in float32, rounded to nearest even (max 448 for e4m3fn, 57344 for e5m2; the
+  rule and why it multiplies by the reciprocal: ``kernels/kv_cache_math.py``), and the same for
+  values with ``v_scale``; ``ragged_paged_attention`` reads ``code * scale``. Every path writes
+  the same bytes. A float cache ignores the scales, as the engine does (they are still checked).
+  Under ``torch.compile`` the scales are tensors (the op's schema types them ``Tensor?``).
 - ``slot_mapping``: int32/int64 ``[T]``; token t goes to page ``slot // page_size``, offset
   ``slot % page_size``. Negative slots are padding: those tokens are skipped. Two tokens with one
   slot: the last of them in token order wins, on every path (the reference engine leaves it
@@ -24,20 +36,26 @@ Validation before anything is written: shapes, dtypes, one device, a torch cache
 in place (``check_writable_cache``: not an inference tensor outside inference mode, not a leaf that
 requires grad while grad is on, no overlapping elements), and for arrays whose values are at hand
 (torch CPU/CUDA tensors, concrete jax arrays) ``max(slot_mapping) < num_pages * page_size`` (on CUDA
-that reads the slots back; not while a CUDA graph is being captured); lazy or traced slot mappings
+that reads the slots back; not while a CUDA graph is being captured) and scales that are positive
+and finite (a scale tensor's value is read on the CPU and from concrete jax arrays only, never from
+a GPU, so a step costs no sync for it); lazy or traced slot mappings
 (torch_xla, torchax, torch.compile, ``jax.jit``) are not read. Every path drops a slot
 outside ``[0, num_pages * page_size)`` rather than writing out of bounds. Reading the slots also
 tells whether two tokens share one; when none do (the usual step) the paths skip the sort
 ``last_writes`` would otherwise run.
 
 Kernels: Pallas (``kernels/pallas/reshape_and_cache.py``: per-token DMAs into the HBM cache,
-input/output aliased), Triton (``kernels/cuda/reshape_and_cache.py``: in place), and on the torch
-CPU ``index_copy_`` of the kept rows into the flattened cache (faster here than the native body's
-``index_put_`` on (page, offset) pairs).
+input/output aliased; an fp8 cache's codes are computed by ``quantize_kv`` in its wrapper),
+Triton (``kernels/cuda/reshape_and_cache.py``: in place; fp8 codes encoded in the kernel by
+integer arithmetic, so any GPU and the interpreter give the same bytes), and on the torch CPU the
+C++ torch operator for a float cache, else ``index_copy_`` of the kept rows (fp8 codes from
+``quantize_kv``) into the flattened cache (faster here than the native body's ``index_put_`` on
+(page, offset) pairs).
 """
 
 from __future__ import annotations
 
+import math
 import threading
 from typing import Any, ClassVar
 
@@ -45,10 +63,11 @@ from dualop.backends import array_namespace
 from dualop.backends.torch.triton_launch import call_triton
 from dualop.backends.xla.jax_bridge import call_jax_function
 from dualop.custom_op import CustomOp, validates_inputs
+from dualop.kernels.kv_cache_math import FP8_KV_FORMATS, KV_CACHE_DTYPES, fp8_kv_format, inverse_scale, quantize_kv
 from dualop.kernels.registry import KernelRef
 from dualop.ops._checks import (
-    check_array, check_optional_like, check_writable_cache, checked_before, concrete_values, dtype_name,
-    remember_checked,
+    FLOAT_DTYPES, check_array, check_optional_like, check_writable_cache, checked_before, concrete_values,
+    dtype_name, remember_checked,
 )
 from dualop.platforms import family_of, frontend_of
 from dualop.spec import InputSpec, Serving
@@ -59,6 +78,7 @@ _PALLAS_RESHAPE_AND_CACHE = KernelRef("dualop.kernels.pallas.reshape_and_cache",
 _TRITON_RESHAPE_AND_CACHE = KernelRef("dualop.kernels.cuda.reshape_and_cache", "reshape_and_cache")
 _CPU_FAST_RESHAPE_AND_CACHE = KernelRef("dualop.kernels.cpu.kv_cache", "FAST_RESHAPE_AND_CACHE")
 _SLOT_DTYPES = ("int32", "int64")
+_CACHE_DTYPES = FLOAT_DTYPES | frozenset(FP8_KV_FORMATS)
 
 
 def _known_slots(slot_mapping: Any, frontend: str) -> Any:
@@ -120,6 +140,52 @@ def last_writes(slot_mapping: Any) -> Any:
     return jnp.where(keep, slot_mapping, jnp.asarray(-1, slot_mapping.dtype))
 
 
+def check_kv_scale(op: str, name: str, scale: Any, ref_name: str, ref: Any, fe: str) -> None:
+    """An fp8 cache scale: None, a Python number, or a float32 array of one element on ``ref``'s
+    frontend and device; positive and finite wherever its value is at hand (a number, a CPU tensor,
+    a concrete jax array; a GPU tensor is not read: no sync per step)."""
+    if scale is None:
+        return
+    if isinstance(scale, bool) or not (isinstance(scale, (int, float)) or frontend_of(scale) is not None):
+        raise TypeError(f"{op}: argument '{name}' must be None, a number or a float32 array of one element, got "
+                        f"{type(scale).__module__}.{type(scale).__qualname__}")
+    if isinstance(scale, (int, float)):
+        value = float(scale)
+    else:
+        check_optional_like(op, name, scale, ref_name, ref, fe, shape=tuple(scale.shape),
+                            dtypes=frozenset({"float32"}))
+        if math.prod(scale.shape) != 1:
+            raise ValueError(f"{op}: argument '{name}' has shape {tuple(scale.shape)}; expected one element "
+                             f"(a per-tensor scale)")
+        readable = frontend_of(scale) == "jax" or getattr(scale, "device", None) is not None and \
+            scale.device.type == "cpu"
+        values = concrete_values(scale) if readable else None
+        if values is None:
+            return
+        value = float(values.reshape(()))
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"{op}: argument '{name}' is {value!r}; expected a positive, finite scale")
+
+
+def inverse_scale_operand(xp: Any, scale: Any) -> Any:
+    """What the paths multiply by (``kernels/kv_cache_math.py``): a number's reciprocal as a Python
+    float (``inverse_scale``; None is 1.0), a scale array's as a float32 array of shape (1,) in its
+    frontend (one division there, no host read)."""
+    if scale is None or isinstance(scale, (int, float)):
+        return inverse_scale(1.0 if scale is None else float(scale))
+    return 1.0 / xp.reshape(xp.astype(scale, xp.float32), (1,))
+
+
+def _bytes(x: Any) -> Any:
+    """A plain torch tensor's uint8 view (torch 2.9's CPU indexing has no float8 kernels); any
+    other array as it is."""
+    if frontend_of(x) == "torch" and fp8_kv_format(x.dtype) is not None:
+        import torch
+
+        return x.view(torch.uint8)
+    return x
+
+
 @CustomOp.register("reshape_and_cache")
 class ReshapeAndCache(CustomOp):
     """Write new keys and values into the paged KV cache (see the module docstring)."""
@@ -130,7 +196,8 @@ class ReshapeAndCache(CustomOp):
     def __init__(self, *, enforce_enable: bool = False) -> None:
         super().__init__(enforce_enable=enforce_enable)
 
-    def check_inputs(self, key: Any, value: Any, kv_pages: Any, slot_mapping: Any) -> None:
+    def check_inputs(self, key: Any, value: Any, kv_pages: Any, slot_mapping: Any, *, kv_cache_dtype: str = "auto",
+                     k_scale: Any = None, v_scale: Any = None) -> None:
         op = "reshape_and_cache"
         fe = check_array(op, "key", key, min_ndim=3)
         if key.ndim != 3:
@@ -141,15 +208,35 @@ class ReshapeAndCache(CustomOp):
         check_optional_like(op, "value", value, "key", key, fe, same_dtype=True)
         if kv_pages is None:
             raise ValueError(f"{op}: argument 'kv_pages' is required ([num_pages, page_size, {2 * heads}, {head_dim}])")
-        check_array(op, "kv_pages", kv_pages, min_ndim=4)
+        check_array(op, "kv_pages", kv_pages, min_ndim=4, dtypes=_CACHE_DTYPES)
         if kv_pages.ndim != 4:
             raise ValueError(f"{op}: argument 'kv_pages' must be [num_pages, page_size, 2*num_kv_heads, head_dim], "
                              f"got shape {tuple(kv_pages.shape)}")
         num_pages, page_size = kv_pages.shape[:2]
-        check_optional_like(op, "kv_pages", kv_pages, "key", key, fe,
-                            shape=(num_pages, page_size, 2 * heads, head_dim), same_dtype=True)
+        wanted = self._cache_dtype(op, kv_cache_dtype, kv_pages)
+        check_optional_like(op, "kv_pages", kv_pages, "key", key, fe, shape=(num_pages, page_size, 2 * heads, head_dim),
+                            same_dtype=wanted is None, dtypes=_CACHE_DTYPES)
+        check_kv_scale(op, "k_scale", k_scale, "key", key, fe)
+        check_kv_scale(op, "v_scale", v_scale, "key", key, fe)
         check_writable_cache(op, "kv_pages", kv_pages)
         self._check_slot_mapping(op, slot_mapping, key, fe, tokens, num_pages * page_size)
+
+    @staticmethod
+    def _cache_dtype(op: str, kv_cache_dtype: Any, kv_pages: Any) -> str | None:
+        """The cache dtype ``kv_cache_dtype`` names (None for "auto": the key's), refused where it
+        is not the dtype of ``kv_pages``."""
+        if not isinstance(kv_cache_dtype, str) or kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"{op}: argument 'kv_cache_dtype' is {kv_cache_dtype!r}; expected one of "
+                             f"{', '.join(repr(k) for k in KV_CACHE_DTYPES)}")
+        wanted, have = KV_CACHE_DTYPES[kv_cache_dtype], dtype_name(kv_pages)
+        if wanted is None and have in FP8_KV_FORMATS:
+            names = " or ".join(repr(k) for k, v in KV_CACHE_DTYPES.items() if v == have)
+            raise ValueError(f"{op}: argument 'kv_cache_dtype' is 'auto' (a cache in the key's dtype) but 'kv_pages' "
+                             f"has dtype {have}; pass kv_cache_dtype={names} for it")
+        if wanted is not None and have != wanted:
+            raise ValueError(f"{op}: argument 'kv_cache_dtype' is {kv_cache_dtype!r} (a {wanted} cache) but "
+                             f"'kv_pages' has dtype {have}")
+        return wanted
 
     @staticmethod
     def _check_slot_mapping(op: str, slot_mapping: Any, key: Any, fe: str, tokens: int, capacity: int) -> None:
@@ -194,55 +281,90 @@ class ReshapeAndCache(CustomOp):
         remember_checked("slot_mapping", (slot_mapping,), (capacity, distinct))
         return distinct
 
-    def forward_native(self, key: Any, value: Any, kv_pages: Any, slot_mapping: Any) -> Any:
+    def forward_native(self, key: Any, value: Any, kv_pages: Any, slot_mapping: Any, *, kv_cache_dtype: str = "auto",
+                       k_scale: Any = None, v_scale: Any = None) -> Any:
         xp = array_namespace(kv_pages)
         slot_mapping = last_writes(slot_mapping)
         num_pages, page_size, combined, head_dim = kv_pages.shape
-        rows = xp.reshape(xp.stack([key, value], axis=2), (key.shape[0], combined, head_dim))
+        key, value = cache_rows(xp, key, value, kv_pages, k_scale, v_scale)
+        rows = xp.reshape(xp.stack([_bytes(key), _bytes(value)], axis=2), (key.shape[0], combined, head_dim))
         keep = (slot_mapping >= 0) & (slot_mapping < num_pages * page_size)
         index = (slot_mapping // page_size, slot_mapping % page_size)
-        return xp.set_at_dropping(kv_pages, index, xp.astype(rows, kv_pages.dtype), keep)
-
+        written = xp.set_at_dropping(_bytes(kv_pages), index, rows, keep)
+        return kv_pages if frontend_of(kv_pages) == "torch" else written
 
     @validates_inputs
-    def forward_cpu(self, key: Any, value: Any, kv_pages: Any, slot_mapping: Any) -> Any:
-        """torch on the CPU: a plain call (row-major tensors, slots in range) goes to the C++ torch
-        operator (``kernels/cpu/kv_cache.py``: the rows copied in token order, checked in C++); any
-        other call is checked here, then ``index_copy_`` of the kept tokens' interleaved rows into
+    def forward_cpu(self, key: Any, value: Any, kv_pages: Any, slot_mapping: Any, *, kv_cache_dtype: str = "auto",
+                    k_scale: Any = None, v_scale: Any = None) -> Any:
+        """torch on the CPU: a plain call (a cache in the key's dtype, row-major tensors, slots in
+        range) goes to the C++ torch operator (``kernels/cpu/kv_cache.py``: the rows copied in token
+        order, checked in C++); any other call is checked here, then ``index_copy_`` of the kept
+        tokens' interleaved rows (an fp8 cache's codes from ``quantize_kv``, copied as bytes) into
         the cache viewed as ``[num_pages * page_size, 2*Hkv, D]`` (needs a contiguous cache to view)."""
-        if _CPU_FAST_RESHAPE_AND_CACHE.resolve().take(key, value, kv_pages, slot_mapping) is not None:
+        if (kv_cache_dtype == "auto" and k_scale is None and v_scale is None
+                and _CPU_FAST_RESHAPE_AND_CACHE.resolve().take(key, value, kv_pages, slot_mapping) is not None):
             return kv_pages
-        self.check_inputs(key, value, kv_pages, slot_mapping)
+        self.check_inputs(key, value, kv_pages, slot_mapping, kv_cache_dtype=kv_cache_dtype, k_scale=k_scale,
+                          v_scale=v_scale)
         import torch
 
         if not kv_pages.is_contiguous():
             raise NotImplementedError("reshape_and_cache: the CPU path views the cache flat and needs it contiguous")
         num_pages, page_size, combined, head_dim = kv_pages.shape
-        rows = torch.stack((key, value), dim=2).reshape(key.shape[0], combined, head_dim)
+        key, value = cache_rows(array_namespace(key), key, value, kv_pages, k_scale, v_scale)
+        rows = torch.stack((_bytes(key), _bytes(value)), dim=2).reshape(key.shape[0], combined, head_dim)
         slots = last_writes(slot_mapping).to(torch.int64)
         keep = (slots >= 0) & (slots < num_pages * page_size)
-        flat = kv_pages.view(num_pages * page_size, combined, head_dim)
+        flat = _bytes(kv_pages).view(num_pages * page_size, combined, head_dim)
         if bool(keep.all()):  # no padding token (a decode step): no masked copies of rows and slots
             flat.index_copy_(0, slots, rows)
         else:
             flat.index_copy_(0, slots[keep], rows[keep])
         return kv_pages
 
-    def forward_cuda(self, key: Any, value: Any, kv_pages: Any, slot_mapping: Any) -> Any:
+    def forward_cuda(self, key: Any, value: Any, kv_pages: Any, slot_mapping: Any, *, kv_cache_dtype: str = "auto",
+                     k_scale: Any = None, v_scale: Any = None) -> Any:
         fe = frontend_of(key)
         if fe == "torch" and kv_pages.stride(-1) != 1:
             raise NotImplementedError("reshape_and_cache: the Triton kernel writes a cache with a unit-strided last dim")
-        return call_triton(fe, _TRITON_RESHAPE_AND_CACHE, key, value, kv_pages, last_writes(slot_mapping))
+        scales = {}
+        if fe == "torch" and fp8_kv_format(kv_pages.dtype) is not None:
+            xp = array_namespace(key)
+            scales = dict(k_inverse=inverse_scale_operand(xp, k_scale), v_inverse=inverse_scale_operand(xp, v_scale))
+        return call_triton(fe, _TRITON_RESHAPE_AND_CACHE, key, value, kv_pages, last_writes(slot_mapping), **scales)
 
-    def forward_tpu(self, key: Any, value: Any, kv_pages: Any, slot_mapping: Any) -> Any:
+    def forward_tpu(self, key: Any, value: Any, kv_pages: Any, slot_mapping: Any, *, kv_cache_dtype: str = "auto",
+                    k_scale: Any = None, v_scale: Any = None) -> Any:
         """The Pallas kernel; the torch frontends get its new array written back into ``kv_pages``
-        (``copy_``), so torch callers see the update in place on every device."""
+        (``copy_``), so torch callers see the update in place on every device. An fp8 cache's
+        inverse scales reach it as float32 arrays of shape (1,)."""
         fe = frontend_of(key)
-        new = call_jax_function(fe, _PALLAS_RESHAPE_AND_CACHE, key, value, kv_pages, last_writes(slot_mapping))
+        inverses = ()
+        if fp8_kv_format(kv_pages.dtype) is not None:
+            xp = array_namespace(key)
+            inverses = tuple(_as_array(xp, inverse_scale_operand(xp, s), key) for s in (k_scale, v_scale))
+        new = call_jax_function(fe, _PALLAS_RESHAPE_AND_CACHE, key, value, kv_pages, last_writes(slot_mapping), *inverses)
         if family_of(fe) == "torch":
             kv_pages.copy_(new)
             return kv_pages
         return new
+
+
+def cache_rows(xp: Any, key: Any, value: Any, kv_pages: Any, k_scale: Any, v_scale: Any) -> tuple[Any, Any]:
+    """``key`` and ``value`` as the cache stores them: cast to a float cache's dtype, or an fp8
+    cache's codes (``quantize_kv``, with each scale's ``inverse_scale_operand``): the native body's
+    and the CPU path's values; the Pallas wrapper calls ``quantize_kv`` with the same inverse
+    scales, the Triton kernel states the same rule in integer arithmetic."""
+    if fp8_kv_format(kv_pages.dtype) is None:
+        return xp.astype(key, kv_pages.dtype), xp.astype(value, kv_pages.dtype)
+    xla = frontend_of(kv_pages) != "torch"  # XLA-backed arrays (jax, torch_xla, torchax)
+    return tuple(quantize_kv(xp, x, inverse_scale_operand(xp, s), kv_pages.dtype, xla=xla)
+                 for x, s in ((key, k_scale), (value, v_scale)))
+
+
+def _as_array(xp: Any, inverse: Any, like: Any) -> Any:
+    """An inverse scale as a float32 array of shape (1,) on ``like``'s device."""
+    return xp.asarray([inverse], like=like, dtype=xp.float32) if isinstance(inverse, float) else inverse
 
 
 def check_cases():

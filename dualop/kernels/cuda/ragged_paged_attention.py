@@ -23,7 +23,11 @@ in float32 as two 16-bit halves (``p_hi = round(p)``, ``p_lo = round(p - p_hi)``
 products, about 16 significant bits of ``p``) rather than one rounding of ``p`` to 16 bits, which
 loses outputs near zero by cancellation. ``k_scale`` / ``v_scale`` scale the scores / the output in
 float32 (exactly the products with scaled K / V, without rounding scaled values to 16 bits).
-Positions at or past ``kv_len`` never count; causally masked positions below it score
+A float8 cache (float8_e4m3fn, float8_e5m2) is read through its uint8 view and each element
+decoded to its exact float32 value by integer arithmetic on its bits (``fp8_value``; Triton's
+float8 casts need sm_89 for e4m3 and misread some codes in its interpreter), then cast to q's
+dtype (exact: every float8 value is a bfloat16 and float16 value), so the products are those of a
+cache holding the decoded values. Positions at or past ``kv_len`` never count; causally masked positions below it score
 ``mask_value``, and when that can matter (``masked_positions_vanish``) every tile up to ``kv_len``
 is visited.
 
@@ -49,6 +53,7 @@ import triton.language as tl
 
 from dualop.kernels.cuda import interpreting
 from dualop.kernels.cuda.common import _cast, _dot, cast_out, needs_exact_bf16
+from dualop.kernels.kv_cache_math import fp8_kv_format
 from dualop.kernels.paged_attention_math import DEFAULT_MASK_VALUE, masked_positions_vanish
 
 __all__ = ["ragged_paged_attention", "DEFAULT_MASK_VALUE", "block_shape"]
@@ -65,6 +70,25 @@ def _soft_cap(s, cap):
 
 
 @triton.jit
+def fp8_value(code, MANTISSA: tl.constexpr, BIAS: tl.constexpr, HAS_INF: tl.constexpr,
+              SUBNORMAL_STEP: tl.constexpr):
+    """float32 value of float8 codes (uint8): a normal code's exponent rebiased into float32's bits,
+    a subnormal one ``mantissa * SUBNORMAL_STEP``; e5m2 (``HAS_INF``) has inf and NaN at its
+    all-ones exponent, e4m3fn NaN at 0x7f and 0xff only."""
+    c = code.to(tl.int32)
+    mag = c & 0x7F
+    e = mag >> MANTISSA
+    m = mag & ((1 << MANTISSA) - 1)
+    normal = (((e + (127 - BIAS)) << 23) | (m << (23 - MANTISSA))).to(tl.float32, bitcast=True)
+    v = tl.where(e == 0, m.to(tl.float32) * SUBNORMAL_STEP, normal)
+    if HAS_INF:
+        v = tl.where(e == (1 << (7 - MANTISSA)) - 1, tl.where(m == 0, float("inf"), float("nan")), v)
+    else:
+        v = tl.where(mag == 0x7F, float("nan"), v)
+    return tl.where(c >= 0x80, -v, v)
+
+
+@triton.jit
 def _kv_tile(
     tile, q, acc, m_i, l_i, q_pos,
     kv_ptr, page_row_ptr, kv_head_off, kv_len, num_pages, pages_per_seq,
@@ -73,7 +97,8 @@ def _kv_tile(
     PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     HAS_WINDOW: tl.constexpr, HAS_SOFT_CAP: tl.constexpr, HAS_K_SCALE: tl.constexpr,
     HAS_V_SCALE: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
-    EXACT_BF16: tl.constexpr, SPLIT_P: tl.constexpr, MASKED_COUNT: tl.constexpr,
+    EXACT_BF16: tl.constexpr, SPLIT_P: tl.constexpr, MASKED_COUNT: tl.constexpr, FP8: tl.constexpr,
+    MANTISSA: tl.constexpr, BIAS: tl.constexpr, HAS_INF: tl.constexpr, SUBNORMAL_STEP: tl.constexpr,
 ):
     """Fold KV positions ``tile*BLOCK_N ..`` into the online softmax of the query tile ``q``."""
     pos = tile * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -85,8 +110,11 @@ def _kv_tile(
     d = tl.arange(0, HEAD_DIM_PAD)
     kv_mask = in_seq[:, None] & (d < HEAD_DIM)[None, :]
     k_ptrs = kv_ptr + row_off[:, None] + d[None, :]
-    k = tl.load(k_ptrs, mask=kv_mask, other=0.0)
-    v = tl.load(k_ptrs + kv_stride_head, mask=kv_mask, other=0.0)  # V head 2h+1 follows K head 2h
+    k = tl.load(k_ptrs, mask=kv_mask, other=0)
+    v = tl.load(k_ptrs + kv_stride_head, mask=kv_mask, other=0)  # V head 2h+1 follows K head 2h
+    if FP8:  # the cache's uint8 view
+        k = fp8_value(k, MANTISSA, BIAS, HAS_INF, SUBNORMAL_STEP)
+        v = fp8_value(v, MANTISSA, BIAS, HAS_INF, SUBNORMAL_STEP)
     k = k.to(q.dtype)
     v = v.to(q.dtype)
 
@@ -166,7 +194,8 @@ def _rpa_kernel(
     SEARCH_STEPS: tl.constexpr, NUM_KV_TILES: tl.constexpr, RUNTIME_LOOP: tl.constexpr,
     HAS_WINDOW: tl.constexpr, HAS_SOFT_CAP: tl.constexpr, HAS_K_SCALE: tl.constexpr,
     HAS_V_SCALE: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
-    EXACT_BF16: tl.constexpr, SPLIT_P: tl.constexpr, MASKED_COUNT: tl.constexpr,
+    EXACT_BF16: tl.constexpr, SPLIT_P: tl.constexpr, MASKED_COUNT: tl.constexpr, FP8: tl.constexpr,
+    MANTISSA: tl.constexpr, BIAS: tl.constexpr, HAS_INF: tl.constexpr, SUBNORMAL_STEP: tl.constexpr,
 ):
     block_id = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -212,7 +241,8 @@ def _rpa_kernel(
                 pages_per_seq, kv_stride_page, kv_stride_slot, kv_stride_head,
                 sm_scale, soft_cap, mask_value, k_scale, v_scale, sliding_window,
                 PAGE_SIZE, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, HAS_WINDOW, HAS_SOFT_CAP, HAS_K_SCALE,
-                HAS_V_SCALE, DOT_PRECISION, DOT_UPCAST, EXACT_BF16, SPLIT_P, MASKED_COUNT)
+                HAS_V_SCALE, DOT_PRECISION, DOT_UPCAST, EXACT_BF16, SPLIT_P, MASKED_COUNT,
+                FP8, MANTISSA, BIAS, HAS_INF, SUBNORMAL_STEP)
     else:
         for tile in range(NUM_KV_TILES):
             if (tile >= tile_lo) & (tile < tile_hi):
@@ -221,7 +251,8 @@ def _rpa_kernel(
                     pages_per_seq, kv_stride_page, kv_stride_slot, kv_stride_head,
                     sm_scale, soft_cap, mask_value, k_scale, v_scale, sliding_window,
                     PAGE_SIZE, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, HAS_WINDOW, HAS_SOFT_CAP, HAS_K_SCALE,
-                    HAS_V_SCALE, DOT_PRECISION, DOT_UPCAST, EXACT_BF16, SPLIT_P, MASKED_COUNT)
+                    HAS_V_SCALE, DOT_PRECISION, DOT_UPCAST, EXACT_BF16, SPLIT_P, MASKED_COUNT,
+                FP8, MANTISSA, BIAS, HAS_INF, SUBNORMAL_STEP)
 
     out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
     if HAS_V_SCALE:
@@ -275,6 +306,9 @@ def ragged_paged_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_se
         return out
     if kv_pages.stride(-1) != 1:
         kv_pages = kv_pages.contiguous()
+    fmt = fp8_kv_format(kv_pages.dtype)
+    if fmt is not None:
+        kv_pages = kv_pages.view(torch.uint8)
     if q.stride(-1) != 1:
         q = q.contiguous()
     kv_lens, num_seqs = (a.to(torch.int32).contiguous() for a in (kv_lens, num_seqs))
@@ -305,6 +339,8 @@ def ragged_paged_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_se
         EXACT_BF16=needs_exact_bf16(q.dtype),
         SPLIT_P=q.dtype != torch.float32,
         MASKED_COUNT=not masked_positions_vanish(fill, soft_cap),
+        FP8=fmt is not None, MANTISSA=fmt.mantissa_bits if fmt else 0, BIAS=fmt.exponent_bias if fmt else 0,
+        HAS_INF=fmt is not None and fmt.dtype == "float8_e5m2", SUBNORMAL_STEP=fmt.subnormal_step if fmt else 0.0,
         num_warps=num_warps,
     )
     return out

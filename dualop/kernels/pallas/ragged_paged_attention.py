@@ -25,6 +25,12 @@ copies), so token t's combined head c is buffer row ``t * 2*Hkv + c``. Mosaic re
 buffer wider than 128 lanes; hence whole-page copies (a head dim over 128 in 128-lane chunks, one
 buffer each) and two buffers with static names rather than one indexed by a traced slot.
 
+A float8 cache (float8_e4m3fn, float8_e5m2) is copied as it is (one byte per element: the page
+buffers, DMAs and ``BlockSizes.vmem_bytes`` follow the cache's dtype, its 32-row sublane tile
+included) and each loaded head cast to q's dtype in VMEM, exactly (every float8 value is a
+bfloat16 and float16 value); ``k_scale`` / ``v_scale`` act on the float32 scores and output as for
+any cache.
+
 Defensive reads (the op validates, but no int value may make the kernel read out of bounds):
 sequence ids stop at ``min(num_seqs[0], S)``; kv_lens are clipped to [0, pages_per_seq *
 page_size]; cu_q_lens to [0, T] and non-decreasing (``ordered_cu_q_lens``); page-table columns

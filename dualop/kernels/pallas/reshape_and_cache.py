@@ -6,8 +6,11 @@ Contract (``ops/kv_cache.py``): token t's key and value heads ``[Hkv, D]`` go to
 Two tokens with one slot race here (which row stays is unspecified): the op first drops
 every token a later one overwrites (``ops/kv_cache.py::last_writes``), so the last one wins.
 Returns the new cache; under ``jax.jit`` donate it (``donate_argnums``) so XLA updates it in place.
+A float8 cache (float8_e4m3fn, float8_e5m2) gets the codes ``quantize_kv`` gives (``kernels/kv_cache_math.py``)
+with the inverse scales ``k_inverse`` / ``v_inverse`` (float32 arrays of shape (1,)).
 
-Layout: the wrapper interleaves K and V into ``[T, 2*Hkv, D]`` (one small XLA op) so each token's
+Layout: the wrapper interleaves K and V into ``[T, 2*Hkv, D]`` (one small XLA op, which also casts or
+quantises them to the cache's dtype) so each token's
 row matches a cache row. Grid over blocks of ``BLOCK_TOKENS`` tokens; each step's rows sit in VMEM
 (a ``(BLOCK_TOKENS, 2*Hkv, D)`` block, whole minor dims), the slot mapping is scalar-prefetched to
 SMEM (padded with -1 to whole blocks), and the cache stays in HBM (``memory_space=pl.ANY``),
@@ -25,6 +28,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from dualop.backends import array_namespace
+from dualop.kernels.kv_cache_math import fp8_kv_format, quantize_kv
 from dualop.kernels.pallas.common import compiler_params, tpu_jit
 
 __all__ = ["reshape_and_cache", "reshape_and_cache_reference", "BLOCK_TOKENS"]
@@ -32,14 +37,26 @@ __all__ = ["reshape_and_cache", "reshape_and_cache_reference", "BLOCK_TOKENS"]
 BLOCK_TOKENS = 32
 
 
-def reshape_and_cache_reference(key, value, kv_pages, slot_mapping):
+def _cache_rows(key, value, kv_pages, k_inverse, v_inverse):
+    """``[T, 2*Hkv, D]``: K and V interleaved in the cache's dtype (an fp8 cache's codes)."""
+    tokens, _, head_dim = key.shape
+    if fp8_kv_format(kv_pages.dtype) is None:
+        key, value = key.astype(kv_pages.dtype), value.astype(kv_pages.dtype)
+    else:
+        xp = array_namespace(key)
+        key, value = (quantize_kv(xp, x, inverse, kv_pages.dtype, xla=True)
+                      for x, inverse in ((key, k_inverse), (value, v_inverse)))
+    return jnp.stack([key, value], axis=2).reshape(tokens, kv_pages.shape[2], head_dim)
+
+
+def reshape_and_cache_reference(key, value, kv_pages, slot_mapping, k_inverse=None, v_inverse=None):
     """Plain jax.numpy statement of the kernel (same arguments, same result)."""
     num_pages, page_size, combined, head_dim = kv_pages.shape
-    kv = jnp.stack([key, value], axis=2).reshape(key.shape[0], combined, head_dim)
+    kv = _cache_rows(key, value, kv_pages, k_inverse, v_inverse)
     slot = slot_mapping.astype(jnp.int32)
     keep = (slot >= 0) & (slot < num_pages * page_size)
     page = jnp.where(keep, slot // page_size, num_pages)  # out of range: dropped
-    return kv_pages.at[page, slot % page_size].set(kv.astype(kv_pages.dtype), mode="drop")
+    return kv_pages.at[page, slot % page_size].set(kv, mode="drop")
 
 
 def _kernel(slots_ref, kv_ref, cache_in_ref, cache_ref, sem, *, page_size: int, capacity: int, block_tokens: int):
@@ -76,16 +93,18 @@ def _kernel(slots_ref, kv_ref, cache_in_ref, cache_ref, sem, *, page_size: int, 
 
 
 @tpu_jit(static_argnames=("interpret", "block_tokens"))
-def reshape_and_cache(key, value, kv_pages, slot_mapping, *, interpret=False, block_tokens: int | None = None):
+def reshape_and_cache(key, value, kv_pages, slot_mapping, k_inverse=None, v_inverse=None, *, interpret=False,
+                      block_tokens: int | None = None):
     """Write ``key``/``value`` ``[T, Hkv, D]`` into ``kv_pages`` ``[num_pages, page_size, 2*Hkv, D]``
-    at ``slot_mapping`` ``[T]``; returns the updated cache (a new array unless donated)."""
+    at ``slot_mapping`` ``[T]``; returns the updated cache (a new array unless donated). An fp8
+    cache needs ``k_inverse`` and ``v_inverse`` (``1 / k_scale``, ``1 / v_scale``: float32, shape (1,))."""
     tokens = key.shape[0]
     num_pages, page_size, combined, head_dim = kv_pages.shape
     if tokens == 0 or num_pages == 0:
         return kv_pages
     block = block_tokens or min(BLOCK_TOKENS, tokens)
     steps = pl.cdiv(tokens, block)
-    kv = jnp.stack([key, value], axis=2).reshape(tokens, combined, head_dim).astype(kv_pages.dtype)
+    kv = _cache_rows(key, value, kv_pages, k_inverse, v_inverse)
     slots = jnp.full((steps * block,), -1, jnp.int32).at[:tokens].set(slot_mapping.astype(jnp.int32))
     itemsize = jnp.dtype(kv_pages.dtype).itemsize
     kernel = functools.partial(_kernel, page_size=page_size, capacity=num_pages * page_size, block_tokens=block)

@@ -21,6 +21,11 @@
 // by FMAs from the V rows into accumulators held in registers for the block. No -ffast-math: the
 // float32 products and sums are those of the portable body, in another order. Elsewhere,
 // run_task: the same online softmax, portable.
+//
+// A float8 cache (float8_e4m3fn or float8_e5m2 pages with float32, bfloat16 or float16 queries)
+// runs run_task with each K/V element decoded to float32 through a table of the format's 256
+// values (fp8_tables; exact), on every host: the cache scales are folded into the score scale and
+// v_scale, as for every cache.
 #include <algorithm>
 #include <cfloat>
 #include <cmath>
@@ -41,6 +46,39 @@ namespace dualop {
 namespace {
 
 constexpr int64_t kRows = 8;
+
+// float8 cache elements: the byte, decoded by table. e4m3fn: bias 7, 3 mantissa bits, no inf, NaN
+// 0x7f/0xff; e5m2: bias 15, 2 mantissa bits, inf and NaN (an all-ones exponent).
+struct e4m3 { uint8_t bits; };
+struct e5m2 { uint8_t bits; };
+
+constexpr float pow2(int e) {
+  float v = 1.0f;
+  for (; e > 0; --e) v *= 2.0f;
+  for (; e < 0; ++e) v *= 0.5f;
+  return v;
+}
+
+struct Fp8Table {
+  float value[256];
+  constexpr Fp8Table(int mantissa_bits, int bias, bool has_inf) : value{} {
+    const int top = (1 << (7 - mantissa_bits)) - 1;  // the all-ones exponent
+    for (int code = 0; code < 256; ++code) {
+      const int mag = code & 0x7f, e = mag >> mantissa_bits, m = mag & ((1 << mantissa_bits) - 1);
+      float v = e == 0 ? m * pow2(1 - bias - mantissa_bits)
+                       : (pow2(mantissa_bits) + m) * pow2(e - bias - mantissa_bits);
+      if (has_inf && e == top) v = m == 0 ? __builtin_inff() : __builtin_nanf("");
+      if (!has_inf && mag == 0x7f) v = __builtin_nanf("");
+      value[code] = code & 0x80 ? -v : v;
+    }
+  }
+};
+constexpr Fp8Table kE4m3{3, 7, false};
+constexpr Fp8Table kE5m2{2, 15, true};
+
+using ::dualop::to_f32;  // the float, bfloat16 and float16 overloads (common.h), beside these
+DUALOP_INLINE float to_f32(e4m3 v) { return kE4m3.value[v.bits]; }
+DUALOP_INLINE float to_f32(e5m2 v) { return kE5m2.value[v.bits]; }
 constexpr int64_t kBlock = 32;  // KV positions whose K/V rows are converted and scored together
 
 struct Shape {
@@ -82,8 +120,8 @@ void block_scores(const float* q, const float* kt, int64_t d, int64_t nb, float*
   }
 }
 
-template <class T>
-void run_task(const T* q, const T* kv, const int32_t* pages, T* out, const Shape& s, const Options& o,
+template <class T, class K>
+void run_task(const T* q, const K* kv, const int32_t* pages, T* out, const Shape& s, const Options& o,
               int64_t seq, int64_t head, int64_t row0, int64_t row1, int64_t q_start, int64_t q_len, int64_t kv_len) {
   const int64_t d = s.head_dim, group = s.q_heads / s.kv_heads, n = (row1 - row0) * group;
   const int64_t combined = 2 * s.kv_heads;
@@ -107,7 +145,7 @@ void run_task(const T* q, const T* kv, const int32_t* pages, T* out, const Shape
     for (int64_t b = 0; b < nb; ++b) {
       const int64_t p = p0 + b;
       const int64_t page = clamp64(pages[seq * s.pages_per_seq + p / s.page_size], 0, s.num_pages - 1);
-      const T* krow = kv + ((page * s.page_size + p % s.page_size) * combined + 2 * head) * d;
+      const K* krow = kv + ((page * s.page_size + p % s.page_size) * combined + 2 * head) * d;
       for (int64_t i = 0; i < d; ++i) kt[i * kBlock + b] = to_f32(krow[i]);
       for (int64_t i = 0; i < d; ++i) vf[b * d + i] = to_f32(krow[d + i]);
     }
@@ -604,13 +642,21 @@ struct Task {
   int64_t seq, head0, head1, row0, row1, start, end;  // rows [row0, row1) of the sequence's [start, end), KV heads [head0, head1)
 };
 
-template <class T>
+// K: the cache's element type (T, or a float8 format: the portable tasks only).
+template <class T, class K = T>
 int run(const void* q, const void* kv, const int32_t* kv_lens, const int32_t* pages, const int32_t* cu,
         int32_t num_seqs, void* out, const Shape& s, const Options& o, int threads) {
+  constexpr bool kVectorised =
+#ifdef DUALOP_RPA_AVX512
+      std::is_same_v<T, K>;
+#else
+      false;
+#endif
   const int64_t count = clamp64(num_seqs, 0, s.max_seqs), span = s.pages_per_seq * s.page_size;
   std::vector<Task> tasks;
   // cu_q_lens clipped to [0, T] and made non-decreasing (a running max), as every path reads it
   int64_t end = count > 0 ? clamp64(cu[0], 0, s.tokens) : 0;
+int64_t heads_per_task = 1;
 #ifdef DUALOP_RPA_AVX512
   // A task takes a range of KV heads: all of them where there are tasks enough for the threads (8
   // per thread, so a thread held up elsewhere leaves little behind), so it reads each position's
@@ -626,9 +672,7 @@ int run(const void* q, const void* kv, const int32_t* kv_lens, const int32_t* pa
   }
   const int64_t splits = std::clamp<int64_t>((8 * threads + std::max<int64_t>(row_tasks, 1) - 1) / std::max<int64_t>(row_tasks, 1),
                                              1, s.kv_heads);
-  const int64_t heads_per_task = (s.kv_heads + splits - 1) / splits;
-#else
-  const int64_t heads_per_task = 1;
+  if (kVectorised) heads_per_task = (s.kv_heads + splits - 1) / splits;
 #endif
   for (int64_t i = 0; i < count; ++i) {
     const int64_t start = end;
@@ -639,9 +683,10 @@ int run(const void* q, const void* kv, const int32_t* kv_lens, const int32_t* pa
         tasks.push_back({i, h, std::min(h + heads_per_task, s.kv_heads), r, std::min(r + kRows, end), start, end});
   }
   const auto* qt = static_cast<const T*>(q);
-  const auto* kvt = static_cast<const T*>(kv);
+  const auto* kvt = static_cast<const K*>(kv);
   auto* ot = static_cast<T*>(out);
 #ifdef DUALOP_RPA_AVX512
+  if constexpr (kVectorised) {
   // longest first (the dynamic schedule then balances the threads' loads)
   std::stable_sort(tasks.begin(), tasks.end(), [&](const Task& a, const Task& b) {
     return clamp64(kv_lens[a.seq], 0, span) > clamp64(kv_lens[b.seq], 0, span);
@@ -660,32 +705,54 @@ int run(const void* q, const void* kv, const int32_t* kv_lens, const int32_t* pa
                                task.row1, task.start, task.end - task.start, clamp64(kv_lens[task.seq], 0, span));
     }
   }
-#else
+  return 0;
+  }
+#endif
 #pragma omp parallel for schedule(dynamic) num_threads(dualop_team_size(threads))
   for (int64_t t = 0; t < static_cast<int64_t>(tasks.size()); ++t) {
     const Task& task = tasks[t];
-    run_task<T>(qt, kvt, pages, ot, s, o, task.seq, task.head0, task.row0, task.row1, task.start,
-                task.end - task.start, clamp64(kv_lens[task.seq], 0, span));
+    run_task<T, K>(qt, kvt, pages, ot, s, o, task.seq, task.head0, task.row0, task.row1, task.start,
+                   task.end - task.start, clamp64(kv_lens[task.seq], 0, span));
   }
-#endif
   return 0;
+}
+
+// The cache formats of dualop_ragged_paged_attention_kv's kv_format.
+namespace kv_formats {
+constexpr int kAsQuery = 0;  // kv_pages in q's dtype
+constexpr int kE4m3 = 1;     // float8_e4m3fn, passed as uint8
+constexpr int kE5m2 = 2;     // float8_e5m2, passed as uint8
+}  // namespace kv_formats
+
+template <class T>
+int run_format(int format, const void* q, const void* kv, const int32_t* lens, const int32_t* pages, const int32_t* cu,
+               int32_t num_seqs, void* out, const Shape& s, const Options& o, int threads) {
+  switch (format) {
+    case kv_formats::kAsQuery: return run<T>(q, kv, lens, pages, cu, num_seqs, out, s, o, threads);
+    case kv_formats::kE4m3: return run<T, e4m3>(q, kv, lens, pages, cu, num_seqs, out, s, o, threads);
+    case kv_formats::kE5m2: return run<T, e5m2>(q, kv, lens, pages, cu, num_seqs, out, s, o, threads);
+    default: return 1;
+  }
 }
 
 }  // namespace
 }  // namespace dualop
 
 // q, out: row-major [tokens, q_heads, head_dim] of one float dtype; kv_pages: row-major [num_pages,
-// page_size, 2 * kv_heads, head_dim] of q's dtype (K and V heads interleaved); kv_lens int32 [S],
-// page_indices int32 [S, pages_per_seq], cu_q_lens int32 [S + 1] (sequences past the shortest of
-// them are not read). Returns 0, 1 for an unknown dtype, kBadArrays for arrays that disagree.
-extern "C" int dualop_ragged_paged_attention(const DualopArray* q, const DualopArray* kv_pages,
-                                             const DualopArray* kv_lens, const DualopArray* page_indices,
-                                             const DualopArray* cu_q_lens, int32_t num_seqs, const DualopArray* out,
-                                             float scale, int64_t window, float soft_cap, int custom_mask,
-                                             float mask_value, float v_scale, int threads) {
+// page_size, 2 * kv_heads, head_dim] (K and V heads interleaved) of q's dtype (kv_format 0) or
+// uint8 holding float8_e4m3fn (1) or float8_e5m2 (2) codes; kv_lens int32 [S], page_indices int32
+// [S, pages_per_seq], cu_q_lens int32 [S + 1] (sequences past the shortest of them are not read).
+// scale is sm_scale * k_scale. Returns 0, 1 for an unknown dtype or format, kBadArrays for arrays
+// that disagree.
+extern "C" int dualop_ragged_paged_attention_kv(const DualopArray* q, const DualopArray* kv_pages,
+                                                const DualopArray* kv_lens, const DualopArray* page_indices,
+                                                const DualopArray* cu_q_lens, int32_t num_seqs, const DualopArray* out,
+                                                float scale, int64_t window, float soft_cap, int custom_mask,
+                                                float mask_value, float v_scale, int kv_format, int threads) {
   using namespace dualop;
   if (!q || q->ndim != 3 || !is_row_major(q) || !is_dense_like(out, q)) return kBadArrays;
-  if (!is_dense(kv_pages, q->dtype, 4) || kv_pages->shape[3] != q->shape[2]) return kBadArrays;
+  const int32_t kv_dtype = kv_format == kv_formats::kAsQuery ? q->dtype : dtype_code::uint8;
+  if (!is_dense(kv_pages, kv_dtype, 4) || kv_pages->shape[3] != q->shape[2]) return kBadArrays;
   if (!is_dense(kv_lens, dtype_code::int32, 1) || !is_dense(page_indices, dtype_code::int32, 2) ||
       !is_dense(cu_q_lens, dtype_code::int32, 1))
     return kBadArrays;
@@ -698,9 +765,22 @@ extern "C" int dualop_ragged_paged_attention(const DualopArray* q, const DualopA
   const auto* pages = static_cast<const int32_t*>(page_indices->data);
   const auto* cu = static_cast<const int32_t*>(cu_q_lens->data);
   switch (q->dtype) {
-    case dtype_code::float32: return run<float>(q->data, kv_pages->data, lens, pages, cu, num_seqs, out->data, s, o, threads);
-    case dtype_code::bfloat16: return run<bf16>(q->data, kv_pages->data, lens, pages, cu, num_seqs, out->data, s, o, threads);
-    case dtype_code::float16: return run<f16>(q->data, kv_pages->data, lens, pages, cu, num_seqs, out->data, s, o, threads);
+    case dtype_code::float32:
+      return run_format<float>(kv_format, q->data, kv_pages->data, lens, pages, cu, num_seqs, out->data, s, o, threads);
+    case dtype_code::bfloat16:
+      return run_format<bf16>(kv_format, q->data, kv_pages->data, lens, pages, cu, num_seqs, out->data, s, o, threads);
+    case dtype_code::float16:
+      return run_format<f16>(kv_format, q->data, kv_pages->data, lens, pages, cu, num_seqs, out->data, s, o, threads);
     default: return 1;
   }
+}
+
+// dualop_ragged_paged_attention_kv with kv_pages in q's dtype.
+extern "C" int dualop_ragged_paged_attention(const DualopArray* q, const DualopArray* kv_pages,
+                                             const DualopArray* kv_lens, const DualopArray* page_indices,
+                                             const DualopArray* cu_q_lens, int32_t num_seqs, const DualopArray* out,
+                                             float scale, int64_t window, float soft_cap, int custom_mask,
+                                             float mask_value, float v_scale, int threads) {
+  return dualop_ragged_paged_attention_kv(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, out, scale, window,
+                                          soft_cap, custom_mask, mask_value, v_scale, 0, threads);
 }
