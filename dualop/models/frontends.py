@@ -62,10 +62,11 @@ class Frontend:
         for p in params:
             ranks = self.local_ranks()
             built = [p.build(get, rank) for rank in ranks]
-            if isinstance(built[0], QuantizedWeight):  # codes and scales kept as stored (tp=1: one part)
-                w = built[0]
-                out[p.name] = QuantizedWeight(w.quant, shape=w.shape, **{k: self.place([self.on_device(v)], None)
-                                                                         for k, v in w.arrays().items()})
+            if isinstance(built[0], QuantizedWeight):  # codes and scales kept as stored, each rank's shard
+                w = built[0]            # of every array rank-major along its first dim (split_dim 0)
+                out[p.name] = QuantizedWeight(w.quant, shape=w.shape, **{
+                    name: self.place([self.on_device(getattr(b, name)) for b in built], p.split_dim)
+                    for name in w.arrays()})
             else:
                 parts = [self.cast(b, "float32" if keep_float32(p.name) else dtype) for b in built]
                 out[p.name] = self.place(parts, p.split_dim)
@@ -216,7 +217,7 @@ class JaxFrontend(Frontend):
 
         if split_dim is None or self.tp_size == 1:
             return PartitionSpec()
-        parts = [None] * ndim
+        parts = [None] * (split_dim + 1)  # no trailing Nones: the spec also fits every leaf of a quantized weight
         parts[split_dim] = self.axis
         return PartitionSpec(*parts)
 

@@ -156,9 +156,12 @@ def with_quantization(plan: Sequence[Param], quantization: Any, tp_size: int,
     the output features; per-tensor scales of several parts become per-channel ones (each part's
     scale on its rows, exactly), and their static activation scales the largest (as the engine
     does). ``weight_only``: activations stay unquantized whatever the checkpoint says (its static
-    input scales unread). Raises ``CheckpointError`` (nothing read yet) where the model cannot take the layout:
-    tensor parallelism, a fused weight with quantized and float parts or parts of different
-    schemes, or a quantized layer no linear op of the model reads (an LM head, experts)."""
+    input scales unread). With tensor parallelism each rank keeps its shard of every array, cut where
+    the op's ``checkpoint_layout`` cuts the float weight (``QuantizedWeight.features``). Raises
+    ``CheckpointError`` (nothing read yet) where the model cannot take the layout: a fused weight
+    with quantized and float parts or parts of different schemes, a shard that would split a scale
+    block, group or packed word, or a quantized layer no linear op of the model reads (an LM head,
+    experts)."""
     from dualop.models.checkpoint import CheckpointError
 
     if quantization is None:
@@ -183,15 +186,12 @@ def with_quantization(plan: Sequence[Param], quantization: Any, tp_size: int,
         if len(quants) > 1:
             problems.append(f"{p.name}: its parts are quantized differently ({'; '.join(q.describe() for q in quants)})")
             continue
-        if tp_size > 1:
-            problems.append(f"{p.name}: quantized weights load with tp=1 for now (asked: tp={tp_size})")
-            continue
         quant = quants.pop()
-        misaligned = _misaligned_part(parts, quant)
+        misaligned = _misaligned_part(parts, quant) or _misaligned_shards(p, parts, quant)
         if misaligned:
             problems.append(f"{p.name}: {misaligned}")
             continue
-        out.append(_quantized_param(p, parts, quant))
+        out.append(_quantized_param(p, parts, quant, tp_size))
     unused = sorted(set(layers) - used)
     if unused:
         problems.append(f"quantized layers this model reads no linear weight from ({len(unused)}): "
@@ -218,13 +218,43 @@ def _misaligned_part(parts: Sequence[Any], quant: Any) -> str | None:
     return None
 
 
-def _quantized_param(p: Param, parts: Sequence[Any], quant: Any) -> Param:
-    """``p`` (a linear weight) from its parts' codes, scales, zero points and input scales."""
+def _shard_copies(p: Param, rank: int) -> list[tuple[Any, str, list[Any]]]:
+    """Per checkpoint part of ``p``'s weight: (its shard id, the features the op splits: "out" or
+    "in", the op's copies of rank ``rank``), as ``checkpoint_layout`` gives them for the float weight."""
+    op = p.linear_op
+    rank = rank if op.tp.size > 1 else 0
+    out = []
+    for _, shard_id in p.sources:
+        _, dim, copies = op.checkpoint_layout("weight", shard_id, rank=rank)
+        out.append((shard_id, "in" if dim == 1 else "out", copies if dim is not None else []))
+    return out
+
+
+def _misaligned_shards(p: Param, parts: Sequence[Any], quant: Any) -> str | None:
+    """Why a rank's shard of ``p`` would cut a scale block, group or packed word (None: none does)."""
+    op = p.linear_op
+    if op is None or op.tp.size == 1:
+        return None
+    for rank in range(op.tp.size):
+        for q, (_, which, copies) in zip(parts, _shard_copies(p, rank)):
+            unit = quant.shard_alignment(which)
+            total = q.shape[0] if which == "out" else q.shape[1]
+            for c in copies:
+                if c.src_start % unit or (c.src_stop % unit and c.src_stop != total):
+                    return (f"{q.layer}: rank {rank}'s {which}put features [{c.src_start}, {c.src_stop}) at tp="
+                            f"{op.tp.size} split its {quant.describe()} scale blocks, groups or packed words "
+                            f"(shards must fall on multiples of {unit})")
+    return None
+
+
+def _quantized_param(p: Param, parts: Sequence[Any], quant: Any, tp_size: int = 1) -> Param:
+    """``p`` (a linear weight) from its parts' codes, scales, zero points and input scales; with
+    tensor parallelism each rank's shard (``QuantizedWeight.features`` where the op's
+    ``checkpoint_layout`` cuts the float weight), laid out rank-major along every array's first
+    dim by the jax frontend (``split_dim`` 0)."""
     from dualop.ops.quantized_weight import QuantizedWeight, WeightQuant
 
     fused = len(parts) > 1
-    n = sum(q.shape[0] for q in parts)
-    k = parts[0].shape[1]
     axis = 1 if quant.layout == "awq" else 0  # the output features' axis of codes, scales, zero points
     final = quant
     if fused and quant.strategy == "tensor":
@@ -236,25 +266,39 @@ def _quantized_param(p: Param, parts: Sequence[Any], quant: Any) -> Param:
         if "zero_point" in q.tensors:
             expected[q.tensors["zero_point"]] = quant.zero_point_shape(*q.shape)
 
+    def part_weight(get: Getter, q: Any) -> QuantizedWeight:
+        """Checkpoint part ``q`` whole, in the fused scheme ``final``."""
+        arrays = {"codes": get(q.tensors["codes"])}
+        scale = _as_float32_if_e8m0(get(q.tensors["scale"]))
+        if quant.strategy == "tensor":  # one element, stored as () or (1,)
+            scale = scale.reshape(1, 1) if final.strategy == "channel" else scale.reshape(1)
+            if final.strategy == "channel":  # a fused weight's per-tensor scales, on each part's rows
+                scale = _concat([scale] * q.shape[0], 0)
+        arrays["scale"] = scale
+        if "zero_point" in q.tensors:
+            arrays["zero_point"] = get(q.tensors["zero_point"])
+        if "input_scale" in q.tensors and final.activations == "static":
+            arrays["input_scale"] = get(q.tensors["input_scale"]).reshape(1)
+        return QuantizedWeight(final, shape=q.shape, **arrays)
+
     def build(get: Getter, rank: int) -> Any:
-        arrays: dict[str, list[Any]] = {"codes": [], "scale": [], "zero_point": [], "input_scale": []}
-        for q in parts:
-            arrays["codes"].append(get(q.tensors["codes"]))
-            scale = _as_float32_if_e8m0(get(q.tensors["scale"]))
-            if quant.strategy == "tensor":  # one element, stored as () or (1,)
-                scale = scale.reshape(1, 1) if final.strategy == "channel" else scale.reshape(1)
-                if final.strategy == "channel":  # a fused weight's per-tensor scales, on each part's rows
-                    scale = _concat([scale] * q.shape[0], 0)
-            arrays["scale"].append(scale)
-            if "zero_point" in q.tensors:
-                arrays["zero_point"].append(get(q.tensors["zero_point"]))
-            if "input_scale" in q.tensors and final.activations == "static":
-                arrays["input_scale"].append(get(q.tensors["input_scale"]).reshape(1))
+        pieces = []  # (where in the rank's fused output features, the piece)
+        for q, (_, which, copies) in zip(parts, _shard_copies(p, rank) if tp_size > 1 else [(None, "out", [])] * len(parts)):
+            whole = part_weight(get, q)
+            if not copies:  # tp 1 (or an op outside the model's tp): the part whole, after the previous
+                pieces.append((len(pieces), whole))
+            for c in copies:
+                pieces.append((c.dst_start, whole.features(which, c.src_start, c.src_stop)))
+        pieces.sort(key=lambda piece: piece[0])
+        weights = [w for _, w in pieces]
+        arrays = {name: [getattr(w, name) for w in weights if getattr(w, name) is not None]
+                  for name in ("codes", "scale", "zero_point", "input_scale")}
         joined = {name: _concat(v, axis) if name != "input_scale" else _largest(v)
                   for name, v in arrays.items() if v}
-        return QuantizedWeight(final, shape=(n, k), **joined)
+        rows = sum(w.shape[0] for w in weights)
+        return QuantizedWeight(final, shape=(rows, weights[0].shape[1]), **joined)
 
-    return Param(p.name, expected, None, build, False, p.linear_op, p.sources)
+    return Param(p.name, expected, 0 if tp_size > 1 else None, build, False, p.linear_op, p.sources)
 
 
 def _as_float32_if_e8m0(scale: Any) -> Any:

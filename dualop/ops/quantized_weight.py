@@ -127,6 +127,35 @@ class WeightQuant:
             return _cdiv(s[0] * self.bits, 32), *s[1:]
         return s
 
+    def feature_axes(self, array: str) -> dict[str, tuple[int, int] | None]:
+        """Where the output (``"out"``) and input (``"in"``) features run in array ``array``
+        (``codes``, ``scale``, ``zero_point``): ``(axis, features per index)``, or None when every
+        feature shares it (a per-tensor scale; a per-channel scale along the input)."""
+        per_word = 32 // self.bits
+        awq = self.layout == "awq"
+        if array == "codes":
+            if awq:
+                return {"out": (1, 8), "in": (0, 1)}
+            return {"out": (0, 1), "in": (1, per_word if self.layout == "packed" else 1)}
+        if array not in ("scale", "zero_point"):
+            raise ValueError(f"WeightQuant: no array {array!r}")
+        if self.strategy == "tensor":
+            return {"out": None, "in": None}
+        out_unit = {"block": self.block[0] if self.block else 1}.get(self.strategy, 1)
+        if array == "zero_point" and self.layout in ("packed", "awq"):
+            out_unit = per_word if self.layout == "packed" else 8  # zero points packed along the outputs
+        in_unit = {"group": self.group_size, "block": self.block[1] if self.block else 1}.get(self.strategy)
+        if awq:
+            return {"out": (1, out_unit), "in": (0, in_unit)}
+        return {"out": (0, out_unit), "in": None if in_unit is None else (1, in_unit)}
+
+    def shard_alignment(self, features: str) -> int:
+        """The multiple a cut through the output (``"out"``) or input (``"in"``) features must fall
+        on, so that no scale block, group or packed word is split."""
+        units = [axes[features][1] for axes in (self.feature_axes(a) for a in ("codes", "scale", "zero_point"))
+                 if axes[features] is not None]
+        return math.lcm(*units)
+
     def describe(self) -> str:
         grain = {"tensor": "per tensor", "channel": "per channel", "group": f"groups of {self.group_size}",
                  "block": f"{self.block[0]}x{self.block[1]} blocks" if self.block else ""}[self.strategy]
@@ -175,6 +204,29 @@ class QuantizedWeight:
         return QuantizedWeight(self.quant, fn(self.codes), fn(self.scale),
                                None if self.zero_point is None else fn(self.zero_point),
                                None if self.input_scale is None else fn(self.input_scale), shape=self.shape)
+
+    def features(self, which: str, start: int, stop: int) -> QuantizedWeight:
+        """The weight of output (``which="out"``) or input (``"in"``) features ``[start, stop)``:
+        every array cut where those features are stored (a tensor parallel shard). ``ValueError``
+        unless the cut falls on ``quant.shard_alignment(which)`` (or the end)."""
+        n, k = self.shape
+        total = n if which == "out" else k
+        unit = self.quant.shard_alignment(which)
+        if not 0 <= start < stop <= total or start % unit or (stop % unit and stop != total):
+            raise ValueError(f"QuantizedWeight: {which}put features [{start}, {stop}) of {total} do not fall on whole "
+                             f"scale blocks, groups and packed words ({self.quant.describe()}: multiples of {unit})")
+
+        def cut(name: str, array: Any) -> Any:
+            axes = self.quant.feature_axes(name) if name != "input_scale" else {"out": None, "in": None}
+            if axes[which] is None:
+                return array
+            axis, per = axes[which]
+            index = [slice(None)] * array.ndim
+            index[axis] = slice(start // per, -(-stop // per))
+            return array[tuple(index)]
+
+        shape = (stop - start, k) if which == "out" else (n, stop - start)
+        return QuantizedWeight(self.quant, shape=shape, **{name: cut(name, a) for name, a in self.arrays().items()})
 
     def check(self, op: str, arg: str, x: Any, x_frontend: str, shape: tuple[int, int]) -> None:
         """Raise a ``TypeError``/``ValueError`` naming ``op`` and ``arg`` unless this weight is a

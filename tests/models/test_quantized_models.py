@@ -229,3 +229,110 @@ def test_qwen3_dense_layers_in_int4_against_their_dequantised_model(tmp_path, ki
     assert any("self_attn" in name for name in dequantised)
     want = _dequantised_reference(tmp_path, float_model, dequantised)
     assert _normwise(_logits(tmp_path, frontend), want) < 1e-5
+
+
+# --- tensor parallelism: each rank its shard of the codes, scales and zero points -----------------
+
+TP_FORMATS = ("int4_group_zero_points", "awq")
+
+
+def _tp_checkpoints(root):
+    paths = {}
+    for fmt in TP_FORMATS:
+        path = root / fmt
+        quantize, config = FORMATS[fmt]
+        _float_llama(path)
+        _requantize(path, quantize, config)
+        paths[fmt] = str(path)
+    return paths
+
+
+def _tp_rank(rank: int, world: int, port: int, paths: dict, result_file: str) -> None:
+    from dualop import testing
+
+    with testing.gloo_group(rank, world, port):
+        out = {fmt: _logits_at(path, "torch", world).tolist() for fmt, path in paths.items()}
+        if rank == 0:
+            with open(result_file, "w") as f:
+                json.dump(out, f)
+
+
+def _logits_at(path, frontend, tp):
+    model = dm.from_pretrained(str(path), frontend=frontend, dtype="float32", max_model_len=32, max_num_seqs=1,
+                               max_num_batched_tokens=16, page_size=4, tp=tp)
+    return np.asarray(model.logits(PROMPT), np.float64)
+
+
+@pytest.mark.once_in_xla
+def test_torch_tp2_shards_of_quantized_weights_equal_tp1(tmp_path):
+    """int4 groups with zero points packed along the outputs, and AWQ's words along the outputs, cut
+    per rank for column- and row-parallel layers (two gloo processes) == one process."""
+    import torch.multiprocessing as mp
+
+    from dualop import testing
+
+    paths = _tp_checkpoints(tmp_path)
+    result_file = str(tmp_path / "rank0.json")
+    mp.spawn(_tp_rank, args=(2, testing.free_port(), paths, result_file), nprocs=2, join=True)
+    with open(result_file) as f:
+        out = json.load(f)
+    for fmt, path in paths.items():
+        assert _normwise(np.asarray(out[fmt]), _logits_at(path, "torch", 1)) < 1e-5, fmt
+
+
+_JAX_TP_SCRIPT = """
+import json, os, sys
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+import numpy as np
+import dualop.models as dm
+out = {}
+for fmt, path in json.loads(sys.argv[1]).items():
+    for tp in (1, 2):
+        model = dm.from_pretrained(path, frontend="jax", dtype="float32", max_model_len=32, max_num_seqs=1,
+                                   max_num_batched_tokens=16, page_size=4, tp=tp)
+        out[f"{fmt}/{tp}"] = np.asarray(model.logits(json.loads(sys.argv[2])), np.float64).tolist()
+        if tp == 2:
+            out[f"{fmt}/spec"] = str(model.params["0.o_proj"].codes.sharding.spec)
+print("RESULT " + json.dumps(out))
+"""
+
+
+@pytest.mark.once_in_xla
+def test_jax_tp2_shards_of_quantized_weights_equal_tp1(tmp_path):
+    """The same over a mesh of two host devices: every array of a quantized weight laid out
+    rank-major and sharded along its first dim."""
+    import os
+    import subprocess
+    import sys
+
+    paths = _tp_checkpoints(tmp_path)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, "-c", _JAX_TP_SCRIPT, json.dumps(paths), json.dumps(PROMPT)],
+                          capture_output=True, text=True, env=env, timeout=600)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stderr[-3000:]
+    out = json.loads(lines[0][len("RESULT "):])
+    for fmt in paths:
+        assert "tp" in out[f"{fmt}/spec"], out[f"{fmt}/spec"]
+        assert _normwise(np.asarray(out[f"{fmt}/2"]), np.asarray(out[f"{fmt}/1"])) < 1e-5, fmt
+
+
+def test_a_shard_that_would_split_a_scale_block_is_refused(tmp_path):
+    """fp8 32x32 blocks at tp 2: k_proj's 32 rows give each rank 16, half a block (a real checkpoint's
+    128-row blocks at tp 8 need 1024-row projections). Refused before anything is read."""
+    _float_llama(tmp_path)
+    _requantize(tmp_path, _fp8_blocks(32), {"quant_method": "fp8", "activation_scheme": "dynamic",
+                                            "weight_block_size": [32, 32]})
+    from dualop.models import params
+    from dualop.models.checkpoint import Checkpoint, CheckpointError
+    from dualop.models.quantized import read_quantization
+    from dualop.ops import QKVParallelLinear
+    from dualop.parallel import TensorParallel
+
+    class TwoRanks(TensorParallel):  # rank 0 of 2, for the layout only (no collective is made)
+        size = 2
+
+    op = QKVParallelLinear(HIDDEN, 16, 4, 2, bias=False, tp=TwoRanks())
+    plan = [params.linear("0.qkv", op, tuple((f"model.layers.0.self_attn.{x}_proj.weight", x) for x in "qkv"))]
+    with pytest.raises(CheckpointError, match=r"k_proj: rank 0's output features \[0, 16\) at tp=2 split its fp8"):
+        params.with_quantization(plan, read_quantization(Checkpoint(str(tmp_path))), 2)

@@ -124,6 +124,24 @@ def test_native_body_is_the_formats_definition(scheme, frontend):
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
 
 
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_a_shard_of_features_is_the_same_cut_of_the_weight(scheme):
+    """``features`` cuts every array where the features it keeps are stored (a tensor-parallel
+    shard): dequantised, the cut equals the float64 weight's rows or columns."""
+    rng = np.random.default_rng(20 + SCHEMES.index(scheme))
+    quant, arrays, w64 = _scheme(scheme, rng)
+    weight = _weight(quant, arrays, "torch")
+    for which, total in (("out", N), ("in", K)):
+        unit = quant.shard_alignment(which)
+        cut = (unit, 3 * unit) if 3 * unit <= total else (0, unit)
+        part = weight.features(which, *cut)
+        want = w64[cut[0]:cut[1]] if which == "out" else w64[:, cut[0]:cut[1]]
+        np.testing.assert_allclose(part.dequantize().double().numpy(), want, rtol=1e-6, atol=1e-9)
+        if unit > 1:
+            with pytest.raises(ValueError, match="do not fall on whole scale blocks, groups and packed words"):
+                weight.features(which, cut[0] + 1, cut[1])
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_int8_weights_take_torchs_int8_gemm_on_the_cpu(dtype):
     """A kernel cell: the dispatcher runs forward_cpu (torch._weight_int8pack_mm), matching the
