@@ -90,6 +90,10 @@ class WeightQuant:
             raise bad("layout 'packed' holds int codes")
         if self.layout == "awq" and (self.codes != "int4" or self.strategy != "group" or self.symmetric):
             raise bad("layout 'awq' is int4 codes in groups with zero points")
+        if not self.symmetric and self.strategy == "block":
+            raise bad("block scales take no zero points")
+        if not self.symmetric and self.layout == "packed" and self.strategy == "tensor":
+            raise bad("packed zero points go with group or channel scales")
         if self.activations != "none" and (self.codes == "int4" or not self.symmetric or self.strategy == "group"):
             raise bad("quantized activations (W8A8) go with symmetric 8-bit tensor, channel or block weights")
 

@@ -1,9 +1,10 @@
 """The linear ops on quantized weights (``dualop.ops.quantized_weight``): each scheme's native body
 against float64 numpy written from the format's definition (codes unpacked bit by bit, zero points
 subtracted, scales broadcast, and for W8A8 schemes ``x`` quantized as the engine does), in both
-frontends; torch's int8 GEMM (``torch._weight_int8pack_mm``) on the CPU against the native body;
-every other scheme's CPU call declining to the native body with its reason; bad weights refused
-before any GEMM."""
+frontends; torch's int8 GEMM (``torch._weight_int8pack_mm``, the CPU fallback) against the native
+body; a scheme no CPU kernel takes declining to the native body with its reason; tensor-parallel
+cuts of every array; bad weights and impossible schemes refused before any GEMM. (The kernels
+against the native body: tests/ops/test_quantized_*.py and the cell sweep.)"""
 
 from __future__ import annotations
 
@@ -143,9 +144,16 @@ def test_a_shard_of_features_is_the_same_cut_of_the_weight(scheme):
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_int8_weights_take_torchs_int8_gemm_on_the_cpu(dtype):
-    """A kernel cell: the dispatcher runs forward_cpu (torch._weight_int8pack_mm), matching the
-    native body within the dtype's tolerance, with the bias."""
+def test_int8_weights_fall_back_to_torchs_int8_gemm_without_the_cpu_kernels(dtype, monkeypatch):
+    """Where the C++ quantized GEMM is unavailable (no compiler; simulated), int8 weight-only per
+    channel still runs forward_cpu, on torch._weight_int8pack_mm, matching the native body within
+    the dtype's tolerance, with the bias."""
+    from dualop.kernels.registry import KernelRef
+    from dualop.ops import linear
+
+    kernel, _ = linear._QUANTIZED["cpu"]
+    unavailable = KernelRef("dualop.kernels.cpu.no_such_module", "supports")
+    monkeypatch.setitem(linear._QUANTIZED, "cpu", (kernel, unavailable))
     rng = np.random.default_rng(7)
     quant, arrays, _ = _scheme("int8_channel", rng)
     x = torch.from_numpy(rng.normal(0, 1, (2, 3, K)).astype(np.float32)).to(getattr(torch, dtype))
@@ -170,7 +178,7 @@ def test_other_schemes_on_the_cpu_run_the_native_body_and_say_why():
     with set_config(OpsConfig(["all"])):
         op(torch.ones(2, K), _weight(quant, arrays, "torch"))
     row = dispatch_report()[0]
-    assert row["method"] == "forward_native" and "no GEMM of this platform takes fp8 32x128 blocks" in row["reason"]
+    assert row["method"] == "forward_native" and "fp8 W8A8 (quantized activations) has no C++ CPU GEMM" in row["reason"]
 
 
 def test_row_parallel_takes_a_quantized_shard():
@@ -235,6 +243,9 @@ def test_a_weight_of_mixed_frontends_is_refused():
     (dict(codes="int4", strategy="group", group_size=32), r"int4 codes are packed"),
     (dict(codes="int4", strategy="group", group_size=32, layout="packed", activations="dynamic"),
      r"quantized activations \(W8A8\) go with symmetric 8-bit"),
+    (dict(codes="int8", strategy="block", block=(32, 32), symmetric=False), r"block scales take no zero points"),
+    (dict(codes="int8", strategy="tensor", symmetric=False, layout="packed"),
+     r"packed zero points go with group or channel scales"),
 ])
 def test_a_scheme_that_cannot_exist_is_refused(kwargs, match):
     with pytest.raises(ValueError, match=r"WeightQuant: " + match):

@@ -370,10 +370,6 @@ def supports(quant: Any, n: int, k: int, dtype_name: str) -> str | None:
     if group and group % _MIN_DOT_K:
         return (f"scale groups of {group} columns: K tiles must not straddle a group, and tl.dot takes K tiles of "
                 f"at least {_MIN_DOT_K} (a multiple of {_MIN_DOT_K} is needed)")
-    if quant.strategy == "block" and not quant.symmetric:
-        return "zero points with block scales (the scheme's dequantisation defines none)"
-    if quant.strategy == "tensor" and not quant.symmetric and quant.layout == "packed":
-        return "a per-tensor zero point in the packed layout (the scheme's dequantisation defines none)"
     if quant.activations != "none" and quant.strategy == "block" and k % quant.block[1]:
         return f"W8A8 block scales: {k} input features do not split into activation groups of {quant.block[1]}"
     return None

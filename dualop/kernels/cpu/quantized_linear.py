@@ -1,0 +1,140 @@
+"""Linear layers on quantized weights on the CPU for torch tensors (kernel: ``csrc/quantized_linear.cc``):
+``y = x @ W^T + bias`` for a ``QuantizedWeight``'s arrays (schemes: ``ops/quantized_weight.py``; their
+math: ``kernels/quant_math.py``; the reference: ``ops/linear.py`` ``_native_gemm``). Same contract as
+the Pallas and Triton quantized GEMMs.
+
+Why a kernel of its own: decode on the CPU is weight-bandwidth bound, so an 8-bit weight read as it
+is stored moves half the bytes of the bfloat16 weight oneDNN multiplies, and a 4-bit one a quarter,
+provided nothing widens the whole weight first. The kernel decodes the codes tile by tile in
+registers into exact bfloat16 numbers (int8 / int4 codes, e4m3 values), multiplies them with
+bfloat16 x on AVX512-BF16 (float32 sums; float32 and float16 x: float32 FMAs) and scales each scale
+group's partial sum; zero points are taken off with the group's sum of x. int8 W8A8 quantizes x
+per row (or by the static scale) exactly as ``quantize_activations`` and multiplies the codes on
+AVX512-VNNI into int32. Hosts without those instructions (or group sizes not a multiple of 32) run
+the kernel's portable path: a weight row dequantised to float32 at a time.
+
+Covered: weight-only int8 (tensor, channel, group, block; zero points except with blocks), fp8
+e4m3fn (tensor, channel, block), int4 / int8 ``packed`` (group, channel; zero points), int4 ``awq``;
+int8 W8A8 (tensor, channel, block; dynamic or static). Declined (``supports`` says why): fp8 W8A8.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from dualop.kernels.cpu import load
+from dualop.kernels.cpu.abi import c_function
+
+__all__ = ["quantized_matmul", "supports"]
+
+_C_QUANTIZED_LINEAR = c_function(
+    "int dualop_quantized_linear(const DualopArray* x, const DualopArray* codes, const DualopArray* scale, "
+    "const DualopArray* zero_point, const DualopArray* bias, const DualopArray* out, int format, int zero_kind, "
+    "int64_t group_n, int64_t group_k, int threads)"
+)
+_C_QUANTIZED_LINEAR_AWQ = c_function(
+    "int dualop_quantized_linear_awq(const DualopArray* x, const DualopArray* codes, const DualopArray* scale, "
+    "const DualopArray* zero_point, const DualopArray* bias, const DualopArray* out, int64_t group_k, int threads)"
+)
+_C_QUANTIZED_LINEAR_W8A8 = c_function(
+    "int dualop_quantized_linear_w8a8(const DualopArray* x, const DualopArray* codes, const DualopArray* scale, "
+    "const DualopArray* input_scale, const DualopArray* bias, const DualopArray* out, int format, int64_t group_n, "
+    "int64_t group_k, int threads)"
+)
+
+# csrc/quantized_linear.cc's code formats (rows of K) and zero-point storage kinds.
+_INT8, _FP8, _INT4_PACKED, _INT8_PACKED = 0, 1, 2, 3
+_NO_ZERO, _ZERO_INT8, _ZERO_INT32, _ZERO_PACKED4, _ZERO_PACKED8 = 0, 1, 2, 3, 4
+_FLOAT_DTYPES = ("float32", "bfloat16", "float16")
+
+
+def supports(quant: Any, n: int, k: int, dtype_name: str) -> str | None:
+    """None if ``quantized_matmul`` takes scheme ``quant`` (a ``WeightQuant``) for an ``[n, k]``
+    weight and x of ``dtype_name``, else why not."""
+    if dtype_name not in _FLOAT_DTYPES:
+        return f"x of {dtype_name}: the C++ GEMM takes float32, bfloat16 or float16 activations"
+    if quant.activations != "none" and quant.codes != "int8":
+        return f"{quant.codes} W8A8 (quantized activations) has no C++ CPU GEMM; weight-only fp8 and int8 W8A8 do"
+    if quant.layout == "awq" and n % 8:
+        return f"AWQ packs 8 output features a word; {n} is not a multiple of 8"
+    return None
+
+
+def _scale_grid(quant: Any, n: int, k: int) -> tuple[int, int]:
+    """(group_n, group_k): the weight rows and columns one scale covers."""
+    if quant.strategy == "tensor":
+        return max(n, 1), max(k, 1)
+    if quant.strategy == "channel":
+        return 1, max(k, 1)
+    if quant.strategy == "group":
+        return 1, quant.group_size
+    return quant.block
+
+
+def _bytes(t: Any) -> Any:
+    """A 1-byte tensor (int8, float8) as uint8, the kernels' byte arrays."""
+    import torch
+
+    return t.contiguous().view(torch.uint8)
+
+
+def _zero_point(quant: Any, zero_point: Any, rows: int) -> tuple[Any, int]:
+    """The zero points as the kernel's 2-D array and its storage kind."""
+    import torch
+
+    if zero_point is None:
+        return None, _NO_ZERO
+    zp = zero_point.contiguous()
+    if quant.layout == "packed":
+        return zp.reshape(zp.shape[0], -1), (_ZERO_PACKED4 if quant.bits == 4 else _ZERO_PACKED8)
+    zp = zp.reshape(rows, -1)
+    if zp.dtype == torch.int8:
+        return _bytes(zp), _ZERO_INT8
+    return zp, _ZERO_INT32
+
+
+def quantized_matmul(x: Any, codes: Any, scale: Any, zero_point: Any = None, input_scale: Any = None,
+                     bias: Any = None, *, quant: Any, n: int, k: int, threads: int | None = None) -> Any:
+    """``y [..., n] = x @ W^T (+ bias)`` in x's dtype, W the ``[n, k]`` weight of scheme ``quant``
+    (its arrays as a ``QuantizedWeight`` holds them), on ``threads`` threads (default torch's).
+    The input is assumed valid (the op checks it); ``NotImplementedError`` for a scheme
+    ``supports`` declines."""
+    import torch
+
+    load()  # KernelUnavailable (the call declines) before any work if the library cannot be built
+    why = supports(quant, n, k, str(x.dtype).removeprefix("torch."))
+    if why is not None:
+        raise NotImplementedError(why)
+    lead = tuple(x.shape[:-1])
+    if x.numel() == 0:  # no rows (nothing to compute) or K = 0 (the bias alone)
+        y = torch.zeros((*lead, n), dtype=torch.float32)
+        return (y if bias is None else y + bias.float()).to(x.dtype)
+    rows = x.reshape(-1, k).contiguous()
+    out = torch.empty((rows.shape[0], n), dtype=x.dtype)
+    if bias is not None:
+        bias = bias.contiguous()
+    threads = torch.get_num_threads() if threads is None else threads
+    group_n, group_k = _scale_grid(quant, n, k)
+    scale2 = scale.contiguous().reshape(scale.shape[0] if scale.ndim == 2 else 1, -1)
+    if quant.layout == "awq":
+        status = _C_QUANTIZED_LINEAR_AWQ(x=rows, codes=codes.contiguous(), scale=scale2,
+                                         zero_point=zero_point.contiguous(), bias=bias, out=out,
+                                         group_k=quant.group_size, threads=threads)
+    else:
+        if quant.layout == "packed":
+            fmt, codes2 = (_INT4_PACKED if quant.bits == 4 else _INT8_PACKED), codes.contiguous()
+        else:
+            fmt, codes2 = (_FP8 if quant.codes == "fp8" else _INT8), _bytes(codes)
+        if quant.activations != "none":
+            status = _C_QUANTIZED_LINEAR_W8A8(
+                x=rows, codes=codes2, scale=scale2,
+                input_scale=None if input_scale is None else input_scale.contiguous().reshape(1), bias=bias, out=out,
+                format=fmt, group_n=group_n, group_k=group_k, threads=threads)
+        else:
+            zp, zero_kind = _zero_point(quant, zero_point, scale2.shape[0])
+            status = _C_QUANTIZED_LINEAR(x=rows, codes=codes2, scale=scale2, zero_point=zp, bias=bias, out=out,
+                                         format=fmt, zero_kind=zero_kind, group_n=group_n, group_k=group_k,
+                                         threads=threads)
+    if status != 0:
+        raise NotImplementedError(f"dualop_quantized_linear returned {status}")
+    return out.reshape(*lead, n)
