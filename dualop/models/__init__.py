@@ -53,13 +53,16 @@ def _dtype_name(dtype: Any, config: dict[str, Any]) -> str:
 
 def from_pretrained(path: str | os.PathLike, frontend: str = "torch", dtype: Any = None, tp: int = 1, *,
                     max_model_len: int = 512, max_num_seqs: int = 8, max_num_batched_tokens: int = 256,
-                    page_size: int = 16, progress: Callable[[str], None] | None = None,
+                    page_size: int = 16, kv_cache_dtype: str = "auto", progress: Callable[[str], None] | None = None,
                     weight_only: bool = False) -> CausalLM:
     """The model in the checkpoint directory ``path``, built from dualop ops in ``frontend``
     ("torch" or "jax"), its parameters in ``dtype`` (None: the config's), sharded over ``tp``
     ranks (torch: call in each of ``tp`` processes of an initialised torch.distributed group;
     jax: a mesh over the first ``tp`` devices). ``max_model_len``, ``max_num_seqs``,
-    ``max_num_batched_tokens`` and ``page_size`` size the caches and the batch (``ServingConfig``).
+    ``max_num_batched_tokens`` and ``page_size`` size the caches and the batch (``ServingConfig``);
+    ``kv_cache_dtype`` is the paged KV cache's dtype by the engine's name: "auto" (the model's),
+    "fp8" or "fp8_e4m3" (float8_e4m3fn), "fp8_e5m2" (float8_e5m2), with the checkpoint's per-layer
+    ``k_scale`` / ``v_scale`` where it has them, else 1.0 (``dualop.models.engine``).
     ``progress(name)`` is called after each parameter is loaded.
 
     Quantized checkpoints (``fp8``, ``compressed-tensors``, ``awq``: ``dualop.models.quantized``)
@@ -85,7 +88,7 @@ def from_pretrained(path: str | os.PathLike, frontend: str = "torch", dtype: Any
     if target is None:
         raise ValueError(f"from_pretrained: architecture {arch!r} (config.json of {ckpt.path!r}) is not supported; "
                          f"supported: {', '.join(sorted(ARCHITECTURES))}")
-    serving = ServingConfig(max_model_len, max_num_seqs, max_num_batched_tokens, page_size)
+    serving = ServingConfig(max_model_len, max_num_seqs, max_num_batched_tokens, page_size, kv_cache_dtype)
     dtype_name = _dtype_name(dtype, ckpt.config)
     fe = make_frontend(frontend, tp)
     module, cls = target.split(":")

@@ -13,7 +13,13 @@ The serving loop is the reference engine's, in miniature:
   sequence gets its next chunk of up to ``max_num_batched_tokens`` tokens in all (a decode is one
   token, a prompt is cut into chunks), so one step mixes prefill, chunked prefill and decode; a
   finished sequence frees its pages and its slot, and a waiting prompt takes them;
-- greedy sampling: the argmax of each sequence's last row, once its prompt is in the cache.
+- greedy sampling: the argmax of each sequence's last row, once its prompt is in the cache;
+- the KV cache's dtype (``ServingConfig.kv_cache_dtype``, the engine's names): "auto" is the
+  model's; "fp8" / "fp8_e4m3" (float8_e4m3fn) and "fp8_e5m2" (float8_e5m2) allocate the paged KV
+  caches in fp8 and pass ``kv_cache_dtype`` and each layer's ``k_scale`` / ``v_scale`` to
+  ``reshape_and_cache`` and ``ragged_paged_attention`` (``kv_cache_options``); the scales are the
+  checkpoint's ``<layer>.*.k_scale`` / ``v_scale`` (or ``k_proj.output_scale`` /
+  ``v_proj.output_scale``) where it has them, else 1.0, as the engine reads them.
 
 A step's arrays (``StepBatch``) are int32: ``input_ids``, ``positions`` (``[T]``, or
 ``[position_rows, T]`` for a family with several position rows, e.g. mrope's temporal/height/width)
@@ -33,6 +39,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import re
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -43,6 +50,7 @@ from dualop.models.checkpoint import Checkpoint
 from dualop.models.frontends import CacheSpec, Frontend
 from dualop.models.params import Param, with_quantization
 from dualop.models.quantized import read_quantization
+from dualop.kernels.kv_cache_math import KV_CACHE_DTYPES
 
 __all__ = ["CausalLM", "ServingConfig", "StepStats"]
 
@@ -51,17 +59,23 @@ __all__ = ["CausalLM", "ServingConfig", "StepStats"]
 class ServingConfig:
     """The cache and batching limits of a model: ``max_model_len`` (prompt plus generated tokens
     per sequence), ``max_num_seqs`` (sequences in the batch at once), ``max_num_batched_tokens``
-    (tokens per step), ``page_size`` (tokens per KV page)."""
+    (tokens per step), ``page_size`` (tokens per KV page), ``kv_cache_dtype`` (the paged KV
+    cache's dtype by the engine's name: ``KV_CACHE_DTYPES``)."""
 
     max_model_len: int = 512
     max_num_seqs: int = 8
     max_num_batched_tokens: int = 256
     page_size: int = 16
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):
             value = getattr(self, field.name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            if field.name == "kv_cache_dtype":
+                if not isinstance(value, str) or value not in KV_CACHE_DTYPES:
+                    raise ValueError(f"from_pretrained: kv_cache_dtype must be one of "
+                                     f"{', '.join(repr(k) for k in KV_CACHE_DTYPES)}, got {value!r}")
+            elif not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"from_pretrained: {field.name} must be a positive int, got {value!r}")
 
     def prompt_overflow(self, length: int, max_new_tokens: int,
@@ -119,6 +133,7 @@ class CausalLM:
     has_kv_cache = True
     has_state_cache = False
     position_rows = 0  # 0: a step's positions are [T]; R > 0: [R, T] (``token_positions``)
+    _fp8_kv: _Fp8KvCache | None = None  # an fp8 paged KV cache (``kv_cache_options``); None: the model's dtype
 
     def __init__(self, ckpt: Checkpoint, frontend: Frontend, dtype: str, serving: ServingConfig,
                  progress: Callable[[str], None] | None = None, *, weight_only: bool = False) -> None:
@@ -130,6 +145,8 @@ class CausalLM:
         for p in plan:
             expected.update(p.expected)
         ckpt.check(expected)  # every tensor and shape before anything is read
+        if self._fp8_kv is not None:
+            self._fp8_kv.read_scales(ckpt, getattr(self, "layers_prefix", "model.layers."))
         self.params = frontend.load_params(plan, lambda name: ckpt.get(name, frontend.framework), dtype,
                                            self.keep_float32, progress)
         ckpt.close()
@@ -148,6 +165,7 @@ class CausalLM:
         self.build_ops()
         self.plan = self.param_plan()
         self.cache_specs = self.cache_plan()
+        self._fp8_kv = _Fp8KvCache.install(self, serving.kv_cache_dtype)
         self.eos_token_ids = self._eos_ids(config.get("eos_token_id"))
         return self.plan
 
@@ -417,9 +435,72 @@ class CausalLM:
 
         return step
 
+    def kv_cache_options(self, layer: int) -> tuple[dict[str, Any], dict[str, Any]]:
+        """The keyword arguments layer ``layer`` passes ``reshape_and_cache`` and
+        ``ragged_paged_attention`` for the cache's dtype: none for "auto"; for an fp8 cache its
+        ``kv_cache_dtype`` and the layer's ``k_scale`` / ``v_scale``."""
+        return ({}, {}) if self._fp8_kv is None else self._fp8_kv.options(layer)
+
     def __repr__(self) -> str:
         # The checkpoint's architecture only where it is not this class's own name (Qwen3 on the Llama body).
         arch = self.architectures[0]
         named = f"architecture={arch!r}, " if arch != type(self).__name__ else ""
         return (f"{type(self).__name__}({named}frontend={self.frontend.name!r}, dtype={self.dtype!r}, "
                 f"tp={self.frontend.tp_size}, params={len(self.params)})")
+
+
+_KV_SCALE_NAMES = {"k": (".k_scale", ".k_proj.output_scale"), "v": (".v_scale", ".v_proj.output_scale")}
+
+
+class _Fp8KvCache:
+    """An fp8 paged KV cache: the ``kv.<i>`` cache specs get the fp8 dtype, and each layer's
+    attention passes ``kv_cache_dtype`` and its ``k_scale`` / ``v_scale`` (Python floats: the
+    attention kernels take them as static values) to ``reshape_and_cache`` and
+    ``ragged_paged_attention`` (``CausalLM.kv_cache_options``)."""
+
+    def __init__(self, kv_cache_dtype: str) -> None:
+        self.kv_cache_dtype = kv_cache_dtype
+        self.scales: dict[int, dict[str, float]] = {}
+
+    @classmethod
+    def install(cls, model: CausalLM, kv_cache_dtype: str) -> _Fp8KvCache | None:
+        """Re-type ``model``'s KV cache specs for ``kv_cache_dtype`` (None for "auto"); a family
+        whose attention does not write ``kv.<i>`` caches with ``reshape_and_cache`` is refused."""
+        cache_dtype = KV_CACHE_DTYPES[kv_cache_dtype]
+        if cache_dtype is None:
+            return None
+        from dualop.ops import RaggedPagedAttention, ReshapeAndCache
+
+        kv = [i for i, spec in enumerate(model.cache_specs) if re.fullmatch(r"kv\.\d+", spec.name)]
+        if not kv or not isinstance(getattr(model, "cache_write", None), ReshapeAndCache) or \
+                not isinstance(getattr(model, "attention", None), RaggedPagedAttention):
+            raise ValueError(f"from_pretrained: kv_cache_dtype={kv_cache_dtype!r} is not supported for "
+                             f"{type(model).__name__}: its attention does not write a paged K/V cache with "
+                             f"reshape_and_cache (use kv_cache_dtype='auto')")
+        for i in kv:
+            model.cache_specs[i] = dataclasses.replace(model.cache_specs[i], dtype=cache_dtype)
+        return cls(kv_cache_dtype)
+
+    def options(self, layer: int) -> tuple[dict[str, Any], dict[str, Any]]:
+        """(``reshape_and_cache``'s, ``ragged_paged_attention``'s) keyword arguments for ``layer``."""
+        scales = self.layer_scales(layer)
+        return {"kv_cache_dtype": self.kv_cache_dtype, **scales}, scales
+
+    def layer_scales(self, layer: int) -> dict[str, float]:
+        return self.scales.get(layer, {"k_scale": 1.0, "v_scale": 1.0})
+
+    def read_scales(self, ckpt: Checkpoint, layers_prefix: str) -> None:
+        """Each layer's ``k_scale`` / ``v_scale`` from the checkpoint (one element, positive and
+        finite), 1.0 where it has none."""
+        pattern = re.compile(re.escape(layers_prefix) + r"(\d+)\.")
+        for name, shape in ckpt.shapes.items():
+            match = pattern.match(name)
+            which = next((kv for kv, ends in _KV_SCALE_NAMES.items() if name.endswith(ends)), None)
+            if match is None or which is None:
+                continue
+            value = np.asarray(ckpt.get(name, "numpy"), dtype=np.float64).reshape(-1)
+            if value.size != 1 or not np.isfinite(value[0]) or value[0] <= 0:
+                raise ValueError(f"from_pretrained: checkpoint tensor {name!r} (shape {shape}) is not a KV cache "
+                                 f"scale: one positive, finite value expected")
+            layer = self.scales.setdefault(int(match.group(1)), {"k_scale": 1.0, "v_scale": 1.0})
+            layer[f"{which}_scale"] = float(value[0])

@@ -204,9 +204,11 @@ class LlamaForCausalLM(CausalLM):
             k = self.head_norm(k.reshape(t * hkv, d), params[f"{i}.k_norm"]).reshape(t, hkv * d)
         if self.rope is not None:
             q, k = self.rope(batch["positions"], q, k)
-        cache = self.cache_write(k.reshape(t, hkv, d), v.reshape(t, hkv, d), cache, batch["slot_mapping"])
+        write_options, read_options = self.kv_cache_options(i)
+        cache = self.cache_write(k.reshape(t, hkv, d), v.reshape(t, hkv, d), cache, batch["slot_mapping"],
+                                 **write_options)
         o = self.attention(q.reshape(t, hq, d), cache, batch["kv_lens"], batch["page_indices"], batch["cu_q_lens"],
-                           batch["num_seqs"], sm_scale=self.sm_scale)
+                           batch["num_seqs"], sm_scale=self.sm_scale, **read_options)
         out = self.o_proj(o.reshape(t, hq * d), params[f"{i}.o_proj"])
         if self.o_bias:
             out = out + params[f"{i}.o_bias"]

@@ -488,7 +488,19 @@ def check_cases():
 
         return make
 
+    def fp8_inputs(cache_dtype: str):
+        """``inputs(2, 4)`` with the cache's values as codes of a float8 cache (about 20 in
+        magnitude, read as ``code * scale`` with the case's k_scale / v_scale)."""
+        make = inputs(2, 4)
+
+        def make_fp8(shape, rng):
+            q, kv_pages, *meta = make(shape, rng)
+            return (q, Pinned(kv_pages * 20.0, cache_dtype), *meta)
+
+        return make_fp8
+
     shapes = ((0, 4, 64), (1, 1, 64), (12, 8, 128))
+    fp8_options = {"sm_scale": 0.125, "k_scale": 0.0371, "v_scale": 0.043}  # not powers of two
     return [
         OpCase(OP, f"{OP}[mixed,gqa2]", lambda s: RaggedPagedAttention(), inputs(2, 4), shapes,
                options={"sm_scale": 0.125}),
@@ -497,6 +509,8 @@ def check_cases():
                options={"sm_scale": 0.125, "sliding_window": 5, "soft_cap": 3.0, "mask_value": -2.0}),
         OpCase(OP, f"{OP}[k_scale,v_scale]", lambda s: RaggedPagedAttention(), inputs(1, 4), shapes,
                options={"sm_scale": 0.125, "k_scale": 0.5, "v_scale": 1.5}),
+        *(OpCase(OP, f"{OP}[{dtype},k_scale,v_scale]", lambda s: RaggedPagedAttention(), fp8_inputs(dtype), shapes,
+                 options=fp8_options) for dtype in FP8_KV_FORMATS),
     ]
 
 
@@ -607,9 +621,10 @@ def serving():
     query tokens over 256 sequences (prefill chunks and many decodes) and a 2048-page cache,
     Llama-3-8B heads (32 / 8, d 128) at pages of 16 and 128 tokens, then head dims 64 and 256
     (Gemma: 16 / 8 heads); pages_per_seq bounds a sequence at 2048 (4096) positions. Built for two
-    of the three check variants: the scales of [k_scale,v_scale] are two multiplies on the same
-    blocks (its check shapes still build), while the window, soft cap and mask value add code paths;
-    a build at these shapes costs seconds each."""
+    of the three float-cache check variants: the scales of [k_scale,v_scale] are two multiplies on the
+    same blocks (its check shapes still build), while the window, soft cap and mask value add code
+    paths; the fp8-cache variants build at their check shapes (one inputs function serves every
+    case here, and it gives a cache in q's dtype); a build at these shapes costs seconds each."""
     shapes = ((2048, 256, 2048, 16, 128, 32, 8, 128), (2048, 256, 2048, 128, 32, 32, 8, 128),
               (2048, 256, 2048, 16, 128, 32, 8, 64), (2048, 256, 2048, 16, 128, 16, 8, 256))
     return {"ragged_paged_attention": Serving(

@@ -222,20 +222,20 @@ class ReshapeAndCache(CustomOp):
         self._check_slot_mapping(op, slot_mapping, key, fe, tokens, num_pages * page_size)
 
     @staticmethod
-    def _cache_dtype(op: str, kv_cache_dtype: Any, kv_pages: Any) -> str | None:
+    def _cache_dtype(op: str, kv_cache_dtype: Any, kv_pages: Any, name: str = "kv_pages") -> str | None:
         """The cache dtype ``kv_cache_dtype`` names (None for "auto": the key's), refused where it
-        is not the dtype of ``kv_pages``."""
+        is not the dtype of the cache (argument ``name``)."""
         if not isinstance(kv_cache_dtype, str) or kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"{op}: argument 'kv_cache_dtype' is {kv_cache_dtype!r}; expected one of "
                              f"{', '.join(repr(k) for k in KV_CACHE_DTYPES)}")
         wanted, have = KV_CACHE_DTYPES[kv_cache_dtype], dtype_name(kv_pages)
         if wanted is None and have in FP8_KV_FORMATS:
             names = " or ".join(repr(k) for k, v in KV_CACHE_DTYPES.items() if v == have)
-            raise ValueError(f"{op}: argument 'kv_cache_dtype' is 'auto' (a cache in the key's dtype) but 'kv_pages' "
+            raise ValueError(f"{op}: argument 'kv_cache_dtype' is 'auto' (a cache in the key's dtype) but '{name}' "
                              f"has dtype {have}; pass kv_cache_dtype={names} for it")
         if wanted is not None and have != wanted:
             raise ValueError(f"{op}: argument 'kv_cache_dtype' is {kv_cache_dtype!r} (a {wanted} cache) but "
-                             f"'kv_pages' has dtype {have}")
+                             f"'{name}' has dtype {have}")
         return wanted
 
     @staticmethod
@@ -385,25 +385,46 @@ def check_cases():
         cache = normal((num_pages, page_size, 2 * heads, head_dim), rng)
         return (normal(shape, rng), normal(shape, rng), cache, Pinned(slots, "int32"))
 
+    def fp8_inputs(cache_dtype):
+        """The same write into an fp8 cache whose old rows are codes of unit-scale values."""
+
+        def make(shape, rng):
+            key, value, cache, slots = make_inputs(shape, rng)
+            return (key * 40.0, value, Pinned(cache, cache_dtype), slots)  # keys past e4m3's 448 / k_scale saturate
+
+        return make
+
     shapes = ((0, 2, 64), (1, 1, 64), (7, 2, 128), (12, 1, 72), (5, 4, 32))
-    return [OpCase("reshape_and_cache", "reshape_and_cache", lambda s: ReshapeAndCache(), make_inputs, shapes)]
+    fp8_shapes = ((0, 2, 64), (1, 1, 64), (7, 2, 128), (12, 1, 72))
+    return [
+        OpCase("reshape_and_cache", "reshape_and_cache", lambda s: ReshapeAndCache(), make_inputs, shapes),
+        # scales off powers of two, so the reciprocal's rounding shows in the codes
+        *(OpCase("reshape_and_cache", f"reshape_and_cache[{name}]", lambda s: ReshapeAndCache(), fp8_inputs(dtype),
+                 fp8_shapes, options={"kv_cache_dtype": name, "k_scale": 0.0371, "v_scale": 2.7})
+          for name, dtype in (("fp8_e4m3", "float8_e4m3fn"), ("fp8_e5m2", "float8_e5m2"))),
+    ]
 
 
 # --- spec: what dualop compile builds (check_cases above) ----------------------------------
 
 
-def _reshape_and_cache_inputs(shape):
-    """A step's tokens written into a paged cache of ``num_pages`` pages (Llama-3-70B's 8 KV heads of 128)."""
+def _reshape_and_cache_inputs(shape, cache_dtype=None):
+    """A step's tokens written into a paged cache of ``num_pages`` pages (Llama-3-70B's 8 KV heads
+    of 128); ``cache_dtype`` None: the keys' dtype."""
     tokens, heads, head_dim, num_pages, page_size = shape
     kv = InputSpec((tokens, heads, head_dim), None)
-    return (kv, kv, InputSpec((num_pages, page_size, 2 * heads, head_dim), None), InputSpec((tokens,), "int32"))
+    return (kv, kv, InputSpec((num_pages, page_size, 2 * heads, head_dim), cache_dtype), InputSpec((tokens,), "int32"))
 
 
 def serving():
     """(tokens, num_kv_heads, head_dim, num_pages, page_size): a step's 2048 tokens written into a
-    paged cache of 2048 pages of 16 and of 128 tokens."""
-    return {"reshape_and_cache": Serving(((2048, 8, 128, 2048, 16), (2048, 8, 128, 2048, 128)),
-                                         _reshape_and_cache_inputs)}
+    paged cache of 2048 pages of 16 and of 128 tokens, in the keys' dtype and in float8_e4m3fn
+    (e5m2 differs only in the rounding's constants: its check shapes still build)."""
+    return {"reshape_and_cache": Serving(
+        ((2048, 8, 128, 2048, 16), (2048, 8, 128, 2048, 128)),
+        {"reshape_and_cache": _reshape_and_cache_inputs,
+         "reshape_and_cache[fp8_e4m3]": lambda shape: _reshape_and_cache_inputs(shape, "float8_e4m3fn")},
+        cases=("reshape_and_cache", "reshape_and_cache[fp8_e4m3]"))}
 
 # What the shared test sweeps know about these ops' check cases (``testing.with_notes``: keys are op
 # names or case labels; traits as ``dualop.testing.TRAITS`` defines them).

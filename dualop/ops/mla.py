@@ -13,7 +13,9 @@ page_indices, cu_q_lens, num_seqs, *, sm_scale=1.0)``, the absorbed form (MQA ov
 W_UK (giving L channels), then its R rope channels; score = ``q_latent . row`` (all L + R channels)
 ``* sm_scale`` in float32, causal as ``ragged_paged_attention``, softmax in float32, out
 ``[T, H, L] = probs . row[:L]`` cast once to q's dtype; rows past ``cu_q_lens[num_seqs[0]]`` are
-zeros. Non-finite values as ``ragged_paged_attention``'s: a NaN or inf in sequence i's queries or
+zeros. The cache is in q's dtype, or float8 (float8_e4m3fn, float8_e5m2: the engine's fp8 MLA
+cache, ``concat_and_cache_mla``'s codes with one scale) read as ``code * k_scale`` in float32
+(``k_scale``: a Python number, the engine's ``layer._k_scale_float``; None is 1.0). Non-finite values as ``ragged_paged_attention``'s: a NaN or inf in sequence i's queries or
 cached rows reaches only sequence i's rows; rows past ``kv_len`` never reach any output, on every
 path. Paths: Pallas (``kernels/pallas/ragged_paged_mla_attention.py``: heads folded into the
 rows of one MXU product, pages streamed from HBM by DMA), Triton
@@ -22,7 +24,9 @@ sequence's gathered rows). Metadata is validated before any kernel where its val
 and clamped where not, exactly as ``ragged_paged_attention`` (``ops/attention.py``).
 
 ``ConcatAndCacheMLA()``: ``latent_pages = op(kv_c [T, L], k_pe [T, R], latent_pages,
-slot_mapping)`` writes row ``[kv_c | k_pe]`` of token t at slot ``slot_mapping[t]`` (page
+slot_mapping, *, kv_cache_dtype="auto", scale=None)`` writes row ``[kv_c | k_pe]`` of token t
+(an fp8 cache: its codes under ``scale``, ``reshape_and_cache``'s rule and arguments with
+``k_scale = v_scale = scale``) at slot ``slot_mapping[t]`` (page
 ``slot // page_size``, offset ``slot % page_size``; negative slots skipped), torch in place, jax
 a new array (donate it under jit), like ``reshape_and_cache``, whose kernels it runs: the latent
 row is a K/V pair of one head of ``(L + R) / 2`` channels (K = its first half, V = its second), so
@@ -46,6 +50,7 @@ from dualop.backends import array_namespace
 from dualop.backends.torch.triton_launch import call_triton
 from dualop.backends.xla.jax_bridge import call_jax_function
 from dualop.custom_op import CustomOp
+from dualop.kernels.kv_cache_math import FP8_KV_FORMATS, fp8_kv_format
 from dualop.kernels.paged_attention_math import DEFAULT_MASK_VALUE
 from dualop.kernels.registry import KernelRef
 from dualop.ops._checks import (
@@ -53,9 +58,12 @@ from dualop.ops._checks import (
     decline_if_recording,
 )
 from dualop.ops.attention import (
-    RaggedPagedAttention, check_metadata_shapes, check_metadata_values, paged_batch, row_sequences,
+    FLOATS, RaggedPagedAttention, _as_cache_dtype, _gatherable, check_metadata_shapes, check_metadata_values,
+    paged_batch, row_sequences,
 )
-from dualop.ops.kv_cache import ReshapeAndCache, last_writes
+from dualop.ops.kv_cache import (
+    _CACHE_DTYPES, ReshapeAndCache, _as_array, _bytes, cache_rows, check_kv_scale, inverse_scale_operand, last_writes,
+)
 from dualop.ops.layernorm import RMSNorm
 from dualop.ops.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 from dualop.ops.rotary import RotaryEmbedding
@@ -85,6 +93,18 @@ def _check_sm_scale(op: str, sm_scale: Any) -> None:
         raise ValueError(f"{op}: option 'sm_scale' must be a positive, finite float, got {sm_scale!r}")
 
 
+def _check_k_scale(op: str, k_scale: Any) -> None:
+    """An fp8 cache's scale: None (1.0) or a positive, finite Python number (the kernels bake it in)."""
+    if k_scale is not None and (isinstance(k_scale, bool) or not isinstance(k_scale, (int, float))
+                                or not math.isfinite(k_scale) or k_scale <= 0):
+        raise ValueError(f"{op}: option 'k_scale' must be None or a positive, finite float (the engine's "
+                         f"layer._k_scale_float), got {k_scale!r}")
+
+
+def _fp8_cache(pages: Any) -> bool:
+    return frontend_of(pages) is not None and fp8_kv_format(pages.dtype) is not None
+
+
 @CustomOp.register(OP)
 class RaggedPagedMLAAttention(CustomOp):
     """Absorbed MLA (MQA over the latent rows) of a ragged batch over a paged latent cache; see the
@@ -100,7 +120,7 @@ class RaggedPagedMLAAttention(CustomOp):
 
     def check_inputs(self, q_latent: Any = None, latent_pages: Any = None, kv_lens: Any = None,
                      page_indices: Any = None, cu_q_lens: Any = None, num_seqs: Any = None, *,
-                     sm_scale: float = 1.0) -> None:
+                     sm_scale: float = 1.0, k_scale: float | None = None) -> None:
         for name, value in dict(q_latent=q_latent, latent_pages=latent_pages, kv_lens=kv_lens,
                                 page_indices=page_indices, cu_q_lens=cu_q_lens, num_seqs=num_seqs).items():
             if value is None:
@@ -115,8 +135,10 @@ class RaggedPagedMLAAttention(CustomOp):
                              f"({self.kv_lora_rank}) + rope channels (at least one)")
         if heads == 0:
             raise ValueError(f"{OP}: argument 'q_latent' has 0 heads; expected at least 1")
+        fp8 = _fp8_cache(latent_pages)
         check_optional_like(OP, "latent_pages", latent_pages, "q_latent", q_latent, fe,
-                            shape=tuple(getattr(latent_pages, "shape", ())), same_dtype=True)
+                            shape=tuple(getattr(latent_pages, "shape", ())), same_dtype=not fp8,
+                            dtypes=frozenset(FP8_KV_FORMATS) if fp8 else FLOATS)
         if latent_pages.ndim != 3 or latent_pages.shape[2] != width:
             raise ValueError(f"{OP}: argument 'latent_pages' must be [num_pages, page_size, {width}] (q_latent's "
                              f"channels), got shape {tuple(latent_pages.shape)}")
@@ -125,13 +147,15 @@ class RaggedPagedMLAAttention(CustomOp):
             raise ValueError(f"{OP}: argument 'latent_pages' has page_size 0; expected at least 1")
         check_metadata_shapes(OP, q_latent, fe, kv_lens, page_indices, cu_q_lens, num_seqs, q_name="q_latent")
         _check_sm_scale(OP, sm_scale)
+        _check_k_scale(OP, k_scale)
         check_metadata_values(OP, num_tokens, num_pages, page_size, kv_lens, page_indices, cu_q_lens, num_seqs)
 
     def forward_native(self, q_latent: Any, latent_pages: Any, kv_lens: Any, page_indices: Any, cu_q_lens: Any,
-                       num_seqs: Any, *, sm_scale: float = 1.0) -> Any:
+                       num_seqs: Any, *, sm_scale: float = 1.0, k_scale: float | None = None) -> Any:
         """``ragged_paged_attention``'s reference rule (``row_sequences``: each row gathers its
         sequence's pages, ``T * pages_per_seq * page_size`` rows; a reference, not a serving path)
-        with one shared latent head; rows past ``kv_len`` are zeroed (stale data never counts)."""
+        with one shared latent head; rows past ``kv_len`` are zeroed (stale data never counts); an
+        fp8 row is ``code * k_scale`` in float32."""
         xp = array_namespace(q_latent)
         num_tokens, heads, width = q_latent.shape
         num_pages, page_size, _ = latent_pages.shape
@@ -140,8 +164,9 @@ class RaggedPagedMLAAttention(CustomOp):
                                                           cu_q_lens, num_seqs)
         kv_pos = xp.arange(span, q_latent)[None, :]
         cached = kv_pos < kv_len[:, None]  # [T, span]
-        rows = xp.take(latent_pages, pages, axis=0).reshape((num_tokens, span, width))
-        rows = xp.where(cached[:, :, None], xp.astype(rows, xp.float32), 0.0)
+        rows = _as_cache_dtype(xp.take(_gatherable(latent_pages), pages, axis=0), latent_pages)
+        rows = xp.astype(rows.reshape((num_tokens, span, width)), xp.float32)
+        rows = xp.where(cached[:, :, None], rows if k_scale is None else rows * k_scale, 0.0)
         scores = xp.einsum("thd,tld->thl", xp.astype(q_latent, xp.float32), rows) * sm_scale
         allowed = (kv_pos <= position[:, None]) & cached
         scores = xp.where(allowed[:, None, :], scores, DEFAULT_MASK_VALUE)
@@ -152,35 +177,38 @@ class RaggedPagedMLAAttention(CustomOp):
         return xp.astype(out, q_latent.dtype)
 
     def forward_tpu(self, q_latent: Any, latent_pages: Any, kv_lens: Any, page_indices: Any, cu_q_lens: Any,
-                    num_seqs: Any, *, sm_scale: float = 1.0) -> Any:
+                    num_seqs: Any, *, sm_scale: float = 1.0, k_scale: float | None = None) -> Any:
+        k_scale = None if k_scale is None else float(k_scale)
         return call_jax_function(frontend_of(q_latent), _PALLAS_MLA, q_latent, latent_pages, kv_lens, page_indices,
-                           cu_q_lens, num_seqs, native=_NativeMLA(self, sm_scale), kv_lora_rank=self.kv_lora_rank,
-                           sm_scale=float(sm_scale))
+                           cu_q_lens, num_seqs, native=_NativeMLA(self, sm_scale, k_scale),
+                           kv_lora_rank=self.kv_lora_rank, sm_scale=float(sm_scale), k_scale=k_scale)
 
     def forward_cuda(self, q_latent: Any, latent_pages: Any, kv_lens: Any, page_indices: Any, cu_q_lens: Any,
-                     num_seqs: Any, *, sm_scale: float = 1.0) -> Any:
+                     num_seqs: Any, *, sm_scale: float = 1.0, k_scale: float | None = None) -> Any:
         return call_triton(frontend_of(q_latent), _TRITON_MLA, q_latent, latent_pages, kv_lens, page_indices,
-                           cu_q_lens, num_seqs, kv_lora_rank=self.kv_lora_rank, sm_scale=float(sm_scale))
+                           cu_q_lens, num_seqs, kv_lora_rank=self.kv_lora_rank, sm_scale=float(sm_scale),
+                           k_scale=None if k_scale is None else float(k_scale))
 
     def forward_cpu(self, q_latent: Any, latent_pages: Any, kv_lens: Any, page_indices: Any, cu_q_lens: Any,
-                    num_seqs: Any, *, sm_scale: float = 1.0) -> Any:
+                    num_seqs: Any, *, sm_scale: float = 1.0, k_scale: float | None = None) -> Any:
         """torch on the CPU: float32 GEMMs (oneDNN/MKL) per sequence on its gathered latent rows,
         decodes batched (``kernels/cpu/ragged_paged_mla_attention.py``). Every head reads the same
         row, so the work is GEMM-shaped (2H flops per cached element) and a BLAS GEMM beats a row
         loop; docs/BENCHMARKS.md has the measurement. Declines while autograd records."""
         decline_if_recording(OP, q_latent, latent_pages)
         return _CPU_MLA(q_latent, latent_pages, kv_lens, page_indices, cu_q_lens, num_seqs,
-                        kv_lora_rank=self.kv_lora_rank, sm_scale=float(sm_scale))
+                        kv_lora_rank=self.kv_lora_rank, sm_scale=float(sm_scale),
+                        k_scale=None if k_scale is None else float(k_scale))
 
 
 class _NativeMLA:
-    """``forward_native`` with ``sm_scale`` bound: the backward pass of the Pallas path."""
+    """``forward_native`` with ``sm_scale`` and ``k_scale`` bound: the backward pass of the Pallas path."""
 
-    def __init__(self, op: RaggedPagedMLAAttention, sm_scale: float) -> None:
-        self.op, self.sm_scale = op, sm_scale
+    def __init__(self, op: RaggedPagedMLAAttention, sm_scale: float, k_scale: float | None) -> None:
+        self.op, self.sm_scale, self.k_scale = op, sm_scale, k_scale
 
     def __call__(self, *arrays: Any) -> Any:
-        return self.op.forward_native(*arrays, sm_scale=self.sm_scale)
+        return self.op.forward_native(*arrays, sm_scale=self.sm_scale, k_scale=self.k_scale)
 
 
 # --- the cache write ------------------------------------------------------------------------------
@@ -207,7 +235,8 @@ class ConcatAndCacheMLA(CustomOp):
         super().__init__(enforce_enable=enforce_enable)
         self._kv_write = ReshapeAndCache(enforce_enable=enforce_enable)
 
-    def check_inputs(self, kv_c: Any, k_pe: Any = None, latent_pages: Any = None, slot_mapping: Any = None) -> None:
+    def check_inputs(self, kv_c: Any, k_pe: Any = None, latent_pages: Any = None, slot_mapping: Any = None, *,
+                     kv_cache_dtype: str = "auto", scale: Any = None) -> None:
         op = CACHE_OP
         fe = check_array(op, "kv_c", kv_c, min_ndim=2)
         if kv_c.ndim != 2:
@@ -222,25 +251,30 @@ class ConcatAndCacheMLA(CustomOp):
                              f"got shape {tuple(k_pe.shape)}")
         if latent_pages is None:
             raise ValueError(f"{op}: argument 'latent_pages' is required")
-        check_array(op, "latent_pages", latent_pages, min_ndim=3)
+        check_array(op, "latent_pages", latent_pages, min_ndim=3, dtypes=_CACHE_DTYPES)
         width = latent + k_pe.shape[1]
         if latent_pages.ndim != 3 or latent_pages.shape[2] != width:
             raise ValueError(f"{op}: argument 'latent_pages' must be [num_pages, page_size, {width}] "
                              f"(kv_lora_rank + rope_dim), got shape {tuple(latent_pages.shape)}")
+        wanted = ReshapeAndCache._cache_dtype(op, kv_cache_dtype, latent_pages, "latent_pages")
         check_optional_like(op, "latent_pages", latent_pages, "kv_c", kv_c, fe, shape=tuple(latent_pages.shape),
-                            same_dtype=True)
+                            same_dtype=wanted is None, dtypes=_CACHE_DTYPES)
+        check_kv_scale(op, "scale", scale, "kv_c", kv_c, fe)
         check_writable_cache(op, "latent_pages", latent_pages)
         num_pages, page_size, _ = latent_pages.shape
         ReshapeAndCache._check_slot_mapping(op, slot_mapping, kv_c, fe, tokens, num_pages * page_size)
 
-    def forward_native(self, kv_c: Any, k_pe: Any, latent_pages: Any, slot_mapping: Any) -> Any:
+    def forward_native(self, kv_c: Any, k_pe: Any, latent_pages: Any, slot_mapping: Any, *,
+                       kv_cache_dtype: str = "auto", scale: Any = None) -> Any:
         xp = array_namespace(latent_pages)
         slot_mapping = last_writes(slot_mapping)  # two tokens with one slot: the last wins (reshape_and_cache's rule)
         num_pages, page_size, _ = latent_pages.shape
-        row = xp.astype(xp.concat([kv_c, k_pe], axis=-1), latent_pages.dtype)
+        kv_c, k_pe = cache_rows(xp, kv_c, k_pe, latent_pages, scale, scale)  # an fp8 cache's codes
+        row = xp.concat([_bytes(kv_c), _bytes(k_pe)], axis=-1)
         keep = (slot_mapping >= 0) & (slot_mapping < num_pages * page_size)
         index = (slot_mapping // page_size, slot_mapping % page_size)
-        return xp.set_at_dropping(latent_pages, index, row, keep)
+        written = xp.set_at_dropping(_bytes(latent_pages), index, row, keep)
+        return latent_pages if frontend_of(latent_pages) == "torch" else written
 
     @staticmethod
     def _pair(kv_c: Any, k_pe: Any, latent_pages: Any) -> tuple[Any, Any, Any]:
@@ -249,30 +283,45 @@ class ConcatAndCacheMLA(CustomOp):
                                       f"kv_lora_rank + rope_dim = {latent_pages.shape[2]} is odd")
         return _as_kv_pair(array_namespace(kv_c), kv_c, k_pe, latent_pages)
 
-    def forward_cpu(self, kv_c: Any, k_pe: Any, latent_pages: Any, slot_mapping: Any) -> Any:
+    def forward_cpu(self, kv_c: Any, k_pe: Any, latent_pages: Any, slot_mapping: Any, *,
+                    kv_cache_dtype: str = "auto", scale: Any = None) -> Any:
         """torch on the CPU: ``reshape_and_cache``'s ``index_copy_`` on the cache viewed as K/V pairs."""
         if not latent_pages.is_contiguous():
             raise NotImplementedError(f"{CACHE_OP}: the CPU path views the cache flat and needs it contiguous")
         key, value, view = self._pair(kv_c, k_pe, latent_pages)
-        self._kv_write.forward_cpu(key, value, view, slot_mapping)
+        self._kv_write.forward_cpu(key, value, view, slot_mapping, kv_cache_dtype=kv_cache_dtype, k_scale=scale,
+                                   v_scale=scale)
         return latent_pages
 
-    def forward_cuda(self, kv_c: Any, k_pe: Any, latent_pages: Any, slot_mapping: Any) -> Any:
+    @staticmethod
+    def _inverses(xp: Any, latent_pages: Any, scale: Any, like: Any) -> dict[str, Any]:
+        """An fp8 cache's inverse scale as ``reshape_and_cache``'s kernels take it (both halves one scale)."""
+        if fp8_kv_format(latent_pages.dtype) is None:
+            return {}
+        inverse = _as_array(xp, inverse_scale_operand(xp, scale), like)
+        return dict(k_inverse=inverse, v_inverse=inverse)
+
+    def forward_cuda(self, kv_c: Any, k_pe: Any, latent_pages: Any, slot_mapping: Any, *,
+                     kv_cache_dtype: str = "auto", scale: Any = None) -> Any:
         """``reshape_and_cache``'s Triton kernel on the cache viewed as K/V pairs (in place)."""
         fe = frontend_of(kv_c)
         if fe == "torch" and not latent_pages.is_contiguous():
             raise NotImplementedError(f"{CACHE_OP}: the Triton path views the cache as K/V pairs and needs it "
                                       "contiguous")
         key, value, view = self._pair(kv_c, k_pe, latent_pages)
-        call_triton(fe, _TRITON_CACHE, key, value, view, last_writes(slot_mapping))
+        inverses = self._inverses(array_namespace(kv_c), latent_pages, scale, kv_c) if fe == "torch" else {}
+        call_triton(fe, _TRITON_CACHE, key, value, view, last_writes(slot_mapping), **inverses)
         return latent_pages
 
-    def forward_tpu(self, kv_c: Any, k_pe: Any, latent_pages: Any, slot_mapping: Any) -> Any:
+    def forward_tpu(self, kv_c: Any, k_pe: Any, latent_pages: Any, slot_mapping: Any, *,
+                    kv_cache_dtype: str = "auto", scale: Any = None) -> Any:
         """``reshape_and_cache``'s Pallas kernel (per-token DMAs into the aliased HBM cache); torch
         frontends get the result written back into ``latent_pages`` (``copy_``)."""
         fe = frontend_of(kv_c)
         key, value, view = self._pair(kv_c, k_pe, latent_pages)
-        new = call_jax_function(fe, _PALLAS_CACHE, key, value, view, last_writes(slot_mapping)).reshape(latent_pages.shape)
+        inverses = self._inverses(array_namespace(kv_c), latent_pages, scale, kv_c).values()
+        new = call_jax_function(fe, _PALLAS_CACHE, key, value, view, last_writes(slot_mapping),
+                                *inverses).reshape(latent_pages.shape)
         if family_of(fe) == "torch":
             latent_pages.copy_(new)
             return latent_pages
@@ -643,11 +692,24 @@ def check_cases():
         return (normal((tokens, latent), rng), normal((tokens, rope), rng),
                 normal((num_pages, page_size, latent + rope), rng), Pinned(slots, "int32"))
 
+    def fp8_attention_inputs(shape, rng):
+        """The same batch over a float8_e4m3fn cache of codes about 20 in magnitude."""
+        q, pages, *meta = attention_inputs(shape, rng)
+        return (q, Pinned(pages * 20.0, "float8_e4m3fn"), *meta)
+
+    def fp8_cache_inputs(shape, rng):
+        kv_c, k_pe, pages, slots = cache_inputs(shape, rng)
+        return (kv_c, k_pe, Pinned(pages * 20.0, "float8_e4m3fn"), slots)
+
     attention_shapes = ((0, 4, 40), (1, 1, 40), (9, 4, 72), (12, 16, 136))
     cache_shapes = ((0, 8, 32), (1, 1, 31), (7, 16, 64), (5, 8, 24))
     return [
         OpCase(OP, f"{OP}[mixed]", attention_op, attention_inputs, attention_shapes, options={"sm_scale": 0.2}),
+        OpCase(OP, f"{OP}[float8_e4m3fn,k_scale]", attention_op, fp8_attention_inputs, attention_shapes,
+               options={"sm_scale": 0.2, "k_scale": 0.043}),  # a scale off the powers of two
         OpCase(CACHE_OP, CACHE_OP, lambda s: ConcatAndCacheMLA(), cache_inputs, cache_shapes),
+        OpCase(CACHE_OP, f"{CACHE_OP}[fp8]", lambda s: ConcatAndCacheMLA(), fp8_cache_inputs, cache_shapes,
+               options={"kv_cache_dtype": "fp8", "scale": 0.0371}),
     ]
 
 
@@ -726,11 +788,11 @@ def _jax_mla_decode(op):
     return decode
 
 
-def _serving_mla_inputs(shape: tuple[int, ...]) -> tuple:
+def _serving_mla_inputs(shape: tuple[int, ...], cache_dtype: str | None = None) -> tuple:
     tokens, seqs, pages, page_size, pages_per_seq, heads, latent, rope = shape
     return (
         InputSpec((tokens, heads, latent + rope), None),
-        InputSpec((pages, page_size, latent + rope), None),
+        InputSpec((pages, page_size, latent + rope), cache_dtype),
         InputSpec((seqs,), "int32"),
         InputSpec((seqs, pages_per_seq), "int32"),
         InputSpec((seqs + 1,), "int32"),
@@ -744,10 +806,10 @@ def _serving_mla_op(shape: tuple[int, ...]):
     return RaggedPagedMLAAttention(shape[6])
 
 
-def _concat_and_cache_mla_inputs(shape: tuple[int, ...]) -> tuple:
+def _concat_and_cache_mla_inputs(shape: tuple[int, ...], cache_dtype: str | None = None) -> tuple:
     tokens, rope, latent, pages, page_size = shape
     return (InputSpec((tokens, latent), None), InputSpec((tokens, rope), None),
-            InputSpec((pages, page_size, latent + rope), None), InputSpec((tokens,), "int32"))
+            InputSpec((pages, page_size, latent + rope), cache_dtype), InputSpec((tokens,), "int32"))
 
 
 def bench_cases():
@@ -764,15 +826,21 @@ def serving():
     chip (tp 8 of DeepSeek-V3's 128) with 64-token pages, and one chip holding all 128 heads with
     16-token pages; sequences up to 4096 positions. concat_and_cache_mla: (tokens, rope,
     kv_lora_rank, num_pages, page_size), a 2048-token step into a cache of 4096 pages of 64 tokens
-    (reshape_and_cache's kernels on K/V halves of 288 channels). bfloat16 only: the serving dtype
-    (the check shapes build float32)."""
+    (reshape_and_cache's kernels on K/V halves of 288 channels). Each with its cache in bfloat16 and
+    in float8_e4m3fn (the engine's fp8 MLA cache). bfloat16 only: the serving dtype (the check
+    shapes build float32)."""
     bf16 = ("bfloat16",)
+    fp8 = "float8_e4m3fn"
     return {
         "ragged_paged_mla_attention": Serving(
             ((256, 256, 4096, 64, 64, 16, 512, 64), (2048, 256, 4096, 64, 64, 16, 512, 64),
              (256, 256, 16384, 16, 256, 128, 512, 64)),
-            _serving_mla_inputs, {"ragged_paged_mla_attention[mixed]": _serving_mla_op}, bf16),
-        "concat_and_cache_mla": Serving(((2048, 64, 512, 4096, 64),), _concat_and_cache_mla_inputs, dtypes=bf16),
+            {f"{OP}[mixed]": _serving_mla_inputs, f"{OP}[{fp8},k_scale]": lambda s: _serving_mla_inputs(s, fp8)},
+            {f"{OP}[mixed]": _serving_mla_op, f"{OP}[{fp8},k_scale]": _serving_mla_op}, bf16),
+        "concat_and_cache_mla": Serving(
+            ((2048, 64, 512, 4096, 64),),
+            {CACHE_OP: _concat_and_cache_mla_inputs, f"{CACHE_OP}[fp8]": lambda s: _concat_and_cache_mla_inputs(s, fp8)},
+            dtypes=bf16),
     }
 
 # What the shared test sweeps know about these ops' check cases (``testing.with_notes``: keys are op

@@ -391,3 +391,108 @@ def test_a_cache_in_another_float_dtype_is_still_refused():
     with pytest.raises(ValueError, match="ragged_paged_attention: option 'k_scale' must be None or a positive"):
         RaggedPagedAttention()(torch.from_numpy(q), torch_cache(cache, "float8_e4m3fn"),
                                *(torch.from_numpy(a) for a in meta), k_scale=torch.tensor([1.0]))
+
+
+# --- the MLA latent cache in fp8 (one scale) --------------------------------------------------------
+
+MLA_LATENT, MLA_ROPE, MLA_SCALE = 24, 8, 0.043
+
+
+def fp8_mla_batch(cache_dtype, *, heads=2, page_size=16, seed=0):
+    """A mixed MLA batch (two padding rows, a padding sequence) whose latent cache holds the fp8
+    codes of normal values written with MLA_SCALE; returns (float32 q_latent, cache bytes, metadata)."""
+    from dualop.ops.mla import mla_batch
+
+    rng = np.random.default_rng(seed)
+    q, pages, *meta = mla_batch(rng, MIXED_Q, MIXED_KV, num_tokens=sum(MIXED_Q) + 2, heads=heads,
+                                latent=MLA_LATENT, rope_dim=MLA_ROPE, page_size=page_size, max_seqs=len(MIXED_Q) + 1)
+    return q * 0.5, fp8_codes(pages, MLA_SCALE, cache_dtype), tuple(meta)
+
+
+def _mla(frontend, platform, method, q, cache, meta, q_dtype, cache_dtype):
+    from dualop.ops import RaggedPagedMLAAttention
+
+    op = RaggedPagedMLAAttention(MLA_LATENT)
+    if frontend == "torch":
+        args = (torch.from_numpy(q).to(getattr(torch, q_dtype)), torch_cache(cache, cache_dtype),
+                *(torch.from_numpy(a) for a in meta))
+    else:
+        args = (jnp.asarray(q).astype(q_dtype), jax_cache(cache, cache_dtype), *(jnp.asarray(a) for a in meta))
+    with override_platform(platform), set_config(OpsConfig(["all"] if method != "forward_native" else ["none"])):
+        op.last_fallback = None
+        out = op(*args, sm_scale=0.2, k_scale=MLA_SCALE)
+        assert op.last_run(frontend, platform)[0] == method, op.last_fallback
+    return testing.to_numpy(out)
+
+
+@pytest.mark.parametrize("q_dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("cache_dtype", list(FORMATS))
+@pytest.mark.parametrize("frontend, platform, method", RPA_PATHS)
+def test_mla_over_an_fp8_latent_cache_matches_numpy_and_the_native_body(frontend, platform, method, cache_dtype,
+                                                                         q_dtype):
+    """Absorbed MLA reads ``code * k_scale`` on every path (the C++ decode kernel declines fp8 pages:
+    torch's CPU path is its GEMMs on the decoded rows): against float64 numpy attention with K = the
+    whole dequantised latent row and V = its first L channels, and against the native body."""
+    if q_dtype == "bfloat16" and frontend == "jax" and platform == "cpu":
+        pytest.skip("the jax native body is the reference of the other paths; float32 covers it")
+    q, cache, meta = fp8_mla_batch(cache_dtype, seed=6)
+    if q_dtype == "bfloat16":
+        q = torch.from_numpy(q).bfloat16().float().numpy()  # the values the op is given
+    got = _mla(frontend, platform, method, q, cache, meta, q_dtype, cache_dtype)
+    rows = decoded(cache, cache_dtype)[:, :, None, :] * np.float32(MLA_SCALE)  # one latent head
+    values = rows.copy()
+    values[..., MLA_LATENT:] = 0.0  # V: the first L channels
+    want = numpy_attention(q, rows, values, meta, 0.2)[..., :MLA_LATENT]
+    tol = testing.TOLERANCES[q_dtype]
+    np.testing.assert_allclose(got, want, atol=tol.atol + 1e-5, rtol=tol.rtol)
+    native = _mla(frontend, "cpu", "forward_native", q, cache, meta, q_dtype, cache_dtype)
+    assert testing.compare(got, native, q_dtype).ok
+    assert not got[sum(MIXED_Q):].any()  # padding rows
+
+
+@pytest.mark.parametrize("cache_dtype", list(FORMATS))
+@pytest.mark.parametrize("frontend, platform, method", [
+    ("torch", "cpu", "forward_cpu"), ("torch", "cuda", "forward_cuda"), ("torch", "cpu", "forward_native"),
+    ("jax", "tpu", "forward_tpu"), ("jax", "cpu", "forward_native")])
+def test_concat_and_cache_mla_writes_the_numpy_codes_of_one_scale(frontend, platform, method, cache_dtype):
+    """``concat_and_cache_mla(..., kv_cache_dtype, scale)``: row ``[kv_c | k_pe]``'s codes under the
+    one scale, at the token's slot (padding skipped, a repeated slot's last token wins)."""
+    from dualop.ops import ConcatAndCacheMLA
+
+    key, _, cache_bytes, slots = write_batch(tokens=9, heads=1, head_dim=32, cache_dtype=cache_dtype, seed=7)
+    kv_c, k_pe = key[:, 0, :24], key[:, 0, 24:]
+    cache_bytes = cache_bytes.reshape(5, 4, 64)[:, :, :32]
+    want = cache_bytes.copy()
+    codes = fp8_codes(key[:, 0], MLA_SCALE, cache_dtype)
+    for t, slot in enumerate(slots.tolist()):
+        if slot >= 0:
+            want[slot // 4, slot % 4] = codes[t]
+    op = ConcatAndCacheMLA()
+    if frontend == "torch":
+        args = (torch.from_numpy(kv_c), torch.from_numpy(k_pe), torch_cache(np.ascontiguousarray(cache_bytes),
+                                                                            cache_dtype), torch.from_numpy(slots))
+    else:
+        args = (jnp.asarray(kv_c), jnp.asarray(k_pe), jax_cache(np.ascontiguousarray(cache_bytes), cache_dtype),
+                jnp.asarray(slots))
+    with override_platform(platform), set_config(OpsConfig(["all"] if method != "forward_native" else ["none"])):
+        op.last_fallback = None
+        out = op(*args, kv_cache_dtype=FORMATS[cache_dtype][0], scale=MLA_SCALE)
+        assert op.last_run(frontend, platform)[0] == method, op.last_fallback
+    np.testing.assert_array_equal(bytes_of(out), want)
+
+
+def test_bad_fp8_mla_calls_are_refused():
+    from dualop.ops import ConcatAndCacheMLA, RaggedPagedMLAAttention
+
+    q, cache, meta = fp8_mla_batch("float8_e4m3fn")
+    args = (torch.from_numpy(q), torch_cache(cache, "float8_e4m3fn"), *(torch.from_numpy(a) for a in meta))
+    with pytest.raises(ValueError, match="ragged_paged_mla_attention: option 'k_scale' must be None or a positive"):
+        RaggedPagedMLAAttention(MLA_LATENT)(*args, k_scale=0.0)
+    with pytest.raises(TypeError, match="ragged_paged_mla_attention: argument 'latent_pages' has dtype float16"):
+        RaggedPagedMLAAttention(MLA_LATENT)(args[0], args[1].view(torch.uint8).to(torch.float16), *args[2:])
+    kv_c, k_pe = torch.zeros((2, 24)), torch.zeros((2, 8))
+    with pytest.raises(ValueError, match="concat_and_cache_mla: argument 'kv_cache_dtype' is 'auto'.*'latent_pages'"):
+        ConcatAndCacheMLA()(kv_c, k_pe, torch.zeros((3, 4, 32), dtype=torch.float8_e4m3fn), torch.tensor([0, 1]))
+    with pytest.raises(ValueError, match="concat_and_cache_mla: argument 'scale' is -1.0"):
+        ConcatAndCacheMLA()(kv_c, k_pe, torch.zeros((3, 4, 32), dtype=torch.float8_e4m3fn), torch.tensor([0, 1]),
+                            kv_cache_dtype="fp8", scale=-1.0)

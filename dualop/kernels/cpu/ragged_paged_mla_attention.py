@@ -15,6 +15,11 @@ one gather of their pages into float32 ``[n, span, L + R]``, then ``bmm`` for th
 float32 scores near ``SCORE_BYTES``. Math: float32 scores, masked, softmax, one cast; rows past a
 sequence's ``kv_len`` are zeroed after
 the gather (a stale row may hold NaN, and ``0 * NaN`` would reach the output). Metadata is validated by the op; here it is clamped anyway.
+
+A float8 cache (float8_e4m3fn, float8_e5m2) takes the GEMM path for every sequence: the C++ kernel
+reads pages in q's dtype only, so it declines them. The rows are gathered as bytes (torch's CPU
+indexing has no float8 kernels), decoded by torch (exact) and multiplied by ``k_scale`` in float32,
+the native body's ``code * k_scale``.
 """
 
 from __future__ import annotations
@@ -56,6 +61,18 @@ def _attend(q: Any, rows: Any, kv_len: Any, q_pos: Any, latent: int, sm_scale: f
     return torch.bmm(probs, rows[:, :, :latent]).reshape(n, r, h, latent)
 
 
+def _gather_rows(latent_pages: Any, index: Any, shape: tuple[int, ...], k_scale: float | None) -> Any:
+    """``latent_pages[index]`` reshaped to ``shape`` in float32, an fp8 cache's codes times ``k_scale``."""
+    import torch
+
+    if latent_pages.element_size() == 1:  # float8: gathered as bytes, then decoded
+        rows = latent_pages.view(torch.uint8)[index].view(latent_pages.dtype)
+    else:
+        rows = latent_pages[index]
+    rows = rows.reshape(shape).to(torch.float32)
+    return rows if k_scale is None else rows.mul_(k_scale)
+
+
 def _decode_in_kernel(q: Any, pages: Any, kv_lens: Any, page_indices: Any, cu_q_lens: Any, seqs: list[int], out: Any,
                       sm_scale: float) -> bool:
     """Decode sequences ``seqs`` into their rows of ``out`` with the C++ kernel, given the metadata
@@ -80,7 +97,8 @@ def _decode_in_kernel(q: Any, pages: Any, kv_lens: Any, page_indices: Any, cu_q_
 
 
 def ragged_paged_mla_attention(q_latent: Any, latent_pages: Any, kv_lens: Any, page_indices: Any, cu_q_lens: Any,
-                               num_seqs: Any, *, kv_lora_rank: int, sm_scale: float = 1.0) -> Any:
+                               num_seqs: Any, *, kv_lora_rank: int, sm_scale: float = 1.0,
+                               k_scale: float | None = None) -> Any:
     """``[T, H, L]`` in q's dtype, zeros in rows no sequence owns (see the module docstring)."""
     import torch
 
@@ -109,7 +127,7 @@ def ragged_paged_mla_attention(q_latent: Any, latent_pages: Any, kv_lens: Any, p
         q_lens = np.array([cu[i + 1] - cu[i] for i in group])
         width_q = int(q_lens.max())
         pages = -(-int(lens[group].max()) // page_size)
-        rows = latent_pages[table[group, :pages]].reshape(len(group), pages * page_size, width).to(torch.float32)
+        rows = _gather_rows(latent_pages, table[group, :pages], (len(group), pages * page_size, width), k_scale)
         offsets = np.arange(width_q)
         index = np.minimum(cu[group][:, None] + offsets[None, :], cu[np.array(group) + 1][:, None] - 1)
         q = qf[torch.from_numpy(index)]  # [n, R, H, D]; rows past a sequence's q_len repeat its last
@@ -120,7 +138,7 @@ def ragged_paged_mla_attention(q_latent: Any, latent_pages: Any, kv_lens: Any, p
     for i in long:
         q_len, kv_len = int(cu[i + 1] - cu[i]), int(lens[i])
         pages = -(-kv_len // page_size)
-        rows = latent_pages[table[i, :pages]].reshape(1, pages * page_size, width).to(torch.float32)
+        rows = _gather_rows(latent_pages, table[i, :pages], (1, pages * page_size, width), k_scale)
         chunk = max(1, SCORE_BYTES // (4 * heads * pages * page_size))
         for r0 in range(0, q_len, chunk):
             r1 = min(q_len, r0 + chunk)

@@ -18,6 +18,11 @@ products; ``p . k_nope`` accumulates the output. For 16-bit caches p enters that
 (``num_seqs`` to ``[0, S]``, ``cu_q_lens`` to ``[0, T]`` and non-decreasing, ``kv_lens`` to the page
 table's span, page ids to ``[0, num_pages)``): no integer value reads out of bounds.
 
+A float8 cache (float8_e4m3fn, float8_e5m2) is read through its uint8 view and each element decoded
+to its exact float32 value (``ragged_paged_attention``'s ``fp8_value``), then cast to q's dtype
+(exact); ``k_scale`` scales the float32 scores (folded into ``sm_scale``) and the output, exactly
+the products with the rows ``code * k_scale``.
+
 Interpreted (no GPU): the KV loop runs a constexpr tile count and skips unreachable tiles, dot
 operands are upcast to float32, bfloat16 casts round to nearest even (``kernels/cuda/common``), as
 in ``ragged_paged_attention``.
@@ -32,7 +37,8 @@ import triton.language as tl
 from dualop.kernels.cuda import interpreting
 from dualop.kernels.cuda.common import _dot, cast_out, needs_exact_bf16
 from dualop.kernels.cuda.ragged_paged_attention import (
-    online_softmax_step, ordered_cu_q_lens, query_block, runtime_kv_loop)
+    fp8_value, online_softmax_step, ordered_cu_q_lens, query_block, runtime_kv_loop)
+from dualop.kernels.kv_cache_math import fp8_kv_format
 
 __all__ = ["ragged_paged_mla_attention", "block_shape"]
 
@@ -42,7 +48,8 @@ def _kv_tile(tile, q_nope, q_rope, acc, m_i, l_i, q_pos, cache_ptr, page_row_ptr
              c_stride_page, c_stride_slot, sm_scale,
              PAGE_SIZE: tl.constexpr, LATENT: tl.constexpr, LATENT_PAD: tl.constexpr, ROPE: tl.constexpr,
              ROPE_PAD: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
-             EXACT_BF16: tl.constexpr, SPLIT_P: tl.constexpr):
+             EXACT_BF16: tl.constexpr, SPLIT_P: tl.constexpr, FP8: tl.constexpr, MANTISSA: tl.constexpr,
+             BIAS: tl.constexpr, HAS_INF: tl.constexpr, SUBNORMAL_STEP: tl.constexpr):
     """Fold KV positions ``tile * BLOCK_N ..`` into the online softmax of the query tile."""
     pos = tile * BLOCK_N + tl.arange(0, BLOCK_N)
     in_seq = pos < kv_len
@@ -52,8 +59,11 @@ def _kv_tile(tile, q_nope, q_rope, acc, m_i, l_i, q_pos, cache_ptr, page_row_ptr
     row = cache_ptr + page * c_stride_page + (pos % PAGE_SIZE).to(tl.int64) * c_stride_slot
     c = tl.arange(0, LATENT_PAD)
     r = tl.arange(0, ROPE_PAD)
-    k_nope = tl.load(row[:, None] + c[None, :], mask=in_seq[:, None] & (c < LATENT)[None, :], other=0.0)
-    k_rope = tl.load(row[:, None] + LATENT + r[None, :], mask=in_seq[:, None] & (r < ROPE)[None, :], other=0.0)
+    k_nope = tl.load(row[:, None] + c[None, :], mask=in_seq[:, None] & (c < LATENT)[None, :], other=0)
+    k_rope = tl.load(row[:, None] + LATENT + r[None, :], mask=in_seq[:, None] & (r < ROPE)[None, :], other=0)
+    if FP8:  # the cache's uint8 view
+        k_nope = fp8_value(k_nope, MANTISSA, BIAS, HAS_INF, SUBNORMAL_STEP)
+        k_rope = fp8_value(k_rope, MANTISSA, BIAS, HAS_INF, SUBNORMAL_STEP)
     k_nope = k_nope.to(q_nope.dtype)
     k_rope = k_rope.to(q_nope.dtype)
     s = _dot(q_nope, tl.trans(k_nope), DOT_PRECISION, DOT_UPCAST) + _dot(q_rope, tl.trans(k_rope), DOT_PRECISION,
@@ -68,11 +78,13 @@ def _kv_tile(tile, q_nope, q_rope, acc, m_i, l_i, q_pos, cache_ptr, page_row_ptr
 def _mla_kernel(
     q_ptr, cache_ptr, kv_lens_ptr, page_indices_ptr, cu_q_lens_ptr, num_seqs_ptr, out_ptr,
     q_stride_t, q_stride_h, o_stride_t, o_stride_h, c_stride_page, c_stride_slot, pt_stride_seq,
-    num_tokens, num_heads, max_seqs, num_pages, pages_per_seq, sm_scale,
+    num_tokens, num_heads, max_seqs, num_pages, pages_per_seq, sm_scale, out_scale,
     PAGE_SIZE: tl.constexpr, LATENT: tl.constexpr, LATENT_PAD: tl.constexpr, ROPE: tl.constexpr,
     ROPE_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     SEARCH_STEPS: tl.constexpr, NUM_KV_TILES: tl.constexpr, RUNTIME_LOOP: tl.constexpr,
     DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr, EXACT_BF16: tl.constexpr, SPLIT_P: tl.constexpr,
+    FP8: tl.constexpr, MANTISSA: tl.constexpr, BIAS: tl.constexpr, HAS_INF: tl.constexpr,
+    SUBNORMAL_STEP: tl.constexpr,
 ):
     block_id = tl.program_id(0)
     head_block = tl.program_id(1)
@@ -107,16 +119,18 @@ def _mla_kernel(
             acc, m_i, l_i = _kv_tile(
                 tile, q_nope, q_rope, acc, m_i, l_i, q_pos, cache_ptr, page_row_ptr, kv_len, num_pages,
                 pages_per_seq, c_stride_page, c_stride_slot, sm_scale, PAGE_SIZE, LATENT, LATENT_PAD, ROPE,
-                ROPE_PAD, BLOCK_N, DOT_PRECISION, DOT_UPCAST, EXACT_BF16, SPLIT_P)
+                ROPE_PAD, BLOCK_N, DOT_PRECISION, DOT_UPCAST, EXACT_BF16, SPLIT_P, FP8, MANTISSA, BIAS, HAS_INF,
+                SUBNORMAL_STEP)
     else:
         for tile in range(NUM_KV_TILES):
             if tile < tile_hi:
                 acc, m_i, l_i = _kv_tile(
                     tile, q_nope, q_rope, acc, m_i, l_i, q_pos, cache_ptr, page_row_ptr, kv_len, num_pages,
                     pages_per_seq, c_stride_page, c_stride_slot, sm_scale, PAGE_SIZE, LATENT, LATENT_PAD, ROPE,
-                    ROPE_PAD, BLOCK_N, DOT_PRECISION, DOT_UPCAST, EXACT_BF16, SPLIT_P)
+                    ROPE_PAD, BLOCK_N, DOT_PRECISION, DOT_UPCAST, EXACT_BF16, SPLIT_P, FP8, MANTISSA, BIAS,
+                    HAS_INF, SUBNORMAL_STEP)
 
-    out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+    out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None] * out_scale
     o_row = out_ptr + token64 * o_stride_t + head64 * o_stride_h
     tl.store(o_row[:, None] + c[None, :], cast_out(out, out_ptr, EXACT_BF16),
              mask=row_ok[:, None] & (c < LATENT)[None, :])
@@ -138,7 +152,7 @@ def block_shape(num_tokens: int, max_seqs: int, heads: int, latent: int, itemsiz
 
 
 def ragged_paged_mla_attention(q_latent, latent_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *, kv_lora_rank,
-                               sm_scale=1.0):
+                               sm_scale=1.0, k_scale=None):
     """``[T, H, L]`` in q's dtype (see the module docstring); input validated by the op."""
     num_tokens, heads, width = q_latent.shape
     num_pages, page_size, _ = latent_pages.shape
@@ -149,6 +163,9 @@ def ragged_paged_mla_attention(q_latent, latent_pages, kv_lens, page_indices, cu
         return out
     if latent_pages.stride(-1) != 1 or latent_pages.stride(1) != width:
         latent_pages = latent_pages.contiguous()
+    fmt = fp8_kv_format(latent_pages.dtype)
+    if fmt is not None:
+        latent_pages = latent_pages.view(torch.uint8)
     if q_latent.stride(-1) != 1:
         q_latent = q_latent.contiguous()
     kv_lens, num_seqs = (a.to(torch.int32).contiguous() for a in (kv_lens, num_seqs))
@@ -160,7 +177,8 @@ def ragged_paged_mla_attention(q_latent, latent_pages, kv_lens, page_indices, cu
         q_latent, latent_pages, kv_lens, page_indices, cu_q_lens, num_seqs, out,
         q_latent.stride(0), q_latent.stride(1), out.stride(0), out.stride(1),
         latent_pages.stride(0), latent_pages.stride(1), page_indices.stride(0),
-        num_tokens, heads, max_seqs, num_pages, pages_per_seq, float(sm_scale),
+        num_tokens, heads, max_seqs, num_pages, pages_per_seq, float(sm_scale) * (1.0 if k_scale is None else k_scale),
+        1.0 if k_scale is None else float(k_scale),
         PAGE_SIZE=page_size, LATENT=latent, LATENT_PAD=max(triton.next_power_of_2(latent), 16), ROPE=rope,
         ROPE_PAD=max(triton.next_power_of_2(rope), 16), BLOCK_Q=block_q, BLOCK_H=block_h, BLOCK_N=block_n,
         SEARCH_STEPS=(max_seqs + 1).bit_length(), NUM_KV_TILES=triton.cdiv(pages_per_seq * page_size, block_n),
@@ -169,6 +187,8 @@ def ragged_paged_mla_attention(q_latent, latent_pages, kv_lens, page_indices, cu
         DOT_UPCAST=interpreting() and q_latent.dtype != torch.float32,
         EXACT_BF16=needs_exact_bf16(q_latent.dtype),
         SPLIT_P=q_latent.dtype != torch.float32,
+        FP8=fmt is not None, MANTISSA=fmt.mantissa_bits if fmt else 0, BIAS=fmt.exponent_bias if fmt else 0,
+        HAS_INF=fmt is not None and fmt.dtype == "float8_e5m2", SUBNORMAL_STEP=fmt.subnormal_step if fmt else 0.0,
         num_warps=num_warps,
     )
     return out

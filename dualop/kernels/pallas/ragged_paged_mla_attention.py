@@ -22,6 +22,12 @@ per block (offset 0). KV rows past ``kv_len`` are zeroed before use and score -i
 cache data never reaches the output; the rows of a block's other sequences keep their running
 state through a ``where`` (not a product with 0 weights), so a NaN in one sequence's cached rows
 stays in its own rows.
+
+A float8 cache (float8_e4m3fn, float8_e5m2) is copied as it is (one byte per element: the page
+buffers, DMAs and ``MlaBlocks.vmem_bytes`` follow the cache's dtype and its 32-row sublane tile)
+and each block cast to q's dtype in VMEM, exactly (every float8 value is a bfloat16 and float16
+value); ``k_scale`` (static) multiplies the float32 scores (folded into ``sm_scale``) and the
+output, exactly the products with the rows ``code * k_scale``.
 """
 
 from __future__ import annotations
@@ -52,16 +58,20 @@ class MlaBlocks:
     block_q: int
     pages_per_block: int
 
-    def vmem_bytes(self, *, heads: int, width: int, latent: int, page_size: int, dtype) -> int:
+    def vmem_bytes(self, *, heads: int, width: int, latent: int, page_size: int, dtype, cache_dtype=None) -> int:
         """Estimated VMEM of one step, padded to (sublane, 128-lane) tiles: q and output blocks
-        (double-buffered), two page buffers, the float32 accumulator, running max and sum, and the
-        float32 temporaries (scores, probabilities and their halves, the V slice)."""
+        (double-buffered), two page buffers (in ``cache_dtype``, None: q's), the float32 accumulator,
+        running max and sum, and the float32 temporaries (scores, probabilities and their halves,
+        the V slice; for an fp8 cache also the block cast to q's dtype)."""
         dtype = jnp.dtype(dtype)
+        cache_dtype = dtype if cache_dtype is None else jnp.dtype(cache_dtype)
         rows = self.block_q * heads
         tokens = self.pages_per_block * page_size
         d, lat, kv = _round_up(width, _LANES), _round_up(latent, _LANES), _round_up(tokens, _LANES)
         io = 2 * _round_up(rows, sublane_tile(dtype)) * (d + lat) * dtype.itemsize
-        pages = 2 * _round_up(tokens, sublane_tile(dtype)) * d * dtype.itemsize
+        pages = 2 * _round_up(tokens, sublane_tile(cache_dtype)) * d * cache_dtype.itemsize
+        if cache_dtype != dtype:
+            pages += _round_up(tokens, sublane_tile(dtype)) * d * dtype.itemsize
         state = _round_up(rows, 8) * (lat + 2 * _LANES) * 4
         temps = 4 * _round_up(rows, 8) * kv * 4 + 2 * _round_up(tokens, 8) * d * 4
         return io + pages + state + temps
@@ -73,22 +83,24 @@ def _rows_ok(block_q: int, heads: int, dtype, padded_tokens: int) -> bool:
 
 
 def choose_mla_blocks(tokens: int, heads: int, width: int, latent: int, page_size: int, pages_per_seq: int,
-                      dtype) -> MlaBlocks:
+                      dtype, cache_dtype=None) -> MlaBlocks:
     """The largest blocks near ``TARGET_ROWS`` rows and ``KV_BLOCK_TOKENS`` positions whose
     ``vmem_bytes`` fit ``step_vmem_ceiling()``: rows shrink first (keeping the block legal),
-    then KV pages. A page size off the sublane tile takes one page per block."""
+    then KV pages. A page size off the cache's sublane tile takes one page per block."""
+    cache_dtype = dtype if cache_dtype is None else cache_dtype
     tile = sublane_tile(dtype)
     step = tile // _gcd(heads, tile)  # block_q granularity that keeps block_q * H on the tile
     block_q = max(step, TARGET_ROWS // max(heads, 1) // step * step)
     if block_q >= tokens:
         block_q = max(tokens, 1)  # one block: its rows are the whole (padded) array
     pages = max(1, min(pages_per_seq, KV_BLOCK_TOKENS // page_size))
-    if page_size % tile:
+    if page_size % sublane_tile(cache_dtype):
         pages = 1
     ceiling = step_vmem_ceiling()
 
     def size(bq, pp):
-        return MlaBlocks(bq, pp).vmem_bytes(heads=heads, width=width, latent=latent, page_size=page_size, dtype=dtype)
+        return MlaBlocks(bq, pp).vmem_bytes(heads=heads, width=width, latent=latent, page_size=page_size, dtype=dtype,
+                                            cache_dtype=cache_dtype)
 
     while size(block_q, pages) > ceiling:
         if block_q > step:
@@ -109,7 +121,7 @@ def _gcd(a: int, b: int) -> int:
 def _kernel(kv_lens_ref, page_ids_ref, cu_q_lens_ref, num_seqs_ref,  # scalar prefetch (SMEM)
             q_ref, cache_hbm, o_ref,  # (block_q * H, D) and (block_q * H, L) blocks; the cache in HBM
             buf_a, buf_b, sems, m_ref, l_ref, acc_ref,
-            *, sm_scale, heads, latent, page_size, pages_per_block, pages_per_seq, num_pages, max_seqs):
+            *, sm_scale, out_scale, heads, latent, page_size, pages_per_block, pages_per_seq, num_pages, max_seqs):
     rows = q_ref.shape[0]
     block_q = rows // heads
     kv_tokens = pages_per_block * page_size
@@ -170,12 +182,14 @@ def _kernel(kv_lens_ref, page_ids_ref, cu_q_lens_ref, num_seqs_ref,  # scalar pr
     l = l_ref[:, :1]
     # l is 0 only for a row that saw no position (0 out); NaN stays NaN (``l > 0`` would zero it)
     out = acc_ref[...] / jnp.where(l == 0, 1.0, l)
+    if out_scale is not None:
+        out = out * out_scale
     o_ref[...] = jnp.where(l == 0, 0.0, out).astype(o_ref.dtype)
 
 
-@tpu_jit(static_argnames=("kv_lora_rank", "sm_scale", "blocks", "interpret"))
+@tpu_jit(static_argnames=("kv_lora_rank", "sm_scale", "k_scale", "blocks", "interpret"))
 def ragged_paged_mla_attention(q_latent, latent_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *, kv_lora_rank,
-                               sm_scale=1.0, blocks: MlaBlocks | None = None, interpret=False):
+                               sm_scale=1.0, k_scale=None, blocks: MlaBlocks | None = None, interpret=False):
     """``[T, H, L]`` in q's dtype (see the module docstring); ``blocks`` overrides ``choose_mla_blocks``."""
     tokens, heads, width = q_latent.shape
     num_pages, page_size, _ = latent_pages.shape
@@ -183,17 +197,19 @@ def ragged_paged_mla_attention(q_latent, latent_pages, kv_lens, page_indices, cu
     latent = kv_lora_rank
     if tokens == 0 or max_seqs == 0 or pages_per_seq == 0:
         return jnp.zeros((tokens, heads, latent), q_latent.dtype)
-    blocks = blocks or choose_mla_blocks(tokens, heads, width, latent, page_size, pages_per_seq, q_latent.dtype)
+    blocks = blocks or choose_mla_blocks(tokens, heads, width, latent, page_size, pages_per_seq, q_latent.dtype,
+                                         latent_pages.dtype)
     block_q = blocks.block_q
     padded = pl.cdiv(tokens, block_q) * block_q
     rows = block_q * heads
     q_rows = jnp.pad(q_latent, ((0, padded - tokens), (0, 0), (0, 0))).reshape(padded * heads, width)
     kernel = functools.partial(
-        _kernel, sm_scale=float(sm_scale), heads=heads, latent=latent, page_size=page_size,
+        _kernel, sm_scale=float(sm_scale) * (1.0 if k_scale is None else k_scale), out_scale=k_scale, heads=heads, latent=latent, page_size=page_size,
         pages_per_block=blocks.pages_per_block, pages_per_seq=pages_per_seq, num_pages=num_pages,
         max_seqs=max_seqs)
     kv_rows = blocks.pages_per_block * page_size
-    vmem = blocks.vmem_bytes(heads=heads, width=width, latent=latent, page_size=page_size, dtype=q_latent.dtype)
+    vmem = blocks.vmem_bytes(heads=heads, width=width, latent=latent, page_size=page_size, dtype=q_latent.dtype,
+                             cache_dtype=latent_pages.dtype)
     # An upper bound (the lengths are data): every row sees a whole sequence's pages, each page read once.
     cost = cost_model.ragged_paged_mla_attention_cost(
         tokens, min(num_pages, max_seqs * pages_per_seq) * page_size, tokens * pages_per_seq * page_size, heads,
