@@ -653,11 +653,6 @@ _QUANTIZED_CASES = (
 )
 
 
-# Where a quantized case runs the native body, by layout: the reason each kernel's supports() gives.
-_TPU_CELLS = (("jax", "tpu"), ("torch_xla", "tpu"), ("torchax", "tpu"))
-_QUANTIZED_NATIVE_CELLS = {
-    "awq": {cell: "AWQ's words along the output dim are not unpacked by this kernel" for cell in _TPU_CELLS},
-}
 
 _CPU_FP8_W8A8 = {("torch", "cpu"): "fp8 W8A8 (quantized activations) has no C++ CPU GEMM"}
 
@@ -712,8 +707,7 @@ def _quantized_cases(OpCase):
             weight = random_quantized_weight(quant, out, shape[-1], rng)
             return normal(shape, rng), weight, normal((out,), rng) if bias else None
 
-        native = {**_QUANTIZED_NATIVE_CELLS.get(quant.layout, {}),
-                  **(_CPU_FP8_W8A8 if quant.codes == "fp8" and quant.activations != "none" else {})}
+        native = _CPU_FP8_W8A8 if quant.codes == "fp8" and quant.activations != "none" else {}
         return OpCase(op_name, label, make_op, make_inputs, ((0, 256), (1, 256), (2, 3, 256)),
                       traits={"contraction", "not_differentiable", "untyped_inputs"},
                       kernel_in_native_cells={("jax", "cpu"): "forward_cpu"}, native_cells=native)

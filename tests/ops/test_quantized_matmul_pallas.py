@@ -1,9 +1,12 @@
 """The Pallas quantized GEMM (interpreted here) against the linear ops' reference ``_native_gemm``
 for every scheme it takes, in float32 and bfloat16: several K steps and ragged output blocks
 (tiles forced small), partial scale blocks (N, K off the block sizes), a packed K off whole words,
-token counts 0, 1, 5 and a ragged token block, 3-D x and a bias; the W8A8 activation codes bit for
-bit the native quantisation; what ``supports`` declines; the tiles chosen per TPU generation; and
-one real-compiler build (libtpu's compile-only v5e) at a serving shape."""
+AWQ words along N, token counts 0, 1, 5 and a ragged token block, 3-D x and a bias; bfloat16
+outputs near zero elementwise (the interpreter runs the TPU's bfloat16 operands, so a weight
+rounded to bfloat16 before its products fails there); fp8 W8A8 on fp8 operands (tpu7x's MXU);
+the W8A8 activation codes bit for bit the native quantisation; what ``supports`` declines; the
+tiles chosen per TPU generation; and real-compiler builds (libtpu's compile-only v5e and tpu7x) at
+a serving shape."""
 
 from __future__ import annotations
 
@@ -13,6 +16,7 @@ import numpy as np
 import pytest
 
 from dualop import testing
+from dualop.kernels import quant_math
 from dualop.kernels.pallas.common import compile_target, interpret_mode
 from dualop.kernels.pallas.quantized_matmul import (
     MatmulBlocks,
@@ -28,43 +32,43 @@ from dualop.ops.quantization import GroupShape, quantize_fp8_native
 from dualop.ops.quantized_weight import QuantizedWeight, WeightQuant, quantize_activations
 
 
-def _pack4(unsigned: np.ndarray, axis: int) -> np.ndarray:
-    """4-bit codes packed 8 to an int32 word along ``axis``, code j in bits 4j..4j+3 (zero-padded)."""
-    c = np.moveaxis(unsigned.astype(np.int64), axis, -1)
-    c = np.pad(c, [(0, 0)] * (c.ndim - 1) + [(0, (-c.shape[-1]) % 8)]).reshape(*c.shape[:-1], -1, 8)
-    words = sum(c[..., j] << (4 * j) for j in range(8))
-    return np.moveaxis(((words + 2**31) % 2**32 - 2**31).astype(np.int32), -1, axis)
-
-
 def _weight(quant: WeightQuant, n: int, k: int, seed: int) -> QuantizedWeight:
-    """Random codes over their whole range, scales keeping ``x @ W.T`` near unit size, zero points
-    and a static input scale where the scheme has them."""
+    """Random codes over their whole range, scales keeping ``x @ W.T`` near unit size (AWQ's in
+    float16, as its checkpoints ship them), zero points and a static input scale where the scheme
+    has them."""
     rng = np.random.default_rng(seed)
+    awq = quant.layout == "awq"
     if quant.codes == "fp8":  # small integers times powers of two: exact in e4m3
         values = rng.integers(-16, 17, (n, k)) * 2.0 ** rng.integers(-3, 5, (n, k))
         codes = jnp.asarray(values.astype(np.float32)).astype(jnp.float8_e4m3fn)
     elif quant.codes == "int8":
         codes = jnp.asarray(rng.integers(-128, 128, (n, k)).astype(np.int8))
+    elif awq:
+        codes = jnp.asarray(quant_math.pack_int32(rng.integers(0, 16, (k, n)), 4, 1, quant_math.AWQ_NIBBLE_OF))
     else:
-        codes = jnp.asarray(_pack4(rng.integers(0, 16, (n, k)), 1))
+        codes = jnp.asarray(quant_math.pack_int32(rng.integers(0, 16, (n, k)), 4, 1))
     unit = 1.0 / np.sqrt(k) / (4 if quant.codes == "int4" else 64)
-    scale = jnp.asarray(rng.uniform(0.5 * unit, 1.5 * unit, quant.scale_shape(n, k)).astype(np.float32))
-    zero = None if quant.symmetric else jnp.asarray(_pack4(rng.integers(0, 16, quant.scale_shape(n, k)), 0))
+    scale = rng.uniform(0.5 * unit, 1.5 * unit, quant.scale_shape(n, k)).astype(np.float16 if awq else np.float32)
+    zero = None
+    if not quant.symmetric:
+        unsigned = rng.integers(0, 16, quant.scale_shape(n, k))
+        zero = jnp.asarray(quant_math.pack_int32(unsigned, 4, 1, quant_math.AWQ_NIBBLE_OF) if awq
+                           else quant_math.pack_int32(unsigned, 4, 0))
     input_scale = jnp.asarray([0.02], jnp.float32) if quant.activations == "static" else None
-    return QuantizedWeight(quant, codes, scale, zero, input_scale, shape=(n, k))
+    return QuantizedWeight(quant, codes, jnp.asarray(scale), zero, input_scale, shape=(n, k))
 
 
-def _check(quant, n, k, x_shape, dtype, blocks=None, bias=True, seed=0):
+def _check(quant, n, k, x_shape, dtype, blocks=None, bias=True, seed=0, normwise=True, fp8_mxu=None):
     weight = _weight(quant, n, k, seed)
     rng = np.random.default_rng(seed + 1)
     x = jnp.asarray(rng.normal(0, 1, (*x_shape, k)).astype(np.float32)).astype(dtype)
     b = jnp.asarray(rng.normal(0, 1, (n,)).astype(np.float32)).astype(dtype) if bias else None
     got = quantized_matmul(x, weight.codes, weight.scale, weight.zero_point, weight.input_scale, b, quant=quant, n=n,
-                           k=k, interpret=interpret_mode("jax"), blocks=blocks)
+                           k=k, interpret=interpret_mode("jax"), blocks=blocks, fp8_mxu=fp8_mxu)
     want = _native_gemm(x, weight, b)
     assert got.shape == want.shape == (*x_shape, n) and got.dtype == x.dtype
     # sums of K products in another order: within the table relative to the largest output
-    result = testing.compare(np.asarray(got, np.float32), np.asarray(want, np.float32), dtype, normwise=True)
+    result = testing.compare(np.asarray(got, np.float32), np.asarray(want, np.float32), dtype, normwise=normwise)
     assert result.ok, (quant.describe(), result)
 
 
@@ -89,6 +93,12 @@ CASES = [
     ("int4_g32_zero", WeightQuant("int4", "group", group_size=32, symmetric=False, layout="packed"), 72, 256, None),
     ("int4_g64_odd_k", WeightQuant("int4", "group", group_size=64, layout="packed"), 40, 196, None),
     ("int4_channel_zero", WeightQuant("int4", "channel", symmetric=False, layout="packed"), 200, 196, SMALL),
+    # one K tile of 2056 packed columns, unpacked in blocks of 1024, 1024 and 8
+    ("int4_channel_long_k", WeightQuant("int4", "channel", layout="packed"), 40, 2052, None),
+    # AWQ: 1280 features are 160 words, one 128-word block (1024 features) and a ragged one
+    ("awq_g128", WeightQuant("int4", "group", group_size=128, symmetric=False, layout="awq"), 1280, 256,
+     MatmulBlocks(32, 512, 128)),
+    ("awq_g32_odd_k", WeightQuant("int4", "group", group_size=32, symmetric=False, layout="awq"), 72, 200, None),
 ]
 
 
@@ -99,9 +109,28 @@ def test_matches_native_gemm(label, quant, n, k, blocks, dtype):
     _check(quant, n, k, (2, 3), dtype, blocks, seed=len(label))
 
 
+# Outputs near zero (sums of products of both signs) in bfloat16: each element within 2 ulp, which
+# a weight rounded to bfloat16 before its products (dequantised in the compute dtype instead of
+# scaling float32 partial sums) misses. Interpret mode runs the same bfloat16 operands as a TPU.
+ELEMENTWISE = ["int4_g32_zero", "int4_channel_zero", "awq_g128", "awq_g32_odd_k", "fp8_block", "fp8_block_w8a8"]
+
+
+@pytest.mark.parametrize("label", ELEMENTWISE)
+def test_bfloat16_elementwise(label):
+    _, quant, n, k, blocks = next(c for c in CASES if c[0] == label)
+    _check(quant, n, k, (7,), "bfloat16", blocks, seed=len(label) + 7, normwise=False)
+
+
+@pytest.mark.parametrize("label", ["fp8_block_w8a8", "fp8_channel_w8a8", "fp8_tensor_static_w8a8"])
+def test_fp8_codes_on_an_fp8_mxu(label):
+    """fp8 W8A8 with both dot operands the fp8 codes themselves (tpu7x's fp8 MXU), elementwise."""
+    _, quant, n, k, blocks = next(c for c in CASES if c[0] == label)
+    _check(quant, n, k, (7,), "bfloat16", blocks, seed=3, normwise=False, fp8_mxu=True)
+
+
 @pytest.mark.parametrize("label, tokens", [("int8_w8a8_channel", 0), ("int8_w8a8_channel", 1),
                                            ("int8_w8a8_channel", 40), ("fp8_block_w8a8", 5), ("fp8_block_w8a8", 40),
-                                           ("int4_g128", 0), ("int4_g128", 1), ("int4_g128", 40)])
+                                           ("int4_g128", 0), ("int4_g128", 1), ("int4_g128", 40), ("awq_g128", 40)])
 def test_token_counts(label, tokens):
     """No tokens, one, a few, and 40 in 32-row blocks (the last one ragged); no bias."""
     _, quant, n, k, blocks = next(c for c in CASES if c[0] == label)
@@ -131,7 +160,7 @@ def test_activation_codes_are_the_native_quantisation():
 
 
 @pytest.mark.parametrize("quant, dtype, reason", [
-    (WeightQuant("int4", "group", group_size=64, symmetric=False, layout="awq"), "bfloat16", "AWQ"),
+    (WeightQuant("int4", "group", group_size=12, layout="packed"), "bfloat16", "int4 groups of 12"),
     (WeightQuant("int8", "group", group_size=64), "bfloat16", "groups of 64"),
     (WeightQuant("int8", "channel", layout="packed"), "bfloat16", "int8 codes packed"),
     (WeightQuant("int8", "channel", symmetric=False), "float32", "zero points on plain"),
@@ -152,37 +181,46 @@ def test_tiles_fit_each_generation(generation):
 
     schemes = [WeightQuant("fp8", "block", block=(128, 128), activations="dynamic"),
                WeightQuant("int8", "channel", activations="dynamic"),
-               WeightQuant("int4", "group", group_size=128, layout="packed")]
+               WeightQuant("int4", "group", group_size=128, layout="packed"),
+               WeightQuant("int4", "group", group_size=128, symmetric=False, layout="awq")]
     with compile_target(generation):
         budget = vmem_spec().scoped_default // 2
         for quant in schemes:
-            for m, k, n in ((16, 8192, 1280), (8192, 8192, 7168), (16, 3584, 8192), (1, 7168, 2112)):
+            for m, k, n in ((16, 8192, 1280), (8192, 8192, 7168), (1, 7168, 4608), (8192, 2304, 7168)):
                 b = matmul_blocks(m, n, k, quant, jnp.bfloat16)
                 assert b.tokens == m if m <= 128 else b.tokens == 512
                 assert b.out % 128 == 0 and k % b.depth == 0 and b.depth % 128 == 0
-                if quant.codes == "int4":  # whole 128-lane tiles of words, or all of K
+                if quant.layout == "packed":  # whole 128-lane tiles of words, or all of K
                     assert b.depth % 1024 == 0 or b.depth == k
+                if quant.layout == "awq":  # whole 128-lane tiles of words, or all of N
+                    assert b.out % 1024 == 0 or b.out == n
                 plan = _plan(quant)
                 x_bytes = 1 if plan.x_codes else 2
                 assert _step_vmem(b, plan, x_bytes, 2, -(-k // plan.group) if plan.group else 1) <= budget
 
 
 @pytest.mark.latest_only
-def test_compiles_for_v5e_at_a_serving_shape():
-    """The real TPU compiler (libtpu's compile-only v5e) accepts the fp8 block W8A8 kernel at a
-    decode shape of a 7168-wide model."""
+@pytest.mark.parametrize("generation, quant", [
+    ("v5e", WeightQuant("fp8", "block", block=(128, 128), activations="dynamic")),
+    ("tpu7x", WeightQuant("fp8", "block", block=(128, 128), activations="dynamic")),  # fp8 codes on the MXU
+    ("v5e", WeightQuant("int4", "group", group_size=128, symmetric=False, layout="awq")),
+], ids=["v5e-fp8_block_w8a8", "tpu7x-fp8_block_w8a8", "v5e-awq_g128"])
+def test_compiles_at_a_serving_shape(generation, quant):
+    """The real TPU compiler (libtpu's compile-only topologies) accepts the kernel at a decode shape
+    of a 7168-wide model, over several output and K blocks."""
     from dualop.aot.tpu import compile_function, quiet_native_stderr, tpu_available
     from dualop.spec import InputSpec
 
     missing = tpu_available()
     if missing is not None:
         pytest.skip(f"no TPU compiler in this environment: {missing}")
-    quant = WeightQuant("fp8", "block", block=(128, 128), activations="dynamic")
-    m, k, n = 16, 7168, 2112
-    specs = (InputSpec((m, k), "bfloat16"), InputSpec((n, k), "float8_e4m3fn"),
-             InputSpec(quant.scale_shape(n, k), "float32"), None, None, InputSpec((n,), "bfloat16"))
+    m, k, n = 16, 7168, 2112 if quant.layout != "awq" else 4608
+    zero = quant.zero_point_shape(n, k)
+    specs = (InputSpec((m, k), "bfloat16"), InputSpec(quant.codes_shape(n, k), quant.codes_dtype()),
+             InputSpec(quant.scale_shape(n, k), "float16" if quant.layout == "awq" else "float32"),
+             InputSpec(zero, "int32") if zero else None, None, InputSpec((n,), "bfloat16"))
     with quiet_native_stderr():
-        result = compile_function(lambda *a: quantized_matmul(*a, quant=quant, n=n, k=k), specs, "v5e")
+        result = compile_function(lambda *a: quantized_matmul(*a, quant=quant, n=n, k=k), specs, generation)
     assert result.status == "ok", result.message
     (kernel,) = result.kernels
     assert kernel["kernel"] == "dualop_quantized_matmul" and kernel["grid"][1] > 1 and kernel["grid"][2] > 1

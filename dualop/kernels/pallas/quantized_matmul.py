@@ -8,40 +8,55 @@ on the MXU into a ``[tm, tn]`` accumulator in VMEM scratch; the last input step 
 per-channel scales, adds the bias in float32 and casts once. Tiles: ``MatmulBlocks``, from a table by
 TPU generation and token count (``matmul_blocks``), narrowed to the shape and to VMEM.
 
-Schemes (``supports`` says which; everything else declines to the native body):
+Schemes (``supports`` says which; everything else declines to the native body). What enters the
+MXU is exact in its dtype (``_compute_dtype``): ``x`` (bfloat16, else float32) or its W8A8 codes,
+and the weight's codes (int4: code minus zero point, an integer of at most 4 bits), never a code
+times its scale. Scales weight float32 results instead: per-channel ones the accumulator in the
+epilogue, group and block ones each K group's partial sum (``[tm, tn]`` times one scale row), so no
+dequantised weight is rounded to bfloat16 (the reference dequantises in float32).
 
 - **W8A8** (``activations`` dynamic or static): ``x`` is quantized in the wrapper (``[M, K]`` is
   small) exactly as ``quantize_activations`` does (int8: ``max|x| / 127`` per token, round half to
   even, clip; fp8: ``quant_fp8_reference``, bit for bit the native ``quantize_fp8_native``, in
   groups of ``block[1]`` columns for block weights). The GEMM runs on the codes: int8 x int8 with
-  int32 accumulation, fp8 codes as bfloat16 (exact) with float32 accumulation (v5e and v6e have no
-  fp8 MXU), and ``x_scale * w_scale`` weights each partial sum of a scale block: per token and per
-  channel in the epilogue, per (token, K block) x (N block, K block) for block weights.
+  int32 accumulation; fp8 x fp8 with float32 accumulation, on tpu7x's fp8 MXU (its LLO shows
+  ``matmul_data_format<e4m3b>``), as bfloat16 (exact) on v5e and v6e. ``x_scale * w_scale``
+  weights each partial sum of a scale block: per token and per channel in the epilogue, per
+  (token, K block) x (N block, K block) for block weights.
 - **Weight-only fp8 / int8** (plain ``[N, K]`` codes; per tensor, per channel, groups or blocks):
-  the code tile is widened to the compute dtype (bfloat16 for bfloat16 ``x``, else float32: codes
-  are exact in both) and multiplied with ``x``; per-channel scales weight the accumulator in the
-  epilogue, group and block scales each K group's partial sum (``[tm, tn]`` times one scale row).
+  the code tile is widened to the compute dtype and multiplied with ``x``.
 - **int4 W4A16, ``packed``** (compressed-tensors: 8 codes per int32 word along K, stored + 8; group
   or channel scales, optional zero points packed along N): the word tile is transposed in VMEM to
-  ``[tk / 8, tn]``, its 8 nibbles are shifted and masked out, dequantised (``(code - zero) *
-  scale``, group scales and zeros broadcast along sublanes) to the compute dtype and stacked into a
-  ``[tk, tn]`` tile. Stacking nibble planes puts input column ``8 w + i`` of the tile at row ``i *
-  tk / 8 + w``; the wrapper permutes ``x``'s columns the same way, so no lane shuffle is needed.
+  ``[tk / 8, tn]``; for each K group (per channel: each 1024 columns) its 8 nibbles are masked and
+  shifted out, the zero point subtracted, and the planes stacked into a ``[g, tn]`` tile. Stacking
+  puts the group's input column ``8 w + i`` at row ``i * g / 8 + w``; the wrapper permutes ``x``'s
+  columns the same way within each group, so no lane shuffle is needed.
+- **int4 W4A16, ``awq``** (AWQ's GEMM layout: words ``[K, N / 8]`` along the output dim, nibble
+  order ``AWQ_NIBBLE_OF``, unsigned codes and zero points, scales ``[K / g, N]``): the word tile
+  ``[tk, tn / 8]`` is already K-major. Nibble plane ``j`` (output features ``8 w + j``) of each K
+  group, minus its zero points, is its own ``[tm, g] x [g, tn / 8]`` dot into plane ``j`` of an
+  ``[8, tm, tn / 8]`` accumulator. The kernel writes ``y`` as those planes (``[8, M, N / 8]``) and
+  the wrapper interleaves them back into ``[M, N]``: one more pass over the output, small next to
+  the weight at decode.
 
-Scales and zero points are reshaped in the wrapper into rows the kernel reads per output block:
-``[1, N]`` per channel (one value broadcast per tensor), ``[K / g, N]`` per K group (block scales
-repeated over their ``block[0]`` rows, packed zero points unpacked), float32. These are ``1 / g`` of
-the weight's elements; the weight itself is read once per token block, as stored.
+Scales and zero points are reshaped in the wrapper into float32 rows the kernel reads per output
+block: ``[1, N]`` per channel (one value broadcast per tensor), ``[K / g, N]`` per K group (block
+scales repeated over their ``block[0]`` rows, packed zero points unpacked), AWQ's as ``[8, K / g,
+N / 8]`` nibble planes (the bias too, ``[8, 1, N / 8]``). These are ``1 / g`` of the weight's
+elements; the weight itself is read once per token block, as stored.
 
 float16 ``x`` (Mosaic has no float16 vectors: "Invalid vector type for load" on v5e) enters and
-leaves the kernel as float32, cast once to float16 after it. Interpret mode (no TPU): XLA:CPU in jax
-0.7 has no bfloat16 x bfloat16 -> float32 dot, so operands are widened to float32 there (16-bit
-products are exact in float32: the same sums).
+leaves the kernel as float32, cast once to float16 after it. Interpret mode (no TPU) runs the
+operands a TPU does (bfloat16 and fp8 dots into float32 run on XLA:CPU in jax 0.7 and 0.10), so
+the tests see what a TPU rounds.
 
 Compiled here with libtpu's compile-only v5e, v6e and tpu7x (bfloat16 x; tokens x K x N of 16 x
-8192 x 1280, 8192 x 8192 x 7168, 16 x 3584 x 8192, 1 x 7168 x 2112) for every scheme above; float32
-and float16 x on v5e and tpu7x; ragged shapes (N 40 / 200 / 1000, K 196 / 200 / 1000) on v5e. Not run on
-a TPU.
+8192 x 1280, 8192 x 8192 x 7168, 1 x 7168 x 4608, 8192 x 2304 x 7168) for int4 groups of 128
+(symmetric, zero points), AWQ groups of 128, fp8 128x128 blocks (W8A8 and weight-only) and int8
+W8A8 per channel, plus fp8 W8A8 per channel and static per tensor on v6e and tpu7x; on v5e and
+tpu7x also int4 groups of 32 and per channel with zero points, AWQ groups of 32 and 64, and
+float32 and float16 x; ragged shapes (N 40 / 200 / 1000, K 196 / 200 / 1000 / 2052) on v5e. Not
+run on a TPU.
 """
 
 from __future__ import annotations
@@ -66,6 +81,9 @@ __all__ = ["quantized_matmul", "supports", "quantized_matmul_cost", "MatmulBlock
 _LANE = 128
 _INT8_MAX = 127.0
 _X_DTYPES = ("float32", "bfloat16", "float16")
+# Generations whose MXU multiplies float8_e4m3fn operands (fp8 W8A8 dots run on the codes there).
+_FP8_MXU_GENERATIONS = ("tpu7x",)
+_PACKED_ROW_BLOCK = 8 * _LANE  # input columns unpacked at a time for per-channel packed int4
 
 
 # ---------------------------------------------------------------------------------- the scheme
@@ -78,14 +96,15 @@ class _Plan:
     ``x_codes``: x enters as ``int8`` / ``fp8`` codes (W8A8) or ``None`` (as it is); ``x_scale``:
     ``row`` (one per token, epilogue), ``kblock`` (one per token and K group) or ``None``;
     ``w_scale``: ``row`` (one per output channel, epilogue) or ``kblock`` (one per K group and
-    channel); ``group``: input columns per K group; ``int4``: packed words; ``zero``: zero points
-    (``row`` or ``kblock``, as the scale)."""
+    channel); ``group``: input columns per K group; ``packing``: int4 words along ``k``
+    (compressed-tensors) or ``n`` (AWQ), else None; ``zero``: zero points (``row`` or ``kblock``,
+    as the scale)."""
 
     x_codes: str | None
     x_scale: str | None
     w_scale: str
     group: int | None
-    int4: bool
+    packing: str | None
     zero: str | None
 
     @property
@@ -103,7 +122,8 @@ def _plan(quant) -> _Plan:
         x_codes = quant.codes
         x_scale = "kblock" if quant.codes == "fp8" and quant.strategy == "block" else "row"
     zero = None if quant.symmetric else w_scale
-    return _Plan(x_codes, x_scale, w_scale, group, quant.codes == "int4", zero)
+    packing = {"packed": "k", "awq": "n"}.get(quant.layout) if quant.codes == "int4" else None
+    return _Plan(x_codes, x_scale, w_scale, group, packing, zero)
 
 
 def supports(quant, n: int, k: int, dtype_name: str) -> str | None:
@@ -111,8 +131,6 @@ def supports(quant, n: int, k: int, dtype_name: str) -> str | None:
     ``dtype_name``; else why not (one line)."""
     if dtype_name not in _X_DTYPES:
         return f"x of {dtype_name}: the kernel takes {', '.join(_X_DTYPES)}"
-    if quant.layout == "awq":
-        return "AWQ's words along the output dim are not unpacked by this kernel (only compressed-tensors' along K)"
     if quant.layout == "packed" and quant.codes != "int4":
         return f"{quant.codes} codes packed in int32 words: only int4 is unpacked by this kernel"
     if quant.layout == "plain" and not quant.symmetric:
@@ -121,9 +139,9 @@ def supports(quant, n: int, k: int, dtype_name: str) -> str | None:
         return "a static activation scale with per-group activation quantization has no definition here"
     plan = _plan(quant)
     if plan.group is not None and plan.group < k:
-        if plan.int4 and plan.group % 8:
+        if plan.packing == "k" and plan.group % 8:
             return f"int4 groups of {plan.group}: the kernel needs a multiple of 8 (whole words)"
-        if not plan.int4 and plan.group % _LANE:
+        if plan.packing is None and plan.group % _LANE:
             return (f"K groups of {plan.group} columns: the kernel scales partial sums of 128-lane-aligned groups "
                     "(a multiple of 128, or one group over all of K)")
     return None
@@ -146,7 +164,8 @@ class MatmulBlocks:
 # Decode is bound by the weight's bytes: deep, wide weight tiles (1-2 MiB a step) keep each step's
 # DMA long against the per-step overhead; prefill re-reads the weight once per token block, so tall
 # token blocks (512: about the MXU's ridge point on v5e) with the 256-wide MXUs of v6e and tpu7x
-# fed 1024-wide output tiles.
+# fed 1024-wide output tiles. AWQ tiles take a quarter of ``out`` as int32 words (each of a word's
+# 8 nibble planes is its own dot of that width: 128 lanes on v5e, 256 on v6e and tpu7x).
 _BLOCK_TABLE = {
     "v5e": (128, MatmulBlocks(128, 512, 2048), MatmulBlocks(512, 512, 1024)),
     "v6e": (128, MatmulBlocks(128, 1024, 2048), MatmulBlocks(512, 1024, 1024)),
@@ -162,10 +181,16 @@ def _pad(n: int, m: int) -> int:
 
 def _step_vmem(b: MatmulBlocks, plan: _Plan, x_bytes: int, out_bytes: int, n_groups: int) -> int:
     """Estimated VMEM of one grid step: double-buffered x, weight, scale rows and output tiles, the
-    accumulator, the widened weight tile and the float32 partial sums, padded to (8, 128) tiles."""
+    accumulator, the widened weight tile (int4: the transposed words and one K group's planes) and
+    the float32 partial sums, padded to (8, 128) tiles."""
     tm, tn, tk = _pad(b.tokens, 32), _pad(b.out, _LANE), _pad(b.depth, _LANE)
-    w_tile = tn * tk // 2 if plan.int4 else tn * tk
-    widened = tn * tk * (6 if plan.int4 else 4)  # int4: float32 planes and the stacked 16-bit tile
+    group = min(plan.group or (_PACKED_ROW_BLOCK if plan.packing == "k" else tk), tk)
+    if plan.packing == "k":
+        w_tile, widened = tn * tk // 2, tn * tk // 2 + group * tn * 10  # words.T; f32 planes, 16-bit tile
+    elif plan.packing == "n":
+        w_tile, widened = tn * tk // 2, group * tn // 8 * 10  # one nibble plane of one group
+    else:
+        w_tile, widened = tn * tk, tn * tk * 4
     rows = 2 * _pad(n_groups if plan.w_scale == "kblock" else 1, 8) * tn * 4 * (2 if plan.zero else 1)
     x_scale = 2 * tm * _pad(n_groups, _LANE) * 4 if plan.x_scale else 0
     return (2 * tm * tk * x_bytes + 2 * w_tile + widened + rows + x_scale + 2 * tm * tn * out_bytes
@@ -173,9 +198,9 @@ def _step_vmem(b: MatmulBlocks, plan: _Plan, x_bytes: int, out_bytes: int, n_gro
 
 
 def _depth_unit(plan: _Plan) -> int:
-    """Input columns a K tile is a multiple of: whole lanes of the weight tile (of words, for int4)
-    holding whole K groups."""
-    unit = 8 * _LANE if plan.int4 else _LANE
+    """Input columns a K tile is a multiple of: whole lanes of the weight tile (of words, for
+    packed int4) holding whole K groups."""
+    unit = 8 * _LANE if plan.packing == "k" else _LANE
     return unit * plan.group // math.gcd(unit, plan.group) if plan.group else unit
 
 
@@ -185,7 +210,7 @@ def _fit_depth(k: int, want: int, unit: int) -> int:
     return fits[-1] if fits else k
 
 
-def _fit_out(n: int, want: int) -> int:
+def _fit_lanes(n: int, want: int) -> int:
     """All of ``n`` below one lane tile; else the widest multiple of 128 up to ``want`` dividing
     ``n``, or (no divisor) the widest one up to ``n``: the ragged last block is masked."""
     if n <= _LANE:
@@ -193,6 +218,14 @@ def _fit_out(n: int, want: int) -> int:
     cands = list(range(_LANE, min(want, _pad(n, _LANE)) + 1, _LANE))
     dividing = [c for c in cands if n % c == 0]
     return dividing[-1] if dividing else max(c for c in cands if c <= n)
+
+
+def _fit_out(plan: _Plan, n: int, want: int) -> int:
+    """Output features of a tile: lanes of the output (AWQ: 8 per word lane, a quarter of ``want``
+    as words)."""
+    if plan.packing == "n":
+        return 8 * _fit_lanes(n // 8, max(_LANE, want // 4))
+    return _fit_lanes(n, want)
 
 
 def _fit_tokens(m: int, want: int) -> int:
@@ -205,8 +238,9 @@ def matmul_blocks(m: int, n: int, k: int, quant, x_dtype, blocks: MatmulBlocks |
     until a step's estimate fits half the generation's default scoped VMEM (``compiler_params``
     keeps twice the estimate as the limit: Mosaic's own temporaries come on top)."""
     plan = _plan(quant)
-    kp = _packed_k(k) if plan.int4 else k
+    kp = _packed_k(k) if plan.packing == "k" else k
     unit = _depth_unit(plan)
+    min_out = 8 * _LANE if plan.packing == "n" else _LANE
     if blocks is None:
         decode_max, decode, prefill = _BLOCK_TABLE.get(current_generation(), _DEFAULT_BLOCKS)
         blocks = decode if m <= decode_max else prefill
@@ -215,12 +249,12 @@ def matmul_blocks(m: int, n: int, k: int, quant, x_dtype, blocks: MatmulBlocks |
     n_groups = -(-kp // plan.group) if plan.group else 1
     want = blocks
     while True:
-        b = MatmulBlocks(_fit_tokens(m, want.tokens), _fit_out(n, want.out), _fit_depth(kp, want.depth, unit))
+        b = MatmulBlocks(_fit_tokens(m, want.tokens), _fit_out(plan, n, want.out), _fit_depth(kp, want.depth, unit))
         if _step_vmem(b, plan, x_bytes, out_bytes, n_groups) <= vmem_spec().scoped_default // 2:
             return b
         if want.depth // 2 >= unit and b.depth > unit:
             want = dataclasses.replace(want, depth=want.depth // 2)
-        elif want.out // 2 >= _LANE and b.out > _LANE:
+        elif want.out // 2 >= _LANE and b.out > min_out:
             want = dataclasses.replace(want, out=want.out // 2)
         elif want.tokens // 2 >= 32 and b.tokens > 32:
             want = dataclasses.replace(want, tokens=want.tokens // 2)
@@ -239,8 +273,8 @@ def _packed_k(k: int) -> int:
 def quantized_matmul_cost(tokens: int, n: int, k: int, quant, x_itemsize: int, has_bias: bool) -> KernelCost:
     """Read x, the codes, scales and zero points once and write y once (the weight as stored: one
     byte a code, half a byte for int4); ``2 M N K`` flops on the matrix unit, plus the scaling of
-    each K group's partial sums (group and block scales) and the dequantisation of int4 codes."""
-    code_bytes = n * _packed_k(k) // 2 if quant.codes == "int4" else n * k
+    each K group's partial sums (group and block scales) and the unpacking of int4 codes."""
+    code_bytes = math.prod(quant.codes_shape(n, k)) * 4 if quant.codes == "int4" else n * k
     scales = math.prod(quant.scale_shape(n, k))
     zeros = 0 if quant.symmetric else math.prod(quant.zero_point_shape(n, k))
     groups = -(-k // quant.group_size) if quant.strategy == "group" else -(-k // quant.block[1]) \
@@ -259,33 +293,36 @@ def _dot(a, b, *, transposed: bool, acc_dtype, precision):
     return jax.lax.dot_general(a, b, dims, precision=precision, preferred_element_type=acc_dtype)
 
 
-def _int4_tile(words, rows, zeros, *, plan: _Plan, depth: int, compute):
-    """Packed int4 ``words [tn, depth / 8]`` as the dequantised ``[depth, tn]`` tile in nibble-plane
-    order (row ``i * depth / 8 + w`` is input column ``8 w + i``). ``rows`` / ``zeros``: this
-    tile's group scales and zero points ``[groups, tn]`` (group scaling), or per channel ``[1, tn]``
-    zero points (the scale then waits for the epilogue)."""
-    planes_t = words.T  # [depth / 8, tn]: one lane per output feature
-    n_words = planes_t.shape[0]
+def _nibble(words, slot: int):
+    """Nibble ``slot`` of int32 ``words`` as int32 0..15: masked first, then shifted logically, so
+    the top nibble of a negative word comes out unsigned (``quant_math._codes``' order)."""
+    mask = ((15 << (4 * slot)) + 2**31) % 2**32 - 2**31  # as a signed int32
+    masked = words & mask
+    return jax.lax.shift_right_logical(masked, jnp.int32(4 * slot)) if slot else masked
+
+
+def _tile_groups(plan: _Plan, depth: int) -> list[tuple[int, int]]:
+    """``(first column, columns)`` of each K group a ``depth``-deep tile holds (the last one maybe
+    partial: only a tile spanning all of K ends off a group). Per-channel packed int4 tiles are
+    unpacked in blocks of 1024 columns (128 lanes of words) to bound the widened planes; other
+    per-channel tiles, and a group covering the tile, are one block."""
     if plan.w_scale == "kblock":
-        per = plan.group // 8  # words of a group in one nibble plane
-
-        def expand(r):
-            g = r.shape[0]
-            full = jnp.broadcast_to(r[:, None, :], (g, per, r.shape[1])).reshape(g * per, r.shape[1])
-            return full if g * per == n_words else full[:n_words]
-
-        scale, zero = expand(rows), (expand(zeros) if zeros is not None else None)
+        block = plan.group
     else:
-        scale, zero = None, zeros
+        block = _PACKED_ROW_BLOCK if plan.packing == "k" else depth
+    return [(s, min(block, depth - s)) for s in range(0, depth, block)]
+
+
+def _kpacked_block(words_t, zero, *, compute):
+    """Packed int4 words ``[size / 8, tn]`` (transposed: one lane per output feature) of one K
+    block as the ``[size, tn]`` tile of ``code - zero`` in nibble-plane order (row ``i * size / 8
+    + w`` is the block's input column ``8 w + i``): integers of at most 4 bits, exact in the
+    compute dtype. ``zero``: the block's zero points ``[1, tn]`` (signed, as the codes) or None."""
     planes = []
     for i in range(8):
-        code = (((planes_t >> (4 * i)) & 15) - 8).astype(jnp.float32)
-        if zero is not None:
-            code = code - zero
-        if scale is not None:
-            code = code * scale
-        planes.append(code.astype(compute))
-    return jnp.concatenate(planes, axis=0)
+        code = (_nibble(words_t, i) - 8).astype(jnp.float32)
+        planes.append(code if zero is None else code - zero)
+    return jnp.concatenate(planes, axis=0).astype(compute)
 
 
 def _kernel(*refs, plan: _Plan, depth: int, has_bias: bool, compute, precision, k_steps: int):
@@ -308,28 +345,44 @@ def _kernel(*refs, plan: _Plan, depth: int, has_bias: bool, compute, precision, 
     else:
         acc_dtype = jnp.float32
         x = x.astype(compute)
-    if plan.int4:
-        if plan.w_scale == "kblock":
-            n_groups = -(-depth // plan.group)
-            start = k * n_groups if k_steps > 1 else 0
-            rows = ws_ref[pl.ds(start, n_groups), :]
-            zeros = z_ref[pl.ds(start, n_groups), :] if plan.zero else None
-        else:
-            rows, zeros = None, (z_ref[...] if plan.zero else None)
-        w = _int4_tile(w_ref[...], rows, zeros, plan=plan, depth=depth, compute=compute)
-        acc_ref[...] += _dot(x, w, transposed=False, acc_dtype=acc_dtype, precision=precision)
+    dot = functools.partial(_dot, acc_dtype=acc_dtype, precision=precision)
+    groups = _tile_groups(plan, depth)
+
+    def group_row(s: int):
+        """This step's ``s``-th K group's row of the scales and zero points."""
+        return k * len(groups) + s if k_steps > 1 else s
+
+    if plan.packing == "k":
+        words_t = w_ref[...].T  # [depth / 8, tn]
+        total = acc_ref[...]
+        for s, (first, size) in enumerate(groups):
+            if plan.w_scale == "kblock":
+                zero = z_ref[pl.ds(group_row(s), 1), :] if plan.zero else None
+            else:
+                zero = z_ref[...] if plan.zero else None
+            tile = _kpacked_block(words_t[first // 8:(first + size) // 8], zero, compute=compute)
+            part = dot(x[:, first:first + size], tile, transposed=False)
+            if plan.w_scale == "kblock":
+                part = part * ws_ref[pl.ds(group_row(s), 1), :]
+            total = total + part
+        acc_ref[...] = total
+    elif plan.packing == "n":  # acc [8, tm, tw]: nibble plane j holds output features 8 w + j
+        for j, slot in enumerate(quant_math.AWQ_NIBBLE_OF):
+            total = acc_ref[j]
+            for s, (first, size) in enumerate(groups):
+                code = _nibble(w_ref[first:first + size, :], slot).astype(jnp.float32)
+                code = code - z_ref[j, pl.ds(group_row(s), 1), :]
+                part = dot(x[:, first:first + size], code.astype(compute), transposed=False)
+                total = total + part * ws_ref[j, pl.ds(group_row(s), 1), :]
+            acc_ref[j] = total
     elif plan.w_scale == "kblock":
         w = w_ref[...]
         w = w if plan.int_dot else w.astype(compute)
-        g = plan.group
-        n_groups = -(-depth // g)
         xs_all = xs_ref[...] if plan.x_scale == "kblock" else None
         total = acc_ref[...]
-        for s in range(n_groups):
-            cols = slice(s * g, min((s + 1) * g, depth))
-            part = _dot(x[:, cols], w[:, cols], transposed=True, acc_dtype=acc_dtype, precision=precision)
-            part = part.astype(jnp.float32)
-            row = k * n_groups + s if k_steps > 1 else s
+        for s, (first, size) in enumerate(groups):
+            part = dot(x[:, first:first + size], w[:, first:first + size], transposed=True).astype(jnp.float32)
+            row = group_row(s)
             part = part * ws_ref[pl.ds(row, 1), :]
             if xs_all is not None:  # this group's column of the (token, K group) scales
                 lane = jax.lax.broadcasted_iota(jnp.int32, xs_all.shape, 1)
@@ -339,10 +392,15 @@ def _kernel(*refs, plan: _Plan, depth: int, has_bias: bool, compute, precision, 
     else:
         w = w_ref[...]
         w = w if plan.int_dot else w.astype(compute)
-        acc_ref[...] += _dot(x, w, transposed=True, acc_dtype=acc_dtype, precision=precision)
+        acc_ref[...] += dot(x, w, transposed=True)
 
     @pl.when(k == k_steps - 1)
     def _epilogue():
+        if plan.packing == "n":  # group scales applied; the bias, its features in the planes' order
+            for j in range(8):
+                y = acc_ref[j] + (b_ref[j].astype(jnp.float32) if has_bias else 0.0)
+                o_ref[j] = y.astype(o_ref.dtype)
+            return
         y = acc_ref[...].astype(jnp.float32)
         if plan.w_scale == "row":
             y = y * ws_ref[...]
@@ -381,9 +439,13 @@ def _quantize_x(x2, input_scale, quant):
 
 def _scale_rows(scale, zero_point, quant, n: int, k: int):
     """Weight scales (and zero points) as float32 rows over the output features: ``[1, N]`` per
-    channel / tensor, ``[K groups, N]`` per group or block."""
+    channel / tensor, ``[K groups, N]`` per group or block; AWQ's as ``[8, K groups, N / 8]``
+    nibble planes (plane ``j``, lane ``w``: feature ``8 w + j``), zero points unsigned."""
     s = scale.astype(jnp.float32)
     zero = None
+    if quant.layout == "awq":
+        planes = lambda rows: rows.reshape(rows.shape[0], n // 8, 8).transpose(2, 0, 1)  # noqa: E731
+        return planes(s), planes(quant_math.unpack_awq(xp, zero_point).astype(jnp.float32))
     if quant.strategy == "tensor":
         rows = jnp.broadcast_to(s.reshape(1, 1), (1, n))
     elif quant.strategy == "channel":
@@ -397,20 +459,42 @@ def _scale_rows(scale, zero_point, quant, n: int, k: int):
     return rows, zero
 
 
-def _permute_nibble_planes(x2, depth: int):
-    """``x``'s columns in the order the int4 tile stacks its nibble planes (within each K tile of
-    ``depth`` columns, column ``8 w + i`` moves to ``i * depth / 8 + w``)."""
+def _permute_nibble_planes(x2, block: int):
+    """``x``'s columns in the order the packed int4 tile stacks its nibble planes: within each
+    ``block`` of columns (the last one maybe shorter, a whole number of words), column ``8 w + i``
+    moves to ``i * block / 8 + w``."""
     m, kp = x2.shape
-    return x2.reshape(m, kp // depth, depth // 8, 8).swapaxes(2, 3).reshape(m, kp)
+
+    def permute(part, size):
+        return part.reshape(m, -1, size // 8, 8).swapaxes(2, 3).reshape(m, -1)
+
+    whole = kp // block * block
+    parts = [permute(x2[:, :whole], block)] if whole else []
+    if whole < kp:
+        parts.append(permute(x2[:, whole:], kp - whole))
+    return parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=1)
 
 
-@tpu_jit(static_argnames=("quant", "n", "k", "interpret", "blocks"))
+def _compute_dtype(plan: _Plan, io_dtype, fp8_mxu: bool):
+    """The dtype both dot operands enter the MXU in: int8 for int8 W8A8; for fp8 W8A8 the fp8
+    codes themselves where the MXU takes them (``fp8_mxu``), else bfloat16 (exact); otherwise
+    ``x``'s, bfloat16 or float32 (every weight code, and int4 code minus zero point, is exact in
+    both)."""
+    if plan.int_dot:
+        return jnp.dtype(jnp.int8)
+    if plan.x_codes == "fp8":
+        return jnp.dtype(jnp.float8_e4m3fn if fp8_mxu else jnp.bfloat16)
+    return jnp.dtype(jnp.bfloat16 if io_dtype == jnp.bfloat16 else jnp.float32)
+
+
+@tpu_jit(static_argnames=("quant", "n", "k", "interpret", "blocks", "fp8_mxu"))
 def quantized_matmul(x, codes, scale, zero_point=None, input_scale=None, bias=None, *, quant, n: int, k: int,
-                     interpret=False, blocks: MatmulBlocks | None = None):
+                     interpret=False, blocks: MatmulBlocks | None = None, fp8_mxu: bool | None = None):
     """``x [..., K] @ W.T (+ bias)`` in ``x``'s dtype for the ``[n, k]`` weight ``W`` of scheme
     ``quant`` held as ``codes``, ``scale``, ``zero_point`` and ``input_scale`` (a
     ``QuantizedWeight``'s arrays). ``blocks``: the tile to use instead of the table's (tests force
-    several K steps and ragged output blocks with it)."""
+    several K steps and ragged output blocks with it); ``fp8_mxu``: fp8 W8A8 dots on the fp8
+    codes (default: on generations with an fp8 MXU, ``_FP8_MXU_GENERATIONS``)."""
     lead, dtype = x.shape[:-1], x.dtype
     x2 = x.reshape(-1, k)
     m = x2.shape[0]
@@ -428,14 +512,16 @@ def quantized_matmul(x, codes, scale, zero_point=None, input_scale=None, bias=No
         x_in, x_scale = _quantize_x(x2, input_scale, quant)
     else:
         x_in, x_scale = x2.astype(io_dtype), None
-    if plan.int4:
+    kp = k
+    if plan.packing == "k":
         kp = _packed_k(k)
         if kp != k:
             x_in = jnp.pad(x_in, ((0, 0), (0, kp - k)))
-        x_in = _permute_nibble_planes(x_in, tk)
+        x_in = _permute_nibble_planes(x_in, _tile_groups(plan, tk)[0][1])
         w_spec = pl.BlockSpec((tn, tk // 8), lambda i, j, kk: (j, kk))
+    elif plan.packing == "n":
+        w_spec = pl.BlockSpec((tk, tn // 8), lambda i, j, kk: (kk, j))
     else:
-        kp = k
         w_spec = pl.BlockSpec((tn, tk), lambda i, j, kk: (j, kk))
     k_steps = kp // tk
     operands += [x_in, codes]
@@ -444,23 +530,32 @@ def quantized_matmul(x, codes, scale, zero_point=None, input_scale=None, bias=No
         operands.append(x_scale)
         in_specs.append(pl.BlockSpec((tm, x_scale.shape[1]), lambda i, j, kk: (i, 0)))
     rows, zero = _scale_rows(scale, zero_point, quant, n, k)
-    row_spec = pl.BlockSpec((rows.shape[0], tn), lambda i, j, kk: (0, j))
+    if plan.packing == "n":
+        row_spec = pl.BlockSpec((8, rows.shape[1], tn // 8), lambda i, j, kk: (0, 0, j))
+    else:
+        row_spec = pl.BlockSpec((rows.shape[0], tn), lambda i, j, kk: (0, j))
     operands.append(rows)
     in_specs.append(row_spec)
     if zero is not None:
         operands.append(zero)
         in_specs.append(row_spec)
     if bias is not None:
-        operands.append(bias.reshape(1, n).astype(io_dtype))
-        in_specs.append(pl.BlockSpec((1, tn), lambda i, j, kk: (0, j)))
-
-    interpreting = interpret is not False
-    if plan.int_dot:
-        compute = jnp.int8
-    elif interpreting or io_dtype != jnp.bfloat16:
-        compute = jnp.float32
+        if plan.packing == "n":
+            operands.append(bias.astype(io_dtype).reshape(n // 8, 8).T.reshape(8, 1, n // 8))
+            in_specs.append(pl.BlockSpec((8, 1, tn // 8), lambda i, j, kk: (0, 0, j)))
+        else:
+            operands.append(bias.reshape(1, n).astype(io_dtype))
+            in_specs.append(pl.BlockSpec((1, tn), lambda i, j, kk: (0, j)))
+    if plan.packing == "n":  # the 8 nibble planes' outputs, interleaved back into features below
+        out_shape, out_spec = (8, m, n // 8), pl.BlockSpec((8, tm, tn // 8), lambda i, j, kk: (0, i, j))
+        grid, acc_shape = (pl.cdiv(m, tm), pl.cdiv(n // 8, tn // 8), k_steps), (8, tm, tn // 8)
     else:
-        compute = jnp.bfloat16
+        out_shape, out_spec = (m, n), pl.BlockSpec((tm, tn), lambda i, j, kk: (i, j))
+        grid, acc_shape = (pl.cdiv(m, tm), pl.cdiv(n, tn), k_steps), (tm, tn)
+
+    if fp8_mxu is None:
+        fp8_mxu = current_generation() in _FP8_MXU_GENERATIONS
+    compute = _compute_dtype(plan, io_dtype, fp8_mxu)
     precision = jax.lax.Precision.HIGHEST if compute == jnp.float32 else None
     n_groups = -(-kp // plan.group) if plan.group else 1
     vmem = _step_vmem(b, plan, 1 if plan.x_codes else io_dtype.itemsize, io_dtype.itemsize, n_groups)
@@ -469,14 +564,16 @@ def quantized_matmul(x, codes, scale, zero_point=None, input_scale=None, bias=No
                                precision=precision, k_steps=k_steps)
     out = pl.pallas_call(
         kernel,
-        grid=(pl.cdiv(m, tm), pl.cdiv(n, tn), k_steps),
+        grid=grid,
         in_specs=in_specs,
-        out_specs=pl.BlockSpec((tm, tn), lambda i, j, kk: (i, j)),
-        out_shape=jax.ShapeDtypeStruct((m, n), io_dtype),
-        scratch_shapes=[pltpu.VMEM((tm, tn), acc_dtype)],
+        out_specs=out_spec,
+        out_shape=jax.ShapeDtypeStruct(out_shape, io_dtype),
+        scratch_shapes=[pltpu.VMEM(acc_shape, acc_dtype)],
         compiler_params=compiler_params(3, vmem_bytes=vmem, semantics=("parallel", "parallel", "arbitrary")),
         cost_estimate=cost_estimate(quantized_matmul_cost(m, n, k, quant, dtype.itemsize, bias is not None)),
         interpret=interpret,
         name="dualop_quantized_matmul",
     )(*operands)
+    if plan.packing == "n":
+        out = out.transpose(1, 2, 0).reshape(m, n)
     return out.astype(dtype).reshape(*lead, n)
