@@ -313,8 +313,9 @@ def numpy_attention(q, k, v, meta, sm_scale):
 RPA_OPTIONS = dict(sm_scale=0.25, k_scale=K_SCALE, v_scale=V_SCALE)
 
 
-def _rpa(frontend, platform, method, q, cache, meta, q_dtype, cache_dtype):
-    op = RaggedPagedAttention()
+def _run_paged(op, options, frontend, platform, method, q, cache, meta, q_dtype, cache_dtype):
+    """``op(q, cache, *meta, **options)`` on ``frontend`` by ``method`` (checked to be what ran):
+    (the output as float32 numpy, the arguments)."""
     if frontend == "torch":
         args = (torch.from_numpy(q).to(getattr(torch, q_dtype)), torch_cache(cache, cache_dtype),
                 *(torch.from_numpy(a) for a in meta))
@@ -322,9 +323,14 @@ def _rpa(frontend, platform, method, q, cache, meta, q_dtype, cache_dtype):
         args = (jnp.asarray(q).astype(q_dtype), jax_cache(cache, cache_dtype), *(jnp.asarray(a) for a in meta))
     with override_platform(platform), set_config(OpsConfig(["all"] if method != "forward_native" else ["none"])):
         op.last_fallback = None
-        out = op(*args, **RPA_OPTIONS)
+        out = op(*args, **options)
         assert op.last_run(frontend, platform)[0] == method, op.last_fallback
     return testing.to_numpy(out), args
+
+
+def _rpa(frontend, platform, method, q, cache, meta, q_dtype, cache_dtype):
+    return _run_paged(RaggedPagedAttention(), RPA_OPTIONS, frontend, platform, method, q, cache, meta, q_dtype,
+                      cache_dtype)
 
 
 RPA_PATHS = [("torch", "cpu", "forward_cpu"), ("torch", "cuda", "forward_cuda"), ("torch", "cpu", "forward_native"),
@@ -412,17 +418,8 @@ def fp8_mla_batch(cache_dtype, *, heads=2, page_size=16, seed=0):
 def _mla(frontend, platform, method, q, cache, meta, q_dtype, cache_dtype):
     from dualop.ops import RaggedPagedMLAAttention
 
-    op = RaggedPagedMLAAttention(MLA_LATENT)
-    if frontend == "torch":
-        args = (torch.from_numpy(q).to(getattr(torch, q_dtype)), torch_cache(cache, cache_dtype),
-                *(torch.from_numpy(a) for a in meta))
-    else:
-        args = (jnp.asarray(q).astype(q_dtype), jax_cache(cache, cache_dtype), *(jnp.asarray(a) for a in meta))
-    with override_platform(platform), set_config(OpsConfig(["all"] if method != "forward_native" else ["none"])):
-        op.last_fallback = None
-        out = op(*args, sm_scale=0.2, k_scale=MLA_SCALE)
-        assert op.last_run(frontend, platform)[0] == method, op.last_fallback
-    return testing.to_numpy(out)
+    return _run_paged(RaggedPagedMLAAttention(MLA_LATENT), dict(sm_scale=0.2, k_scale=MLA_SCALE), frontend, platform,
+                      method, q, cache, meta, q_dtype, cache_dtype)[0]
 
 
 @pytest.mark.parametrize("q_dtype", ["float32", "bfloat16"])
