@@ -653,10 +653,6 @@ _QUANTIZED_CASES = (
 )
 
 
-
-_CPU_FP8_W8A8 = {("torch", "cpu"): "fp8 W8A8 (quantized activations) has no C++ CPU GEMM"}
-
-
 def random_quantized_weight(quant: WeightQuant, n: int, k: int, rng: Any) -> QuantizedWeight:
     """A ``QuantizedWeight`` of numpy arrays (``Pinned`` to their stored dtypes) for an ``[n, k]``
     weight of scheme ``quant``: codes over their whole range, scales that keep ``x @ w.T`` near
@@ -707,10 +703,9 @@ def _quantized_cases(OpCase):
             weight = random_quantized_weight(quant, out, shape[-1], rng)
             return normal(shape, rng), weight, normal((out,), rng) if bias else None
 
-        native = _CPU_FP8_W8A8 if quant.codes == "fp8" and quant.activations != "none" else {}
         return OpCase(op_name, label, make_op, make_inputs, ((0, 256), (1, 256), (2, 3, 256)),
                       traits={"contraction", "not_differentiable", "untyped_inputs"},
-                      kernel_in_native_cells={("jax", "cpu"): "forward_cpu"}, native_cells=native)
+                      kernel_in_native_cells={("jax", "cpu"): "forward_cpu"})
 
     return [case(*spec) for spec in _QUANTIZED_CASES]
 

@@ -336,3 +336,43 @@ def test_a_shard_that_would_split_a_scale_block_is_refused(tmp_path):
     plan = [params.linear("0.qkv", op, tuple((f"model.layers.0.self_attn.{x}_proj.weight", x) for x in "qkv"))]
     with pytest.raises(CheckpointError, match=r"k_proj: rank 0's output features \[0, 16\) at tp=2 split its fp8"):
         params.with_quantization(plan, read_quantization(Checkpoint(str(tmp_path))), 2)
+
+
+# --- the kernels in a whole model ---------------------------------------------------------------
+
+QUANTIZED_KERNEL_RUNS = {  # (frontend, platform): the linear ops' method there
+    ("torch", "cpu"): "forward_cpu",    # the C++ quantized GEMM
+    ("torch", "cuda"): "forward_cuda",  # Triton, in its interpreter
+    ("jax", "tpu"): "forward_tpu",      # Pallas, in interpret mode
+    ("jax", "cpu"): "forward_cpu",      # XLA's dots on the codes
+}
+
+
+@pytest.mark.parametrize("frontend, platform", list(QUANTIZED_KERNEL_RUNS))
+def test_quantized_kernels_in_a_model_give_the_native_tokens(tmp_path, frontend, platform):
+    """int4 groups with zero points (the linears) through each platform's quantized GEMM give the
+    tokens and, within float32 noise, the logits of the same checkpoint with every op native."""
+    from dualop import testing
+    from dualop.config import OpsConfig, set_config
+    from dualop.custom_op import clear_dispatch_report, dispatch_report
+    from dualop.platforms import override_platform
+
+    if (frontend, platform) == ("torch", "cuda") and testing.prepare_triton() is not None:
+        pytest.skip(f"Triton cannot run here: {testing.prepare_triton()}")
+    quantize, config = FORMATS["int4_group_zero_points"]
+    _float_llama(tmp_path)
+    _requantize(tmp_path, quantize, config)
+    serving = dict(frontend=frontend, dtype="float32", max_model_len=32, max_num_seqs=2, max_num_batched_tokens=16,
+                   page_size=4)
+    prompts = [PROMPT, PROMPT[::-1]]
+    with set_config(OpsConfig(custom_ops=["none"])):
+        native = dm.from_pretrained(str(tmp_path), **serving)
+        want, want_logits = native.generate(prompts, 4), np.asarray(native.logits(PROMPT), np.float64)
+    clear_dispatch_report()
+    with override_platform(platform):
+        model = dm.from_pretrained(str(tmp_path), **serving)
+        got, got_logits = model.generate(prompts, 4), np.asarray(model.logits(PROMPT), np.float64)
+    ran = {row["method"] for row in dispatch_report() if str(row["op"]).endswith("_linear")}
+    assert ran == {QUANTIZED_KERNEL_RUNS[(frontend, platform)]}, dispatch_report()
+    assert got == want
+    assert _normwise(got_logits, want_logits) < 1e-5

@@ -2,8 +2,8 @@
 (``dualop.ops.linear._native_gemm``: x quantized as the scheme's W8A8 GEMM does, the weight
 dequantised, float32 matmul) for every scheme it covers, in float32, bfloat16 and float16, on ragged
 shapes (no rows, one, five; N and K off the tiles and the scale groups; a bias; 3-D x), with few rows
-(codes decoded in registers) and more (decoded into a scratch tile); and ``supports`` declining what
-it does not cover."""
+(codes decoded in registers) and more (decoded into a scratch tile); fp8 W8A8's quantisation of x bit
+for bit against ``quant_fp8``'s native body; and ``supports`` declining what it does not cover."""
 
 from __future__ import annotations
 
@@ -70,6 +70,12 @@ def _weight(name: str, n: int, k: int, rng) -> QuantizedWeight:
         "w8a8_tensor_static": WeightQuant("int8", "tensor", activations="static"),
         "w8a8_block": WeightQuant("int8", "block", block=(32, 128), activations="dynamic"),
         "w8a8_packed_channel": WeightQuant("int8", "channel", layout="packed", activations="dynamic"),
+        "fp8_w8a8_block": WeightQuant("fp8", "block", block=(128, 128), activations="dynamic"),
+        "fp8_w8a8_block32": WeightQuant("fp8", "block", block=(32, 128), activations="dynamic"),
+        "fp8_w8a8_block48": WeightQuant("fp8", "block", block=(16, 48), activations="dynamic"),  # portable path
+        "fp8_w8a8_tensor_static": WeightQuant("fp8", "tensor", activations="static"),
+        "fp8_w8a8_tensor": WeightQuant("fp8", "tensor", activations="dynamic"),
+        "fp8_w8a8_channel": WeightQuant("fp8", "channel", activations="dynamic"),
     }[name]
     scale_dtype = (torch.float32, torch.bfloat16, torch.float16)[len(name) % 3]
     scale = _scales(rng, spec.scale_shape(n, k), scale_dtype)
@@ -125,6 +131,70 @@ def test_matches_the_native_gemm(scheme, dtype):
         _check(scheme, lead, n, k, dtype, bias)
 
 
+FP8_W8A8 = ["fp8_w8a8_block", "fp8_w8a8_block32", "fp8_w8a8_block48", "fp8_w8a8_tensor_static", "fp8_w8a8_tensor",
+            "fp8_w8a8_channel"]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("scheme", FP8_W8A8)
+def test_fp8_w8a8_matches_the_native_gemm(scheme, dtype):
+    # K a multiple of the blocks' 128 (48) columns (W8A8 quantizes x in them); N off the tiles and
+    # the blocks (a partial block row); no rows, decode rows (registers), more rows (scratch tiles)
+    k = 144 if scheme == "fp8_w8a8_block48" else 256
+    for lead, n, bias in (((0,), 40, True), ((1,), 40, True), ((5,), 200, False), ((2, 3), 24, True),
+                          ((17,), 72, True)):
+        _check(scheme, lead, n, k, dtype, bias)
+
+
+def test_fp8_w8a8_float16():
+    _check("fp8_w8a8_block", (3,), 48, 128, "float16", True)
+    _check("fp8_w8a8_channel", (3,), 48, 96, "float16", True)
+
+
+def _quantized_x_rows(m: int, k: int, rng) -> torch.Tensor:
+    """float32 rows that probe fp8 quantisation: magnitudes far apart per 128 columns, a row whose
+    scale is exactly 1 with ties of the e4m3 grid (normal and subnormal), a row of zeros."""
+    x = rng.normal(0, 1, (m, k)) * np.exp2(rng.integers(-20, 12, (m, _cdiv(k, 128))).repeat(128, 1)[:, :k])
+    x *= np.exp2(rng.integers(-14, 1, (m, k)))  # codes down into the subnormals
+    x[0, :8] = [448, 1.0625, 1.1875, -1.0625, 2.0**-10, 3 * 2.0**-10, -5 * 2.0**-10, 2.0**-11]
+    x[1] = 0.0
+    return torch.from_numpy(x.astype(np.float32))
+
+
+@pytest.mark.parametrize("m", [3, 17])
+@pytest.mark.parametrize("scheme, k", [("fp8_w8a8_block", 256), ("fp8_w8a8_block48", 96), ("fp8_w8a8_channel", 200),
+                                       ("fp8_w8a8_tensor", 200), ("fp8_w8a8_tensor_static", 200)])
+def test_fp8_w8a8_quantizes_x_as_quant_fp8(scheme, k, m):
+    """Through an identity weight (codes 1, scales 1) y is x's codes times their scale, each
+    rounded once as the reference rounds them: equal bit for bit to quantize_fp8_native's codes
+    and scales, per (row, block) where the blocks scale x. Dropping x's scale, or taking another
+    row's or block's, breaks it. A NaN makes its row NaN, as in the reference."""
+    from dualop.ops.quantization import GroupShape, quantize_fp8_native
+
+    rng = np.random.default_rng(2)
+    quant = _weight(scheme, k, k, rng).quant
+    codes = torch.eye(k).to(torch.float8_e4m3fn)
+    scale = torch.ones(quant.scale_shape(k, k))
+    input_scale = torch.tensor([0.03]) if quant.activations == "static" else None
+    x = _quantized_x_rows(m, k, rng)
+    if input_scale is not None:
+        x[0, 0] = 13.44  # clipped at 448 by the static scale
+    got = kernel.quantized_matmul(x, codes, scale, None, input_scale, quant=quant, n=k, k=k)
+    group = (GroupShape(1, quant.block[1]) if quant.strategy == "block" else
+             GroupShape.PER_TENSOR if quant.strategy == "tensor" else GroupShape.PER_TOKEN)
+    x_codes, x_scale = quantize_fp8_native(x, group, input_scale)
+    groups = x_scale.shape[-1] if quant.strategy == "block" else 1
+    want = (x_codes.float().reshape(m, groups, -1) * x_scale.reshape(-1, groups, 1)).reshape(m, k)
+    weight = QuantizedWeight(quant, codes, scale, None, input_scale, (k, k))
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    torch.testing.assert_close(got, _native_gemm(x, weight), rtol=0, atol=0)
+    assert not torch.equal(got, x_codes.float())  # the x scale is applied
+    x[2, 5] = float("nan")
+    got = kernel.quantized_matmul(x, codes, scale, None, input_scale, quant=quant, n=k, k=k)
+    assert got[2].isnan().all()
+    torch.testing.assert_close(got, _native_gemm(x, weight), rtol=0, atol=0, equal_nan=True)
+
+
 @pytest.mark.parametrize("scheme", ["int8_channel", "fp8_block", "int4_group64_zero", "awq_group64", "w8a8_block"])
 def test_float16_and_no_rows(scheme):
     _check(scheme, (3,), 48, 160, "float16", True)
@@ -144,15 +214,15 @@ def test_a_wrong_code_fails():
 
 
 @pytest.mark.parametrize("quant, dtype, match", [
-    (WeightQuant("fp8", "block", block=(128, 128), activations="dynamic"), "bfloat16", "fp8 W8A8"),
-    (WeightQuant("fp8", "tensor", activations="static"), "float32", "fp8 W8A8"),
+    (WeightQuant("fp8", "block", block=(128, 64), activations="dynamic"), "bfloat16", "do not split"),
     (WeightQuant("int8", "channel"), "int32", "x of int32"),
 ])
 def test_supports_declines_with_a_reason(quant, dtype, match):
-    why = kernel.supports(quant, 64, 128, dtype)
+    k = 96 if "split" in match else 128  # 96 columns: not whole 64-column groups of x
+    why = kernel.supports(quant, 64, k, dtype)
     assert why is not None and match in why
     if dtype not in _DTYPES:
         return
     with pytest.raises(NotImplementedError, match=match):
-        kernel.quantized_matmul(torch.ones(2, 128, dtype=_DTYPES[dtype]),
-                                torch.zeros(64, 128, dtype=torch.int8), torch.ones(64, 1), quant=quant, n=64, k=128)
+        kernel.quantized_matmul(torch.ones(2, k, dtype=_DTYPES[dtype]),
+                                torch.zeros(64, k, dtype=torch.int8), torch.ones(64, 1), quant=quant, n=64, k=k)

@@ -10,12 +10,18 @@ registers into exact bfloat16 numbers (int8 / int4 codes, e4m3 values), multipli
 bfloat16 x on AVX512-BF16 (float32 sums; float32 and float16 x: float32 FMAs) and scales each scale
 group's partial sum; zero points are taken off with the group's sum of x. int8 W8A8 quantizes x
 per row (or by the static scale) exactly as ``quantize_activations`` and multiplies the codes on
-AVX512-VNNI into int32. Hosts without those instructions (or group sizes not a multiple of 32) run
-the kernel's portable path: a weight row dequantised to float32 at a time.
+AVX512-VNNI into int32. fp8 W8A8 quantizes x to e4m3 codes as ``quant_fp8``'s native body does
+(per tensor, per row, or per row and block[1] columns for block weights), runs the codes (exact
+bfloat16 numbers, for any x dtype) on the weight-only tiles, and scales each scale block's partial
+sum by the weight's scale times x's. Hosts without those instructions (or group sizes not a
+multiple of 32) run the kernel's portable path: a weight row dequantised (W8A8: decoded) to float32
+at a time.
 
 Covered: weight-only int8 (tensor, channel, group, block; zero points except with blocks), fp8
 e4m3fn (tensor, channel, block), int4 / int8 ``packed`` (group, channel; zero points), int4 ``awq``;
-int8 W8A8 (tensor, channel, block; dynamic or static). Declined (``supports`` says why): fp8 W8A8.
+int8 W8A8 (tensor, channel, block; dynamic or static); fp8 W8A8 (tensor, channel, block; dynamic
+or static). Declined (``supports`` says why): x of other dtypes; fp8 block W8A8 whose K is not a
+multiple of block[1] (the op rejects it too); AWQ with N not a multiple of 8.
 """
 
 from __future__ import annotations
@@ -41,10 +47,17 @@ _C_QUANTIZED_LINEAR_W8A8 = c_function(
     "const DualopArray* input_scale, const DualopArray* bias, const DualopArray* out, int format, int64_t group_n, "
     "int64_t group_k, int threads)"
 )
+_C_QUANTIZED_LINEAR_FP8_W8A8 = c_function(
+    "int dualop_quantized_linear_fp8_w8a8(const DualopArray* x, const DualopArray* codes, const DualopArray* scale, "
+    "const DualopArray* input_scale, const DualopArray* bias, const DualopArray* out, int x_groups, int64_t group_n, "
+    "int64_t group_k, int threads)"
+)
 
 # csrc/quantized_linear.cc's code formats (rows of K) and zero-point storage kinds.
 _INT8, _FP8, _INT4_PACKED, _INT8_PACKED = 0, 1, 2, 3
 _NO_ZERO, _ZERO_INT8, _ZERO_INT32, _ZERO_PACKED4, _ZERO_PACKED8 = 0, 1, 2, 3, 4
+# fp8 W8A8's scales of x: one for the tensor, one per row, one per row and K-block.
+_X_PER_TENSOR, _X_PER_ROW, _X_PER_BLOCK = 0, 1, 2
 _FLOAT_DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -53,8 +66,8 @@ def supports(quant: Any, n: int, k: int, dtype_name: str) -> str | None:
     weight and x of ``dtype_name``, else why not."""
     if dtype_name not in _FLOAT_DTYPES:
         return f"x of {dtype_name}: the C++ GEMM takes float32, bfloat16 or float16 activations"
-    if quant.activations != "none" and quant.codes != "int8":
-        return f"{quant.codes} W8A8 (quantized activations) has no C++ CPU GEMM; weight-only fp8 and int8 W8A8 do"
+    if quant.codes == "fp8" and quant.activations != "none" and quant.strategy == "block" and k % quant.block[1]:
+        return f"{k} input features do not split into the {quant.block[1]}-column groups W8A8 quantizes x in"
     if quant.layout == "awq" and n % 8:
         return f"AWQ packs 8 output features a word; {n} is not a multiple of 8"
     return None
@@ -125,7 +138,15 @@ def quantized_matmul(x: Any, codes: Any, scale: Any, zero_point: Any = None, inp
             fmt, codes2 = (_INT4_PACKED if quant.bits == 4 else _INT8_PACKED), codes.contiguous()
         else:
             fmt, codes2 = (_FP8 if quant.codes == "fp8" else _INT8), _bytes(codes)
-        if quant.activations != "none":
+        if quant.activations != "none" and quant.codes == "fp8":
+            static = quant.activations == "static"
+            x_groups = (_X_PER_TENSOR if static or quant.strategy == "tensor" else
+                        _X_PER_BLOCK if quant.strategy == "block" else _X_PER_ROW)
+            status = _C_QUANTIZED_LINEAR_FP8_W8A8(
+                x=rows, codes=codes2, scale=scale2,
+                input_scale=input_scale.contiguous().reshape(1) if static else None, bias=bias, out=out,
+                x_groups=x_groups, group_n=group_n, group_k=group_k, threads=threads)
+        elif quant.activations != "none":
             status = _C_QUANTIZED_LINEAR_W8A8(
                 x=rows, codes=codes2, scale=scale2,
                 input_scale=None if input_scale is None else input_scale.contiguous().reshape(1), bias=bias, out=out,

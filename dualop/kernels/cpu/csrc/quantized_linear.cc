@@ -28,6 +28,12 @@
 // sum (one more vpdpbusd against ones). Each period's int32 sum is scaled in float32 by its weight
 // scale, and the row's by its x scale.
 //
+// dualop_quantized_linear_fp8_w8a8: float8_e4m3fn weights with fp8 activations: x quantized as
+// quant_fp8's native body does (one scale for the tensor, or per row, or per row and period of a
+// block weight; dynamic max(amax / 448, 1 / (448 * 512)) or the static one; codes rounded to e4m3,
+// ties to even). Its codes, exact in bfloat16, run on dualop_quantized_linear's tiles with the fp8
+// weight decoder, each period's partial sum scaled by the weight's scale times x's of the row.
+//
 // Everything else (a host without AVX-512 BF16 / VNNI, group sizes not a multiple of 32) runs a
 // portable path: a weight row dequantised to float32 (the definition's w = (q - z) * s) and dotted
 // with each row of x.
@@ -295,6 +301,116 @@ static void w8a8_portable(const Weight& w, const uint8_t* xq, const float* xs, i
   }
 }
 
+// ---- fp8 W8A8: x quantized to float8_e4m3fn as quant_fp8 does ------------------------------------------
+
+// How fp8 W8A8 scales x (the `x_groups` argument): one scale for the tensor (dynamic, or the static
+// input scale), one per row, or one per row and period of group_k columns (block weights).
+enum XGroups { kXPerTensor = 0, kXPerRow = 1, kXPerPeriod = 2 };
+
+constexpr float kFp8Max = 448.0f;
+constexpr float kFp8MinScale = 1.0f / (448.0f * 512.0f);  // the dynamic scale's floor
+
+// max(amax, |v|) as torch's amax folds it: a NaN, once seen, stays.
+DUALOP_INLINE float nan_max(float amax, float v) {
+  const float a = std::fabs(v);
+  return a > amax || a != a ? a : amax;
+}
+
+// y (clipped to [-448, 448], or NaN) rounded to the nearest float8_e4m3fn value, ties to even, as
+// float32: normal values keep 3 fraction bits, below 2^-6 the subnormals' spacing is 2^-9.
+DUALOP_INLINE float round_to_e4m3(float y) {
+  if (y != y) return NAN;
+  uint32_t b;
+  std::memcpy(&b, &y, sizeof b);
+  b = (b + 0x7ffffu + ((b >> 20) & 1u)) & 0xfff00000u;
+  float normal;
+  std::memcpy(&normal, &b, sizeof normal);
+  const float subnormal = std::nearbyint(y * 512.0f) * (1.0f / 512.0f);
+  return std::fabs(y) < 0x1p-6f ? subnormal : normal;
+}
+
+// x [m, k] quantized as quant_fp8's native body does: per group (the tensor, a row, or a row's
+// period of group_k columns, per x_groups) scale = max(amax / 448, 1 / (448 * 512)) (amax / 448
+// correctly rounded; a NaN in the group makes it NaN) or the static one, codes = e4m3(clip(x *
+// (1 / scale), -448, 448)). The codes go to q_bf16 (rows `stride` apart, zero-padded to it) or
+// q_f32 (rows of k), exact in either; the scales to xs [m, periods] (repeated over the periods one
+// spans).
+static void quantize_fp8_rows(const void* x, int32_t dtype, int64_t m, int64_t k, int x_groups,
+                              const float* static_scale, int64_t group_k, int64_t periods, bf16* q_bf16, float* q_f32,
+                              int64_t stride, float* xs, int threads) {
+  const int team = m * k >= parallel_min_elements ? threads : 1;
+  const int64_t span = x_groups == kXPerPeriod ? group_k : k;  // columns one dynamic scale covers in a row
+  if (!static_scale) {  // each group's max |x| into xs
+#pragma omp parallel for num_threads(team) schedule(static)
+    for (int64_t r = 0; r < m; ++r) {
+      for (int64_t p = 0, k0 = 0; k0 < k; ++p, k0 += span) {
+        float amax = 0.0f;
+        for (int64_t i = k0; i < std::min(k, k0 + span); ++i) amax = nan_max(amax, load_f32(x, dtype, r * k + i));
+        xs[r * periods + p] = amax;
+      }
+    }
+    if (x_groups == kXPerTensor) {
+      float amax = 0.0f;
+      for (int64_t r = 0; r < m; ++r) amax = nan_max(amax, xs[r * periods]);
+      for (int64_t r = 0; r < m; ++r) xs[r * periods] = amax;
+    }
+  }
+#pragma omp parallel for num_threads(team) schedule(static)
+  for (int64_t r = 0; r < m; ++r) {
+    float* sr = xs + r * periods;
+    if (static_scale) {
+      sr[0] = *static_scale;
+    } else {
+      for (int64_t p = 0; p < (x_groups == kXPerPeriod ? periods : 1); ++p) {
+        const float s = sr[p] / kFp8Max;
+        sr[p] = s < kFp8MinScale ? kFp8MinScale : s;  // NaN stays
+      }
+    }
+    if (x_groups != kXPerPeriod)
+      for (int64_t p = 1; p < periods; ++p) sr[p] = sr[0];
+    for (int64_t i = 0; i < k; ++i) {
+      const float inv = 1.0f / sr[x_groups == kXPerPeriod ? i / group_k : 0];
+      float y = load_f32(x, dtype, r * k + i) * inv;
+      y = y > kFp8Max ? kFp8Max : (y < -kFp8Max ? -kFp8Max : y);
+      const float code = round_to_e4m3(y);
+      if (q_f32) {
+        q_f32[r * k + i] = code;
+      } else {
+        uint32_t bits;
+        std::memcpy(&bits, &code, sizeof bits);
+        q_bf16[r * stride + i] = static_cast<bf16>(bits >> 16);  // exact: 4 significant bits
+      }
+    }
+    if (q_bf16)
+      for (int64_t i = k; i < stride; ++i) q_bf16[r * stride + i] = 0;
+  }
+}
+
+// fp8 W8A8, portable: x's codes (float32 [m, k]) times a weight row's codes, each period's sum
+// scaled by the weight's scale and x's.
+static void fp8_w8a8_portable(const Weight& w, const float* xq, const float* xs, int64_t m, const Output& out,
+                              int threads) {
+  const int64_t n = w.n, k = w.k, periods = w.periods();
+#pragma omp parallel num_threads(threads)
+  {
+    std::vector<float> row(static_cast<size_t>(k));
+    int64_t begin, end;
+    share(n, omp_get_thread_num(), omp_get_num_threads(), begin, end);
+    for (int64_t col = begin; col < end; ++col) {
+      for (int64_t i = 0; i < k; ++i) row[i] = w.code_at(col, i);
+      for (int64_t r = 0; r < m; ++r) {
+        float total = 0.0f;
+        for (int64_t p = 0; p < periods; ++p) {
+          float sum = 0.0f;
+          for (int64_t i = p * w.group_k; i < std::min(k, (p + 1) * w.group_k); ++i) sum += xq[r * k + i] * row[i];
+          total += sum * (w.scale_at(col, p) * xs[r * periods + p]);
+        }
+        out.put(r, col, total);
+      }
+    }
+  }
+}
+
 // A growing buffer per thread and slot (OpenMP's threads persist between calls, so no call maps
 // fresh pages). The calling thread is also thread 0 of the team: each use has its own slot.
 enum BufferSlot { kScaleSlot = 0, kZeroSlot, kXSumSlot, kXSlot, kScratchSlot, kSlots };
@@ -467,13 +583,14 @@ struct ScratchCodes {
 
 // The register tile: R rows of x by C weight rows, over all of K. Per period (a scale group, or all
 // of K when !kGrouped), acc = sum x * code, less z * (the period's sum of x) where there are zero
-// points, and total += acc * scale. x is bfloat16 (kF32X: float32, each 32 positions as the even
-// positions' 16 values then the odd ones', so that a decoded bfloat16 vector's two halves line up),
-// padded with zeros to whole 32s.
+// points, and total += acc * scale (times x's scale of the row and period where xscale is given:
+// W8A8, x its codes). x is bfloat16 (kF32X: float32, each 32 positions as the even positions' 16
+// values then the odd ones', so that a decoded bfloat16 vector's two halves line up), padded with
+// zeros to whole 32s.
 template <int R, int C, bool kGrouped, bool kF32X, class Src>
 QL_INLINE void register_tile(const Src& src, const uint8_t* const* rows, const void* x, int64_t x_stride, int64_t k,
-                             int64_t period, const float* sc, const float* zc, const float* xsum, int64_t periods,
-                             float (&res)[R][C]) {
+                             int64_t period, const float* sc, const float* zc, const float* xsum, const float* xscale,
+                             int64_t periods, float (&res)[R][C]) {
   __m512 acc[R][C];
   const bf16* xb = static_cast<const bf16*>(x);
   const float* xf = static_cast<const float*>(x);
@@ -511,7 +628,7 @@ QL_INLINE void register_tile(const Src& src, const uint8_t* const* rows, const v
   if constexpr (!kGrouped) {  // one period: no running total (its registers would spill the tile)
     period_sums(0, 0, k);
     for (int r = 0; r < R; ++r)
-      for (int c = 0; c < C; ++c) res[r][c] = hsum(acc[r][c]) * sc[c];
+      for (int c = 0; c < C; ++c) res[r][c] = hsum(acc[r][c]) * sc[c] * (xscale ? xscale[r * periods] : 1.0f);
   } else {
     __m512 total[R][C];
     for (int r = 0; r < R; ++r)
@@ -519,9 +636,11 @@ QL_INLINE void register_tile(const Src& src, const uint8_t* const* rows, const v
     int64_t p = 0;
     for (int64_t k0 = 0; k0 < k; k0 += period, ++p) {
       period_sums(p, k0, std::min(k, k0 + period));
-      for (int r = 0; r < R; ++r)
+      for (int r = 0; r < R; ++r) {
+        const float xs = xscale ? xscale[r * periods + p] : 1.0f;
         for (int c = 0; c < C; ++c)
-          total[r][c] = _mm512_fmadd_ps(acc[r][c], _mm512_set1_ps(sc[c * periods + p]), total[r][c]);
+          total[r][c] = _mm512_fmadd_ps(acc[r][c], _mm512_set1_ps(sc[c * periods + p] * xs), total[r][c]);
+      }
     }
     for (int r = 0; r < R; ++r)
       for (int c = 0; c < C; ++c) res[r][c] = hsum(total[r][c]);
@@ -545,6 +664,7 @@ struct TileArgs {
   const float* sc;
   const float* zc;
   const float* xsum;
+  const float* xscale;  // W8A8: x's scale per (row, period), [m, periods]; else null
   const Output* out;
 };
 
@@ -555,12 +675,13 @@ static void run_rows(const Src& src, const uint8_t* const* tile_rows, int64_t ti
   const size_t x_elem = kF32X ? sizeof(float) : sizeof(bf16);
   const void* x = static_cast<const char*>(a.x) + m0 * a.x_stride * x_elem;
   const float* xsum = a.xsum ? a.xsum + m0 * a.periods : nullptr;
+  const float* xscale = a.xscale ? a.xscale + m0 * a.periods : nullptr;
   for (int64_t c0 = 0; c0 < tile_cols_count; c0 += C) {
     const uint8_t* rows[C];
     for (int c = 0; c < C; ++c) rows[c] = tile_rows[std::min<int64_t>(c0 + c, tile_cols_count - 1)];
     float res[R][C];
     register_tile<R, C, kGrouped, kF32X>(src, rows, x, a.x_stride, a.k, a.period, a.sc + c0 * a.periods,
-                                          a.zc ? a.zc + c0 * a.periods : nullptr, xsum, a.periods, res);
+                                          a.zc ? a.zc + c0 * a.periods : nullptr, xsum, xscale, a.periods, res);
     for (int r = 0; r < R; ++r)
       for (int c = 0; c < C && c0 + c < tile_cols_count; ++c) a.out->put(m0 + r, tile_n0 + c0 + c, res[r][c]);
   }
@@ -607,10 +728,10 @@ static void prepare_x(const void* x, int32_t dtype, int64_t m, int64_t k, int64_
 
 // The rows-of-K weight-only GEMM on decoder Src: the threads split N into tiles of kScratchCols
 // columns; a tile runs on codes decoded in registers (few rows, bfloat16 x) or decoded once into the
-// thread's scratch.
+// thread's scratch. xscale: W8A8's x scales per (row, period) (x its codes), or null.
 template <bool kGrouped, bool kF32X, class Src>
-static void rows_fast(const Weight& w, const Src& src, const void* xp, int64_t kp, const float* xsum, int64_t m,
-                      const Output& out, int threads) {
+static void rows_fast(const Weight& w, const Src& src, const void* xp, int64_t kp, const float* xsum,
+                      const float* xscale, int64_t m, const Output& out, int threads) {
   const int64_t n = w.n, periods = w.periods();
   const bool direct = !kF32X && m <= kDirectMaxRows;
 #pragma omp parallel num_threads(threads)
@@ -618,7 +739,7 @@ static void rows_fast(const Weight& w, const Src& src, const void* xp, int64_t k
     float* sc = thread_buffer<float>(kScaleSlot, kScratchCols * periods);
     float* zc = w.zero_kind ? thread_buffer<float>(kZeroSlot, kScratchCols * periods) : nullptr;
     bf16* scratch = direct ? nullptr : thread_buffer<bf16>(kScratchSlot, kScratchCols * kp);
-    TileArgs a{xp, kp, w.k, w.group_k, periods, sc, zc, xsum, &out};
+    TileArgs a{xp, kp, w.k, w.group_k, periods, sc, zc, xsum, xscale, &out};
     int64_t begin, end;
     share(cdiv(n, kScratchCols), omp_get_thread_num(), omp_get_num_threads(), begin, end);
     for (int64_t tile = begin; tile < end; ++tile) {
@@ -1032,8 +1153,8 @@ void rows_fast_for(const Weight& w, const Src& src, const void* x, int32_t x_dty
   void* xp = f32 ? static_cast<void*>(thread_buffer<float>(kXSlot, m * kp)) : static_cast<void*>(thread_buffer<bf16>(kXSlot, m * kp));
   float* xsum = w.zero_kind ? thread_buffer<float>(kXSumSlot, m * periods) : nullptr;
   fast::prepare_x(x, x_dtype, m, w.k, kp, Src::kOrder, f32, xp, w.group_k, periods, xsum);
-  if (f32) fast::rows_fast<kGrouped, true>(w, src, xp, kp, xsum, m, out, threads);
-  else fast::rows_fast<kGrouped, false>(w, src, xp, kp, xsum, m, out, threads);
+  if (f32) fast::rows_fast<kGrouped, true>(w, src, xp, kp, xsum, nullptr, m, out, threads);
+  else fast::rows_fast<kGrouped, false>(w, src, xp, kp, xsum, nullptr, m, out, threads);
 }
 
 template <class Src>
@@ -1176,5 +1297,50 @@ extern "C" int dualop_quantized_linear_w8a8(const DualopArray* x, const DualopAr
   std::vector<uint8_t> xq(static_cast<size_t>(m * k));
   quantize_rows(x->data, x->dtype, m, k, given, xq.data(), k, 0, xs, threads);
   w8a8_portable(w, xq.data(), xs, m, o, threads);
+  return 0;
+}
+
+// fp8 W8A8: x [m, k] quantized to float8_e4m3fn by x_groups (0: one scale, input_scale's (one float
+// element) where given, else dynamic; 1: per row; 2: per row and group_k columns, as quant_fp8
+// does) and multiplied as its codes; codes [n, k] float8_e4m3fn bytes; scale [ceil(n / group_n),
+// ceil(k / group_k)] float; bias, out as for dualop_quantized_linear.
+extern "C" int dualop_quantized_linear_fp8_w8a8(const DualopArray* x, const DualopArray* codes,
+                                                const DualopArray* scale, const DualopArray* input_scale,
+                                                const DualopArray* bias, const DualopArray* out, int x_groups,
+                                                int64_t group_n, int64_t group_k, int threads) {
+  using namespace dualop;
+  using namespace dualop::qlinear;
+  int64_t m, k, n;
+  Output o;
+  Weight w;
+  if (!read_io(x, bias, out, m, k, n, o) || !read_codes(codes, kFp8, n, k, w) ||
+      !read_scale(scale, n, k, group_n, group_k, w))
+    return kBadArrays;
+  if (x_groups < kXPerTensor || x_groups > kXPerPeriod || (input_scale && x_groups != kXPerTensor)) return kBadArrays;
+  if (input_scale && (!is_float(input_scale->dtype) || element_count(input_scale) != 1)) return kBadArrays;
+  if (m == 0 || n == 0) return 0;
+  if (k == 0) {
+    write_bias_only(o, m);
+    return 0;
+  }
+  float static_scale = 0.0f;
+  if (input_scale) static_scale = load_f32(input_scale->data, input_scale->dtype, 0);
+  const float* given = input_scale ? &static_scale : nullptr;
+  threads = dualop_team_size(threads);
+  const int64_t periods = w.periods();
+  float* xs = thread_buffer<float>(kXSumSlot, static_cast<size_t>(m * periods));
+#ifdef DUALOP_QLINEAR_BF16
+  if (periods == 1 || group_k % 32 == 0) {  // x's codes as bfloat16 (whatever x's dtype) on the weight-only tiles
+    const int64_t kp = cdiv(k, 32) * 32;
+    bf16* xq = thread_buffer<bf16>(kXSlot, static_cast<size_t>(m * kp));
+    quantize_fp8_rows(x->data, x->dtype, m, k, x_groups, given, group_k, periods, xq, nullptr, kp, xs, threads);
+    if (periods > 1) fast::rows_fast<true, false>(w, fast::Fp8Codes{}, xq, kp, nullptr, xs, m, o, threads);
+    else fast::rows_fast<false, false>(w, fast::Fp8Codes{}, xq, kp, nullptr, xs, m, o, threads);
+    return 0;
+  }
+#endif
+  std::vector<float> xq(static_cast<size_t>(m * k));
+  quantize_fp8_rows(x->data, x->dtype, m, k, x_groups, given, group_k, periods, nullptr, xq.data(), k, xs, threads);
+  fp8_w8a8_portable(w, xq.data(), xs, m, o, threads);
   return 0;
 }
