@@ -1144,6 +1144,14 @@ void write_bias_only(const Output& o, int64_t m) {
     for (int64_t c = 0; c < o.n; ++c) o.put(r, c, 0.0f);
 }
 
+// True when an [m, k] x [k, n] call has nothing to multiply: no rows or columns, or k = 0 (the
+// output then holds the bias alone, written here).
+bool nothing_to_multiply(const Output& o, int64_t m, int64_t n, int64_t k) {
+  if (m == 0 || n == 0) return true;
+  if (k == 0) write_bias_only(o, m);
+  return k == 0;
+}
+
 #ifdef DUALOP_QLINEAR_BF16
 template <bool kGrouped, class Src>
 void rows_fast_for(const Weight& w, const Src& src, const void* x, int32_t x_dtype, int64_t m, const Output& out,
@@ -1185,11 +1193,7 @@ extern "C" int dualop_quantized_linear(const DualopArray* x, const DualopArray* 
   if (!read_io(x, bias, out, m, k, n, o) || !read_codes(codes, format, n, k, w) ||
       !read_scale(scale, n, k, group_n, group_k, w) || !read_zero(zero_point, zero_kind, w))
     return kBadArrays;
-  if (m == 0 || n == 0) return 0;
-  if (k == 0) {
-    write_bias_only(o, m);
-    return 0;
-  }
+  if (nothing_to_multiply(o, m, n, k)) return 0;
   threads = dualop_team_size(threads);
 #ifdef DUALOP_QLINEAR_BF16
   if (w.periods() == 1 || w.group_k % 32 == 0) {
@@ -1224,11 +1228,7 @@ extern "C" int dualop_quantized_linear_awq(const DualopArray* x, const DualopArr
   if (!scale || scale->ndim != 2 || !is_float(scale->dtype) || !is_row_major(scale) || scale->shape[0] != periods ||
       scale->shape[1] != n)
     return kBadArrays;
-  if (m == 0 || n == 0) return 0;
-  if (k == 0) {
-    write_bias_only(o, m);
-    return 0;
-  }
+  if (nothing_to_multiply(o, m, n, k)) return 0;
   Awq w{static_cast<const uint32_t*>(codes->data), static_cast<const uint32_t*>(zero_point->data), scale->data,
         scale->dtype, n, k, group_k};
   threads = dualop_team_size(threads);
@@ -1269,11 +1269,7 @@ extern "C" int dualop_quantized_linear_w8a8(const DualopArray* x, const DualopAr
       !read_scale(scale, n, k, group_n, group_k, w))
     return kBadArrays;
   if (input_scale && (!is_float(input_scale->dtype) || element_count(input_scale) != 1)) return kBadArrays;
-  if (m == 0 || n == 0) return 0;
-  if (k == 0) {
-    write_bias_only(o, m);
-    return 0;
-  }
+  if (nothing_to_multiply(o, m, n, k)) return 0;
   float static_scale = 0.0f;
   if (input_scale) static_scale = load_f32(input_scale->data, input_scale->dtype, 0);
   const float* given = input_scale ? &static_scale : nullptr;
@@ -1318,11 +1314,7 @@ extern "C" int dualop_quantized_linear_fp8_w8a8(const DualopArray* x, const Dual
     return kBadArrays;
   if (x_groups < kXPerTensor || x_groups > kXPerPeriod || (input_scale && x_groups != kXPerTensor)) return kBadArrays;
   if (input_scale && (!is_float(input_scale->dtype) || element_count(input_scale) != 1)) return kBadArrays;
-  if (m == 0 || n == 0) return 0;
-  if (k == 0) {
-    write_bias_only(o, m);
-    return 0;
-  }
+  if (nothing_to_multiply(o, m, n, k)) return 0;
   float static_scale = 0.0f;
   if (input_scale) static_scale = load_f32(input_scale->data, input_scale->dtype, 0);
   const float* given = input_scale ? &static_scale : nullptr;
