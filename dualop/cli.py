@@ -129,7 +129,7 @@ def cmd_report(args: argparse.Namespace) -> int:
                     method, reason = op.resolution(fe, platform)
                 else:
                     op.last_fallback = None
-                    op(*inputs)
+                    op(*inputs, **case.options)
                     method, reason = op.last_run(fe, platform)
             rows.append({
                 "op": case.op, "case": case.label, "frontend": fe, "platform": platform,

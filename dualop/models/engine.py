@@ -50,7 +50,7 @@ from dualop.models.checkpoint import Checkpoint
 from dualop.models.frontends import CacheSpec, Frontend
 from dualop.models.params import Param, with_quantization
 from dualop.models.quantized import read_quantization
-from dualop.kernels.kv_cache_math import KV_CACHE_DTYPES
+from dualop.ops.kv_cache import KV_CACHE_DTYPES
 
 __all__ = ["CausalLM", "ServingConfig", "StepStats"]
 

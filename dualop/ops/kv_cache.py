@@ -72,7 +72,7 @@ from dualop.ops._checks import (
 from dualop.platforms import family_of, frontend_of
 from dualop.spec import InputSpec, Serving
 
-__all__ = ["ReshapeAndCache", "last_writes"]
+__all__ = ["KV_CACHE_DTYPES", "ReshapeAndCache", "last_writes"]
 
 _PALLAS_RESHAPE_AND_CACHE = KernelRef("dualop.kernels.pallas.reshape_and_cache", "reshape_and_cache")
 _TRITON_RESHAPE_AND_CACHE = KernelRef("dualop.kernels.cuda.reshape_and_cache", "reshape_and_cache")
@@ -363,8 +363,11 @@ def cache_rows(xp: Any, key: Any, value: Any, kv_pages: Any, k_scale: Any, v_sca
 
 
 def _as_array(xp: Any, inverse: Any, like: Any) -> Any:
-    """An inverse scale as a float32 array of shape (1,) on ``like``'s device."""
-    return xp.asarray([inverse], like=like, dtype=xp.float32) if isinstance(inverse, float) else inverse
+    """An inverse scale as a float32 array of shape (1,) on ``like``'s device (made there, as zeros
+    plus the value: no host-to-device copy, which a traced or fake device tensor cannot take)."""
+    if not isinstance(inverse, float):
+        return inverse
+    return xp.zeros((1,), like=like, dtype=xp.float32) + inverse
 
 
 def check_cases():

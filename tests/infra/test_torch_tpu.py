@@ -62,7 +62,10 @@ def tpu_device():
 
 
 def _fake_tpu(a):
-    """A fake tensor on the tpu device with ``a``'s shape and dtype (non-tensors pass through)."""
+    """A fake tensor on the tpu device with ``a``'s shape and dtype (a structured input, such as a
+    quantized weight, each of its arrays; non-tensors pass through)."""
+    if hasattr(a, "map_arrays"):
+        return a.map_arrays(_fake_tpu)
     if not isinstance(a, torch.Tensor):
         return a
     return torch.empty(tuple(a.shape), dtype=a.dtype, device="tpu")
@@ -109,12 +112,12 @@ def test_every_op_case_reaches_a_registered_pallas_op_on_tpu_tensors(tpu_device,
         op = case.make_op(shape)
         for dtype in TRACE_DTYPES:
             cpu_inputs = [testing.to_frontend(a, "torch", dtype) for a in case.make_inputs(shape, rng)]
-            want = _structure(op.forward_native(*cpu_inputs))
+            want = _structure(op.forward_native(*cpu_inputs, **case.options))
             where = f"{case.label} {shape} {dtype}"
             with FakeTensorMode():
                 fake = [_fake_tpu(a) for a in cpu_inputs]
-                got = op(*fake)
-                gm = make_fx(lambda *a: op(*a))(*fake)
+                got = op(*fake, **case.options)
+                gm = make_fx(lambda *a: op(*a, **case.options))(*fake)
             assert _structure(got) == want, where
             outs = got if isinstance(got, (tuple, list)) else (got,)
             assert all(o.device.type == "tpu" for o in outs if o is not None), where
