@@ -334,6 +334,9 @@ TRAITS: dict[str, str] = {
     "packed_sequences": "the shape tuple is (tokens, sequences, widths...) of a packed serving batch",
     "mixer": "a whole Mamba mixer: its kernel ops have cells of their own, it interprets several Pallas kernels "
              "per shape",
+    "fp8_inputs": "an input in a float8 dtype (an fp8 KV cache): torch.library's opcheck cannot run the case (its "
+                  "schema test does arithmetic on every input, and torch has no float8 multiply on the CPU), so "
+                  "the opcheck sweep leaves it out; its library op is still checked against the eager call",
     "untyped_inputs": "an input a torch.library schema cannot type (a QuantizedWeight): inside torch.compile the "
                       "enabled op is refused at trace time naming the argument, and torch.library's opcheck does "
                       "not apply (the torch.library sweeps check that refusal instead)",

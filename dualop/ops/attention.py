@@ -633,4 +633,6 @@ def serving():
 
 # What the shared test sweeps know about these ops' check cases (``testing.with_notes``: keys are op
 # names or case labels; traits as ``dualop.testing.TRAITS`` defines them).
-CASE_NOTES = {"ragged_paged_attention": {"traits": {"structured_inputs"}}}
+CASE_NOTES = {"ragged_paged_attention": {"traits": {"structured_inputs"}},
+              **{f"ragged_paged_attention[{dtype},k_scale,v_scale]": {"traits": {"fp8_inputs"}}
+                 for dtype in ("float8_e4m3fn", "float8_e5m2")}}

@@ -72,7 +72,7 @@ from dualop.ops._checks import (
 from dualop.platforms import family_of, frontend_of
 from dualop.spec import InputSpec, Serving
 
-__all__ = ["KV_CACHE_DTYPES", "ReshapeAndCache", "last_writes"]
+__all__ = ["KV_CACHE_DTYPES", "ReshapeAndCache", "last_writes", "scales_as_tensors"]
 
 _PALLAS_RESHAPE_AND_CACHE = KernelRef("dualop.kernels.pallas.reshape_and_cache", "reshape_and_cache")
 _TRITON_RESHAPE_AND_CACHE = KernelRef("dualop.kernels.cuda.reshape_and_cache", "reshape_and_cache")
@@ -281,6 +281,11 @@ class ReshapeAndCache(CustomOp):
         remember_checked("slot_mapping", (slot_mapping,), (capacity, distinct))
         return distinct
 
+    def library_arguments(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """The schema types the scales as tensors: a Python number becomes a one-element float32
+        tensor on the key's device."""
+        return args, scales_as_tensors(kwargs, args[0] if args else kwargs.get("key"), ("k_scale", "v_scale"))
+
     def forward_native(self, key: Any, value: Any, kv_pages: Any, slot_mapping: Any, *, kv_cache_dtype: str = "auto",
                        k_scale: Any = None, v_scale: Any = None) -> Any:
         xp = array_namespace(kv_pages)
@@ -362,6 +367,19 @@ def cache_rows(xp: Any, key: Any, value: Any, kv_pages: Any, k_scale: Any, v_sca
                  for x, s in ((key, k_scale), (value, v_scale)))
 
 
+def scales_as_tensors(kwargs: dict, like: Any, names: tuple[str, ...]) -> dict:
+    """``kwargs`` with each scale in ``names`` given as a Python number made a one-element float32
+    tensor on ``like``'s device (the ``torch.library`` schema's form of an fp8 cache's scales)."""
+    out = dict(kwargs)
+    for name in names:
+        value = out.get(name)
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            import torch
+
+            out[name] = torch.full((1,), float(value), dtype=torch.float32, device=like.device)
+    return out
+
+
 def _as_array(xp: Any, inverse: Any, like: Any) -> Any:
     """An inverse scale as a float32 array of shape (1,) on ``like``'s device (made there, as zeros
     plus the value: no host-to-device copy, which a traced or fake device tensor cannot take)."""
@@ -431,4 +449,5 @@ def serving():
 
 # What the shared test sweeps know about these ops' check cases (``testing.with_notes``: keys are op
 # names or case labels; traits as ``dualop.testing.TRAITS`` defines them).
-CASE_NOTES = {"reshape_and_cache": {"traits": {"not_differentiable"}}}
+CASE_NOTES = {"reshape_and_cache": {"traits": {"not_differentiable"}},
+              **{f"reshape_and_cache[{name}]": {"traits": {"fp8_inputs"}} for name in ("fp8_e4m3", "fp8_e5m2")}}

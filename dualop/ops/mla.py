@@ -63,6 +63,7 @@ from dualop.ops.attention import (
 )
 from dualop.ops.kv_cache import (
     _CACHE_DTYPES, ReshapeAndCache, _as_array, _bytes, cache_rows, check_kv_scale, inverse_scale_operand, last_writes,
+    scales_as_tensors,
 )
 from dualop.ops.layernorm import RMSNorm
 from dualop.ops.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
@@ -263,6 +264,10 @@ class ConcatAndCacheMLA(CustomOp):
         check_writable_cache(op, "latent_pages", latent_pages)
         num_pages, page_size, _ = latent_pages.shape
         ReshapeAndCache._check_slot_mapping(op, slot_mapping, kv_c, fe, tokens, num_pages * page_size)
+
+    def library_arguments(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """The schema types the scale as a tensor (a Python number: one float32 element on kv_c's device)."""
+        return args, scales_as_tensors(kwargs, args[0] if args else kwargs.get("kv_c"), ("scale",))
 
     def forward_native(self, kv_c: Any, k_pe: Any, latent_pages: Any, slot_mapping: Any, *,
                        kv_cache_dtype: str = "auto", scale: Any = None) -> Any:
@@ -845,4 +850,6 @@ def serving():
 
 # What the shared test sweeps know about these ops' check cases (``testing.with_notes``: keys are op
 # names or case labels; traits as ``dualop.testing.TRAITS`` defines them).
-CASE_NOTES = {"concat_and_cache_mla": {"traits": {"case_shapes_only"}}}
+CASE_NOTES = {"concat_and_cache_mla": {"traits": {"case_shapes_only"}},
+              "concat_and_cache_mla[fp8]": {"traits": {"fp8_inputs", "not_differentiable"}},
+              "ragged_paged_mla_attention[float8_e4m3fn,k_scale]": {"traits": {"fp8_inputs"}}}

@@ -120,8 +120,8 @@ def test_cells_cover_zero_one_ragged_and_3d_shapes():
         assert any(math.prod(s) == 0 for s in shapes), case.label  # nothing to do: no launch
         assert any(math.prod(s[:-1]) == 1 for s in shapes), case.label  # a single token
         assert any(len(s) == 3 for s in shapes), case.label
-        if "group" not in case.label:  # fp8 group quantisation needs whole 128-lane groups
-            assert any(s[-1] % 128 for s in shapes), case.label
+        if "group" not in case.label and "block_w8a8" not in case.label:  # fp8 group quantisation (of x in a
+            assert any(s[-1] % 128 for s in shapes), case.label             # W8A8 GEMM too) needs whole 128-lane groups
 
 
 def test_a_call_time_decline_is_reported_by_the_cell(monkeypatch):
