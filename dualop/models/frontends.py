@@ -217,7 +217,7 @@ class JaxFrontend(Frontend):
 
         if split_dim is None or self.tp_size == 1:
             return PartitionSpec()
-        parts = [None] * (split_dim + 1)  # no trailing Nones: the spec also fits every leaf of a quantized weight
+        parts = [None] * ndim
         parts[split_dim] = self.axis
         return PartitionSpec(*parts)
 
@@ -253,7 +253,11 @@ class JaxFrontend(Frontend):
             key = tuple(sorted(batch))
             fn = compiled.get(key)
             if fn is None:
-                ndims = {name: value.ndim for name, value in params.items()}
+                from dualop.ops.quantized_weight import QuantizedWeight
+
+                # a quantized weight: every array split on its first dim, so a one-dim spec (their
+                # common prefix) serves all of them
+                ndims = {name: 1 if isinstance(value, QuantizedWeight) else value.ndim for name, value in params.items()}
                 fn = compiled[key] = self.sharded_step(step, param_splits, ndims, cache_specs, key)
             return fn(params, batch, caches)
 

@@ -851,5 +851,7 @@ def serving():
 # What the shared test sweeps know about these ops' check cases (``testing.with_notes``: keys are op
 # names or case labels; traits as ``dualop.testing.TRAITS`` defines them).
 CASE_NOTES = {"concat_and_cache_mla": {"traits": {"case_shapes_only"}},
+              # attention over a paged cache, as ragged_paged_attention's: left to tests/ops/test_mla.py
+              "ragged_paged_mla_attention": {"traits": {"structured_inputs"}},
               "concat_and_cache_mla[fp8]": {"traits": {"fp8_inputs", "not_differentiable"}},
               "ragged_paged_mla_attention[float8_e4m3fn,k_scale]": {"traits": {"fp8_inputs"}}}
