@@ -13,7 +13,9 @@
 // computed once per call. float32 x (float16 arrives as float32) takes the same codes widened to
 // float32 and float32 FMAs. Decode (few rows) streams each weight row once for all rows, decoding in
 // registers; more rows decode a column tile into a bfloat16 scratch once and run the row blocks
-// over it. The threads split N.
+// over it. The threads split N into tiles of kScratchCols weight rows; while a tile computes, the
+// next one is fetched into L2 (Prefetch: the hardware prefetchers do not follow the tile's short
+// runs of rows, and without it the loads wait on DRAM).
 //
 // dualop_quantized_linear_awq: AWQ's GEMM layout (codes and zero points packed along N, [K, N / 8]
 // words; scales [K / g, N]). Outer-product form: lanes are 16 words' worth of output columns, each
@@ -24,9 +26,9 @@
 // dualop_quantized_linear_w8a8: int8 weights with int8 activations (dynamic per-row scale
 // max|x| / 127, or a static input scale; codes rounded half to even and clipped to [-128, 127], as
 // quantize_activations does). The products are AVX512-VNNI's vpdpbusd (u8 x s8, int32 sums) on
-// x + 128; the 128 * sum(w) it adds is taken back per (column, period) from the same weights'
-// sum (one more vpdpbusd against ones). Each period's int32 sum is scaled in float32 by its weight
-// scale, and the row's by its x scale.
+// the weight's codes + 128 (as pack-quantized stores them) and x's codes; the 128 * sum(x) that adds
+// is taken back per (row, period). Each period's int32 sum is scaled in float32 by its weight scale,
+// and the row's by its x scale.
 //
 // dualop_quantized_linear_fp8_w8a8: float8_e4m3fn weights with fp8 activations: x quantized as
 // quant_fp8's native body does (one scale for the tensor, or per row, or per row and period of a
@@ -41,6 +43,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include <omp.h>
@@ -66,7 +69,7 @@ enum ZeroKind { kNoZero = 0, kZeroInt8 = 1, kZeroInt32 = 2, kZeroPacked4 = 3, kZ
 
 // Decode sizes: up to this many rows run on codes decoded in registers; more decode a column tile
 // into a scratch once (kScratchCols weight rows of K bfloat16).
-constexpr int64_t kDirectMaxRows = 4;
+constexpr int64_t kDirectMaxRows = 8;
 constexpr int64_t kScratchCols = 16;
 
 DUALOP_INLINE int64_t cdiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
@@ -241,12 +244,11 @@ static void awq_portable(const Awq& w, const float* xf, int64_t m, const Output&
 
 // ---- W8A8: x quantized per row (or by the static scale), int32 dot products --------------------------
 
-// x's rows as int8 codes (stored + offset: 0 for int8, 128 for the VNNI kernel's unsigned bytes;
-// rows `stride` apart, the rest of a row left as is) and their scales, as quantize_activations: scale
-// max|x| / 127 per row (1 for a row of zeros) or the static one; codes round(x / scale) half to even,
-// clipped to [-128, 127].
+// x's rows as int8 codes (rows `stride` apart, the rest of a row left as is) and their scales, as
+// quantize_activations: scale max|x| / 127 per row (1 for a row of zeros) or the static one; codes
+// round(x / scale) half to even, clipped to [-128, 127].
 static void quantize_rows(const void* x, int32_t dtype, int64_t m, int64_t k, const float* static_scale, uint8_t* q,
-                          int64_t stride, int offset, float* scales, int threads) {
+                          int64_t stride, float* scales, int threads) {
 #pragma omp parallel num_threads(m * k >= parallel_min_elements ? threads : 1)
   {
     std::vector<float> row(static_cast<size_t>(k));
@@ -267,7 +269,7 @@ static void quantize_rows(const void* x, int32_t dtype, int64_t m, int64_t k, co
       for (int64_t i = 0; i < k; ++i) {
         float v = std::nearbyint(row[i] / s);
         v = v != v ? 0.0f : std::min(127.0f, std::max(-128.0f, v));
-        qr[i] = static_cast<uint8_t>(static_cast<int>(v) + offset);
+        qr[i] = static_cast<uint8_t>(static_cast<int8_t>(v));
       }
     }
   }
@@ -581,6 +583,34 @@ struct ScratchCodes {
   QL_INLINE __m512i load_tail(const uint8_t* row, int64_t i, int64_t) const { return load(row, i); }
 };
 
+// The next tile's codes, fetched into L2 while this tile computes: a weight streamed from memory
+// is read in short runs (C rows of K at a time, a tile's rows in turn), which the hardware
+// prefetchers do not follow across rows and pages, so the loads would wait on DRAM. `lines` per
+// step spreads the range over the first pass of the tile.
+struct Prefetch {
+  const char* next = nullptr;
+  const char* end = nullptr;
+  int64_t lines = 0;
+  // spread what is left over `steps` steps
+  QL_INLINE void pace(int64_t steps) {
+    lines = next < end && steps > 0 ? cdiv((end - next + 63) / 64, steps) : 0;
+  }
+  QL_INLINE void step() {
+    for (int64_t j = 0; j < lines && next < end; ++j, next += 64) _mm_prefetch(next, _MM_HINT_T1);
+  }
+};
+
+// The codes of the tile after [n0, n0 + cols) in [n0, limit) columns (none past the thread's share).
+QL_INLINE Prefetch next_tile(const Weight& w, int64_t n0, int64_t cols, int64_t limit) {
+  Prefetch pf;
+  const int64_t b = n0 + cols, e = std::min(limit, b + kScratchCols);
+  if (b < e) {
+    pf.next = reinterpret_cast<const char*>(w.codes + b * w.row_bytes);
+    pf.end = reinterpret_cast<const char*>(w.codes + e * w.row_bytes);
+  }
+  return pf;
+}
+
 // The register tile: R rows of x by C weight rows, over all of K. Per period (a scale group, or all
 // of K when !kGrouped), acc = sum x * code, less z * (the period's sum of x) where there are zero
 // points, and total += acc * scale (times x's scale of the row and period where xscale is given:
@@ -590,11 +620,12 @@ struct ScratchCodes {
 template <int R, int C, bool kGrouped, bool kF32X, class Src>
 QL_INLINE void register_tile(const Src& src, const uint8_t* const* rows, const void* x, int64_t x_stride, int64_t k,
                              int64_t period, const float* sc, const float* zc, const float* xsum, const float* xscale,
-                             int64_t periods, float (&res)[R][C]) {
+                             int64_t periods, Prefetch& pf, float (&res)[R][C]) {
   __m512 acc[R][C];
   const bf16* xb = static_cast<const bf16*>(x);
   const float* xf = static_cast<const float*>(x);
   auto step = [&](int64_t i, int64_t len) __attribute__((always_inline)) {
+    pf.step();
     __m512i wv[C];
     for (int c = 0; c < C; ++c) wv[c] = len >= 32 ? src.load(rows[c], i) : src.load_tail(rows[c], i, len);
     if constexpr (kF32X) {
@@ -630,20 +661,32 @@ QL_INLINE void register_tile(const Src& src, const uint8_t* const* rows, const v
     for (int r = 0; r < R; ++r)
       for (int c = 0; c < C; ++c) res[r][c] = hsum(acc[r][c]) * sc[c] * (xscale ? xscale[r * periods] : 1.0f);
   } else {
-    __m512 total[R][C];
+    // the running totals stay in registers while they fit beside the accumulators; a larger tile
+    // keeps them in L1 (touched once a period)
+    constexpr bool kTotalsInMemory = 2 * R * C > 24;
+    __m512 total[kTotalsInMemory ? 1 : R][kTotalsInMemory ? 1 : C];
+    alignas(64) float stored[kTotalsInMemory ? R : 1][kTotalsInMemory ? C : 1][16];
     for (int r = 0; r < R; ++r)
-      for (int c = 0; c < C; ++c) total[r][c] = _mm512_setzero_ps();
+      for (int c = 0; c < C; ++c) {
+        if constexpr (kTotalsInMemory) _mm512_store_ps(stored[r][c], _mm512_setzero_ps());
+        else total[r][c] = _mm512_setzero_ps();
+      }
     int64_t p = 0;
     for (int64_t k0 = 0; k0 < k; k0 += period, ++p) {
       period_sums(p, k0, std::min(k, k0 + period));
       for (int r = 0; r < R; ++r) {
         const float xs = xscale ? xscale[r * periods + p] : 1.0f;
-        for (int c = 0; c < C; ++c)
-          total[r][c] = _mm512_fmadd_ps(acc[r][c], _mm512_set1_ps(sc[c * periods + p] * xs), total[r][c]);
+        for (int c = 0; c < C; ++c) {
+          const __m512 s = _mm512_set1_ps(sc[c * periods + p] * xs);
+          if constexpr (kTotalsInMemory)
+            _mm512_store_ps(stored[r][c], _mm512_fmadd_ps(acc[r][c], s, _mm512_load_ps(stored[r][c])));
+          else
+            total[r][c] = _mm512_fmadd_ps(acc[r][c], s, total[r][c]);
+        }
       }
     }
     for (int r = 0; r < R; ++r)
-      for (int c = 0; c < C; ++c) res[r][c] = hsum(total[r][c]);
+      for (int c = 0; c < C; ++c) res[r][c] = hsum(kTotalsInMemory ? _mm512_load_ps(stored[r][c]) : total[r][c]);
   }
 }
 
@@ -653,10 +696,11 @@ template <bool kGrouped, bool kF32X>
 constexpr int tile_cols(int rows) {
   if (rows == 1) return 8;
   if (rows == 2) return 4;
-  return kGrouped || kF32X ? 2 : 4;
+  if (rows <= 4) return kGrouped || kF32X ? 2 : 4;
+  return kF32X ? 1 : 2;  // 5-8 rows: codes decoded in registers serve every row
 }
 
-// One call of register_tile for `rows` rows (1-4) of x from row m0, on columns [c0, c0 + cols) of a
+// One call of register_tile for `rows` rows (1-8) of x from row m0, on columns [c0, c0 + cols) of a
 // column tile whose scales/zeros are sc/zc, writing the results.
 struct TileArgs {
   const void* x;
@@ -670,18 +714,19 @@ struct TileArgs {
 
 template <int R, bool kGrouped, bool kF32X, class Src>
 static void run_rows(const Src& src, const uint8_t* const* tile_rows, int64_t tile_n0, int64_t tile_cols_count,
-                     int64_t m0, const TileArgs& a) {
+                     int64_t m0, const TileArgs& a, Prefetch& pf) {
   constexpr int C = tile_cols<kGrouped, kF32X>(R);
   const size_t x_elem = kF32X ? sizeof(float) : sizeof(bf16);
   const void* x = static_cast<const char*>(a.x) + m0 * a.x_stride * x_elem;
   const float* xsum = a.xsum ? a.xsum + m0 * a.periods : nullptr;
   const float* xscale = a.xscale ? a.xscale + m0 * a.periods : nullptr;
+  pf.pace(cdiv(tile_cols_count, C) * cdiv(a.k, 32));
   for (int64_t c0 = 0; c0 < tile_cols_count; c0 += C) {
     const uint8_t* rows[C];
     for (int c = 0; c < C; ++c) rows[c] = tile_rows[std::min<int64_t>(c0 + c, tile_cols_count - 1)];
     float res[R][C];
     register_tile<R, C, kGrouped, kF32X>(src, rows, x, a.x_stride, a.k, a.period, a.sc + c0 * a.periods,
-                                          a.zc ? a.zc + c0 * a.periods : nullptr, xsum, xscale, a.periods, res);
+                                          a.zc ? a.zc + c0 * a.periods : nullptr, xsum, xscale, a.periods, pf, res);
     for (int r = 0; r < R; ++r)
       for (int c = 0; c < C && c0 + c < tile_cols_count; ++c) a.out->put(m0 + r, tile_n0 + c0 + c, res[r][c]);
   }
@@ -689,12 +734,16 @@ static void run_rows(const Src& src, const uint8_t* const* tile_rows, int64_t ti
 
 template <bool kGrouped, bool kF32X, class Src>
 static void run_row_block(int rows, const Src& src, const uint8_t* const* tile_rows, int64_t n0, int64_t cols,
-                          int64_t m0, const TileArgs& a) {
+                          int64_t m0, const TileArgs& a, Prefetch& pf) {
   switch (rows) {
-    case 1: run_rows<1, kGrouped, kF32X>(src, tile_rows, n0, cols, m0, a); break;
-    case 2: run_rows<2, kGrouped, kF32X>(src, tile_rows, n0, cols, m0, a); break;
-    case 3: run_rows<3, kGrouped, kF32X>(src, tile_rows, n0, cols, m0, a); break;
-    default: run_rows<4, kGrouped, kF32X>(src, tile_rows, n0, cols, m0, a); break;
+    case 1: run_rows<1, kGrouped, kF32X>(src, tile_rows, n0, cols, m0, a, pf); break;
+    case 2: run_rows<2, kGrouped, kF32X>(src, tile_rows, n0, cols, m0, a, pf); break;
+    case 3: run_rows<3, kGrouped, kF32X>(src, tile_rows, n0, cols, m0, a, pf); break;
+    case 4: run_rows<4, kGrouped, kF32X>(src, tile_rows, n0, cols, m0, a, pf); break;
+    case 5: run_rows<5, kGrouped, kF32X>(src, tile_rows, n0, cols, m0, a, pf); break;
+    case 6: run_rows<6, kGrouped, kF32X>(src, tile_rows, n0, cols, m0, a, pf); break;
+    case 7: run_rows<7, kGrouped, kF32X>(src, tile_rows, n0, cols, m0, a, pf); break;
+    default: run_rows<8, kGrouped, kF32X>(src, tile_rows, n0, cols, m0, a, pf); break;
   }
 }
 
@@ -747,8 +796,9 @@ static void rows_fast(const Weight& w, const Src& src, const void* xp, int64_t k
       tile_scales(w, n0, cols, Src::kFactor, sc, zc);
       const uint8_t* rows[kScratchCols];
       for (int64_t c = 0; c < cols; ++c) rows[c] = w.codes + (n0 + c) * w.row_bytes;
+      Prefetch pf = next_tile(w, n0, cols, std::min(n, end * kScratchCols));
       if (direct) {
-        run_row_block<kGrouped, kF32X>(static_cast<int>(m), src, rows, n0, cols, 0, a);
+        run_row_block<kGrouped, kF32X>(static_cast<int>(m), src, rows, n0, cols, 0, a, pf);
         continue;
       }
       const uint8_t* scratch_rows[kScratchCols];
@@ -760,9 +810,9 @@ static void rows_fast(const Weight& w, const Src& src, const void* xp, int64_t k
         }
         scratch_rows[c] = reinterpret_cast<const uint8_t*>(dst);
       }
-      for (int64_t m0 = 0; m0 < m; m0 += 4)
+      for (int64_t m0 = 0; m0 < m; m0 += 4)  // the first row block fetches the next tile
         run_row_block<kGrouped, kF32X>(static_cast<int>(std::min<int64_t>(4, m - m0)), ScratchCodes{}, scratch_rows,
-                                       n0, cols, m0, a);
+                                       n0, cols, m0, a, pf);
     }
   }
 }
@@ -952,90 +1002,97 @@ static void awq_fast(const Awq& w, const bf16* xp, int64_t kp2, const float* xsu
 
 QL_INLINE __mmask64 first_bytes64(int64_t len) { return len >= 64 ? ~__mmask64(0) : (__mmask64(1) << len) - 1; }
 
-// 64 weight codes of a row from K index i as signed bytes (packed int8: stored + 128); lanes past len 0.
+// 64 weight codes of a row from K index i as unsigned bytes, code + 128 (packed int8 is stored so);
+// lanes past len 0.
 template <bool kPacked>
-QL_INLINE __m512i int8_codes(const uint8_t* row, int64_t i, int64_t len) {
+QL_INLINE __m512i uint8_codes(const uint8_t* row, int64_t i, int64_t len) {
   const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
   if (len >= 64) {
     const __m512i v = _mm512_loadu_si512(row + i);
-    return kPacked ? _mm512_xor_si512(v, flip) : v;
+    return kPacked ? v : _mm512_xor_si512(v, flip);
   }
   const __mmask64 m = first_bytes64(len);
   const __m512i v = _mm512_maskz_loadu_epi8(m, row + i);
-  return kPacked ? _mm512_maskz_mov_epi8(m, _mm512_xor_si512(v, flip)) : v;
+  return kPacked ? v : _mm512_maskz_mov_epi8(m, _mm512_xor_si512(v, flip));
 }
 
 QL_INLINE int32_t hsum_epi32(__m512i v) { return _mm512_reduce_add_epi32(v); }
 
-// R rows of x (u8 = code + 128, zero-padded) by C weight rows over all of K: per period the int32
-// sum of (x + 128) * w less 128 * sum(w), scaled by the period's weight scale (kGrouped; else one
-// int32 sum over K, scaled once).
+// R rows of x (int8 codes, zero-padded) by C weight rows over all of K: per period the int32 sum of
+// (w + 128) * x less 128 * (the period's sum of x's codes, xsum), scaled by the period's weight scale
+// (kGrouped; else one int32 sum over K, scaled once).
 template <int R, int C, bool kGrouped, bool kPacked>
 QL_INLINE void w8a8_tile(const uint8_t* const* rows, const uint8_t* x, int64_t x_stride, int64_t k, int64_t period,
-                         const float* sc, int64_t periods, float (&res)[R][C]) {
-  const __m512i ones = _mm512_set1_epi8(1);
+                         const float* sc, int64_t periods, const int32_t* xsum, Prefetch& pf, float (&res)[R][C]) {
   __m512 total[R][C];
-  __m512i acc[R][C], wsum[C];
+  __m512i acc[R][C];
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) total[r][c] = _mm512_setzero_ps();
   const int64_t span = kGrouped ? period : k;
   int64_t p = 0;
   for (int64_t k0 = 0; k0 < k; k0 += span, ++p) {
     const int64_t k1 = std::min(k, k0 + span);
-    for (int c = 0; c < C; ++c) wsum[c] = _mm512_setzero_si512();
     for (int r = 0; r < R; ++r)
       for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_si512();
     for (int64_t i = k0; i < k1; i += 64) {
+      pf.step();
       __m512i wv[C];
-      for (int c = 0; c < C; ++c) {
-        wv[c] = int8_codes<kPacked>(rows[c], i, k1 - i);
-        wsum[c] = _mm512_dpbusd_epi32(wsum[c], ones, wv[c]);
-      }
+      for (int c = 0; c < C; ++c) wv[c] = uint8_codes<kPacked>(rows[c], i, k1 - i);
       for (int r = 0; r < R; ++r) {
         const __m512i a = _mm512_loadu_si512(x + r * x_stride + i);
-        for (int c = 0; c < C; ++c) acc[r][c] = _mm512_dpbusd_epi32(acc[r][c], a, wv[c]);
+        for (int c = 0; c < C; ++c) acc[r][c] = _mm512_dpbusd_epi32(acc[r][c], wv[c], a);
       }
     }
-    for (int r = 0; r < R; ++r)
+    for (int r = 0; r < R; ++r) {
+      const int32_t offset = 128 * xsum[r * periods + p];
       for (int c = 0; c < C; ++c) {
-        const __m512i exact = _mm512_sub_epi32(acc[r][c], _mm512_slli_epi32(wsum[c], 7));
         if constexpr (kGrouped) {
+          const __m512i exact = _mm512_mask_sub_epi32(acc[r][c], 1, acc[r][c], _mm512_set1_epi32(offset));
           total[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(exact), _mm512_set1_ps(sc[c * periods + p]), total[r][c]);
         } else {
-          res[r][c] = static_cast<float>(hsum_epi32(exact)) * sc[c * periods];
+          res[r][c] = static_cast<float>(hsum_epi32(acc[r][c]) - offset) * sc[c * periods];
         }
       }
+    }
   }
   if constexpr (kGrouped)
     for (int r = 0; r < R; ++r)
       for (int c = 0; c < C; ++c) res[r][c] = hsum(total[r][c]);
 }
 
+// Columns of a register tile of R rows: R * C int32 accumulators (and as many float32 totals when
+// grouped) within the 32 vector registers. Ungrouped weights take up to 8 rows a pass (a weight
+// vector serves 8 rows), grouped ones 4.
 template <bool kGrouped>
 constexpr int w8a8_cols(int rows) {
-  if (rows == 1) return kGrouped ? 4 : 8;
+  if (rows == 1) return 8;
   if (rows == 2) return 4;
-  return kGrouped ? 2 : 4;
+  if (rows <= 4) return kGrouped ? 2 : 4;
+  return 2;
 }
+template <bool kGrouped>
+constexpr int64_t kW8a8MaxRows = kGrouped ? 4 : 8;
 
 template <int R, bool kGrouped, bool kPacked>
 static void w8a8_rows(const uint8_t* const* tile_rows, int64_t n0, int64_t cols, int64_t m0, const uint8_t* xq,
-                      int64_t kp, const float* xs, int64_t k, int64_t period, const float* sc, int64_t periods,
-                      const Output& out) {
+                      int64_t kp, const float* xs, const int32_t* xsum, int64_t k, int64_t period, const float* sc,
+                      int64_t periods, const Output& out, Prefetch& pf) {
   constexpr int C = w8a8_cols<kGrouped>(R);
+  pf.pace(cdiv(cols, C) * cdiv(k, 64));
   for (int64_t c0 = 0; c0 < cols; c0 += C) {
     const uint8_t* rows[C];
     for (int c = 0; c < C; ++c) rows[c] = tile_rows[std::min<int64_t>(c0 + c, cols - 1)];
     float res[R][C];
-    w8a8_tile<R, C, kGrouped, kPacked>(rows, xq + m0 * kp, kp, k, period, sc + c0 * periods, periods, res);
+    w8a8_tile<R, C, kGrouped, kPacked>(rows, xq + m0 * kp, kp, k, period, sc + c0 * periods, periods,
+                                         xsum + m0 * periods, pf, res);
     for (int r = 0; r < R; ++r)
       for (int c = 0; c < C && c0 + c < cols; ++c) out.put(m0 + r, n0 + c0 + c, res[r][c] * xs[m0 + r]);
   }
 }
 
 template <bool kGrouped, bool kPacked>
-static void w8a8_fast(const Weight& w, const uint8_t* xq, int64_t kp, const float* xs, int64_t m, const Output& out,
-                      int threads) {
+static void w8a8_fast(const Weight& w, const uint8_t* xq, int64_t kp, const float* xs, const int32_t* xsum, int64_t m,
+                      const Output& out, int threads) {
   const int64_t n = w.n, periods = w.periods();
 #pragma omp parallel num_threads(threads)
   {
@@ -1047,12 +1104,27 @@ static void w8a8_fast(const Weight& w, const uint8_t* xq, int64_t kp, const floa
       tile_scales(w, n0, cols, 1.0f, sc, nullptr);
       const uint8_t* rows[kScratchCols];
       for (int64_t c = 0; c < cols; ++c) rows[c] = w.codes + (n0 + c) * w.row_bytes;
-      for (int64_t m0 = 0; m0 < m; m0 += 4) {
-        switch (std::min<int64_t>(4, m - m0)) {
-          case 1: w8a8_rows<1, kGrouped, kPacked>(rows, n0, cols, m0, xq, kp, xs, w.k, w.group_k, sc, periods, out); break;
-          case 2: w8a8_rows<2, kGrouped, kPacked>(rows, n0, cols, m0, xq, kp, xs, w.k, w.group_k, sc, periods, out); break;
-          case 3: w8a8_rows<3, kGrouped, kPacked>(rows, n0, cols, m0, xq, kp, xs, w.k, w.group_k, sc, periods, out); break;
-          default: w8a8_rows<4, kGrouped, kPacked>(rows, n0, cols, m0, xq, kp, xs, w.k, w.group_k, sc, periods, out); break;
+      Prefetch pf = next_tile(w, n0, cols, std::min(n, end * kScratchCols));  // during the first row block
+      for (int64_t m0 = 0; m0 < m; m0 += kW8a8MaxRows<kGrouped>) {
+        auto run = [&](auto rows_count) {
+          constexpr int R = decltype(rows_count)::value;
+          w8a8_rows<R, kGrouped, kPacked>(rows, n0, cols, m0, xq, kp, xs, xsum, w.k, w.group_k, sc, periods, out, pf);
+        };
+        const int64_t rows_now = std::min(kW8a8MaxRows<kGrouped>, m - m0);
+        switch (rows_now) {
+          case 1: run(std::integral_constant<int, 1>{}); break;
+          case 2: run(std::integral_constant<int, 2>{}); break;
+          case 3: run(std::integral_constant<int, 3>{}); break;
+          case 4: run(std::integral_constant<int, 4>{}); break;
+          default:
+            if constexpr (!kGrouped) {
+              switch (rows_now) {
+                case 5: run(std::integral_constant<int, 5>{}); break;
+                case 6: run(std::integral_constant<int, 6>{}); break;
+                case 7: run(std::integral_constant<int, 7>{}); break;
+                default: run(std::integral_constant<int, 8>{}); break;
+              }
+            }
         }
       }
     }
@@ -1277,21 +1349,29 @@ extern "C" int dualop_quantized_linear_w8a8(const DualopArray* x, const DualopAr
   float* xs = thread_buffer<float>(kXSumSlot, static_cast<size_t>(m));
 #ifdef DUALOP_QLINEAR_VNNI
   {
-    // x + 128 as bytes, rows padded (with code 0) past every 64-byte step a period may take
-    const int64_t kp = cdiv(k, 64) * 64 + 64;
+    // x's codes as signed bytes, rows padded with zeros past every 64-byte step a period may take,
+    // and each (row, period)'s sum of codes
+    const int64_t kp = cdiv(k, 64) * 64 + 64, periods = w.periods();
     uint8_t* xq = reinterpret_cast<uint8_t*>(thread_buffer<float>(kXSlot, static_cast<size_t>(m * kp / 4)));
-    std::memset(xq, 128, static_cast<size_t>(m * kp));
-    quantize_rows(x->data, x->dtype, m, k, given, xq, kp, 128, xs, threads);
-    const bool grouped = w.periods() > 1, packed = format == kInt8Packed;
-    if (grouped && packed) fast::w8a8_fast<true, true>(w, xq, kp, xs, m, o, threads);
-    else if (grouped) fast::w8a8_fast<true, false>(w, xq, kp, xs, m, o, threads);
-    else if (packed) fast::w8a8_fast<false, true>(w, xq, kp, xs, m, o, threads);
-    else fast::w8a8_fast<false, false>(w, xq, kp, xs, m, o, threads);
+    std::memset(xq, 0, static_cast<size_t>(m * kp));
+    quantize_rows(x->data, x->dtype, m, k, given, xq, kp, xs, threads);
+    int32_t* xsum = reinterpret_cast<int32_t*>(thread_buffer<float>(kZeroSlot, static_cast<size_t>(m * periods)));
+    for (int64_t r = 0; r < m; ++r)
+      for (int64_t p = 0; p < periods; ++p) {
+        int32_t sum = 0;
+        for (int64_t i = p * w.group_k; i < std::min(k, (p + 1) * w.group_k); ++i) sum += static_cast<int8_t>(xq[r * kp + i]);
+        xsum[r * periods + p] = sum;
+      }
+    const bool grouped = periods > 1, packed = format == kInt8Packed;
+    if (grouped && packed) fast::w8a8_fast<true, true>(w, xq, kp, xs, xsum, m, o, threads);
+    else if (grouped) fast::w8a8_fast<true, false>(w, xq, kp, xs, xsum, m, o, threads);
+    else if (packed) fast::w8a8_fast<false, true>(w, xq, kp, xs, xsum, m, o, threads);
+    else fast::w8a8_fast<false, false>(w, xq, kp, xs, xsum, m, o, threads);
     return 0;
   }
 #endif
   std::vector<uint8_t> xq(static_cast<size_t>(m * k));
-  quantize_rows(x->data, x->dtype, m, k, given, xq.data(), k, 0, xs, threads);
+  quantize_rows(x->data, x->dtype, m, k, given, xq.data(), k, xs, threads);
   w8a8_portable(w, xq.data(), xs, m, o, threads);
   return 0;
 }
