@@ -334,6 +334,15 @@ def cmd_bench(args: argparse.Namespace) -> int:
         roofline.check_device(args.device)
     if args.threads is not None and not 1 <= args.threads <= (os.cpu_count() or 1):
         raise ValueError(f"--threads: expected 1 to {os.cpu_count()} (this machine's CPUs), got {args.threads}")
+    if args.model is not None and args.decode is not None:
+        raise ValueError("--model and --decode: give one of them (a model against transformers, or checkpoints "
+                         "against the first)")
+    try:
+        batches = tuple(_positive_int(b) for b in _csv(args.batches))
+    except argparse.ArgumentTypeError as err:
+        raise ValueError(f"--batches: {err}") from None
+    if not batches:
+        raise ValueError(f"--batches: expected comma-separated positive ints, got {args.batches!r}")
     if args.list:
         return _print_lines(bench_cases.case_listing(ops, shapes))
 
@@ -374,6 +383,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     if args.model is not None:
         return _bench_model(args, frontends, dtypes)
+    if args.decode is not None:
+        return _bench_decode(args, frontends, dtypes, batches)
 
     records: list[dict[str, Any]] = []
     if not args.dispatch_only:
@@ -418,6 +429,21 @@ def _bench_model(args: argparse.Namespace, frontends: list[str], dtypes: list[st
         with open(args.json, "w") as fh:
             json.dump(records, fh, indent=2)
     print(format_model_bench(records))
+    return 0
+
+
+def _bench_decode(args: argparse.Namespace, frontends: list[str], dtypes: list[str], batches: tuple[int, ...]) -> int:
+    """``dualop bench --decode PATH [PATH ...]``: the decode step of each checkpoint against the first."""
+    from dualop.bench.model import bench_decode, format_decode_bench
+
+    frontend = frontends[0] if args.frontends else "torch"
+    dtype = dtypes[0] if args.dtypes else "bfloat16"
+    records = bench_decode(args.decode, frontend, dtype, batches, rounds=args.rounds, warmup=args.warmup,
+                           progress=not args.no_progress)
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(records, fh, indent=2)
+    print(format_decode_bench(records))
     return 0
 
 
@@ -619,6 +645,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="time a whole model's prefill and decode steps, dualop (both frontends) against "
                         "transformers' forward: PATH a local checkpoint (default: a tiny random Llama)")
     s.add_argument("--batch", type=int, default=8, help="with --model: sequences per step (default 8)")
+    s.add_argument("--decode", nargs="+", metavar="PATH",
+                   help="time the decode step of these checkpoints of one model against the first (a float "
+                        "checkpoint, then its quantized forms), interleaved; one frontend (--frontends, default "
+                        "torch) and dtype (--dtypes, default bfloat16)")
+    s.add_argument("--batches", default="1,4,8", help="with --decode: comma-separated sequences per step "
+                                                      "(default 1,4,8)")
     s.add_argument("--threads", type=int, help="torch's CPU threads (torch.set_num_threads; dualop's C++ CPU kernels "
                                                "and vLLM's use them too) for the whole run (default: torch's own)")
     s.add_argument("--device", help="tpu-v5e, tpu-v6e or h100: with --roofline-only, the device to predict "

@@ -18,6 +18,11 @@ generations of ``batch`` prompts of ``prompt_len`` tokens and ``new_tokens`` new
 ``generate``, dualop's engine (``generate``) and vLLM's ``LLM.generate`` in eager and compiled mode
 (its own kernels: the dualop plugin is filtered out with ``VLLM_PLUGINS`` unless the caller set it),
 end-of-sequence ignored by all, with each one's tokens compared to transformers'.
+
+``dualop bench --decode PATH [PATH ...]`` (``bench_decode``) times the decode step of several
+checkpoints of one model against the first, interleaved in one run: a float checkpoint and its
+quantized forms (``docs/quantization.md``), at a few batch sizes. Each is loaded by
+``from_pretrained`` in one frontend and dtype, all held in memory at once.
 """
 
 from __future__ import annotations
@@ -31,7 +36,8 @@ from typing import Any
 
 from dualop.bench.timing import interleaved, median, paired_ratio, relative_range
 
-__all__ = ["TINY_LLAMA", "save_tiny_llama", "bench_model", "format_model_bench"]
+__all__ = ["TINY_LLAMA", "save_tiny_llama", "bench_model", "format_model_bench", "bench_decode",
+           "format_decode_bench"]
 
 # The default model: a small Llama (GQA, llama3 rope) that runs in milliseconds on a CPU.
 TINY_LLAMA = dict(vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=8,
@@ -198,3 +204,66 @@ def format_model_bench(records: list[dict[str, Any]]) -> str:
              "tokens": {True: "= transformers", False: "DIFFER"}.get(r.get("tokens_match_transformers"), "")}
             for r in records]
     return table(rows, ["step", "impl", "dtype", "ms/step", "tokens/s", "spread", "time vs transformers", "tokens"])
+
+
+def _weights_label(model: Any) -> str:
+    """What a loaded checkpoint's linear weights are: its quantization method and schemes, or the
+    model's float dtype."""
+    quant = model.quantization
+    if quant is None:
+        return f"{model.dtype} (float)"
+    schemes = sorted({q.describe() for q in quant.linears.values()})
+    return f"{quant.method}: " + "; ".join(schemes)
+
+
+def bench_decode(paths: list[str], frontend: str = "torch", dtype: str = "bfloat16", batches: tuple[int, ...] = (1, 4, 8),
+                 context_len: int = 64, rounds: int = 7, warmup: int = 2, progress: bool = True
+                 ) -> list[dict[str, Any]]:
+    """One record per (batch, checkpoint): the decode step's seconds (median over rounds) with
+    ``batch`` sequences after ``context_len`` cached tokens, and ``speedup``: the paired ratio of
+    the first checkpoint's time to this one's (the first is the baseline, 1.0)."""
+    from dualop import models
+
+    if not paths:
+        raise ValueError("bench_decode: give at least one checkpoint path (the first is the baseline)")
+    if not batches or any(not isinstance(b, int) or isinstance(b, bool) or b < 1 for b in batches):
+        raise ValueError(f"bench_decode: batches must be positive ints, got {batches!r}")
+    if not isinstance(context_len, int) or context_len < 0:
+        raise ValueError(f"bench_decode: context_len must be an int >= 0, got {context_len!r}")
+    names = [os.path.basename(os.path.normpath(p)) or p for p in paths]
+    if len(set(names)) != len(names):
+        names = [os.path.normpath(p) for p in paths]  # two checkpoints of one name: their whole paths
+    largest = max(batches)
+    steps: dict[int, dict[str, Callable[[], Any]]] = {b: {} for b in batches}
+    labels = {}
+    for name, path in zip(names, paths):
+        if progress:
+            print(f"dualop bench --decode: loading {path}", flush=True)
+        model = models.from_pretrained(path, frontend=frontend, dtype=dtype, max_model_len=context_len + 1,
+                                       max_num_seqs=largest, max_num_batched_tokens=largest)
+        labels[name] = _weights_label(model)
+        for b in batches:
+            steps[b][name] = model.benchmark_step(b, 1, context_len)
+    records = []
+    for b in batches:
+        if progress:
+            print(f"dualop bench --decode: timing batch {b} ({', '.join(names)})", flush=True)
+        times = interleaved(steps[b], rounds, warmup)
+        base = times[names[0]]
+        for name in names:
+            seconds = median(times[name])
+            records.append(dict(op="model", step="decode", impl=name, weights=labels[name], frontend=frontend,
+                                dtype=dtype, batch=b, context=context_len, seconds=seconds,
+                                tokens_per_second=b / seconds, spread=relative_range(times[name]),
+                                speedup=paired_ratio(base, times[name])))
+    return records
+
+
+def format_decode_bench(records: list[dict[str, Any]]) -> str:
+    from dualop.bench.report import table
+
+    rows = [{"batch": str(r["batch"]), "checkpoint": r["impl"], "weights": r["weights"],
+             "ms/step": f"{r['seconds'] * 1e3:.2f}", "tokens/s": f"{r['tokens_per_second']:.1f}",
+             "spread": f"{r['spread']:.0%}", "speedup": f"{r['speedup']:.2f}"}
+            for r in records]
+    return table(rows, ["batch", "checkpoint", "weights", "ms/step", "tokens/s", "spread", "speedup"])

@@ -376,3 +376,36 @@ def test_quantized_kernels_in_a_model_give_the_native_tokens(tmp_path, frontend,
     assert ran == {QUANTIZED_KERNEL_RUNS[(frontend, platform)]}, dispatch_report()
     assert got == want
     assert _normwise(got_logits, want_logits) < 1e-5
+
+
+# --- dualop bench --decode: a quantized checkpoint's decode step against its float model -----------------
+
+def test_bench_decode_times_each_checkpoint_against_the_first(tmp_path):
+    from dualop.bench.model import bench_decode, format_decode_bench
+
+    float_path, int8_path = tmp_path / "float", tmp_path / "int8"
+    _float_llama(float_path)
+    _float_llama(int8_path)
+    _requantize(int8_path, _int8_channels, _ct_config("int-quantized", 8, "channel", None, True))
+    records = bench_decode([str(float_path), str(int8_path)], "torch", "float32", (1, 3), context_len=5, rounds=2,
+                           warmup=0, progress=False)
+    assert [(r["batch"], r["impl"]) for r in records] == [(1, "float"), (1, "int8"), (3, "float"), (3, "int8")]
+    assert [r["weights"] for r in records[:2]] == [
+        "float32 (float)", "compressed-tensors: int8 weights in a scale per output channel, weight-only"]
+    for r in records:
+        assert r["seconds"] > 0 and r["tokens_per_second"] == pytest.approx(r["batch"] / r["seconds"])
+    assert records[0]["speedup"] == records[2]["speedup"] == 1.0  # the baseline against itself
+    assert "int8 weights in a scale per output channel" in format_decode_bench(records)
+    with pytest.raises(ValueError, match="at least one checkpoint"):
+        bench_decode([], progress=False)
+    with pytest.raises(ValueError, match="batches must be positive ints"):
+        bench_decode([str(float_path)], batches=(0,), progress=False)
+
+
+def test_bench_decode_cli_refuses_bad_batches_before_loading(capsys):
+    from dualop.cli import main
+
+    assert main(["bench", "--decode", "/nonexistent", "--batches", "1,x"]) == 2
+    assert "--batches: expected a positive int, got 'x'" in capsys.readouterr().err
+    assert main(["bench", "--decode", "/nonexistent", "--model"]) == 2
+    assert "--model and --decode" in capsys.readouterr().err

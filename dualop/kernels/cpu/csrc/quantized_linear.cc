@@ -12,10 +12,12 @@
 // period's scale. Zero points use sum_k x (q - z) = sum_k x q - z sum_k x: the period's sum of x is
 // computed once per call. float32 x (float16 arrives as float32) takes the same codes widened to
 // float32 and float32 FMAs. Decode (few rows) streams each weight row once for all rows, decoding in
-// registers; more rows decode a column tile into a bfloat16 scratch once and run the row blocks
-// over it. The threads split N into tiles of kScratchCols weight rows; while a tile computes, the
-// next one is fetched into L2 (Prefetch: the hardware prefetchers do not follow the tile's short
-// runs of rows, and without it the loads wait on DRAM).
+// registers; more rows decode a column tile into a scratch once and run the row blocks over it
+// (with bfloat16 x as outer products: lanes are 16 columns, so a period's scales apply to 16
+// columns at once and no horizontal sums are left). The threads split N into tiles of
+// kScratchCols weight rows; while a tile computes, the next one is fetched into L2 (Prefetch: the
+// hardware prefetchers do not follow the tile's short runs of rows, and without it the loads wait
+// on DRAM).
 //
 // dualop_quantized_linear_awq: AWQ's GEMM layout (codes and zero points packed along N, [K, N / 8]
 // words; scales [K / g, N]). Outer-product form: lanes are 16 words' worth of output columns, each
@@ -68,7 +70,7 @@ enum Format { kInt8 = 0, kFp8 = 1, kInt4Packed = 2, kInt8Packed = 3 };
 enum ZeroKind { kNoZero = 0, kZeroInt8 = 1, kZeroInt32 = 2, kZeroPacked4 = 3, kZeroPacked8 = 4 };
 
 // Decode sizes: up to this many rows run on codes decoded in registers; more decode a column tile
-// into a scratch once (kScratchCols weight rows of K bfloat16).
+// once into a scratch (pairs-major for bfloat16 x, rows of K bfloat16 for float32 x).
 constexpr int64_t kDirectMaxRows = 8;
 constexpr int64_t kScratchCols = 16;
 
@@ -415,7 +417,7 @@ static void fp8_w8a8_portable(const Weight& w, const float* xq, const float* xs,
 
 // A growing buffer per thread and slot (OpenMP's threads persist between calls, so no call maps
 // fresh pages). The calling thread is also thread 0 of the team: each use has its own slot.
-enum BufferSlot { kScaleSlot = 0, kZeroSlot, kXSumSlot, kXSlot, kScratchSlot, kSlots };
+enum BufferSlot { kScaleSlot = 0, kZeroSlot, kXSumSlot, kXSlot, kScratchSlot, kPairScaleSlot, kPairZeroSlot, kSlots };
 template <class T>
 static T* thread_buffer(int slot, size_t count) {
   thread_local std::vector<T> buffers[kSlots];
@@ -747,6 +749,112 @@ static void run_row_block(int rows, const Src& src, const uint8_t* const* tile_r
   }
 }
 
+// ---- many rows of bfloat16 x: outer products over a column tile decoded pairs-major ----------------------
+//
+// A tile's codes are decoded once into `pairs`: vector q holds, in 32-bit lane j, column n0 + j's
+// codes at the q-th pair of K positions (in the decoder's order, which x is laid out in). Each row
+// of x then multiplies one vector of 16 columns per pair step against its broadcast pair of x
+// (vdpbf16ps), so every lane is one column's dot product: the scales and zero points of a period
+// apply to 16 columns at once and no horizontal sums are left.
+
+// v[c] lane j -> v[j] lane c, for 16 vectors of 16 32-bit lanes.
+QL_INLINE void transpose16x16(__m512i (&v)[16]) {
+  __m512i t[16], u[16];
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_epi32(v[2 * i], v[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_epi32(v[2 * i], v[2 * i + 1]);
+  }
+  for (int b = 0; b < 4; ++b) {  // u[4b + j]: rows 4b..4b+3 at columns j, j + 4, j + 8, j + 12 (one per 128 bits)
+    u[4 * b + 0] = _mm512_unpacklo_epi64(t[4 * b], t[4 * b + 2]);
+    u[4 * b + 1] = _mm512_unpackhi_epi64(t[4 * b], t[4 * b + 2]);
+    u[4 * b + 2] = _mm512_unpacklo_epi64(t[4 * b + 1], t[4 * b + 3]);
+    u[4 * b + 3] = _mm512_unpackhi_epi64(t[4 * b + 1], t[4 * b + 3]);
+  }
+  for (int j = 0; j < 4; ++j) {
+    const __m512i a = _mm512_shuffle_i32x4(u[j], u[4 + j], 0x88), b = _mm512_shuffle_i32x4(u[j], u[4 + j], 0xDD);
+    const __m512i c = _mm512_shuffle_i32x4(u[8 + j], u[12 + j], 0x88), d = _mm512_shuffle_i32x4(u[8 + j], u[12 + j], 0xDD);
+    v[j] = _mm512_shuffle_i32x4(a, c, 0x88);
+    v[j + 8] = _mm512_shuffle_i32x4(a, c, 0xDD);
+    v[j + 4] = _mm512_shuffle_i32x4(b, d, 0x88);
+    v[j + 12] = _mm512_shuffle_i32x4(b, d, 0xDD);
+  }
+}
+
+// The tile's codes (cols columns; the last repeated to 16) over K padded to kp as kp / 2 pair
+// vectors, and its scales and zero points as [periods][16] (from tile_scales' [cols][periods]).
+template <class Src>
+static void decode_pairs(const Src& src, const uint8_t* const* rows, int64_t cols, int64_t k, int64_t kp,
+                         const float* sc, const float* zc, int64_t periods, __m512i* pairs, float* sc_t, float* zc_t,
+                         Prefetch& pf) {
+  for (int64_t i = 0; i < kp; i += 32) {
+    pf.step();
+    __m512i v[16];
+    for (int c = 0; c < 16; ++c) {
+      const uint8_t* row = rows[std::min<int64_t>(c, cols - 1)];
+      v[c] = i + 32 <= k ? src.load(row, i) : src.load_tail(row, i, std::max<int64_t>(k - i, 0));
+    }
+    transpose16x16(v);
+    for (int j = 0; j < 16; ++j) _mm512_storeu_si512(pairs + i / 2 + j, v[j]);
+  }
+  for (int64_t p = 0; p < periods; ++p)
+    for (int c = 0; c < 16; ++c) {
+      const int64_t from = std::min<int64_t>(c, cols - 1) * periods + p;
+      sc_t[p * 16 + c] = sc[from];
+      if (zc) zc_t[p * 16 + c] = zc[from];
+    }
+}
+
+// R rows of x (bfloat16, rows x_stride apart, in the decoder's order, zero past K) times the tile's
+// pairs: per period, acc = sum over its pairs, less z * (the period's sum of x), total += acc *
+// scale (times x's scale of the row and period: W8A8). out[r][j]: column j's result for row r.
+template <int R>
+static void pairs_rows(const __m512i* pairs, const bf16* x, int64_t x_stride, int64_t k, int64_t kp, int64_t period,
+                       int64_t periods, const float* sc_t, const float* zc_t, const float* xsum, const float* xscale,
+                       float (*out)[16]) {
+  __m512 total[R];
+  for (int r = 0; r < R; ++r) total[r] = _mm512_setzero_ps();
+  for (int64_t p = 0; p < periods; ++p) {
+    const int64_t q0 = p * period / 2, q1 = p + 1 == periods ? kp / 2 : std::min(k, (p + 1) * period) / 2;
+    __m512 acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+    for (int64_t q = q0; q < q1; ++q) {
+      const __m512bh w = as_bh(_mm512_loadu_si512(pairs + q));
+      for (int r = 0; r < R; ++r) {
+        int32_t pair;
+        std::memcpy(&pair, x + r * x_stride + 2 * q, sizeof pair);
+        acc[r] = _mm512_dpbf16_ps(acc[r], w, as_bh(_mm512_set1_epi32(pair)));
+      }
+    }
+    const __m512 s = _mm512_loadu_ps(sc_t + p * 16);
+    if (zc_t) {
+      const __m512 z = _mm512_loadu_ps(zc_t + p * 16);
+      for (int r = 0; r < R; ++r) acc[r] = _mm512_fnmadd_ps(z, _mm512_set1_ps(xsum[r * periods + p]), acc[r]);
+    }
+    for (int r = 0; r < R; ++r) {
+      const __m512 scale = xscale ? _mm512_mul_ps(s, _mm512_set1_ps(xscale[r * periods + p])) : s;
+      total[r] = _mm512_fmadd_ps(acc[r], scale, total[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) _mm512_storeu_ps(out[r], total[r]);
+}
+
+constexpr int64_t kPairsRows = 8;  // rows a pass over the tile's pairs takes
+
+static void run_pairs_rows(int rows, const __m512i* pairs, const bf16* x, int64_t x_stride, int64_t k, int64_t kp,
+                           int64_t period, int64_t periods, const float* sc_t, const float* zc_t, const float* xsum,
+                           const float* xscale, float (*out)[16]) {
+  switch (rows) {
+    case 1: pairs_rows<1>(pairs, x, x_stride, k, kp, period, periods, sc_t, zc_t, xsum, xscale, out); break;
+    case 2: pairs_rows<2>(pairs, x, x_stride, k, kp, period, periods, sc_t, zc_t, xsum, xscale, out); break;
+    case 3: pairs_rows<3>(pairs, x, x_stride, k, kp, period, periods, sc_t, zc_t, xsum, xscale, out); break;
+    case 4: pairs_rows<4>(pairs, x, x_stride, k, kp, period, periods, sc_t, zc_t, xsum, xscale, out); break;
+    case 5: pairs_rows<5>(pairs, x, x_stride, k, kp, period, periods, sc_t, zc_t, xsum, xscale, out); break;
+    case 6: pairs_rows<6>(pairs, x, x_stride, k, kp, period, periods, sc_t, zc_t, xsum, xscale, out); break;
+    case 7: pairs_rows<7>(pairs, x, x_stride, k, kp, period, periods, sc_t, zc_t, xsum, xscale, out); break;
+    default: pairs_rows<8>(pairs, x, x_stride, k, kp, period, periods, sc_t, zc_t, xsum, xscale, out); break;
+  }
+}
+
 // x prepared for the tiles: its rows in the decoder's order of each 32 positions, zero-padded to kp
 // (bfloat16 x as bfloat16; float32 / float16 x as float32 in even/odd halves; xp null: none), and
 // where zero points need it (xsum not null) each period's sum of x (float32).
@@ -799,6 +907,23 @@ static void rows_fast(const Weight& w, const Src& src, const void* xp, int64_t k
       Prefetch pf = next_tile(w, n0, cols, std::min(n, end * kScratchCols));
       if (direct) {
         run_row_block<kGrouped, kF32X>(static_cast<int>(m), src, rows, n0, cols, 0, a, pf);
+        continue;
+      }
+      if constexpr (!kF32X) {  // more rows of bfloat16 x: outer products over the tile's pairs
+        __m512i* pairs = reinterpret_cast<__m512i*>(thread_buffer<bf16>(kScratchSlot, 16 * kp + 32));
+        float* sc_t = thread_buffer<float>(kPairScaleSlot, 16 * periods);
+        float* zc_t = zc ? thread_buffer<float>(kPairZeroSlot, 16 * periods) : nullptr;
+        pf.pace(kp / 32);  // the next tile, while this one decodes
+        decode_pairs(src, rows, cols, w.k, kp, sc, zc, periods, pairs, sc_t, zc_t, pf);
+        const bf16* xb = static_cast<const bf16*>(xp);
+        for (int64_t m0 = 0; m0 < m; m0 += kPairsRows) {
+          const int rows_now = static_cast<int>(std::min(kPairsRows, m - m0));
+          float res[kPairsRows][16];
+          run_pairs_rows(rows_now, pairs, xb + m0 * kp, kp, w.k, kp, w.group_k, periods, sc_t, zc_t,
+                         xsum ? xsum + m0 * periods : nullptr, xscale ? xscale + m0 * periods : nullptr, res);
+          for (int r = 0; r < rows_now; ++r)
+            for (int64_t c = 0; c < cols; ++c) out.put(m0 + r, n0 + c, res[r][c]);
+        }
         continue;
       }
       const uint8_t* scratch_rows[kScratchCols];
