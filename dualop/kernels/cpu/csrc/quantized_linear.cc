@@ -1052,11 +1052,15 @@ static void awq_rows(const Awq& w, int64_t w0, int64_t words_count, const bf16* 
     for (int v = 0; v < NV; ++v) _mm512_storeu_ps(tot_out[r][V0 + v], total[r][v]);
 }
 
-// A period's decoded pairs of a tile: [pairs][8] vectors (kAwqScratchPairs pairs at most).
+// A period's decoded pairs of a tile: [pairs][8] vectors (kAwqScratchPairs pairs at most). The
+// next period's K rows of the tile (a line each, rows n / 8 words apart, which the prefetchers do
+// not follow) are fetched meanwhile, so they arrive while the row blocks run over this one.
 static void awq_decode_period(const Awq& w, int64_t p, int64_t w0, __mmask16 mask, __m512i* scratch) {
   const int64_t words = w.n / 8, k0 = p * w.group_k, k1 = std::min(w.k, k0 + w.group_k);
   const __m512i table = nibble_table(0);
   for (int64_t kk = k0; kk < k1; kk += 2) {
+    for (int64_t ahead = kk + w.group_k; ahead < std::min(w.k, kk + w.group_k + 2); ++ahead)
+      _mm_prefetch(reinterpret_cast<const char*>(w.codes + ahead * words + w0), _MM_HINT_T0);
     const __m512i a = _mm512_maskz_loadu_epi32(mask, w.codes + kk * words + w0);
     const __m512i b = kk + 1 < k1 ? _mm512_maskz_loadu_epi32(mask, w.codes + (kk + 1) * words + w0) : _mm512_setzero_si512();
     __m512i* row = scratch + ((kk - k0) / 2) * 8;
