@@ -228,6 +228,7 @@ def bench_decode(paths: list[str], frontend: str = "torch", dtype: str = "bfloat
         raise ValueError("bench_decode: give at least one checkpoint path (the first is the baseline)")
     if not batches or any(not isinstance(b, int) or isinstance(b, bool) or b < 1 for b in batches):
         raise ValueError(f"bench_decode: batches must be positive ints, got {batches!r}")
+    batches = tuple(dict.fromkeys(batches))  # each batch size once, in the order given
     if not isinstance(context_len, int) or context_len < 0:
         raise ValueError(f"bench_decode: context_len must be an int >= 0, got {context_len!r}")
     names = [os.path.basename(os.path.normpath(p)) or p for p in paths]
