@@ -282,27 +282,40 @@ DUALOP_INLINE int int8_code_at(const Weight& w, int64_t col, int64_t i) {
   return w.format == kInt8Packed ? static_cast<int>(b) - 128 : static_cast<int>(static_cast<int8_t>(b));
 }
 
-static void w8a8_portable(const Weight& w, const uint8_t* xq, const float* xs, int64_t m, const Output& out,
-                          int threads) {
+// The portable W8A8 loop: a weight row's codes (code(col, i), as T) dotted with each row of x's
+// codes (x(r, i)) per period in T, each period's sum times period_scale(r, col, p) added up in
+// float32, the row's total times row_scale(r) stored.
+template <class T, class Code, class X, class PeriodScale, class RowScale>
+static void w8a8_loop(const Weight& w, int64_t m, const Output& out, int threads, Code code, X x,
+                      PeriodScale period_scale, RowScale row_scale) {
   const int64_t n = w.n, k = w.k, periods = w.periods();
 #pragma omp parallel num_threads(threads)
   {
-    std::vector<int32_t> row(static_cast<size_t>(k));
+    std::vector<T> row(static_cast<size_t>(k));
     int64_t begin, end;
     share(n, omp_get_thread_num(), omp_get_num_threads(), begin, end);
     for (int64_t col = begin; col < end; ++col) {
-      for (int64_t i = 0; i < k; ++i) row[i] = int8_code_at(w, col, i);
+      for (int64_t i = 0; i < k; ++i) row[i] = code(col, i);
       for (int64_t r = 0; r < m; ++r) {
         float total = 0.0f;
         for (int64_t p = 0; p < periods; ++p) {
-          int32_t sum = 0;
-          for (int64_t i = p * w.group_k; i < std::min(k, (p + 1) * w.group_k); ++i) sum += static_cast<int8_t>(xq[r * k + i]) * row[i];
-          total += static_cast<float>(sum) * w.scale_at(col, p);
+          T sum = 0;
+          for (int64_t i = p * w.group_k; i < std::min(k, (p + 1) * w.group_k); ++i) sum += x(r, i) * row[i];
+          total += static_cast<float>(sum) * period_scale(r, col, p);
         }
-        out.put(r, col, total * xs[r]);
+        out.put(r, col, total * row_scale(r));
       }
     }
   }
+}
+
+static void w8a8_portable(const Weight& w, const uint8_t* xq, const float* xs, int64_t m, const Output& out,
+                          int threads) {
+  const int64_t k = w.k;
+  w8a8_loop<int32_t>(
+      w, m, out, threads, [&](int64_t col, int64_t i) { return int8_code_at(w, col, i); },
+      [&](int64_t r, int64_t i) { return static_cast<int32_t>(static_cast<int8_t>(xq[r * k + i])); },
+      [&](int64_t, int64_t col, int64_t p) { return w.scale_at(col, p); }, [&](int64_t r) { return xs[r]; });
 }
 
 // ---- fp8 W8A8: x quantized to float8_e4m3fn as quant_fp8 does ------------------------------------------
@@ -394,25 +407,12 @@ static void quantize_fp8_rows(const void* x, int32_t dtype, int64_t m, int64_t k
 // scaled by the weight's scale and x's.
 static void fp8_w8a8_portable(const Weight& w, const float* xq, const float* xs, int64_t m, const Output& out,
                               int threads) {
-  const int64_t n = w.n, k = w.k, periods = w.periods();
-#pragma omp parallel num_threads(threads)
-  {
-    std::vector<float> row(static_cast<size_t>(k));
-    int64_t begin, end;
-    share(n, omp_get_thread_num(), omp_get_num_threads(), begin, end);
-    for (int64_t col = begin; col < end; ++col) {
-      for (int64_t i = 0; i < k; ++i) row[i] = w.code_at(col, i);
-      for (int64_t r = 0; r < m; ++r) {
-        float total = 0.0f;
-        for (int64_t p = 0; p < periods; ++p) {
-          float sum = 0.0f;
-          for (int64_t i = p * w.group_k; i < std::min(k, (p + 1) * w.group_k); ++i) sum += xq[r * k + i] * row[i];
-          total += sum * (w.scale_at(col, p) * xs[r * periods + p]);
-        }
-        out.put(r, col, total);
-      }
-    }
-  }
+  const int64_t k = w.k, periods = w.periods();
+  w8a8_loop<float>(
+      w, m, out, threads, [&](int64_t col, int64_t i) { return w.code_at(col, i); },
+      [&](int64_t r, int64_t i) { return xq[r * k + i]; },
+      [&](int64_t r, int64_t col, int64_t p) { return w.scale_at(col, p) * xs[r * periods + p]; },
+      [](int64_t) { return 1.0f; });
 }
 
 // A growing buffer per thread and slot (OpenMP's threads persist between calls, so no call maps
