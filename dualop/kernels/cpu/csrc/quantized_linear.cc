@@ -417,7 +417,9 @@ static void fp8_w8a8_portable(const Weight& w, const float* xq, const float* xs,
 
 // A growing buffer per thread and slot (OpenMP's threads persist between calls, so no call maps
 // fresh pages). The calling thread is also thread 0 of the team: each use has its own slot.
-enum BufferSlot { kScaleSlot = 0, kZeroSlot, kXSumSlot, kXSlot, kScratchSlot, kPairScaleSlot, kPairZeroSlot, kSlots };
+enum BufferSlot {
+  kScaleSlot = 0, kZeroSlot, kXSumSlot, kXSlot, kScratchSlot, kPairScaleSlot, kPairZeroSlot, kSlots
+};
 template <class T>
 static T* thread_buffer(int slot, size_t count) {
   thread_local std::vector<T> buffers[kSlots];
@@ -466,6 +468,24 @@ static void tile_scales(const Weight& w, int64_t n0, int64_t cols, float factor,
 namespace dualop::qlinear::fast {
 
 #define QL_INLINE inline __attribute__((always_inline))
+
+// f(std::integral_constant<int, R>{}) for R = rows, a register tile's row count chosen at run time
+// (1 to kMax; more rows take kMax).
+template <int R, int kMax, class F>
+QL_INLINE void with_rows_from(int64_t rows, F& f) {
+  if constexpr (R == kMax) {
+    f(std::integral_constant<int, R>{});
+  } else if (rows == R) {
+    f(std::integral_constant<int, R>{});
+  } else {
+    with_rows_from<R + 1, kMax>(rows, f);
+  }
+}
+
+template <int kMax, class F>
+QL_INLINE void with_rows(int64_t rows, F&& f) {
+  with_rows_from<1, kMax>(rows, f);
+}
 
 QL_INLINE float hsum(__m512 v) {
   const __m256 half = _mm256_add_ps(_mm512_castps512_ps256(v),
@@ -737,19 +757,12 @@ static void run_rows(const Src& src, const uint8_t* const* tile_rows, int64_t ti
 template <bool kGrouped, bool kF32X, class Src>
 static void run_row_block(int rows, const Src& src, const uint8_t* const* tile_rows, int64_t n0, int64_t cols,
                           int64_t m0, const TileArgs& a, Prefetch& pf) {
-  switch (rows) {
-    case 1: run_rows<1, kGrouped, kF32X>(src, tile_rows, n0, cols, m0, a, pf); break;
-    case 2: run_rows<2, kGrouped, kF32X>(src, tile_rows, n0, cols, m0, a, pf); break;
-    case 3: run_rows<3, kGrouped, kF32X>(src, tile_rows, n0, cols, m0, a, pf); break;
-    case 4: run_rows<4, kGrouped, kF32X>(src, tile_rows, n0, cols, m0, a, pf); break;
-    case 5: run_rows<5, kGrouped, kF32X>(src, tile_rows, n0, cols, m0, a, pf); break;
-    case 6: run_rows<6, kGrouped, kF32X>(src, tile_rows, n0, cols, m0, a, pf); break;
-    case 7: run_rows<7, kGrouped, kF32X>(src, tile_rows, n0, cols, m0, a, pf); break;
-    default: run_rows<8, kGrouped, kF32X>(src, tile_rows, n0, cols, m0, a, pf); break;
-  }
+  with_rows<8>(rows, [&](auto r) {
+    run_rows<decltype(r)::value, kGrouped, kF32X>(src, tile_rows, n0, cols, m0, a, pf);
+  });
 }
 
-// ---- many rows of bfloat16 x: outer products over a column tile decoded pairs-major ----------------------
+// ---- many rows of bfloat16 x: outer products over a column tile decoded pairs-major -----------------
 //
 // A tile's codes are decoded once into `pairs`: vector q holds, in 32-bit lane j, column n0 + j's
 // codes at the q-th pair of K positions (in the decoder's order, which x is laid out in). Each row
@@ -764,15 +777,18 @@ QL_INLINE void transpose16x16(__m512i (&v)[16]) {
     t[2 * i] = _mm512_unpacklo_epi32(v[2 * i], v[2 * i + 1]);
     t[2 * i + 1] = _mm512_unpackhi_epi32(v[2 * i], v[2 * i + 1]);
   }
-  for (int b = 0; b < 4; ++b) {  // u[4b + j]: rows 4b..4b+3 at columns j, j + 4, j + 8, j + 12 (one per 128 bits)
+  // u[4b + j]: rows 4b..4b+3 at columns j, j + 4, j + 8, j + 12 (one column per 128 bits)
+  for (int b = 0; b < 4; ++b) {
     u[4 * b + 0] = _mm512_unpacklo_epi64(t[4 * b], t[4 * b + 2]);
     u[4 * b + 1] = _mm512_unpackhi_epi64(t[4 * b], t[4 * b + 2]);
     u[4 * b + 2] = _mm512_unpacklo_epi64(t[4 * b + 1], t[4 * b + 3]);
     u[4 * b + 3] = _mm512_unpackhi_epi64(t[4 * b + 1], t[4 * b + 3]);
   }
   for (int j = 0; j < 4; ++j) {
-    const __m512i a = _mm512_shuffle_i32x4(u[j], u[4 + j], 0x88), b = _mm512_shuffle_i32x4(u[j], u[4 + j], 0xDD);
-    const __m512i c = _mm512_shuffle_i32x4(u[8 + j], u[12 + j], 0x88), d = _mm512_shuffle_i32x4(u[8 + j], u[12 + j], 0xDD);
+    const __m512i a = _mm512_shuffle_i32x4(u[j], u[4 + j], 0x88);
+    const __m512i b = _mm512_shuffle_i32x4(u[j], u[4 + j], 0xDD);
+    const __m512i c = _mm512_shuffle_i32x4(u[8 + j], u[12 + j], 0x88);
+    const __m512i d = _mm512_shuffle_i32x4(u[8 + j], u[12 + j], 0xDD);
     v[j] = _mm512_shuffle_i32x4(a, c, 0x88);
     v[j + 8] = _mm512_shuffle_i32x4(a, c, 0xDD);
     v[j + 4] = _mm512_shuffle_i32x4(b, d, 0x88);
@@ -843,16 +859,9 @@ constexpr int64_t kPairsRows = 8;  // rows a pass over the tile's pairs takes
 static void run_pairs_rows(int rows, const __m512i* pairs, const bf16* x, int64_t x_stride, int64_t k, int64_t kp,
                            int64_t period, int64_t periods, const float* sc_t, const float* zc_t, const float* xsum,
                            const float* xscale, float (*out)[16]) {
-  switch (rows) {
-    case 1: pairs_rows<1>(pairs, x, x_stride, k, kp, period, periods, sc_t, zc_t, xsum, xscale, out); break;
-    case 2: pairs_rows<2>(pairs, x, x_stride, k, kp, period, periods, sc_t, zc_t, xsum, xscale, out); break;
-    case 3: pairs_rows<3>(pairs, x, x_stride, k, kp, period, periods, sc_t, zc_t, xsum, xscale, out); break;
-    case 4: pairs_rows<4>(pairs, x, x_stride, k, kp, period, periods, sc_t, zc_t, xsum, xscale, out); break;
-    case 5: pairs_rows<5>(pairs, x, x_stride, k, kp, period, periods, sc_t, zc_t, xsum, xscale, out); break;
-    case 6: pairs_rows<6>(pairs, x, x_stride, k, kp, period, periods, sc_t, zc_t, xsum, xscale, out); break;
-    case 7: pairs_rows<7>(pairs, x, x_stride, k, kp, period, periods, sc_t, zc_t, xsum, xscale, out); break;
-    default: pairs_rows<8>(pairs, x, x_stride, k, kp, period, periods, sc_t, zc_t, xsum, xscale, out); break;
-  }
+  with_rows<8>(rows, [&](auto r) {
+    pairs_rows<decltype(r)::value>(pairs, x, x_stride, k, kp, period, periods, sc_t, zc_t, xsum, xscale, out);
+  });
 }
 
 // x prepared for the tiles: its rows in the decoder's order of each 32 positions, zero-padded to kp
@@ -1235,26 +1244,10 @@ static void w8a8_fast(const Weight& w, const uint8_t* xq, int64_t kp, const floa
       for (int64_t c = 0; c < cols; ++c) rows[c] = w.codes + (n0 + c) * w.row_bytes;
       Prefetch pf = next_tile(w, n0, cols, std::min(n, end * kScratchCols));  // during the first row block
       for (int64_t m0 = 0; m0 < m; m0 += kW8a8MaxRows<kGrouped>) {
-        auto run = [&](auto rows_count) {
-          constexpr int R = decltype(rows_count)::value;
-          w8a8_rows<R, kGrouped, kPacked>(rows, n0, cols, m0, xq, kp, xs, xsum, w.k, w.group_k, sc, periods, out, pf);
-        };
-        const int64_t rows_now = std::min(kW8a8MaxRows<kGrouped>, m - m0);
-        switch (rows_now) {
-          case 1: run(std::integral_constant<int, 1>{}); break;
-          case 2: run(std::integral_constant<int, 2>{}); break;
-          case 3: run(std::integral_constant<int, 3>{}); break;
-          case 4: run(std::integral_constant<int, 4>{}); break;
-          default:
-            if constexpr (!kGrouped) {
-              switch (rows_now) {
-                case 5: run(std::integral_constant<int, 5>{}); break;
-                case 6: run(std::integral_constant<int, 6>{}); break;
-                case 7: run(std::integral_constant<int, 7>{}); break;
-                default: run(std::integral_constant<int, 8>{}); break;
-              }
-            }
-        }
+        with_rows<kW8a8MaxRows<kGrouped>>(m - m0, [&](auto r) {
+          w8a8_rows<decltype(r)::value, kGrouped, kPacked>(rows, n0, cols, m0, xq, kp, xs, xsum, w.k, w.group_k, sc,
+                                                           periods, out, pf);
+        });
       }
     }
   }
