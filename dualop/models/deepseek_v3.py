@@ -145,8 +145,9 @@ class DeepseekV3ForCausalLM(LlamaForCausalLM):
 
     def attend(self, i: int, params: dict[str, Any], batch: dict[str, Any], cache: Any, h: Any) -> tuple[Any, Any]:
         weights = {name: params[f"{i}.{name}"] for name in self._MLA_WEIGHTS if f"{i}.{name}" in params}
+        fp8 = {} if self._fp8_kv is None else self._fp8_kv.latent_options(i)
         return self.mla(batch["positions"], h, weights, cache, batch["slot_mapping"], batch["kv_lens"],
-                        batch["page_indices"], batch["cu_q_lens"], batch["num_seqs"])
+                        batch["page_indices"], batch["cu_q_lens"], batch["num_seqs"], **fp8)
 
     def mlp(self, i: int, params: dict[str, Any], h: Any) -> Any:
         if not self.is_moe_layer(i):

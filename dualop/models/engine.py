@@ -17,7 +17,8 @@ The serving loop is the reference engine's, in miniature:
 - the KV cache's dtype (``ServingConfig.kv_cache_dtype``, the engine's names): "auto" is the
   model's; "fp8" / "fp8_e4m3" (float8_e4m3fn) and "fp8_e5m2" (float8_e5m2) allocate the paged KV
   caches in fp8 and pass ``kv_cache_dtype`` and each layer's ``k_scale`` / ``v_scale`` to
-  ``reshape_and_cache`` and ``ragged_paged_attention`` (``kv_cache_options``); the scales are the
+  ``reshape_and_cache`` and ``ragged_paged_attention`` (``kv_cache_options``; an MLA model's
+  latent cache: ``kv_cache_dtype`` and ``k_scale`` to ``multi_head_latent_attention``); the scales are the
   checkpoint's ``<layer>.*.k_scale`` / ``v_scale`` (or ``k_proj.output_scale`` /
   ``v_proj.output_scale``) where it has them, else 1.0, as the engine reads them.
 
@@ -469,14 +470,18 @@ class _Fp8KvCache:
         cache_dtype = KV_CACHE_DTYPES[kv_cache_dtype]
         if cache_dtype is None:
             return None
-        from dualop.ops import RaggedPagedAttention, ReshapeAndCache
+        from dualop.ops import MultiHeadLatentAttention, RaggedPagedAttention, ReshapeAndCache
 
-        kv = [i for i, spec in enumerate(model.cache_specs) if re.fullmatch(r"kv\.\d+", spec.name)]
-        if not kv or not isinstance(getattr(model, "cache_write", None), ReshapeAndCache) or \
-                not isinstance(getattr(model, "attention", None), RaggedPagedAttention):
+        latent = isinstance(getattr(model, "mla", None), MultiHeadLatentAttention)
+        pattern = r"latent\.\d+" if latent else r"kv\.\d+"
+        kv = [i for i, spec in enumerate(model.cache_specs) if re.fullmatch(pattern, spec.name)]
+        paged_kv = isinstance(getattr(model, "cache_write", None), ReshapeAndCache) and \
+            isinstance(getattr(model, "attention", None), RaggedPagedAttention)
+        if not kv or not (latent or paged_kv):
             raise ValueError(f"from_pretrained: kv_cache_dtype={kv_cache_dtype!r} is not supported for "
                              f"{type(model).__name__}: its attention does not write a paged K/V cache with "
-                             f"reshape_and_cache (use kv_cache_dtype='auto')")
+                             f"reshape_and_cache or a latent cache with concat_and_cache_mla "
+                             f"(use kv_cache_dtype='auto')")
         for i in kv:
             model.cache_specs[i] = dataclasses.replace(model.cache_specs[i], dtype=cache_dtype)
         return cls(kv_cache_dtype)
@@ -485,6 +490,11 @@ class _Fp8KvCache:
         """(``reshape_and_cache``'s, ``ragged_paged_attention``'s) keyword arguments for ``layer``."""
         scales = self.layer_scales(layer)
         return {"kv_cache_dtype": self.kv_cache_dtype, **scales}, scales
+
+    def latent_options(self, layer: int) -> dict[str, Any]:
+        """``multi_head_latent_attention``'s keyword arguments for ``layer``: the engine's fp8 MLA
+        cache has one scale, the layer's ``k_scale``, for the write and the read."""
+        return {"kv_cache_dtype": self.kv_cache_dtype, "k_scale": self.layer_scales(layer)["k_scale"]}
 
     def layer_scales(self, layer: int) -> dict[str, float]:
         return self.scales.get(layer, {"k_scale": 1.0, "v_scale": 1.0})

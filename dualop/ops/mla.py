@@ -353,10 +353,14 @@ class MultiHeadLatentAttention(CustomOp):
     ``MultiHeadLatentAttention(hidden_size, num_heads, scale, qk_nope_head_dim, qk_rope_head_dim,
     v_head_dim, q_lora_rank, kv_lora_rank, rope, eps=1e-6, tp=None)``; ``out, latent_pages =
     op(positions, hidden_states, weights, latent_pages, slot_mapping, kv_lens, page_indices,
-    cu_q_lens, num_seqs, *, mode="auto")``.
+    cu_q_lens, num_seqs, *, mode="auto", kv_cache_dtype="auto", k_scale=None)``.
 
     - ``positions`` int ``[T]``, ``hidden_states`` ``[T, hidden_size]``; ``latent_pages``
-      ``[num_pages, page_size, kv_lora_rank + qk_rope_head_dim]`` in hidden_states' dtype;
+      ``[num_pages, page_size, kv_lora_rank + qk_rope_head_dim]`` in hidden_states' dtype, or an
+      fp8 cache (``kv_cache_dtype`` "fp8" / "fp8_e4m3" / "fp8_e5m2", the engine's fp8 MLA cache):
+      codes under one Python-number ``k_scale`` (None is 1.0), written by ``concat_and_cache_mla``
+      and read as ``code * k_scale`` by the attention (the expanded form dequantises the rows it
+      gathers to hidden_states' dtype before ``kv_b_proj``, as the engine's prefill does);
       ``slot_mapping`` ``[T]`` (this step's tokens' cache slots, -1 skips); the ragged metadata of
       ``ragged_paged_attention`` describing the batch after this step's tokens are cached
       (``kv_lens`` include them). ``scale`` is the softmax scale (DeepSeek's with YaRN:
@@ -462,7 +466,8 @@ class MultiHeadLatentAttention(CustomOp):
 
     def check_inputs(self, positions: Any = None, hidden_states: Any = None, weights: Any = None,
                      latent_pages: Any = None, slot_mapping: Any = None, kv_lens: Any = None, page_indices: Any = None,
-                     cu_q_lens: Any = None, num_seqs: Any = None, *, mode: str = "auto") -> None:
+                     cu_q_lens: Any = None, num_seqs: Any = None, *, mode: str = "auto",
+                     kv_cache_dtype: str = "auto", k_scale: float | None = None) -> None:
         op = LAYER_OP
         for name, value in dict(positions=positions, hidden_states=hidden_states, weights=weights,
                                 latent_pages=latent_pages, slot_mapping=slot_mapping, kv_lens=kv_lens,
@@ -495,8 +500,11 @@ class MultiHeadLatentAttention(CustomOp):
             check_optional_like(op, f"weights['{key}']", weights[key], "hidden_states", hidden_states, fe,
                                 shape=shape, same_dtype=True)
         width = self.kv_lora_rank + self.qk_rope_head_dim
+        check_array(op, "latent_pages", latent_pages, min_ndim=3, dtypes=_CACHE_DTYPES)
+        fp8 = ReshapeAndCache._cache_dtype(op, kv_cache_dtype, latent_pages, "latent_pages") is not None
         check_optional_like(op, "latent_pages", latent_pages, "hidden_states", hidden_states, fe,
-                            shape=tuple(getattr(latent_pages, "shape", ())), same_dtype=True)
+                            shape=tuple(latent_pages.shape), same_dtype=not fp8, dtypes=_CACHE_DTYPES)
+        _check_k_scale(op, k_scale)
         if latent_pages.ndim != 3 or latent_pages.shape[2] != width or latent_pages.shape[1] == 0:
             raise ValueError(f"{op}: argument 'latent_pages' must be [num_pages, page_size, {width}] (kv_lora_rank + "
                              f"qk_rope_head_dim), got shape {tuple(latent_pages.shape)}")
@@ -528,9 +536,10 @@ class MultiHeadLatentAttention(CustomOp):
 
     def forward_native(self, positions: Any, hidden_states: Any, weights: Any, latent_pages: Any, slot_mapping: Any,
                        kv_lens: Any, page_indices: Any, cu_q_lens: Any, num_seqs: Any, *,
-                       mode: str = "auto") -> tuple[Any, Any]:
+                       mode: str = "auto", kv_cache_dtype: str = "auto",
+                       k_scale: float | None = None) -> tuple[Any, Any]:
         return self._forward(True, positions, hidden_states, weights, latent_pages, slot_mapping, kv_lens,
-                             page_indices, cu_q_lens, num_seqs, mode)
+                             page_indices, cu_q_lens, num_seqs, mode, kv_cache_dtype, k_scale)
 
     def forward_cpu(self, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
         """torch on the CPU: each step's op on its CPU path (``F.linear``, the C++ norm and rope
@@ -547,7 +556,7 @@ class MultiHeadLatentAttention(CustomOp):
 
     def _forward(self, native: bool, positions: Any, hidden_states: Any, weights: Any, latent_pages: Any,
                  slot_mapping: Any, kv_lens: Any, page_indices: Any, cu_q_lens: Any, num_seqs: Any,
-                 mode: str = "auto") -> tuple[Any, Any]:
+                 mode: str = "auto", kv_cache_dtype: str = "auto", k_scale: float | None = None) -> tuple[Any, Any]:
         def call(op):
             return op.forward_native if native else op
 
@@ -566,13 +575,16 @@ class MultiHeadLatentAttention(CustomOp):
         kv = call(self.kv_a_proj_with_mqa)(x, w["kv_a_proj_with_mqa"])
         kv_c = call(self.kv_a_layernorm)(kv[:, :lat], w["kv_a_layernorm"])
         q_pe, k_pe = call(self.rope)(positions, q_pe, xp.reshape(kv[:, lat:], (tokens, 1, rope_dim)))
-        latent_pages = call(self.cache_write)(kv_c, xp.reshape(k_pe, (tokens, rope_dim)), latent_pages, slot_mapping)
+        fp8 = {} if kv_cache_dtype == "auto" else {"kv_cache_dtype": kv_cache_dtype, "scale": k_scale}
+        latent_pages = call(self.cache_write)(kv_c, xp.reshape(k_pe, (tokens, rope_dim)), latent_pages, slot_mapping,
+                                              **fp8)
+        k_scale = None if not fp8 else k_scale
         if mode == "expanded" or (mode == "auto" and _prefill_only(kv_lens, cu_q_lens, num_seqs)):
             attn = self._expanded(call, xp, w, q_nope, q_pe, latent_pages, kv_lens, page_indices, cu_q_lens,
-                                  num_seqs)
+                                  num_seqs, fp8, k_scale)
         else:
             attn = self._absorbed(call, native, xp, w, q_nope, q_pe, latent_pages, kv_lens, page_indices,
-                                  cu_q_lens, num_seqs)
+                                  cu_q_lens, num_seqs, fp8, k_scale)
         out = call(self.o_proj)(xp.reshape(attn, (tokens, heads * self.v_head_dim)), w["o_proj"])
         return out, latent_pages
 
@@ -583,25 +595,29 @@ class MultiHeadLatentAttention(CustomOp):
         return kv_b[:, : self.qk_nope_head_dim], kv_b[:, self.qk_nope_head_dim:]
 
     def _absorbed(self, call, native: bool, xp: Any, w: Any, q_nope: Any, q_pe: Any, latent_pages: Any, kv_lens: Any,
-                  page_indices: Any, cu_q_lens: Any, num_seqs: Any) -> Any:
+                  page_indices: Any, cu_q_lens: Any, num_seqs: Any, fp8: dict, k_scale: float | None) -> Any:
         w_uk, w_uv = self._kv_b(xp, w)
         q_latent = _product(xp, native, "thn,hnl->thl", q_nope, w_uk)
         q_latent = xp.concat([q_latent, q_pe], axis=-1)
         o_latent = call(self.mla)(q_latent, latent_pages, kv_lens, page_indices, cu_q_lens, num_seqs,
-                                  sm_scale=self.scale)
+                                  sm_scale=self.scale, **({"k_scale": k_scale} if fp8 else {}))
         return _product(xp, native, "thl,hvl->thv", o_latent, w_uv)
 
     def _expanded(self, call, xp: Any, w: Any, q_nope: Any, q_pe: Any, latent_pages: Any, kv_lens: Any,
-                  page_indices: Any, cu_q_lens: Any, num_seqs: Any) -> Any:
+                  page_indices: Any, cu_q_lens: Any, num_seqs: Any, fp8: dict, k_scale: float | None) -> Any:
         """K and V of every position of the batch's pages (kv_b_proj once per cached row), laid out
         as a paged K/V cache of their own (one page per page-table entry, the table renumbered),
-        then ``ragged_paged_attention`` with q = [q_nope | q_pe]; V zero-padded to K's width."""
+        then ``ragged_paged_attention`` with q = [q_nope | q_pe]; V zero-padded to K's width. An fp8
+        cache's gathered rows are dequantised (``code * k_scale`` in float32, rounded once to q's
+        dtype) first."""
         heads, nope, rope_dim, v_dim = self.local_heads, self.qk_nope_head_dim, self.qk_rope_head_dim, self.v_head_dim
         num_pages, page_size, _ = latent_pages.shape
         max_seqs, pages_per_seq = page_indices.shape
         n = max_seqs * pages_per_seq
         table = xp.clip(xp.reshape(page_indices, (n,)), 0, num_pages - 1)
         rows = xp.reshape(xp.take(latent_pages, table, axis=0), (n * page_size, self.kv_lora_rank + rope_dim))
+        if fp8:
+            rows = xp.astype(xp.astype(rows, xp.float32) * (1.0 if k_scale is None else k_scale), q_nope.dtype)
         kv = xp.reshape(call(self.kv_b_proj)(rows[:, : self.kv_lora_rank], w["kv_b_proj"]),
                         (n * page_size, heads, nope + v_dim))
         width = max(nope + rope_dim, v_dim)

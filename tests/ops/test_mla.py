@@ -234,6 +234,36 @@ def test_absorbed_equals_expanded_on_a_prefill_batch(q_lora_rank):
     np.testing.assert_array_equal(cache_a, cache_e)  # the same projections: the same cache
 
 
+@pytest.mark.parametrize("frontend", ["torch", "jax"])
+def test_fp8_latent_cache_both_forms_agree_and_follow_the_float_cache(frontend):
+    """An fp8 latent cache (the engine's fp8 MLA cache, one ``k_scale``): the write stores
+    ``e4m3(row / k_scale)``; the absorbed form (reading codes) and the expanded form (dequantising
+    the gathered rows first) agree, and both stay within e4m3's elementwise error (2**-4) of the
+    float cache's result, normwise."""
+    import ml_dtypes
+
+    weights = weights_numpy(Q_LORA, seed=2)
+    layer = make_layer(Q_LORA)
+    server = Server(max_seqs=3, pages_per_seq=3, seed=2)
+    meta = server.step([0, 1, 2], [6, 1, 4])
+    x = np.random.default_rng(3).standard_normal((12, HIDDEN)).astype(np.float32)
+    want, float_cache = run_layer(layer, frontend, x, weights, server.cache, meta)
+    k_scale = 0.25
+    positions, slots, *rest = (testing.to_frontend(testing.Pinned(a, "int32"), frontend, "int32") for a in meta)
+    w = {k: testing.to_frontend(v, frontend, "float32") for k, v in weights.items()}
+    outs = {}
+    for mode in ("absorbed", "expanded"):
+        cache = testing.to_frontend(server.cache, frontend, "float8_e4m3fn")  # zeros
+        out, pages = layer.forward_native(positions, testing.to_frontend(x, frontend, "float32"), w, cache, slots,
+                                          *rest, mode=mode, kv_cache_dtype="fp8", k_scale=k_scale)
+        outs[mode] = testing.to_numpy(out)
+        codes = (float_cache / k_scale).astype(ml_dtypes.float8_e4m3fn).astype(np.float32)
+        np.testing.assert_array_equal(testing.to_numpy(pages).astype(np.float32), codes)
+    np.testing.assert_allclose(outs["absorbed"], outs["expanded"], rtol=2e-5, atol=1e-6)
+    error = np.abs(outs["absorbed"] - want).max() / np.abs(want).max()
+    assert 0 < error < 2.0 ** -4, error
+
+
 def test_mixed_batch_equals_each_sequence_alone():
     """A batch mixing a decode, a prefill and a later chunk of a prompt, over one paged cache, gives
     each sequence's rows (and cache rows) as the same steps run one sequence at a time."""
@@ -548,6 +578,24 @@ def test_bad_layer_input_is_refused_before_launch(edit, error, words, no_kernels
         make_layer(Q_LORA)(positions, torch.zeros(6, HIDDEN), {k: torch.from_numpy(v) for k, v in
                                                                weights_numpy(Q_LORA).items()},
                            torch.zeros(NUM_PAGES, PAGE_SIZE, KV_LORA + ROPE), slots, *meta, mode="flash")
+
+
+@pytest.mark.parametrize("cache_dtype, options, words", [
+    (torch.float32, dict(kv_cache_dtype="fp8"), "'kv_cache_dtype' is 'fp8' (a float8_e4m3fn cache) but 'latent_pages'"),
+    (torch.float8_e4m3fn, {}, "'kv_cache_dtype' is 'auto'"),
+    (torch.float8_e5m2, dict(kv_cache_dtype="fp8_e4m3"), "'latent_pages' has dtype float8_e5m2"),
+    (torch.float8_e4m3fn, dict(kv_cache_dtype="fp8", k_scale=0.0), "'k_scale'"),
+    (torch.float8_e4m3fn, dict(kv_cache_dtype="int8"), "'kv_cache_dtype' is 'int8'"),
+])
+def test_bad_fp8_cache_options_are_refused_before_the_write(cache_dtype, options, words, no_kernels):
+    weights = {k: torch.from_numpy(v) for k, v in weights_numpy(Q_LORA).items()}
+    positions, slots, *meta = (torch.from_numpy(a) for a in Server(max_seqs=3, pages_per_seq=3).step([0], [3]))
+    cache = torch.zeros(NUM_PAGES, PAGE_SIZE, KV_LORA + ROPE).to(cache_dtype)
+    with override_platform("cpu"), set_config(OpsConfig(["all"])):
+        with pytest.raises(ValueError, match="multi_head_latent_attention") as info:
+            make_layer(Q_LORA)(positions, torch.ones(4, HIDDEN), weights, cache, slots, *meta, **options)
+    assert words in str(info.value), str(info.value)
+    assert not cache.float().any()  # refused before the cache write
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
