@@ -23,7 +23,7 @@ from dualop import ops
 from dualop.backends import array_namespace
 from dualop.models import params as P
 from dualop.models.frontends import CacheSpec
-from dualop.models.llama import LlamaForCausalLM, rope_parameters
+from dualop.models.llama import LlamaForCausalLM
 from dualop.ops.rope_scaling import yarn_get_mscale
 from dualop.parallel import divide
 
