@@ -595,12 +595,13 @@ def _jax_paged_decode(op):
     return decode
 
 
-def _ragged_paged_attention_inputs(shape: tuple[int, ...]) -> tuple:
-    """q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs for one serving shape."""
+def _ragged_paged_attention_inputs(shape: tuple[int, ...], cache_dtype: str | None = None) -> tuple:
+    """q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs for one serving shape; the cache in
+    ``cache_dtype`` (None: q's)."""
     tokens, seqs, pages, page_size, pages_per_seq, q_heads, kv_heads, head_dim = shape
     return (
         InputSpec((tokens, q_heads, head_dim), None),
-        InputSpec((pages, page_size, 2 * kv_heads, head_dim), None),
+        InputSpec((pages, page_size, 2 * kv_heads, head_dim), cache_dtype),
         InputSpec((seqs,), "int32"),
         InputSpec((seqs, pages_per_seq), "int32"),
         InputSpec((seqs + 1,), "int32"),
@@ -621,15 +622,18 @@ def serving():
     query tokens over 256 sequences (prefill chunks and many decodes) and a 2048-page cache,
     Llama-3-8B heads (32 / 8, d 128) at pages of 16 and 128 tokens, then head dims 64 and 256
     (Gemma: 16 / 8 heads); pages_per_seq bounds a sequence at 2048 (4096) positions. Built for two
-    of the three float-cache check variants: the scales of [k_scale,v_scale] are two multiplies on the
-    same blocks (its check shapes still build), while the window, soft cap and mask value add code
-    paths; the fp8-cache variants build at their check shapes (one inputs function serves every
-    case here, and it gives a cache in q's dtype); a build at these shapes costs seconds each."""
+    of the three float-cache check variants and for an e4m3 cache: the scales of [k_scale,v_scale]
+    are two multiplies on the same blocks (its check shapes still build), while the window, soft cap
+    and mask value add code paths, and an fp8 cache halves the page blocks' bytes and adds the
+    dequantise (e5m2 differs in the conversion only: its check shapes build); a build at these
+    shapes costs seconds each."""
     shapes = ((2048, 256, 2048, 16, 128, 32, 8, 128), (2048, 256, 2048, 128, 32, 32, 8, 128),
               (2048, 256, 2048, 16, 128, 32, 8, 64), (2048, 256, 2048, 16, 128, 16, 8, 256))
-    return {"ragged_paged_attention": Serving(
-        shapes, _ragged_paged_attention_inputs,
-        cases=("ragged_paged_attention[mixed,gqa2]", "ragged_paged_attention[gqa4,window,soft_cap,mask_value]"))}
+    float_cache = ("ragged_paged_attention[mixed,gqa2]", "ragged_paged_attention[gqa4,window,soft_cap,mask_value]")
+    fp8 = "ragged_paged_attention[float8_e4m3fn,k_scale,v_scale]"
+    inputs = {**{label: _ragged_paged_attention_inputs for label in float_cache},
+              fp8: lambda shape: _ragged_paged_attention_inputs(shape, "float8_e4m3fn")}
+    return {"ragged_paged_attention": Serving(shapes, inputs, cases=(*float_cache, fp8))}
 
 # What the shared test sweeps know about these ops' check cases (``testing.with_notes``: keys are op
 # names or case labels; traits as ``dualop.testing.TRAITS`` defines them).

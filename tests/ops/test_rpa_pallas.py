@@ -160,7 +160,8 @@ def test_compiles_for_v5e_at_a_serving_shape():
         pytest.skip(f"no TPU compiler in this environment: {missing}")
     serving = servings()["ragged_paged_attention"]
     shape = serving.shapes[0]
-    specs = tuple(InputSpec(s.shape, s.dtype or "bfloat16") for s in serving.inputs(shape))
+    inputs = serving.inputs["ragged_paged_attention[mixed,gqa2]"]
+    specs = tuple(InputSpec(s.shape, s.dtype or "bfloat16") for s in inputs(shape))
     with quiet_native_stderr():
         result = compile_function(lambda *a: ragged_paged_attention(*a, sm_scale=0.088), specs, "v5e")
     assert result.status == "ok", result.message
