@@ -31,7 +31,7 @@ dequantisation does. The formats, as their writers define them:
 from __future__ import annotations
 
 __all__ = ["AWQ_NIBBLE_OF", "dequantize_awq", "dequantize_blocks", "dequantize_groups", "dequantize_per_channel",
-           "pack_int32", "unpack_awq", "unpack_int32"]
+           "dequantize_weight", "pack_int32", "unpack_awq", "unpack_int32"]
 
 # AWQ's order within a 32-bit word: logical code j sits in nibble AWQ_NIBBLE_OF[j] (bits 4n to 4n+3).
 AWQ_NIBBLE_OF = (0, 4, 1, 5, 2, 6, 3, 7)
@@ -113,6 +113,28 @@ def dequantize_awq(xp, qweight, qzeros, scales, group_size: int, dtype=None):
     s = _expand(xp, xp.astype(scales, xp.float32), k, group_size, 0)
     w = xp.einsum("kn->nk", (q - z) * s)
     return w if dtype is None else xp.astype(w, dtype)
+
+
+def dequantize_weight(xp, quant, codes, scale, zero_point, n: int, k: int, dtype=None):
+    """The ``[N, K]`` weight a quantized weight's arrays hold under ``quant`` (its ``WeightQuant``,
+    read by attribute: ``layout``, ``strategy``, ``bits``, ``block``, ``group_size``)."""
+    if quant.layout == "awq":
+        return dequantize_awq(xp, codes, zero_point, scale, quant.group_size, dtype)
+    zero = zero_point
+    if quant.layout == "packed":
+        codes = unpack_int32(xp, codes, quant.bits, k)
+        if zero_point is not None:
+            rows = scale.shape[0]
+            zero = xp.einsum("kn->nk", unpack_int32(xp, xp.einsum("nk->kn", zero_point), quant.bits, rows))
+    if quant.strategy == "block":
+        return dequantize_blocks(xp, codes, scale, quant.block, dtype)
+    if quant.strategy == "group":
+        return dequantize_groups(xp, codes, scale, quant.group_size, zero, dtype)
+    if zero is not None:  # per channel / tensor with zero points: one group of all K columns
+        s = xp.reshape(scale, (-1, 1)) if quant.strategy == "channel" else xp.reshape(scale, (1, 1))
+        w = (xp.astype(codes, xp.float32) - xp.astype(xp.reshape(zero, s.shape), xp.float32)) * xp.astype(s, xp.float32)
+        return w if dtype is None else xp.astype(w, dtype)
+    return dequantize_per_channel(xp, codes, xp.reshape(scale, (-1,)) if quant.strategy == "channel" else scale, dtype)
 
 
 def pack_int32(codes, num_bits: int, axis: int = -1, order=None):

@@ -273,30 +273,9 @@ class QuantizedWeight:
 
     def dequantize(self, dtype: Any = None) -> Any:
         """The float32 ``[N, K]`` weight the scheme defines (``dtype``: cast to it)."""
-        q, xp = self.quant, array_namespace(self.codes)
         n, k = self.shape
-        if q.layout == "awq":
-            return quant_math.dequantize_awq(xp, self.codes, self.zero_point, self.scale, q.group_size, dtype)
-        if q.layout == "packed":
-            codes = quant_math.unpack_int32(xp, self.codes, q.bits, k)
-            zero = None
-            if self.zero_point is not None:
-                rows = self.scale.shape[0]
-                zero = xp.einsum("kn->nk", quant_math.unpack_int32(xp, xp.einsum("nk->kn", self.zero_point), q.bits,
-                                                                    rows))
-        else:
-            codes, zero = self.codes, self.zero_point
-        if q.strategy == "block":
-            return quant_math.dequantize_blocks(xp, codes, self.scale, q.block, dtype)
-        if q.strategy == "group":
-            return quant_math.dequantize_groups(xp, codes, self.scale, q.group_size, zero, dtype)
-        if zero is not None:  # per channel / tensor with zero points: one group of all K columns
-            scale = xp.reshape(self.scale, (-1, 1)) if q.strategy == "channel" else xp.reshape(self.scale, (1, 1))
-            zero = xp.reshape(zero, scale.shape)
-            w = (xp.astype(codes, xp.float32) - xp.astype(zero, xp.float32)) * xp.astype(scale, xp.float32)
-            return w if dtype is None else xp.astype(w, dtype)
-        return quant_math.dequantize_per_channel(xp, codes, xp.reshape(self.scale, (-1,)) if q.strategy == "channel"
-                                                 else self.scale, dtype)
+        return quant_math.dequantize_weight(array_namespace(self.codes), self.quant, self.codes, self.scale,
+                                            self.zero_point, n, k, dtype)
 
     def __repr__(self) -> str:
         return f"QuantizedWeight({self.quant.describe()}, shape={self.shape}, codes {dtype_name(self.codes)})"
