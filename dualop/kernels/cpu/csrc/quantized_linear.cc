@@ -256,7 +256,13 @@ static void quantize_rows(const void* x, int32_t dtype, int64_t m, int64_t k, co
     std::vector<float> row(static_cast<size_t>(k));
 #pragma omp for schedule(static)
     for (int64_t r = 0; r < m; ++r) {
-      for (int64_t i = 0; i < k; ++i) row[i] = load_f32(x, dtype, r * k + i);
+      if (dtype == dtype_code::bfloat16) {  // one loop per dtype, so that each vectorises
+        const bf16* src = static_cast<const bf16*>(x) + r * k;
+#pragma omp simd
+        for (int64_t i = 0; i < k; ++i) row[i] = to_f32(src[i]);
+      } else {
+        for (int64_t i = 0; i < k; ++i) row[i] = load_f32(x, dtype, r * k + i);
+      }
       float s;
       if (static_scale) {
         s = *static_scale;
@@ -267,8 +273,20 @@ static void quantize_rows(const void* x, int32_t dtype, int64_t m, int64_t k, co
       }
       scales[r] = s;
       uint8_t* qr = q + r * stride;
-#pragma omp simd
-      for (int64_t i = 0; i < k; ++i) {
+      int64_t i0 = 0;
+#ifdef DUALOP_HAVE_AVX512
+      // 16 at a time, the same operations as the loop below: divide, round to nearest even, NaN to
+      // 0, clamp to [-128, 127]
+      const __m512 sv = _mm512_set1_ps(s), lo = _mm512_set1_ps(-128.0f), hi = _mm512_set1_ps(127.0f);
+      for (; i0 + 16 <= k; i0 += 16) {
+        __m512 v = _mm512_roundscale_ps(_mm512_div_ps(_mm512_loadu_ps(row.data() + i0), sv),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        v = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(v, v, _CMP_ORD_Q), v);
+        v = _mm512_min_ps(hi, _mm512_max_ps(lo, v));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(qr + i0), _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(v)));
+      }
+#endif
+      for (int64_t i = i0; i < k; ++i) {
         float v = std::nearbyint(row[i] / s);
         v = v != v ? 0.0f : std::min(127.0f, std::max(-128.0f, v));
         qr[i] = static_cast<uint8_t>(static_cast<int8_t>(v));
@@ -501,6 +519,14 @@ QL_INLINE __mmask16 first_bytes16(int64_t len) { return len >= 16 ? __mmask16(0x
 // 32 bfloat16 values as the vdpbf16ps operand type.
 QL_INLINE __m512bh as_bh(__m512i v) { return reinterpret_cast<__m512bh>(v); }
 
+// acc += the pairwise products of a's and b's bfloat16 values (vdpbf16ps), on the accumulator in
+// place: GCC's intrinsic gives the result its own register and copies it back into the
+// accumulator's, about one move per product in the tiles' loops (dpbusd below likewise).
+QL_INLINE __m512 dpbf16(__m512 acc, __m512i a, __m512i b) {
+  asm("vdpbf16ps %2, %1, %0" : "+v"(acc) : "v"(a), "v"(b));
+  return acc;
+}
+
 // Decoders: 32 codes of a weight row from K index i (a multiple of 32) as bfloat16 bits, in the
 // order kXOrder says x is laid out in (the same permutation of the 32 K positions); load_tail reads
 // only the first len codes' bytes (the rest of the lanes are zero or finite).
@@ -659,8 +685,8 @@ QL_INLINE void register_tile(const Src& src, const uint8_t* const* rows, const v
       }
     } else {
       for (int r = 0; r < R; ++r) {
-        const __m512bh a = as_bh(_mm512_loadu_si512(xb + r * x_stride + i));
-        for (int c = 0; c < C; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], a, as_bh(wv[c]));
+        const __m512i a = _mm512_loadu_si512(xb + r * x_stride + i);
+        for (int c = 0; c < C; ++c) acc[r][c] = dpbf16(acc[r][c], a, wv[c]);
       }
     }
   };
