@@ -436,7 +436,7 @@ static void fp8_w8a8_portable(const Weight& w, const float* xq, const float* xs,
 // A growing buffer per thread and slot (OpenMP's threads persist between calls, so no call maps
 // fresh pages). The calling thread is also thread 0 of the team: each use has its own slot.
 enum BufferSlot {
-  kScaleSlot = 0, kZeroSlot, kXSumSlot, kXSlot, kScratchSlot, kPairScaleSlot, kPairZeroSlot, kSlots
+  kScaleSlot = 0, kZeroSlot, kXSumSlot, kXSlot, kScratchSlot, kPairScaleSlot, kPairZeroSlot, kXInterleavedSlot, kSlots
 };
 template <class T>
 static T* thread_buffer(int slot, size_t count) {
@@ -684,8 +684,9 @@ QL_INLINE void register_tile(const Src& src, const uint8_t* const* rows, const v
         for (int c = 0; c < C; ++c) acc[r][c] = _mm512_fmadd_ps(b, wo[c], _mm512_fmadd_ps(a, we[c], acc[r][c]));
       }
     } else {
+      const bf16* xi = xb + i * kDirectMaxRows;  // interleaved (interleave_direct_x): step i / 32's rows
       for (int r = 0; r < R; ++r) {
-        const __m512i a = _mm512_loadu_si512(xb + r * x_stride + i);
+        const __m512i a = _mm512_loadu_si512(xi + r * 32);
         for (int c = 0; c < C; ++c) acc[r][c] = dpbf16(acc[r][c], a, wv[c]);
       }
     }
@@ -918,6 +919,20 @@ static void prepare_x(const void* x, int32_t dtype, int64_t m, int64_t k, int64_
   }
 }
 
+// bfloat16 x of at most kDirectMaxRows rows (rows kp apart) interleaved for the register tiles:
+// [kp / 32][kDirectMaxRows][32], rows past m zeros, so that a K step's rows sit at fixed offsets
+// from one pointer (the tile's loop then needs one address register for x, not one per row).
+static const bf16* interleave_direct_x(const bf16* x, int64_t m, int64_t kp) {
+  bf16* xi = thread_buffer<bf16>(kXInterleavedSlot, static_cast<size_t>(kp * kDirectMaxRows));
+  for (int64_t s = 0; s < kp / 32; ++s)
+    for (int64_t r = 0; r < kDirectMaxRows; ++r) {
+      bf16* dst = xi + (s * kDirectMaxRows + r) * 32;
+      if (r < m) std::memcpy(dst, x + r * kp + s * 32, 32 * sizeof(bf16));
+      else std::memset(dst, 0, 32 * sizeof(bf16));
+    }
+  return xi;
+}
+
 // The rows-of-K weight-only GEMM on decoder Src: the threads split N into tiles of kScratchCols
 // columns; a tile runs on codes decoded in registers (few rows, bfloat16 x) or decoded once into the
 // thread's scratch. xscale: W8A8's x scales per (row, period) (x its codes), or null.
@@ -926,6 +941,7 @@ static void rows_fast(const Weight& w, const Src& src, const void* xp, int64_t k
                       const float* xscale, int64_t m, const Output& out, int threads) {
   const int64_t n = w.n, periods = w.periods();
   const bool direct = !kF32X && m <= kDirectMaxRows;
+  if (direct) xp = interleave_direct_x(static_cast<const bf16*>(xp), m, kp);  // the register tiles read it so
 #pragma omp parallel num_threads(threads)
   {
     float* sc = thread_buffer<float>(kScaleSlot, kScratchCols * periods);
