@@ -131,6 +131,14 @@ def test_matches_the_native_gemm(scheme, dtype):
         _check(scheme, lead, n, k, dtype, bias)
 
 
+@pytest.mark.parametrize("scheme", ["w8a8_channel", "w8a8_block", "w8a8_packed_channel"])
+def test_w8a8_takes_a_long_k_in_chunks(scheme):
+    """K past the kernel's 2048-position chunks (three of them, the last ragged and off the scale
+    blocks): the running sums carried between chunks, for every register tile's row count."""
+    for rows in (1, 4, 8, 11):
+        _check(scheme, (rows,), 40, 4200, "bfloat16", bias=rows == 4)
+
+
 FP8_W8A8 = ["fp8_w8a8_block", "fp8_w8a8_block32", "fp8_w8a8_block48", "fp8_w8a8_tensor_static", "fp8_w8a8_tensor",
             "fp8_w8a8_channel"]
 

@@ -1222,22 +1222,28 @@ static void interleave_rows(const uint8_t* xq, int64_t m, int64_t kp, uint8_t* x
       }
 }
 
-// R rows of x (int8 codes, interleaved as above, zero-padded) by C weight rows over all of K: per
-// period the int32 sum of (w + 128) * x less 128 * (the period's sum of x's codes, xsum), scaled by
-// the period's weight scale (kGrouped; else one int32 sum over K, scaled once).
+// R rows of x (int8 codes, interleaved as above, zero-padded) by C weight rows over K positions
+// [k0, k1) of K, a chunk of whole periods (or of the one period when ungrouped): per period the
+// int32 sum of (w + 128) * x less 128 * (the period's sum of x's codes, xsum), scaled by the period's
+// weight scale (kGrouped; else one int32 sum over K, scaled once). Between chunks the running sums
+// wait in `state` (the int32 sums ungrouped, the float32 totals grouped); the last chunk writes res.
 template <int R, int C, bool kGrouped, bool kPacked>
-QL_INLINE void w8a8_tile(const uint8_t* const* rows, const uint8_t* x, int64_t k, int64_t period,
-                         const float* sc, int64_t periods, const int32_t* xsum, Prefetch& pf, float (&res)[R][C]) {
+QL_INLINE void w8a8_tile(const uint8_t* const* rows, const uint8_t* x, int64_t k0, int64_t k1, int64_t k,
+                         int64_t period, const float* sc, int64_t periods, const int32_t* xsum, Prefetch& pf,
+                         __m512i (&state)[R][C], float (&res)[R][C]) {
   __m512 total[R][C];
   __m512i acc[R][C];
   for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) total[r][c] = _mm512_setzero_ps();
-  const int64_t span = kGrouped ? period : k;
-  int64_t p = 0;
-  for (int64_t k0 = 0; k0 < k; k0 += span, ++p) {
-    const int64_t k1 = std::min(k, k0 + span);
-    for (int r = 0; r < R; ++r)
-      for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_si512();
+    for (int c = 0; c < C; ++c) {
+      if constexpr (kGrouped) total[r][c] = k0 == 0 ? _mm512_setzero_ps() : _mm512_castsi512_ps(state[r][c]);
+      else acc[r][c] = k0 == 0 ? _mm512_setzero_si512() : state[r][c];
+    }
+  const int64_t span = kGrouped ? period : k1 - k0;
+  for (int64_t p0 = k0; p0 < k1; p0 += span) {
+    const int64_t p1 = std::min(k1, p0 + span), p = kGrouped ? p0 / period : 0;
+    if constexpr (kGrouped)
+      for (int r = 0; r < R; ++r)
+        for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_si512();
     // whole 64-byte steps, then the period's ragged end: no length test in the main loop
     auto step = [&](int64_t i, int64_t len) __attribute__((always_inline)) {
       __m512i wv[C];
@@ -1248,28 +1254,38 @@ QL_INLINE void w8a8_tile(const uint8_t* const* rows, const uint8_t* x, int64_t k
         for (int c = 0; c < C; ++c) acc[r][c] = dpbusd(acc[r][c], wv[c], a);
       }
     };
-    int64_t i = k0;
-    for (; i + 64 <= k1; i += 64) {
+    int64_t i = p0;
+    for (; i + 64 <= p1; i += 64) {
       pf.step();
       step(i, 64);
     }
-    if (i < k1) step(i, k1 - i);
-    for (int r = 0; r < R; ++r) {
-      const int32_t offset = 128 * xsum[r * periods + p];
-      for (int c = 0; c < C; ++c) {
-        if constexpr (kGrouped) {
+    if (i < p1) step(i, p1 - i);
+    if constexpr (kGrouped) {
+      for (int r = 0; r < R; ++r) {
+        const int32_t offset = 128 * xsum[r * periods + p];
+        for (int c = 0; c < C; ++c) {
           const __m512i exact = _mm512_mask_sub_epi32(acc[r][c], 1, acc[r][c], _mm512_set1_epi32(offset));
           total[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(exact), _mm512_set1_ps(sc[c * periods + p]), total[r][c]);
-        } else {
-          res[r][c] = static_cast<float>(hsum_epi32(acc[r][c]) - offset) * sc[c * periods];
         }
       }
     }
   }
-  if constexpr (kGrouped)
-    for (int r = 0; r < R; ++r)
-      for (int c = 0; c < C; ++c) res[r][c] = hsum(total[r][c]);
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) {
+      if (k1 < k) {
+        state[r][c] = kGrouped ? _mm512_castps_si512(total[r][c]) : acc[r][c];
+      } else if constexpr (kGrouped) {
+        res[r][c] = hsum(total[r][c]);
+      } else {
+        res[r][c] = static_cast<float>(hsum_epi32(acc[r][c]) - 128 * xsum[r * periods]) * sc[c * periods];
+      }
+    }
 }
+
+// K positions a pass over a tile's column groups takes: 8 rows of x's codes over it (16 KiB) stay
+// in L1 while every group reads them (a whole K of a wide layer's x would not: measured on
+// 2048 x 5632 at 8 rows, the weights streamed from memory at 17 GB/s where 5632 x 2048's did at 27).
+constexpr int64_t kW8a8ChunkK = 2048;
 
 // Columns of a register tile of R rows: R * C int32 accumulators (and as many float32 totals when
 // grouped) within the 32 vector registers. Ungrouped weights take up to 8 rows a pass (a weight
@@ -1289,16 +1305,23 @@ static void w8a8_rows(const uint8_t* const* tile_rows, int64_t n0, int64_t cols,
                       int64_t kp, const float* xs, const int32_t* xsum, int64_t k, int64_t period, const float* sc,
                       int64_t periods, const Output& out, Prefetch& pf) {
   constexpr int C = w8a8_cols<kGrouped>(R);
+  constexpr int64_t kGroups = kScratchCols / C;
+  __m512i state[kGroups][R][C];  // each column group's running sums between K chunks
+  const int64_t chunk = kGrouped ? std::max<int64_t>(1, kW8a8ChunkK / period) * period : kW8a8ChunkK;
+  const uint8_t* x = xq + (m0 / kW8a8XRows) * kp * kW8a8XRows + (m0 % kW8a8XRows) * 64;  // interleaved
   pf.pace(cdiv(cols, C) * cdiv(k, 64));
-  for (int64_t c0 = 0; c0 < cols; c0 += C) {
-    const uint8_t* rows[C];
-    for (int c = 0; c < C; ++c) rows[c] = tile_rows[std::min<int64_t>(c0 + c, cols - 1)];
-    float res[R][C];
-    const uint8_t* x = xq + (m0 / kW8a8XRows) * kp * kW8a8XRows + (m0 % kW8a8XRows) * 64;  // interleaved
-    w8a8_tile<R, C, kGrouped, kPacked>(rows, x, k, period, sc + c0 * periods, periods, xsum + m0 * periods, pf,
-                                         res);
-    for (int r = 0; r < R; ++r)
-      for (int c = 0; c < C && c0 + c < cols; ++c) out.put(m0 + r, n0 + c0 + c, res[r][c] * xs[m0 + r]);
+  for (int64_t k0 = 0; k0 < k; k0 += chunk) {
+    const int64_t k1 = std::min(k, k0 + chunk);
+    for (int64_t c0 = 0; c0 < cols; c0 += C) {
+      const uint8_t* rows[C];
+      for (int c = 0; c < C; ++c) rows[c] = tile_rows[std::min<int64_t>(c0 + c, cols - 1)];
+      float res[R][C];
+      w8a8_tile<R, C, kGrouped, kPacked>(rows, x, k0, k1, k, period, sc + c0 * periods, periods, xsum + m0 * periods,
+                                           pf, state[c0 / C], res);
+      if (k1 < k) continue;
+      for (int r = 0; r < R; ++r)
+        for (int c = 0; c < C && c0 + c < cols; ++c) out.put(m0 + r, n0 + c0 + c, res[r][c] * xs[m0 + r]);
+    }
   }
 }
 
