@@ -131,12 +131,15 @@ def test_matches_the_native_gemm(scheme, dtype):
         _check(scheme, lead, n, k, dtype, bias)
 
 
-@pytest.mark.parametrize("scheme", ["w8a8_channel", "w8a8_block", "w8a8_packed_channel"])
-def test_w8a8_takes_a_long_k_in_chunks(scheme):
-    """K past the kernel's 2048-position chunks (three of them, the last ragged and off the scale
-    blocks): the running sums carried between chunks, for every register tile's row count."""
-    for rows in (1, 4, 8, 11):
-        _check(scheme, (rows,), 40, 4200, "bfloat16", bias=rows == 4)
+@pytest.mark.parametrize("scheme", ["w8a8_channel", "w8a8_block", "w8a8_packed_channel", "int8_channel",
+                                    "int8_group64_zero", "int4_channel_zero", "fp8_block", "fp8_w8a8_block"])
+def test_a_long_k_runs_in_chunks(scheme):
+    """K past the register tiles' chunks (2048 bytes of each x row: 2048 int8 codes, 1024 bfloat16
+    values, 512 float32; the last chunk ragged and off the scale groups): the running sums, totals
+    and zero-point terms carried between chunks, for each tile's row count; float32 x as well."""
+    k = 4224 if scheme == "fp8_w8a8_block" else 4200  # fp8 W8A8 quantizes x in whole groups of 128
+    for rows, dtype in ((1, "bfloat16"), (4, "bfloat16"), (8, "bfloat16"), (11, "bfloat16"), (5, "float32")):
+        _check(scheme, (rows,), 40, k, dtype, bias=rows == 4)
 
 
 FP8_W8A8 = ["fp8_w8a8_block", "fp8_w8a8_block32", "fp8_w8a8_block48", "fp8_w8a8_tensor_static", "fp8_w8a8_tensor",

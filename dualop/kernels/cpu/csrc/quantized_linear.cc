@@ -666,9 +666,10 @@ QL_INLINE Prefetch next_tile(const Weight& w, int64_t n0, int64_t cols, int64_t 
 // values then the odd ones', so that a decoded bfloat16 vector's two halves line up), padded with
 // zeros to whole 32s.
 template <int R, int C, bool kGrouped, bool kF32X, class Src>
-QL_INLINE void register_tile(const Src& src, const uint8_t* const* rows, const void* x, int64_t x_stride, int64_t k,
-                             int64_t period, const float* sc, const float* zc, const float* xsum, const float* xscale,
-                             int64_t periods, Prefetch& pf, float (&res)[R][C]) {
+QL_INLINE void register_tile(const Src& src, const uint8_t* const* rows, const void* x, int64_t x_stride, int64_t k0,
+                             int64_t k1, int64_t k, int64_t period, const float* sc, const float* zc,
+                             const float* xsum, const float* xscale, int64_t periods, Prefetch& pf,
+                             __m512 (&state)[R][C], float (&res)[R][C]) {
   __m512 acc[R][C];
   const bf16* xb = static_cast<const bf16*>(x);
   const float* xf = static_cast<const float*>(x);
@@ -691,53 +692,54 @@ QL_INLINE void register_tile(const Src& src, const uint8_t* const* rows, const v
       }
     }
   };
-  // one period's sums into acc, less z * (the period's sum of x) where there are zero points
-  auto period_sums = [&](int64_t p, int64_t k0, int64_t k1) __attribute__((always_inline)) {
-    for (int r = 0; r < R; ++r)
-      for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
-    int64_t i = k0;
-    for (; i + 32 <= k1; i += 32) step(i, 32);
-    if (i < k1) step(i, k1 - i);
-    if (zc) {
+  // the sums of [p0, p1) into acc, less z * (the period's sum of x) where there are zero points
+  // (applied once, with the period's last positions)
+  auto span_sums = [&](int64_t p, int64_t p0, int64_t p1) __attribute__((always_inline)) {
+    int64_t i = p0;
+    for (; i + 32 <= p1; i += 32) step(i, 32);
+    if (i < p1) step(i, p1 - i);
+    if (zc && p1 == std::min(k, (p + 1) * period)) {
       for (int r = 0; r < R; ++r) {
         const __m512 xs = _mm512_zextps128_ps512(_mm_set_ss(xsum[r * periods + p]));  // lane 0 only
         for (int c = 0; c < C; ++c) acc[r][c] = _mm512_fnmadd_ps(_mm512_set1_ps(zc[c * periods + p]), xs, acc[r][c]);
       }
     }
   };
-  if constexpr (!kGrouped) {  // one period: no running total (its registers would spill the tile)
-    period_sums(0, 0, k);
+  if constexpr (!kGrouped) {  // one period: the running sums wait in `state` between chunks
     for (int r = 0; r < R; ++r)
-      for (int c = 0; c < C; ++c) res[r][c] = hsum(acc[r][c]) * sc[c] * (xscale ? xscale[r * periods] : 1.0f);
-  } else {
-    // the running totals stay in registers while they fit beside the accumulators; a larger tile
-    // keeps them in L1 (touched once a period)
-    constexpr bool kTotalsInMemory = 2 * R * C > 24;
-    __m512 total[kTotalsInMemory ? 1 : R][kTotalsInMemory ? 1 : C];
-    alignas(64) float stored[kTotalsInMemory ? R : 1][kTotalsInMemory ? C : 1][16];
+      for (int c = 0; c < C; ++c) acc[r][c] = k0 == 0 ? _mm512_setzero_ps() : state[r][c];
+    span_sums(0, k0, k1);
     for (int r = 0; r < R; ++r)
       for (int c = 0; c < C; ++c) {
-        if constexpr (kTotalsInMemory) _mm512_store_ps(stored[r][c], _mm512_setzero_ps());
-        else total[r][c] = _mm512_setzero_ps();
+        if (k1 < k) state[r][c] = acc[r][c];
+        else res[r][c] = hsum(acc[r][c]) * sc[c] * (xscale ? xscale[r * periods] : 1.0f);
       }
-    int64_t p = 0;
-    for (int64_t k0 = 0; k0 < k; k0 += period, ++p) {
-      period_sums(p, k0, std::min(k, k0 + period));
+  } else {
+    // a chunk holds whole periods; the running totals stay in `state` (memory: touched once a
+    // period, their registers would spill the tile)
+    if (k0 == 0)
+      for (int r = 0; r < R; ++r)
+        for (int c = 0; c < C; ++c) state[r][c] = _mm512_setzero_ps();
+    for (int64_t p0 = k0; p0 < k1; p0 += period) {
+      const int64_t p = p0 / period;
+      for (int r = 0; r < R; ++r)
+        for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
+      span_sums(p, p0, std::min(k1, p0 + period));
       for (int r = 0; r < R; ++r) {
         const float xs = xscale ? xscale[r * periods + p] : 1.0f;
-        for (int c = 0; c < C; ++c) {
-          const __m512 s = _mm512_set1_ps(sc[c * periods + p] * xs);
-          if constexpr (kTotalsInMemory)
-            _mm512_store_ps(stored[r][c], _mm512_fmadd_ps(acc[r][c], s, _mm512_load_ps(stored[r][c])));
-          else
-            total[r][c] = _mm512_fmadd_ps(acc[r][c], s, total[r][c]);
-        }
+        for (int c = 0; c < C; ++c)
+          state[r][c] = _mm512_fmadd_ps(acc[r][c], _mm512_set1_ps(sc[c * periods + p] * xs), state[r][c]);
       }
     }
-    for (int r = 0; r < R; ++r)
-      for (int c = 0; c < C; ++c) res[r][c] = hsum(kTotalsInMemory ? _mm512_load_ps(stored[r][c]) : total[r][c]);
+    if (k1 == k)
+      for (int r = 0; r < R; ++r)
+        for (int c = 0; c < C; ++c) res[r][c] = hsum(state[r][c]);
   }
 }
+
+// Bytes of each x row a pass over a tile's column groups takes (K in chunks of whole periods): 8
+// rows of it (16 KiB) stay in L1 while every group reads them.
+constexpr int64_t kTileChunkBytes = 2048;
 
 // Columns a register tile of R rows takes (with a total and a period accumulator per pair when
 // grouped): about 16-24 of the 32 vector registers.
@@ -770,14 +772,23 @@ static void run_rows(const Src& src, const uint8_t* const* tile_rows, int64_t ti
   const float* xsum = a.xsum ? a.xsum + m0 * a.periods : nullptr;
   const float* xscale = a.xscale ? a.xscale + m0 * a.periods : nullptr;
   pf.pace(cdiv(tile_cols_count, C) * cdiv(a.k, 32));
-  for (int64_t c0 = 0; c0 < tile_cols_count; c0 += C) {
-    const uint8_t* rows[C];
-    for (int c = 0; c < C; ++c) rows[c] = tile_rows[std::min<int64_t>(c0 + c, tile_cols_count - 1)];
-    float res[R][C];
-    register_tile<R, C, kGrouped, kF32X>(src, rows, x, a.x_stride, a.k, a.period, a.sc + c0 * a.periods,
-                                          a.zc ? a.zc + c0 * a.periods : nullptr, xsum, xscale, a.periods, pf, res);
-    for (int r = 0; r < R; ++r)
-      for (int c = 0; c < C && c0 + c < tile_cols_count; ++c) a.out->put(m0 + r, tile_n0 + c0 + c, res[r][c]);
+  constexpr int64_t kGroups = kScratchCols / C;
+  __m512 state[kGroups][R][C];  // each column group's running sums (or totals) between K chunks
+  const int64_t chunk_k = kTileChunkBytes / static_cast<int64_t>(x_elem);
+  const int64_t chunk = kGrouped ? std::max<int64_t>(1, chunk_k / a.period) * a.period : chunk_k;
+  for (int64_t k0 = 0; k0 < a.k; k0 += chunk) {
+    const int64_t k1 = std::min(a.k, k0 + chunk);
+    for (int64_t c0 = 0; c0 < tile_cols_count; c0 += C) {
+      const uint8_t* rows[C];
+      for (int c = 0; c < C; ++c) rows[c] = tile_rows[std::min<int64_t>(c0 + c, tile_cols_count - 1)];
+      float res[R][C];
+      register_tile<R, C, kGrouped, kF32X>(src, rows, x, a.x_stride, k0, k1, a.k, a.period, a.sc + c0 * a.periods,
+                                            a.zc ? a.zc + c0 * a.periods : nullptr, xsum, xscale, a.periods, pf,
+                                            state[c0 / C], res);
+      if (k1 < a.k) continue;
+      for (int r = 0; r < R; ++r)
+        for (int c = 0; c < C && c0 + c < tile_cols_count; ++c) a.out->put(m0 + r, tile_n0 + c0 + c, res[r][c]);
+    }
   }
 }
 
