@@ -177,7 +177,7 @@ class QuantizedWeight:
     ``shape`` is the float weight's ``(N, K)``; it defaults to what ``codes`` says (a packed
     layout's ``K`` up to a whole word unless given). A jax pytree (its arrays the leaves)."""
 
-    __slots__ = ("quant", "codes", "scale", "zero_point", "input_scale", "shape")
+    __slots__ = ("quant", "codes", "scale", "zero_point", "input_scale", "shape", "_checked")
 
     def __init__(self, quant: WeightQuant, codes: Any, scale: Any, zero_point: Any = None, input_scale: Any = None,
                  shape: tuple[int, int] | None = None) -> None:
@@ -189,6 +189,7 @@ class QuantizedWeight:
             rows, cols = tuple(codes.shape[-2:]) if getattr(codes, "ndim", 0) == 2 else (0, 0)
             shape = {"packed": (rows, cols * 32 // quant.bits), "awq": (cols * 8, rows)}.get(quant.layout, (rows, cols))
         self.shape = (int(shape[0]), int(shape[1]))
+        self._checked: tuple | None = None  # what check() last passed (see there)
         if "jax" in sys.modules:  # a pytree wherever jax is in use (jax arrays, abstract ShapeDtypeStructs)
             _register_pytree()
 
@@ -236,6 +237,15 @@ class QuantizedWeight:
         """Raise a ``TypeError``/``ValueError`` naming ``op`` and ``arg`` unless this weight is a
         ``shape`` weight of its scheme, on ``x``'s frontend and device."""
         q, (n, k) = self.quant, shape
+        # The verdict depends on the arrays' shapes, dtypes and devices and on x's frontend and
+        # device, none of which an array changes in place: a model's weight passes once, and each
+        # later call (every layer of every step) only compares the arrays it holds.
+        device = getattr(x, "device", None) if family_of(x_frontend) == "torch" else None
+        arrays = (self.codes, self.scale, self.zero_point, self.input_scale)
+        memo = self._checked
+        if memo is not None and memo[0] == (n, k, x_frontend, device) and all(
+                a is b for a, b in zip(memo[1], arrays)):
+            return
         if self.shape != (n, k):
             raise ValueError(f"{op}: argument '{arg}' is a quantized weight of shape {self.shape}; expected {(n, k)}")
         if q.strategy == "block" and q.activations != "none" and k % q.block[1]:
@@ -270,6 +280,7 @@ class QuantizedWeight:
         if family_of(frontend_of(self.codes)) != family_of(x_frontend):
             raise TypeError(f"{op}: argument '{arg}' holds {frontend_of(self.codes)} arrays but 'x' is a "
                             f"{x_frontend} array")
+        self._checked = ((n, k, x_frontend, device), arrays)
 
     def dequantize(self, dtype: Any = None) -> Any:
         """The float32 ``[N, K]`` weight the scheme defines (``dtype``: cast to it)."""
@@ -327,6 +338,7 @@ def _register_pytree() -> None:
         w = object.__new__(QuantizedWeight)
         w.quant, w.shape = aux
         w.codes, w.scale, w.zero_point, w.input_scale = children
+        w._checked = None
         return w
 
     jax.tree_util.register_pytree_node(QuantizedWeight, flatten, unflatten)

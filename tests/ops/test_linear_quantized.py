@@ -227,6 +227,22 @@ def test_bad_quantized_weights_are_refused_before_any_gemm(weight, error, match)
         op(torch.ones(2, K), weight())
 
 
+def test_a_weight_that_passed_is_checked_again_once_it_changes():
+    """The check remembers the arrays a weight last passed with; an array swapped for a bad one, or
+    the same weight at another width, is refused all the same."""
+    rng = np.random.default_rng(12)
+    quant, arrays, _ = _scheme("int8_channel", rng)
+    weight = _weight(quant, arrays, "torch")
+    op = ReplicatedLinear(K, N, bias=False, return_bias=False)
+    op(torch.ones(2, K), weight)
+    op(torch.ones(2, K), weight)  # passes again from the memo
+    with pytest.raises(ValueError, match=r"replicated_linear: argument 'weight' is a quantized weight of shape"):
+        ReplicatedLinear(K, 2 * N, bias=False, return_bias=False)(torch.ones(2, K), weight)
+    weight.scale = torch.ones(N, 2)
+    with pytest.raises(ValueError, match=r"argument 'weight.scale' has shape \(48, 2\); expected \(48, 1\)"):
+        op(torch.ones(2, K), weight)
+
+
 def test_w8a8_block_needs_whole_activation_groups():
     quant = WeightQuant("fp8", "block", block=(32, 128), activations="dynamic")
     op = ReplicatedLinear(200, N, bias=False, return_bias=False)
