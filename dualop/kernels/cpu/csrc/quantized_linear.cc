@@ -872,11 +872,11 @@ static void pairs_rows(const __m512i* pairs, const bf16* x, int64_t x_stride, in
     __m512 acc[R];
     for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
     for (int64_t q = q0; q < q1; ++q) {
-      const __m512bh w = as_bh(_mm512_loadu_si512(pairs + q));
+      const __m512i w = _mm512_loadu_si512(pairs + q);
       for (int r = 0; r < R; ++r) {
         int32_t pair;
         std::memcpy(&pair, x + r * x_stride + 2 * q, sizeof pair);
-        acc[r] = _mm512_dpbf16_ps(acc[r], w, as_bh(_mm512_set1_epi32(pair)));
+        acc[r] = dpbf16(acc[r], w, _mm512_set1_epi32(pair));
       }
     }
     const __m512 s = _mm512_loadu_ps(sc_t + p * 16);
@@ -1073,15 +1073,15 @@ static void awq_rows(const Awq& w, int64_t w0, int64_t words_count, const bf16* 
     for (int r = 0; r < R; ++r)
       for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_setzero_ps();
     for (int64_t kk = k0; kk < k1; kk += 2) {
-      __m512bh xb[R];
+      __m512i xb[R];
       for (int r = 0; r < R; ++r) {
         int32_t pair;
         std::memcpy(&pair, xp + r * kp2 + kk, sizeof pair);
-        xb[r] = as_bh(_mm512_set1_epi32(pair));
+        xb[r] = _mm512_set1_epi32(pair);
       }
       auto use = [&](int v, __m512i pairs) __attribute__((always_inline)) {
         if (v < V0 || v >= V0 + NV) return;
-        for (int r = 0; r < R; ++r) acc[r][v - V0] = _mm512_dpbf16_ps(acc[r][v - V0], as_bh(pairs), xb[r]);
+        for (int r = 0; r < R; ++r) acc[r][v - V0] = dpbf16(acc[r][v - V0], pairs, xb[r]);
       };
       if (scratch) {
         const __m512i* row = scratch + ((kk - k0) / 2) * 8;  // the one period decoded
