@@ -446,6 +446,27 @@ static T* thread_buffer(int slot, size_t count) {
   return b.data();
 }
 
+// x's rows (row_bytes apart, a multiple of 64) interleaved for the register tiles: each block of
+// kInterleavedRows rows as [row_bytes / 64][kInterleavedRows][64 bytes], rows past m zeros, so that
+// a K step's rows sit at fixed offsets from one pointer (a tile's loop then needs one address
+// register for x, not one per row). The calling thread's buffer.
+constexpr int64_t kInterleavedRows = 8;
+static_assert(kDirectMaxRows <= kInterleavedRows, "a direct row block is one interleaved block");
+
+static const uint8_t* interleave_rows(const void* x, int64_t m, int64_t row_bytes) {
+  const int64_t steps = row_bytes / 64, blocks = cdiv(m, kInterleavedRows);
+  uint8_t* xi = thread_buffer<uint8_t>(kXInterleavedSlot, static_cast<size_t>(blocks * kInterleavedRows * row_bytes));
+  for (int64_t b = 0; b < blocks; ++b)
+    for (int64_t s = 0; s < steps; ++s)
+      for (int64_t r = 0; r < kInterleavedRows; ++r) {
+        uint8_t* dst = xi + ((b * steps + s) * kInterleavedRows + r) * 64;
+        const int64_t row = b * kInterleavedRows + r;
+        if (row < m) std::memcpy(dst, static_cast<const uint8_t*>(x) + row * row_bytes + s * 64, 64);
+        else std::memset(dst, 0, 64);
+      }
+  return xi;
+}
+
 // The scale (times `factor`) and zero point of each period of columns [n0, n0 + cols), as
 // float32 [cols][periods]; columns past n repeat the last.
 static void tile_scales(const Weight& w, int64_t n0, int64_t cols, float factor, float* sc, float* zc) {
@@ -685,7 +706,7 @@ QL_INLINE void register_tile(const Src& src, const uint8_t* const* rows, const v
         for (int c = 0; c < C; ++c) acc[r][c] = _mm512_fmadd_ps(b, wo[c], _mm512_fmadd_ps(a, we[c], acc[r][c]));
       }
     } else {
-      const bf16* xi = xb + i * kDirectMaxRows;  // interleaved (interleave_direct_x): step i / 32's rows
+      const bf16* xi = xb + i * kInterleavedRows;  // interleaved (interleave_rows): step i / 32's rows
       for (int r = 0; r < R; ++r) {
         const __m512i a = _mm512_loadu_si512(xi + r * 32);
         for (int c = 0; c < C; ++c) acc[r][c] = dpbf16(acc[r][c], a, wv[c]);
@@ -930,20 +951,6 @@ static void prepare_x(const void* x, int32_t dtype, int64_t m, int64_t k, int64_
   }
 }
 
-// bfloat16 x of at most kDirectMaxRows rows (rows kp apart) interleaved for the register tiles:
-// [kp / 32][kDirectMaxRows][32], rows past m zeros, so that a K step's rows sit at fixed offsets
-// from one pointer (the tile's loop then needs one address register for x, not one per row).
-static const bf16* interleave_direct_x(const bf16* x, int64_t m, int64_t kp) {
-  bf16* xi = thread_buffer<bf16>(kXInterleavedSlot, static_cast<size_t>(kp * kDirectMaxRows));
-  for (int64_t s = 0; s < kp / 32; ++s)
-    for (int64_t r = 0; r < kDirectMaxRows; ++r) {
-      bf16* dst = xi + (s * kDirectMaxRows + r) * 32;
-      if (r < m) std::memcpy(dst, x + r * kp + s * 32, 32 * sizeof(bf16));
-      else std::memset(dst, 0, 32 * sizeof(bf16));
-    }
-  return xi;
-}
-
 // The rows-of-K weight-only GEMM on decoder Src: the threads split N into tiles of kScratchCols
 // columns; a tile runs on codes decoded in registers (few rows, bfloat16 x) or decoded once into the
 // thread's scratch. xscale: W8A8's x scales per (row, period) (x its codes), or null.
@@ -952,7 +959,7 @@ static void rows_fast(const Weight& w, const Src& src, const void* xp, int64_t k
                       const float* xscale, int64_t m, const Output& out, int threads) {
   const int64_t n = w.n, periods = w.periods();
   const bool direct = !kF32X && m <= kDirectMaxRows;
-  if (direct) xp = interleave_direct_x(static_cast<const bf16*>(xp), m, kp);  // the register tiles read it so
+  if (direct) xp = interleave_rows(xp, m, kp * static_cast<int64_t>(sizeof(bf16)));  // the register tiles read it so
 #pragma omp parallel num_threads(threads)
   {
     float* sc = thread_buffer<float>(kScaleSlot, kScratchCols * periods);
@@ -1217,23 +1224,7 @@ QL_INLINE __m512i dpbusd(__m512i acc, __m512i a, __m512i b) {
   return acc;
 }
 
-// x's codes interleaved for the tiles: each block of kW8a8XRows rows as [K / 64][kW8a8XRows][64]
-// bytes, so that a K step's rows sit at fixed offsets from one pointer (the tile's loop then needs
-// one address register for x, not one per row); rows past m are zeros.
-constexpr int64_t kW8a8XRows = 8;
-
-static void interleave_rows(const uint8_t* xq, int64_t m, int64_t kp, uint8_t* xi) {
-  for (int64_t b = 0; b < cdiv(m, kW8a8XRows); ++b)
-    for (int64_t s = 0; s < kp / 64; ++s)
-      for (int64_t r = 0; r < kW8a8XRows; ++r) {
-        uint8_t* dst = xi + ((b * (kp / 64) + s) * kW8a8XRows + r) * 64;
-        const int64_t row = b * kW8a8XRows + r;
-        if (row < m) std::memcpy(dst, xq + row * kp + s * 64, 64);
-        else std::memset(dst, 0, 64);
-      }
-}
-
-// R rows of x (int8 codes, interleaved as above, zero-padded) by C weight rows over K positions
+// R rows of x (int8 codes, interleaved by interleave_rows, zero-padded) by C weight rows over K positions
 // [k0, k1) of K, a chunk of whole periods (or of the one period when ungrouped): per period the
 // int32 sum of (w + 128) * x less 128 * (the period's sum of x's codes, xsum), scaled by the period's
 // weight scale (kGrouped; else one int32 sum over K, scaled once). Between chunks the running sums
@@ -1259,7 +1250,7 @@ QL_INLINE void w8a8_tile(const uint8_t* const* rows, const uint8_t* x, int64_t k
     auto step = [&](int64_t i, int64_t len) __attribute__((always_inline)) {
       __m512i wv[C];
       for (int c = 0; c < C; ++c) wv[c] = uint8_codes<kPacked>(rows[c], i, len);
-      const uint8_t* xi = x + i * kW8a8XRows;  // step i / 64's rows, 64 bytes apart
+      const uint8_t* xi = x + i * kInterleavedRows;  // step i / 64's rows, 64 bytes apart
       for (int r = 0; r < R; ++r) {
         const __m512i a = _mm512_loadu_si512(xi + r * 64);
         for (int c = 0; c < C; ++c) acc[r][c] = dpbusd(acc[r][c], wv[c], a);
@@ -1319,7 +1310,7 @@ static void w8a8_rows(const uint8_t* const* tile_rows, int64_t n0, int64_t cols,
   constexpr int64_t kGroups = kScratchCols / C;
   __m512i state[kGroups][R][C];  // each column group's running sums between K chunks
   const int64_t chunk = kGrouped ? std::max<int64_t>(1, kW8a8ChunkK / period) * period : kW8a8ChunkK;
-  const uint8_t* x = xq + (m0 / kW8a8XRows) * kp * kW8a8XRows + (m0 % kW8a8XRows) * 64;  // interleaved
+  const uint8_t* x = xq + (m0 / kInterleavedRows) * kp * kInterleavedRows + (m0 % kInterleavedRows) * 64;  // interleaved
   pf.pace(cdiv(cols, C) * cdiv(k, 64));
   for (int64_t k0 = 0; k0 < k; k0 += chunk) {
     const int64_t k1 = std::min(k, k0 + chunk);
@@ -1592,9 +1583,7 @@ extern "C" int dualop_quantized_linear_w8a8(const DualopArray* x, const DualopAr
         for (int64_t i = p * w.group_k; i < std::min(k, (p + 1) * w.group_k); ++i) sum += static_cast<int8_t>(xq[r * kp + i]);
         xsum[r * periods + p] = sum;
       }
-    uint8_t* xi = reinterpret_cast<uint8_t*>(
-        thread_buffer<float>(kScratchSlot, static_cast<size_t>(cdiv(m, fast::kW8a8XRows) * fast::kW8a8XRows * kp / 4)));
-    fast::interleave_rows(xq, m, kp, xi);
+    const uint8_t* xi = interleave_rows(xq, m, kp);
     const bool grouped = periods > 1, packed = format == kInt8Packed;
     if (grouped && packed) fast::w8a8_fast<true, true>(w, xi, kp, xs, xsum, m, o, threads);
     else if (grouped) fast::w8a8_fast<true, false>(w, xi, kp, xs, xsum, m, o, threads);
