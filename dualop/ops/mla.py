@@ -575,16 +575,17 @@ class MultiHeadLatentAttention(CustomOp):
         kv = call(self.kv_a_proj_with_mqa)(x, w["kv_a_proj_with_mqa"])
         kv_c = call(self.kv_a_layernorm)(kv[:, :lat], w["kv_a_layernorm"])
         q_pe, k_pe = call(self.rope)(positions, q_pe, xp.reshape(kv[:, lat:], (tokens, 1, rope_dim)))
-        fp8 = {} if kv_cache_dtype == "auto" else {"kv_cache_dtype": kv_cache_dtype, "scale": k_scale}
+        # an fp8 cache's one scale (None: a cache in hidden_states' dtype)
+        cache_scale = None if kv_cache_dtype == "auto" else 1.0 if k_scale is None else float(k_scale)
+        fp8 = {} if cache_scale is None else {"kv_cache_dtype": kv_cache_dtype, "scale": cache_scale}
         latent_pages = call(self.cache_write)(kv_c, xp.reshape(k_pe, (tokens, rope_dim)), latent_pages, slot_mapping,
                                               **fp8)
-        k_scale = None if not fp8 else k_scale
         if mode == "expanded" or (mode == "auto" and _prefill_only(kv_lens, cu_q_lens, num_seqs)):
             attn = self._expanded(call, xp, w, q_nope, q_pe, latent_pages, kv_lens, page_indices, cu_q_lens,
-                                  num_seqs, fp8, k_scale)
+                                  num_seqs, cache_scale)
         else:
             attn = self._absorbed(call, native, xp, w, q_nope, q_pe, latent_pages, kv_lens, page_indices,
-                                  cu_q_lens, num_seqs, fp8, k_scale)
+                                  cu_q_lens, num_seqs, cache_scale)
         out = call(self.o_proj)(xp.reshape(attn, (tokens, heads * self.v_head_dim)), w["o_proj"])
         return out, latent_pages
 
@@ -595,16 +596,16 @@ class MultiHeadLatentAttention(CustomOp):
         return kv_b[:, : self.qk_nope_head_dim], kv_b[:, self.qk_nope_head_dim:]
 
     def _absorbed(self, call, native: bool, xp: Any, w: Any, q_nope: Any, q_pe: Any, latent_pages: Any, kv_lens: Any,
-                  page_indices: Any, cu_q_lens: Any, num_seqs: Any, fp8: dict, k_scale: float | None) -> Any:
+                  page_indices: Any, cu_q_lens: Any, num_seqs: Any, cache_scale: float | None) -> Any:
         w_uk, w_uv = self._kv_b(xp, w)
         q_latent = _product(xp, native, "thn,hnl->thl", q_nope, w_uk)
         q_latent = xp.concat([q_latent, q_pe], axis=-1)
         o_latent = call(self.mla)(q_latent, latent_pages, kv_lens, page_indices, cu_q_lens, num_seqs,
-                                  sm_scale=self.scale, **({"k_scale": k_scale} if fp8 else {}))
+                                  sm_scale=self.scale, **({} if cache_scale is None else {"k_scale": cache_scale}))
         return _product(xp, native, "thl,hvl->thv", o_latent, w_uv)
 
     def _expanded(self, call, xp: Any, w: Any, q_nope: Any, q_pe: Any, latent_pages: Any, kv_lens: Any,
-                  page_indices: Any, cu_q_lens: Any, num_seqs: Any, fp8: dict, k_scale: float | None) -> Any:
+                  page_indices: Any, cu_q_lens: Any, num_seqs: Any, cache_scale: float | None) -> Any:
         """K and V of every position of the batch's pages (kv_b_proj once per cached row), laid out
         as a paged K/V cache of their own (one page per page-table entry, the table renumbered),
         then ``ragged_paged_attention`` with q = [q_nope | q_pe]; V zero-padded to K's width. An fp8
@@ -616,8 +617,8 @@ class MultiHeadLatentAttention(CustomOp):
         n = max_seqs * pages_per_seq
         table = xp.clip(xp.reshape(page_indices, (n,)), 0, num_pages - 1)
         rows = xp.reshape(xp.take(latent_pages, table, axis=0), (n * page_size, self.kv_lora_rank + rope_dim))
-        if fp8:
-            rows = xp.astype(xp.astype(rows, xp.float32) * (1.0 if k_scale is None else k_scale), q_nope.dtype)
+        if cache_scale is not None:
+            rows = xp.astype(xp.astype(rows, xp.float32) * cache_scale, q_nope.dtype)
         kv = xp.reshape(call(self.kv_b_proj)(rows[:, : self.kv_lora_rank], w["kv_b_proj"]),
                         (n * page_size, heads, nope + v_dim))
         width = max(nope + rope_dim, v_dim)
