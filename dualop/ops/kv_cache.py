@@ -301,8 +301,8 @@ class ReshapeAndCache(CustomOp):
     @validates_inputs
     def forward_cpu(self, key: Any, value: Any, kv_pages: Any, slot_mapping: Any, *, kv_cache_dtype: str = "auto",
                     k_scale: Any = None, v_scale: Any = None) -> Any:
-        """torch on the CPU: a plain call (a cache in the key's dtype, row-major tensors, slots in
-        range) goes to the C++ torch operator (``kernels/cpu/kv_cache.py``: the rows copied in token
+        """torch on the CPU: a plain call (a row-major cache in the key's dtype, key and value
+        rows unit-strided, slots in range) goes to the C++ torch operator (``kernels/cpu/kv_cache.py``: the rows copied in token
         order, checked in C++); any other call is checked here, then ``index_copy_`` of the kept
         tokens' interleaved rows (an fp8 cache's codes from ``quantize_kv``, copied as bytes) into
         the cache viewed as ``[num_pages * page_size, 2*Hkv, D]`` (needs a contiguous cache to view)."""

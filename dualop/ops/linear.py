@@ -61,6 +61,7 @@ _QUANTIZED_KERNELS = {
     "cpu": "dualop.kernels.cpu.quantized_linear",
     "xla": "dualop.kernels.xla.quantized_linear",
 }
+_CPU_PREPARE = KernelRef(_QUANTIZED_KERNELS["cpu"], "prepare")
 _QUANTIZED = {name: (KernelRef(module, "quantized_matmul" if name != "xla" else "quantized_linear"),
                      KernelRef(module, "supports")) for name, module in _QUANTIZED_KERNELS.items()}
 
@@ -196,8 +197,8 @@ def _torch_cpu_linear(x: Any, weight: Any, bias: Any) -> Any:
     if not isinstance(weight, QuantizedWeight):
         return _torch_linear(x, weight, bias)
     try:
-        kernel, static = _quantized_kernel("cpu", x, weight)
-        return kernel(x, *_quantized_arrays(weight, bias), **static)
+        _quantized_kernel("cpu", x, weight)  # NotImplementedError where the kernel does not take the scheme
+        return weight.derived("cpu", lambda: _cpu_prepared(weight))(x, bias)
     except NotImplementedError:  # the scheme is not the C++ GEMM's, or the C++ kernels are unavailable
         q = weight.quant
         if (q.codes, q.strategy, q.layout, q.symmetric, q.activations) != ("int8", "channel", "plain", True, "none"):
@@ -210,6 +211,15 @@ def _torch_cpu_linear(x: Any, weight: Any, bias: Any) -> Any:
     y = torch._weight_int8pack_mm(x.reshape(-1, k).contiguous(), weight.codes, weight.scale.reshape(-1).to(x.dtype))
     y = y.reshape(*lead, y.shape[-1])
     return y if bias is None else (y.float() + bias.float()).to(x.dtype)
+
+
+def _cpu_prepared(weight: QuantizedWeight) -> tuple[Any, bool]:
+    """The C++ GEMM's call with ``weight``'s arguments packed once (``kernels/cpu/quantized_linear``
+    ``prepare``; a decode step's linear layer then packs only x), and whether to keep it."""
+    n, k = weight.shape
+    prepared = _CPU_PREPARE(weight.codes, weight.scale, weight.zero_point, weight.input_scale, quant=weight.quant,
+                            n=n, k=k)
+    return prepared, not prepared.copied
 
 
 class _Linear(CustomOp):

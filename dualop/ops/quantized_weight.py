@@ -26,7 +26,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import sys
-from typing import Any
+from typing import Any, Callable
 
 from dualop.backends import array_namespace
 from dualop.kernels import quant_math
@@ -177,7 +177,7 @@ class QuantizedWeight:
     ``shape`` is the float weight's ``(N, K)``; it defaults to what ``codes`` says (a packed
     layout's ``K`` up to a whole word unless given). A jax pytree (its arrays the leaves)."""
 
-    __slots__ = ("quant", "codes", "scale", "zero_point", "input_scale", "shape", "_checked")
+    __slots__ = ("quant", "codes", "scale", "zero_point", "input_scale", "shape", "_checked", "_derived")
 
     def __init__(self, quant: WeightQuant, codes: Any, scale: Any, zero_point: Any = None, input_scale: Any = None,
                  shape: tuple[int, int] | None = None) -> None:
@@ -190,6 +190,7 @@ class QuantizedWeight:
             shape = {"packed": (rows, cols * 32 // quant.bits), "awq": (cols * 8, rows)}.get(quant.layout, (rows, cols))
         self.shape = (int(shape[0]), int(shape[1]))
         self._checked: tuple | None = None  # what check() last passed (see there)
+        self._derived: dict[str, tuple] = {}  # derived()'s results, by name
         if "jax" in sys.modules:  # a pytree wherever jax is in use (jax arrays, abstract ShapeDtypeStructs)
             _register_pytree()
 
@@ -282,6 +283,32 @@ class QuantizedWeight:
                             f"{x_frontend} array")
         self._checked = ((n, k, x_frontend, device), arrays)
 
+    _STATE = ("quant", "codes", "scale", "zero_point", "input_scale", "shape")
+
+    def __getstate__(self) -> dict[str, Any]:
+        # a copy or a pickle carries the weight, not the memos: derived() values hold packed
+        # pointers into these very arrays, which a copy's arrays are not
+        return {name: getattr(self, name) for name in self._STATE}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        for name in self._STATE:
+            setattr(self, name, state[name])
+        self._checked, self._derived = None, {}
+
+    def derived(self, name: str, build: Callable[[], tuple[Any, bool]]) -> Any:
+        """What a kernel derives from this weight's arrays (its packed call arguments), built once:
+        ``build()`` returns ``(value, keep)``, and a kept value is returned again while the weight
+        holds the same arrays (changed in place or not). ``keep`` false (a value that would not see
+        a change made in place, such as one holding copies) builds it again each call."""
+        arrays = (self.codes, self.scale, self.zero_point, self.input_scale)
+        memo = self._derived.get(name)
+        if memo is not None and all(a is b for a, b in zip(memo[0], arrays)):
+            return memo[1]
+        value, keep = build()
+        if keep:
+            self._derived[name] = (arrays, value)
+        return value
+
     def dequantize(self, dtype: Any = None) -> Any:
         """The float32 ``[N, K]`` weight the scheme defines (``dtype``: cast to it)."""
         n, k = self.shape
@@ -338,7 +365,7 @@ def _register_pytree() -> None:
         w = object.__new__(QuantizedWeight)
         w.quant, w.shape = aux
         w.codes, w.scale, w.zero_point, w.input_scale = children
-        w._checked = None
+        w._checked, w._derived = None, {}
         return w
 
     jax.tree_util.register_pytree_node(QuantizedWeight, flatten, unflatten)

@@ -281,6 +281,13 @@ def test_cache_write_operator_matches_the_torch_path_skips_negative_slots_and_le
     assert torch.equal(got_cache, want)
     assert torch.equal(got_cache.view(-1, 2 * heads, d)[7, 0::2], key[4]) and torch.equal(
         got_cache.view(-1, 2 * heads, d)[3, 1::2], value[8])
+    # key and value as column slices of one fused projection's output (strided over tokens)
+    fused = torch.cat([key.reshape(tokens, -1), value.reshape(tokens, -1)], dim=1)
+    strided_key, strided_value = (part.reshape(tokens, heads, d) for part in fused.split(heads * d, dim=1))
+    assert not strided_key.is_contiguous()
+    got_cache = cache.clone()
+    assert _cache_call(strided_key, strided_value, got_cache, slots) is got_cache
+    assert torch.equal(got_cache, want)
 
 
 def test_cache_write_operator_declines_untouched_and_the_op_refuses_a_slot_past_the_cache():
@@ -297,6 +304,7 @@ def test_cache_write_operator_declines_untouched_and_the_op_refuses_a_slot_past_
         "value dtype": lambda: _cache_call(key, value.double(), cache, slots),
         "cache heads": lambda: _cache_call(key, value, torch.randn(2, 4, 2, 8), slots),
         "strided cache": lambda: _cache_call(key, value, wide[:, :, ::2], slots),
+        "strided key rows": lambda: _cache_call(torch.randn(3, 2, 16)[:, :, ::2], value, cache, slots),
         "key inside the cache": lambda: _cache_call(cache.view(-1)[:48].view(3, 2, 8), value, cache, slots),
         "cache requires grad": lambda: _cache_call(key, value, cache.clone().requires_grad_(), slots),
     }

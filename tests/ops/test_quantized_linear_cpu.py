@@ -237,3 +237,50 @@ def test_supports_declines_with_a_reason(quant, dtype, match):
     with pytest.raises(NotImplementedError, match=match):
         kernel.quantized_matmul(torch.ones(2, k, dtype=_DTYPES[dtype]),
                                 torch.zeros(64, k, dtype=torch.int8), torch.ones(64, 1), quant=quant, n=64, k=k)
+
+
+def test_the_op_packs_a_weight_once_and_sees_it_change_in_place_or_be_copied():
+    """The linear op's CPU path packs a weight's arguments once (``QuantizedWeight.derived``) and
+    reuses them while the weight holds the same arrays: a change made in place is seen (the packed
+    pointers are the arrays' own), a swapped array is packed again, a copy or a pickle of a used
+    weight is packed anew (never the original's pointers), and a weight whose arrays are not
+    row-major (packed as copies) is packed each call."""
+    import copy
+    import pickle
+
+    from dualop import override_platform
+    from dualop.ops import ReplicatedLinear
+
+    rng = np.random.default_rng(21)
+    n, k = 40, 96
+    weight = _weight("w8a8_channel", n, k, rng)
+    op = ReplicatedLinear(k, n, bias=False, return_bias=False)
+    x = torch.from_numpy(rng.normal(0, 1, (3, k)).astype(np.float32)).to(torch.bfloat16)
+
+    def agrees(w):
+        got = op(x, w)
+        result = compare(got.float().numpy(), _native_gemm(x, w).float().numpy(), "bfloat16", normwise=True)
+        assert result.ok, result
+        return got
+
+    with override_platform("cpu"), torch.inference_mode():
+        first = agrees(weight)
+        prepared = weight.derived("cpu", lambda: pytest.fail("the packed call was not kept"))
+        assert isinstance(prepared, kernel.PreparedWeight)
+        weight.codes.copy_(weight.codes.flip(1))  # in place: same pointers, new values
+        assert not torch.equal(agrees(weight), first)
+        assert weight.derived("cpu", lambda: pytest.fail("an in-place change repacked")) is prepared
+        weight.scale = weight.scale * 2  # a new array: packed again
+        agrees(weight)
+        assert weight.derived("cpu", lambda: pytest.fail("not kept")) is not prepared
+        del prepared
+        for clone in (copy.deepcopy(weight), pickle.loads(pickle.dumps(weight))):
+            assert clone.derived("cpu", lambda: ("not packed", False)) == "not packed"
+            del weight  # the original's arrays freed: a reused pointer would read freed memory
+            agrees(clone)
+            weight = clone
+        wide = QuantizedWeight(weight.quant, torch.cat([weight.codes, weight.codes], 1)[:, :k], weight.scale,
+                               shape=(n, k))
+        assert not wide.codes.is_contiguous()
+        agrees(wide)
+        assert wide.derived("cpu", lambda: ("not kept", False)) == "not kept"

@@ -167,6 +167,12 @@ class CFunction:
             self._call.c_function = self
         return self._call
 
+    def positional(self):
+        """The bound C function itself, for a caller that packs its arrays once (``array_arg``) and
+        passes every parameter in the prototype's order: no names checked, nothing converted (an
+        array parameter takes packed bytes or None, a pointer an address or None)."""
+        return self._bound()
+
     def _address(self, name: str, value: Any) -> int:
         if type(value) is int:
             return value

@@ -29,9 +29,9 @@ from __future__ import annotations
 from typing import Any
 
 from dualop.kernels.cpu import load
-from dualop.kernels.cpu.abi import c_function
+from dualop.kernels.cpu.abi import array_arg, c_function
 
-__all__ = ["quantized_matmul", "supports"]
+__all__ = ["PreparedWeight", "prepare", "quantized_matmul", "supports"]
 
 _C_QUANTIZED_LINEAR = c_function(
     "int dualop_quantized_linear(const DualopArray* x, const DualopArray* codes, const DualopArray* scale, "
@@ -106,56 +106,89 @@ def _zero_point(quant: Any, zero_point: Any, rows: int) -> tuple[Any, int]:
     return zp, _ZERO_INT32
 
 
+class PreparedWeight:
+    """A quantized weight's side of the C++ GEMM's call, packed once (``prepare``): the entry
+    point, the weight's arrays as packed ``DualopArray``s and the scheme's integers, so that a
+    call (a decode step's linear layer) packs only x, the bias and the output. It holds the arrays
+    it packed, so their data pointers stay valid and a change made in place is seen. ``copied``:
+    some array was not row-major and was copied to be packed (the copy is not the weight's own
+    memory, so a caller should not keep this object past the call)."""
+
+    __slots__ = ("quant", "n", "k", "copied", "_fn", "_weight_args", "_ints", "_held")
+
+    def __init__(self, codes: Any, scale: Any, zero_point: Any, input_scale: Any, *, quant: Any, n: int, k: int):
+        load()  # KernelUnavailable (the call declines) before any work if the library cannot be built
+        self.quant, self.n, self.k = quant, n, k
+        group_n, group_k = _scale_grid(quant, n, k)
+        scale2 = scale.contiguous().reshape(scale.shape[0] if scale.ndim == 2 else 1, -1)
+        if quant.layout == "awq":
+            entry, a, b, c = _C_QUANTIZED_LINEAR_AWQ, codes.contiguous(), scale2, zero_point.contiguous()
+            ints: tuple[int, ...] = (quant.group_size,)
+        else:
+            if quant.layout == "packed":
+                fmt, a = (_INT4_PACKED if quant.bits == 4 else _INT8_PACKED), codes.contiguous()
+            else:
+                fmt, a = (_FP8 if quant.codes == "fp8" else _INT8), _bytes(codes)
+            b = scale2
+            if quant.activations != "none" and quant.codes == "fp8":
+                static = quant.activations == "static"
+                x_groups = (_X_PER_TENSOR if static or quant.strategy == "tensor" else
+                            _X_PER_BLOCK if quant.strategy == "block" else _X_PER_ROW)
+                entry, c = _C_QUANTIZED_LINEAR_FP8_W8A8, input_scale.contiguous().reshape(1) if static else None
+                ints = (x_groups, group_n, group_k)
+            elif quant.activations != "none":
+                entry = _C_QUANTIZED_LINEAR_W8A8
+                c = None if input_scale is None else input_scale.contiguous().reshape(1)
+                ints = (fmt, group_n, group_k)
+            else:
+                c, zero_kind = _zero_point(quant, zero_point, scale2.shape[0])
+                entry, ints = _C_QUANTIZED_LINEAR, (fmt, zero_kind, group_n, group_k)
+        held = (a, b, c)
+        # every one of these entry points takes (x, three weight arrays, bias, out, integers..., threads)
+        self._fn = entry.c_function.positional()
+        self._weight_args = tuple(None if t is None else array_arg(t) for t in held)
+        self._ints, self._held = ints, held
+        self.copied = any(t is not None and not t.is_contiguous() for t in (codes, scale, zero_point, input_scale))
+
+    def __call__(self, x: Any, bias: Any = None, threads: int | None = None) -> Any:
+        """``y [..., n] = x @ W^T (+ bias)`` in x's dtype on ``threads`` threads (default torch's);
+        ``NotImplementedError`` for an x dtype ``supports`` declines."""
+        import torch
+
+        if x.dtype not in (torch.bfloat16, torch.float32, torch.float16):
+            raise NotImplementedError(supports(self.quant, self.n, self.k, str(x.dtype).removeprefix("torch.")))
+        n, k = self.n, self.k
+        lead = tuple(x.shape[:-1])
+        if x.numel() == 0:  # no rows (nothing to compute) or K = 0 (the bias alone)
+            y = torch.zeros((*lead, n), dtype=torch.float32)
+            return (y if bias is None else y + bias.float()).to(x.dtype)
+        rows = (x if x.ndim == 2 else x.reshape(-1, k)).contiguous()
+        out = torch.empty((rows.shape[0], n), dtype=x.dtype)
+        status = self._fn(array_arg(rows), *self._weight_args, None if bias is None else array_arg(bias.contiguous()),
+                          array_arg(out), *self._ints, torch.get_num_threads() if threads is None else threads)
+        if status != 0:
+            raise NotImplementedError(f"dualop_quantized_linear returned {status}")
+        return out if x.ndim == 2 else out.reshape(*lead, n)
+
+
+def prepare(codes: Any, scale: Any, zero_point: Any = None, input_scale: Any = None, *, quant: Any, n: int,
+            k: int) -> PreparedWeight:
+    """The weight side of ``quantized_matmul`` packed once (``PreparedWeight``), for a caller that
+    multiplies the same weight many times; ``NotImplementedError`` for a scheme ``supports``
+    declines (any x dtype it takes)."""
+    why = supports(quant, n, k, "bfloat16")
+    if why is not None:
+        raise NotImplementedError(why)
+    return PreparedWeight(codes, scale, zero_point, input_scale, quant=quant, n=n, k=k)
+
+
 def quantized_matmul(x: Any, codes: Any, scale: Any, zero_point: Any = None, input_scale: Any = None,
                      bias: Any = None, *, quant: Any, n: int, k: int, threads: int | None = None) -> Any:
     """``y [..., n] = x @ W^T (+ bias)`` in x's dtype, W the ``[n, k]`` weight of scheme ``quant``
     (its arrays as a ``QuantizedWeight`` holds them), on ``threads`` threads (default torch's).
     The input is assumed valid (the op checks it); ``NotImplementedError`` for a scheme
     ``supports`` declines."""
-    import torch
-
-    load()  # KernelUnavailable (the call declines) before any work if the library cannot be built
     why = supports(quant, n, k, str(x.dtype).removeprefix("torch."))
     if why is not None:
         raise NotImplementedError(why)
-    lead = tuple(x.shape[:-1])
-    if x.numel() == 0:  # no rows (nothing to compute) or K = 0 (the bias alone)
-        y = torch.zeros((*lead, n), dtype=torch.float32)
-        return (y if bias is None else y + bias.float()).to(x.dtype)
-    rows = x.reshape(-1, k).contiguous()
-    out = torch.empty((rows.shape[0], n), dtype=x.dtype)
-    if bias is not None:
-        bias = bias.contiguous()
-    threads = torch.get_num_threads() if threads is None else threads
-    group_n, group_k = _scale_grid(quant, n, k)
-    scale2 = scale.contiguous().reshape(scale.shape[0] if scale.ndim == 2 else 1, -1)
-    if quant.layout == "awq":
-        status = _C_QUANTIZED_LINEAR_AWQ(x=rows, codes=codes.contiguous(), scale=scale2,
-                                         zero_point=zero_point.contiguous(), bias=bias, out=out,
-                                         group_k=quant.group_size, threads=threads)
-    else:
-        if quant.layout == "packed":
-            fmt, codes2 = (_INT4_PACKED if quant.bits == 4 else _INT8_PACKED), codes.contiguous()
-        else:
-            fmt, codes2 = (_FP8 if quant.codes == "fp8" else _INT8), _bytes(codes)
-        if quant.activations != "none" and quant.codes == "fp8":
-            static = quant.activations == "static"
-            x_groups = (_X_PER_TENSOR if static or quant.strategy == "tensor" else
-                        _X_PER_BLOCK if quant.strategy == "block" else _X_PER_ROW)
-            status = _C_QUANTIZED_LINEAR_FP8_W8A8(
-                x=rows, codes=codes2, scale=scale2,
-                input_scale=input_scale.contiguous().reshape(1) if static else None, bias=bias, out=out,
-                x_groups=x_groups, group_n=group_n, group_k=group_k, threads=threads)
-        elif quant.activations != "none":
-            status = _C_QUANTIZED_LINEAR_W8A8(
-                x=rows, codes=codes2, scale=scale2,
-                input_scale=None if input_scale is None else input_scale.contiguous().reshape(1), bias=bias, out=out,
-                format=fmt, group_n=group_n, group_k=group_k, threads=threads)
-        else:
-            zp, zero_kind = _zero_point(quant, zero_point, scale2.shape[0])
-            status = _C_QUANTIZED_LINEAR(x=rows, codes=codes2, scale=scale2, zero_point=zp, bias=bias, out=out,
-                                         format=fmt, zero_kind=zero_kind, group_n=group_n, group_k=group_k,
-                                         threads=threads)
-    if status != 0:
-        raise NotImplementedError(f"dualop_quantized_linear returned {status}")
-    return out.reshape(*lead, n)
+    return prepare(codes, scale, zero_point, input_scale, quant=quant, n=n, k=k)(x, bias, threads)

@@ -259,7 +259,14 @@ Tensor gated_activation(const Tensor& x, const OptTensor& table, const OptTensor
 // before any write).
 Tensor reshape_and_cache(const Tensor& key, const Tensor& value, const Tensor& kv_pages, const Tensor& slot_mapping) {
   const Tensor none;
-  if (!plain(key) || key.dim() != 3 || !is_float_code(code_of(key)) || !plain_like(value, key)) return none;
+  // key and value may be strided over tokens and heads (the columns of a fused QKV projection's
+  // output): each head's row is copied whole, so only its last dim need be unit-strided
+  auto rows_readable = [](const Tensor& t) {
+    return readable(t) && t.dim() == 3 && t.stride(2) == 1 && t.stride(1) >= 0 && t.stride(0) >= 0;
+  };
+  if (!rows_readable(key) || !is_float_code(code_of(key)) || !rows_readable(value) ||
+      value.scalar_type() != key.scalar_type() || value.sizes() != key.sizes())
+    return none;
   const int64_t tokens = key.size(0), heads = key.size(1), head_dim = key.size(2);
   if (!plain(kv_pages) || kv_pages.dim() != 4 || kv_pages.scalar_type() != key.scalar_type() ||
       kv_pages.size(2) != 2 * heads || kv_pages.size(3) != head_dim)
@@ -278,7 +285,7 @@ Tensor reshape_and_cache(const Tensor& key, const Tensor& value, const Tensor& k
   };
   for (int64_t t = 0; t < tokens; ++t)
     if (slot(t) >= capacity) return none;
-  const int64_t row_bytes = head_dim * key.element_size();
+  const int64_t item = key.element_size(), row_bytes = head_dim * item;
   const auto* k = static_cast<const char*>(key.const_data_ptr());
   const auto* v = static_cast<const char*>(value.const_data_ptr());
   auto* cache = static_cast<char*>(kv_pages.data_ptr());
@@ -287,8 +294,8 @@ Tensor reshape_and_cache(const Tensor& key, const Tensor& value, const Tensor& k
     if (s < 0) continue;
     char* dst = cache + s * 2 * heads * row_bytes;
     for (int64_t h = 0; h < heads; ++h) {
-      std::memcpy(dst + 2 * h * row_bytes, k + (t * heads + h) * row_bytes, row_bytes);
-      std::memcpy(dst + (2 * h + 1) * row_bytes, v + (t * heads + h) * row_bytes, row_bytes);
+      std::memcpy(dst + 2 * h * row_bytes, k + (t * key.stride(0) + h * key.stride(1)) * item, row_bytes);
+      std::memcpy(dst + (2 * h + 1) * row_bytes, v + (t * value.stride(0) + h * value.stride(1)) * item, row_bytes);
     }
   }
   return kv_pages;
