@@ -762,13 +762,13 @@ QL_INLINE void register_tile(const Src& src, const uint8_t* const* rows, const v
 // rows of it (16 KiB) stay in L1 while every group reads them.
 constexpr int64_t kTileChunkBytes = 2048;
 
-// Columns a register tile of R rows takes (with a total and a period accumulator per pair when
-// grouped): about 16-24 of the 32 vector registers.
+// Columns a register tile of R rows takes: about 16-24 of the 32 vector registers (a grouped
+// tile's totals wait in `state`, so they take none; float32 x needs two registers per code vector).
 template <bool kGrouped, bool kF32X>
 constexpr int tile_cols(int rows) {
   if (rows == 1) return 8;
   if (rows == 2) return 4;
-  if (rows <= 4) return kGrouped || kF32X ? 2 : 4;
+  if (rows <= 4) return kF32X ? 2 : 4;
   return kF32X ? 1 : 2;  // 5-8 rows: codes decoded in registers serve every row
 }
 
