@@ -3,10 +3,11 @@ kernels): the default mask value and the rule for when masked KV positions may b
 
 from __future__ import annotations
 
-__all__ = ["DEFAULT_MASK_VALUE", "masked_positions_vanish"]
+__all__ = ["DEFAULT_MASK_VALUE", "FLOAT32_MAX", "masked_positions_vanish", "sink_logits"]
 
+FLOAT32_MAX = 3.4028234663852886e38
 # JAX's DEFAULT_MASK_VALUE: -0.7 * float32 max (finite, so a fully masked row never makes NaN).
-DEFAULT_MASK_VALUE = -0.7 * 3.4028234663852886e38
+DEFAULT_MASK_VALUE = -0.7 * FLOAT32_MAX
 
 
 def masked_positions_vanish(mask_value: float, soft_cap: float | None) -> bool:
@@ -18,3 +19,13 @@ def masked_positions_vanish(mask_value: float, soft_cap: float | None) -> bool:
     if mask_value <= -1e30:
         return True
     return soft_cap is not None and mask_value < -soft_cap - 104.0
+
+
+def sink_logits(xp, sinks):
+    """Attention sinks as every path reads them: float32, clipped to +-float32 max (NaN stays NaN).
+    A sink is one logit per query head that joins each row's softmax denominator (gpt-oss): the
+    row's weights are ``exp(s_j - m) / (exp(sink - m) + sum_k exp(s_k - m))`` with ``m`` the max of
+    the scores and the sink. Clipped, +inf weighs every position 0 (the output is 0) and -inf
+    weighs nothing, with no ``inf - inf``; the kernels start each row's online softmax at
+    ``(max, sum) = (sink, 1)`` from the same clipped value."""
+    return xp.clip(xp.astype(sinks, xp.float32), -FLOAT32_MAX, FLOAT32_MAX)

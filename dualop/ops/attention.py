@@ -2,7 +2,7 @@
 the serving engine's TPU attention kernel, with the exact call of JAX's
 ``jax.experimental.pallas.ops.tpu.ragged_paged_attention`` so callers can swap it in::
 
-    out = RaggedPagedAttention()(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *,
+    out = RaggedPagedAttention()(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, sinks=None, *,
                                  sm_scale=1.0, sliding_window=None, soft_cap=None,
                                  mask_value=None, k_scale=None, v_scale=None)
 
@@ -20,7 +20,12 @@ the serving engine's TPU attention kernel, with the exact call of JAX's
   of a masked position below ``kv_len`` is replaced by ``mask_value`` (default JAX's
   ``DEFAULT_MASK_VALUE``, ``-0.7 *`` float32 max; JAX's reference adds it instead, which gives the
   same result unless a mask value near the scores is asked for), positions from ``kv_len`` on never
-  count; softmax; ``p . v``; cast once to ``q``'s dtype. ``k_scale`` / ``v_scale``
+  count; softmax; ``p . v``; cast once to ``q``'s dtype. ``sinks`` (``[Hq]``, any float dtype, read
+  as float32; gpt-oss's learned per-head attention sinks): one logit per query head that joins
+  every row's softmax denominator and weighs no V row, so a row's weights sum to less than 1
+  (``paged_attention_math.sink_logits``: clipped to +-float32 max, so +inf makes the output 0 and
+  -inf is no sink; a NaN sink makes its head's rows NaN). It is compared with the scores as they
+  are after ``sm_scale``, the soft cap and the mask (not capped itself). ``k_scale`` / ``v_scale``
   (Python numbers, a quantised cache's scales: an fp8 cache's element is read as ``code * scale``)
   multiply K / V in float32 before use; scale tensors are not taken (the kernels bake the scales in:
   the Pallas kernel as static values), so an engine passes its float copies (``layer._k_scale_float``). GQA: query head ``h`` reads KV
@@ -57,7 +62,7 @@ from dualop.backends import array_namespace
 from dualop.backends.torch.triton_launch import call_triton
 from dualop.backends.xla.jax_bridge import call_jax_function
 from dualop.custom_op import CustomOp, Serves, validates_inputs
-from dualop.kernels.paged_attention_math import DEFAULT_MASK_VALUE
+from dualop.kernels.paged_attention_math import DEFAULT_MASK_VALUE, sink_logits
 from dualop.kernels.kv_cache_math import FP8_KV_FORMATS, fp8_kv_format
 from dualop.kernels.registry import KernelRef
 from dualop.ops._checks import (
@@ -274,7 +279,7 @@ class RaggedPagedAttention(CustomOp):
     # ------------------------------------------------------------------ validation
 
     def check_inputs(self, q: Any = None, kv_pages: Any = None, kv_lens: Any = None, page_indices: Any = None,
-                     cu_q_lens: Any = None, num_seqs: Any = None, *, sm_scale: float = 1.0,
+                     cu_q_lens: Any = None, num_seqs: Any = None, sinks: Any = None, *, sm_scale: float = 1.0,
                      sliding_window: int | None = None, soft_cap: float | None = None,
                      mask_value: float | None = None, k_scale: float | None = None,
                      v_scale: float | None = None) -> None:
@@ -306,6 +311,7 @@ class RaggedPagedAttention(CustomOp):
         if page_size == 0:
             raise ValueError(f"{OP}: argument 'kv_pages' has page_size 0; expected at least 1")
         check_metadata_shapes(OP, q, fe, kv_lens, page_indices, cu_q_lens, num_seqs)
+        check_optional_like(OP, "sinks", sinks, "q", q, fe, shape=(num_q_heads,), dtypes=FLOATS)
         _check_option("sm_scale", sm_scale, kind=float, positive=True)
         if sm_scale is None:
             raise ValueError(f"{OP}: option 'sm_scale' must be a positive, finite float, got None")
@@ -322,7 +328,7 @@ class RaggedPagedAttention(CustomOp):
     # ------------------------------------------------------------------ implementations
 
     def forward_native(self, q: Any, kv_pages: Any, kv_lens: Any, page_indices: Any, cu_q_lens: Any, num_seqs: Any,
-                       *, sm_scale: float = 1.0, sliding_window: int | None = None, soft_cap: float | None = None,
+                       sinks: Any = None, *, sm_scale: float = 1.0, sliding_window: int | None = None, soft_cap: float | None = None,
                        mask_value: float | None = None, k_scale: float | None = None,
                        v_scale: float | None = None) -> Any:
         """Each query row finds its sequence by comparison with ``cu_q_lens`` (no loop over the
@@ -362,8 +368,15 @@ class RaggedPagedAttention(CustomOp):
         fill = DEFAULT_MASK_VALUE if mask_value is None else mask_value
         fill = xp.where(cached, fill, DEFAULT_MASK_VALUE)[:, None, None, :]
         scores = xp.where(allowed[:, None, None, :], scores, fill)
-        scores = xp.exp(scores - xp.amax(scores, axis=-1, keepdims=True))
-        probs = scores / xp.sum(scores, axis=-1, keepdims=True)
+        top = xp.amax(scores, axis=-1, keepdims=True)
+        if sinks is None:
+            scores = xp.exp(scores - top)
+            probs = scores / xp.sum(scores, axis=-1, keepdims=True)
+        else:  # the sink joins the denominator only (sink_logits)
+            sink = xp.reshape(sink_logits(xp, sinks), (1, num_kv_heads, group, 1))
+            top = xp.maximum(top, sink)
+            scores = xp.exp(scores - top)
+            probs = scores / (xp.sum(scores, axis=-1, keepdims=True) + xp.exp(sink - top))
         # a stale V row weighs 0, but 0 * NaN is NaN: zeroed when some value is not finite
         zeroed = cached[:, :, None, None]
         out = finite_or_safe(
@@ -378,23 +391,23 @@ class RaggedPagedAttention(CustomOp):
         "does not apply: it takes padded [batch, seq] layouts, not ragged rows over a paged cache"))}
 
     def forward_tpu(self, q: Any, kv_pages: Any, kv_lens: Any, page_indices: Any, cu_q_lens: Any, num_seqs: Any,
-                    *, sm_scale: float = 1.0, sliding_window: int | None = None, soft_cap: float | None = None,
+                    sinks: Any = None, *, sm_scale: float = 1.0, sliding_window: int | None = None, soft_cap: float | None = None,
                     mask_value: float | None = None, k_scale: float | None = None,
                     v_scale: float | None = None) -> Any:
         options = _options(sm_scale, sliding_window, soft_cap, mask_value, k_scale, v_scale)
         return call_jax_function(frontend_of(q), _PALLAS_RPA, q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs,
-                           native=_NativeWithOptions(self, options), **options)
+                                 sinks, native=_NativeWithOptions(self, options), **options)
 
     def forward_cuda(self, q: Any, kv_pages: Any, kv_lens: Any, page_indices: Any, cu_q_lens: Any, num_seqs: Any,
-                     *, sm_scale: float = 1.0, sliding_window: int | None = None, soft_cap: float | None = None,
+                     sinks: Any = None, *, sm_scale: float = 1.0, sliding_window: int | None = None, soft_cap: float | None = None,
                      mask_value: float | None = None, k_scale: float | None = None,
                      v_scale: float | None = None) -> Any:
         return call_triton(frontend_of(q), _TRITON_RPA, q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs,
-                           **_options(sm_scale, sliding_window, soft_cap, mask_value, k_scale, v_scale))
+                           sinks, **_options(sm_scale, sliding_window, soft_cap, mask_value, k_scale, v_scale))
 
     @validates_inputs
     def forward_cpu(self, q: Any, kv_pages: Any, kv_lens: Any, page_indices: Any, cu_q_lens: Any, num_seqs: Any,
-                    *, sm_scale: float = 1.0, sliding_window: int | None = None, soft_cap: float | None = None,
+                    sinks: Any = None, *, sm_scale: float = 1.0, sliding_window: int | None = None, soft_cap: float | None = None,
                     mask_value: float | None = None, k_scale: float | None = None,
                     v_scale: float | None = None) -> Any:
         """torch on the CPU: the C++ kernel (``kernels/cpu``), which reads each K/V row from its page
@@ -403,16 +416,16 @@ class RaggedPagedAttention(CustomOp):
         backward) and where the kernels cannot be built. A call with ``sm_scale`` alone and plain
         row-major tensors goes straight to the kernel's torch operator, which checks it (metadata
         values included) in C++; any other call is checked here first."""
-        if (type(sm_scale) is float and sliding_window is None and soft_cap is None and mask_value is None
-                and k_scale is None and v_scale is None):
+        if (type(sm_scale) is float and sinks is None and sliding_window is None and soft_cap is None
+                and mask_value is None and k_scale is None and v_scale is None):
             out = _CPU_FAST_RPA.resolve().take(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, sm_scale)
             if out is not None:
                 return out
-        self.check_inputs(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, sm_scale=sm_scale,
+        self.check_inputs(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, sinks, sm_scale=sm_scale,
                           sliding_window=sliding_window, soft_cap=soft_cap, mask_value=mask_value, k_scale=k_scale,
                           v_scale=v_scale)
-        decline_if_recording(OP, q, kv_pages)
-        return _CPU_RPA(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs,
+        decline_if_recording(OP, q, kv_pages, sinks)
+        return _CPU_RPA(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, sinks,
                         **_options(sm_scale, sliding_window, soft_cap, mask_value, k_scale, v_scale))
 
 
@@ -423,7 +436,7 @@ class _NativeWithOptions:
     def __init__(self, op: RaggedPagedAttention, options: dict[str, Any]) -> None:
         self.op, self.options = op, options
 
-    def __call__(self, *arrays: Any) -> Any:
+    def __call__(self, *arrays: Any) -> Any:  # the op's arrays, sinks (or None) last
         return self.op.forward_native(*arrays, **self.options)
 
 
@@ -477,14 +490,19 @@ def check_cases():
     padding sequence and padding rows."""
     from dualop.testing import OpCase, Pinned
 
-    def inputs(group: int, page_size: int):
+    def inputs(group: int, page_size: int, sinks: bool = False):
         def make(shape, rng):
             num_tokens, num_q_heads, head_dim = shape
             q_lens, kv_lens = _mixed_layout(num_tokens)
             arrays = paged_batch(rng, q_lens, kv_lens, num_tokens=num_tokens, num_q_heads=num_q_heads,
                                  num_kv_heads=max(1, num_q_heads // group), head_dim=head_dim, page_size=page_size,
                                  max_seqs=len(q_lens) + 1)
-            return (*arrays[:2], *(Pinned(a, "int32") for a in arrays[2:]))
+            extra = ()
+            if sinks:  # about the scores' size, one far above them (its head's rows near 0), one far below
+                logits = rng.normal(0.0, 1.5, num_q_heads).astype(arrays[0].dtype)
+                logits[:2] = (8.0, -30.0)[:num_q_heads]
+                extra = (logits,)
+            return (*arrays[:2], *(Pinned(a, "int32") for a in arrays[2:]), *extra)
 
         return make
 
@@ -504,8 +522,10 @@ def check_cases():
     return [
         OpCase(OP, f"{OP}[mixed,gqa2]", lambda s: RaggedPagedAttention(), inputs(2, 4), shapes,
                options={"sm_scale": 0.125}),
-        # mask_value -2 lies among the soft-capped scores: masked positions below kv_len count.
-        OpCase(OP, f"{OP}[gqa4,window,soft_cap,mask_value]", lambda s: RaggedPagedAttention(), inputs(4, 8), shapes,
+        # mask_value -2 lies among the soft-capped scores: masked positions below kv_len count; the
+        # sinks join every row's denominator.
+        OpCase(OP, f"{OP}[gqa4,window,soft_cap,mask_value,sinks]", lambda s: RaggedPagedAttention(),
+               inputs(4, 8, sinks=True), shapes,
                options={"sm_scale": 0.125, "sliding_window": 5, "soft_cap": 3.0, "mask_value": -2.0}),
         OpCase(OP, f"{OP}[k_scale,v_scale]", lambda s: RaggedPagedAttention(), inputs(1, 4), shapes,
                options={"sm_scale": 0.125, "k_scale": 0.5, "v_scale": 1.5}),
@@ -595,9 +615,10 @@ def _jax_paged_decode(op):
     return decode
 
 
-def _ragged_paged_attention_inputs(shape: tuple[int, ...], cache_dtype: str | None = None) -> tuple:
-    """q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs for one serving shape; the cache in
-    ``cache_dtype`` (None: q's)."""
+def _ragged_paged_attention_inputs(shape: tuple[int, ...], cache_dtype: str | None = None,
+                                   sinks: bool = False) -> tuple:
+    """q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs (and float32 sinks) for one serving
+    shape; the cache in ``cache_dtype`` (None: q's)."""
     tokens, seqs, pages, page_size, pages_per_seq, q_heads, kv_heads, head_dim = shape
     return (
         InputSpec((tokens, q_heads, head_dim), None),
@@ -606,6 +627,7 @@ def _ragged_paged_attention_inputs(shape: tuple[int, ...], cache_dtype: str | No
         InputSpec((seqs, pages_per_seq), "int32"),
         InputSpec((seqs + 1,), "int32"),
         InputSpec((1,), "int32"),
+        *((InputSpec((q_heads,), "float32"),) if sinks else ()),
     )
 
 
@@ -623,15 +645,18 @@ def serving():
     Llama-3-8B heads (32 / 8, d 128) at pages of 16 and 128 tokens, then head dims 64 and 256
     (Gemma: 16 / 8 heads); pages_per_seq bounds a sequence at 2048 (4096) positions. Built for two
     of the three float-cache check variants and for an e4m3 cache: the scales of [k_scale,v_scale]
-    are two multiplies on the same blocks (its check shapes still build), while the window, soft cap
-    and mask value add code paths, and an fp8 cache halves the page blocks' bytes and adds the
+    are two multiplies on the same blocks (its check shapes still build), while the window, soft cap,
+    mask value and sinks add code paths, and an fp8 cache halves the page blocks' bytes and adds the
     dequantise (e5m2 differs in the conversion only: its check shapes build); a build at these
     shapes costs seconds each."""
     shapes = ((2048, 256, 2048, 16, 128, 32, 8, 128), (2048, 256, 2048, 128, 32, 32, 8, 128),
               (2048, 256, 2048, 16, 128, 32, 8, 64), (2048, 256, 2048, 16, 128, 16, 8, 256))
-    float_cache = ("ragged_paged_attention[mixed,gqa2]", "ragged_paged_attention[gqa4,window,soft_cap,mask_value]")
+    plain = "ragged_paged_attention[mixed,gqa2]"
+    options = "ragged_paged_attention[gqa4,window,soft_cap,mask_value,sinks]"
+    float_cache = (plain, options)
     fp8 = "ragged_paged_attention[float8_e4m3fn,k_scale,v_scale]"
-    inputs = {**{label: _ragged_paged_attention_inputs for label in float_cache},
+    inputs = {plain: _ragged_paged_attention_inputs,
+              options: lambda shape: _ragged_paged_attention_inputs(shape, sinks=True),
               fp8: lambda shape: _ragged_paged_attention_inputs(shape, "float8_e4m3fn")}
     return {"ragged_paged_attention": Serving(shapes, inputs, cases=(*float_cache, fp8))}
 

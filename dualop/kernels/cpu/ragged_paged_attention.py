@@ -21,12 +21,12 @@ _C_RAGGED_PAGED_ATTENTION = c_function(
 )
 
 # The same with the cache's format: kv_format 0 (q's dtype), 1 (float8_e4m3fn) or 2 (float8_e5m2),
-# the float8 caches passed as uint8.
+# the float8 caches passed as uint8, and the attention sinks (float32 [q_heads], or None).
 _C_RAGGED_PAGED_ATTENTION_KV = c_function(
     "int dualop_ragged_paged_attention_kv(const DualopArray* q, const DualopArray* kv_pages, "
     "const DualopArray* kv_lens, const DualopArray* page_indices, const DualopArray* cu_q_lens, int32_t num_seqs, "
-    "const DualopArray* out, float scale, int64_t window, float soft_cap, int custom_mask, float mask_value, "
-    "float v_scale, int kv_format, int threads)"
+    "const DualopArray* out, const DualopArray* sinks, float scale, int64_t window, float soft_cap, int custom_mask, "
+    "float mask_value, float v_scale, int kv_format, int threads)"
 )
 _KV_FORMATS = {None: 0, "float8_e4m3fn": 1, "float8_e5m2": 2}
 
@@ -39,7 +39,8 @@ __all__ = ["FAST_RAGGED_PAGED_ATTENTION", "ragged_paged_attention"]
 FAST_RAGGED_PAGED_ATTENTION = TorchOperator("ragged_paged_attention")
 
 
-def ragged_paged_attention(q: Any, kv_pages: Any, kv_lens: Any, page_indices: Any, cu_q_lens: Any, num_seqs: Any, *,
+def ragged_paged_attention(q: Any, kv_pages: Any, kv_lens: Any, page_indices: Any, cu_q_lens: Any, num_seqs: Any,
+                           sinks: Any = None, *,
                            sm_scale: float = 1.0, sliding_window: int | None = None, soft_cap: float | None = None,
                            mask_value: float | None = None, k_scale: float | None = None,
                            v_scale: float | None = None) -> Any:
@@ -63,7 +64,7 @@ def ragged_paged_attention(q: Any, kv_pages: Any, kv_lens: Any, page_indices: An
     if num_tokens:
         status = _C_RAGGED_PAGED_ATTENTION_KV(
             q=q, kv_pages=kv_pages, kv_lens=kv_lens, page_indices=page_indices, cu_q_lens=cu_q_lens,
-            num_seqs=count, out=out, scale=sm_scale * (1.0 if k_scale is None else k_scale), window=sliding_window or 0,
+            num_seqs=count, out=out, sinks=None if sinks is None else sinks.to(torch.float32).contiguous(), scale=sm_scale * (1.0 if k_scale is None else k_scale), window=sliding_window or 0,
             soft_cap=soft_cap or 0.0, custom_mask=int(mask_value is not None),
             mask_value=0.0 if mask_value is None else mask_value, v_scale=1.0 if v_scale is None else v_scale,
             kv_format=_KV_FORMATS[None if fmt is None else fmt.dtype], threads=torch.get_num_threads(),

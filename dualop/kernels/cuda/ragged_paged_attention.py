@@ -29,7 +29,8 @@ float8 casts need sm_89 for e4m3 and misread some codes in its interpreter), the
 dtype (exact: every float8 value is a bfloat16 and float16 value), so the products are those of a
 cache holding the decoded values. Positions at or past ``kv_len`` never count; causally masked positions below it score
 ``mask_value``, and when that can matter (``masked_positions_vanish``) every tile up to ``kv_len``
-is visited.
+is visited. Attention sinks (``sinks``, one logit per query head, clipped as ``sink_logits``)
+start each row's online softmax at ``(max, sum) = (sink, 1)``: they join the denominator only.
 
 Output rows no sequence owns (padding past ``cu_q_lens[num_seqs[0]]``) are zeros: the output starts
 zeroed and only owned rows are stored. The kernel assumes validated input (the op's check_inputs)
@@ -54,7 +55,7 @@ import triton.language as tl
 from dualop.kernels.cuda import interpreting
 from dualop.kernels.cuda.common import _cast, _dot, cast_out, needs_exact_bf16
 from dualop.kernels.kv_cache_math import fp8_kv_format
-from dualop.kernels.paged_attention_math import DEFAULT_MASK_VALUE, masked_positions_vanish
+from dualop.kernels.paged_attention_math import DEFAULT_MASK_VALUE, FLOAT32_MAX, masked_positions_vanish
 
 __all__ = ["ragged_paged_attention", "DEFAULT_MASK_VALUE", "block_shape"]
 
@@ -184,7 +185,7 @@ def query_block(block_id, cu_q_lens_ptr, kv_lens_ptr, num_seqs_ptr, num_tokens, 
 
 @triton.jit
 def _rpa_kernel(
-    q_ptr, kv_ptr, kv_lens_ptr, page_indices_ptr, cu_q_lens_ptr, num_seqs_ptr, out_ptr,
+    q_ptr, kv_ptr, kv_lens_ptr, page_indices_ptr, cu_q_lens_ptr, num_seqs_ptr, sinks_ptr, out_ptr,
     q_stride_t, q_stride_h, o_stride_t, o_stride_h,
     kv_stride_page, kv_stride_slot, kv_stride_head, pt_stride_seq,
     num_tokens, max_seqs, num_pages, pages_per_seq,
@@ -196,6 +197,7 @@ def _rpa_kernel(
     HAS_V_SCALE: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
     EXACT_BF16: tl.constexpr, SPLIT_P: tl.constexpr, MASKED_COUNT: tl.constexpr, FP8: tl.constexpr,
     MANTISSA: tl.constexpr, BIAS: tl.constexpr, HAS_INF: tl.constexpr, SUBNORMAL_STEP: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
 ):
     block_id = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -234,6 +236,9 @@ def _rpa_kernel(
     acc = tl.zeros([BLOCK_Q * GROUP_PAD, HEAD_DIM_PAD], dtype=tl.float32)
     m_i = tl.full([BLOCK_Q * GROUP_PAD], mask_value, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_Q * GROUP_PAD], dtype=tl.float32)
+    if HAS_SINKS:  # each row starts at (max, sum) = (its head's sink, 1): the sink weighs no V row
+        m_i = tl.load(sinks_ptr + head64, mask=row_ok, other=0.0)  # float32, clipped by the wrapper
+        l_i = l_i + 1.0
     if RUNTIME_LOOP:
         for tile in range(tile_lo, tile_hi):
             acc, m_i, l_i = _kv_tile(
@@ -292,7 +297,7 @@ def ordered_cu_q_lens(cu_q_lens: torch.Tensor, num_tokens: int) -> torch.Tensor:
     return torch.cummax(cu_q_lens.to(torch.int32).clamp(0, num_tokens), 0).values.contiguous()
 
 
-def ragged_paged_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *, sm_scale=1.0,
+def ragged_paged_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, sinks=None, *, sm_scale=1.0,
                            sliding_window=None, soft_cap=None, mask_value=None, k_scale=None, v_scale=None):
     """Ragged paged attention (see the module docstring); returns a new ``[T, Hq, D]`` tensor in q's
     dtype with zeros in rows no sequence owns. Input is assumed validated by the op."""
@@ -314,13 +319,15 @@ def ragged_paged_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_se
     kv_lens, num_seqs = (a.to(torch.int32).contiguous() for a in (kv_lens, num_seqs))
     cu_q_lens = ordered_cu_q_lens(cu_q_lens, num_tokens)
     page_indices = page_indices.to(torch.int32).contiguous()
+    if sinks is not None:
+        sinks = sinks.to(torch.float32).clamp(-FLOAT32_MAX, FLOAT32_MAX).contiguous()  # as sink_logits (NaN kept)
 
     fill = float(DEFAULT_MASK_VALUE if mask_value is None else mask_value)
     block_q, block_n, num_warps = block_shape(num_tokens, max_seqs, group, head_dim, q.element_size())
     head_dim_pad = max(triton.next_power_of_2(head_dim), 16)
     grid = (num_tokens // block_q + max_seqs, num_kv_heads)
     _rpa_kernel[grid](
-        q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, out,
+        q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, kv_lens if sinks is None else sinks, out,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         kv_pages.stride(0), kv_pages.stride(1), kv_pages.stride(2), page_indices.stride(0),
         num_tokens, max_seqs, num_pages, pages_per_seq,
@@ -341,6 +348,6 @@ def ragged_paged_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_se
         MASKED_COUNT=not masked_positions_vanish(fill, soft_cap),
         FP8=fmt is not None, MANTISSA=fmt.mantissa_bits if fmt else 0, BIAS=fmt.exponent_bias if fmt else 0,
         HAS_INF=fmt is not None and fmt.dtype == "float8_e5m2", SUBNORMAL_STEP=fmt.subnormal_step if fmt else 0.0,
-        num_warps=num_warps,
+        HAS_SINKS=sinks is not None, num_warps=num_warps,
     )
     return out

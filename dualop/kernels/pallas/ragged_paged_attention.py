@@ -7,6 +7,9 @@ kv_pages ``[num_pages, page_size, 2*Hkv, D]`` with K head h at combined head 2h 
 kv_len - q_len + r and sees the positions p <= it (and > it - sliding_window). Scores are
 ``q . k * sm_scale`` in float32, soft-capped, masked to ``mask_value`` (positions from kv_len on
 never count); softmax in float32; the output cast once to q's dtype. Rows past cu_q_lens[num_seqs[0]] (padding) come out as zeros.
+Attention sinks (``sinks``, one logit per query head, clipped as ``sink_logits``; scalar-prefetched
+into SMEM) start each query head's online softmax at ``(max, sum) = (sink, 1)``: they join the
+softmax's denominator and weigh no V row.
 
 Layout: the grid runs over blocks of ``block_q`` query rows (a static grid, so both interpreters
 run it); q and the output move as (Hq, block_q, D) blocks (the wrapper puts heads first, so each
@@ -50,7 +53,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from dualop.kernels import cost as cost_model
-from dualop.kernels.paged_attention_math import DEFAULT_MASK_VALUE, masked_positions_vanish
+from dualop.kernels.paged_attention_math import DEFAULT_MASK_VALUE, masked_positions_vanish, sink_logits
 from dualop.kernels.pallas.paged_walk import SequenceWalk, ordered_cu_q_lens
 from dualop.kernels.pallas.common import (
     compiler_params,
@@ -144,10 +147,10 @@ def _p_times_v(p: jax.Array, v: jax.Array) -> jax.Array:
             + jnp.dot(lo, v, preferred_element_type=jnp.float32))
 
 
-def _kernel(kv_lens_ref, page_ids_ref, cu_q_lens_ref, num_seqs_ref,  # scalar prefetch (SMEM)
+def _kernel(kv_lens_ref, page_ids_ref, cu_q_lens_ref, num_seqs_ref, sinks_ref,  # scalar prefetch (SMEM)
             q_ref, kv_hbm, o_ref,  # (Hq, block_q, D) blocks; the cache in HBM
             *scratch,  # page buffers A and B (lane_chunks each), DMA semaphores, max, sum, accumulator
-            sm_scale, sliding_window, soft_cap, mask_value, k_scale, v_scale,
+            sm_scale, sliding_window, soft_cap, mask_value, k_scale, v_scale, has_sinks,
             page_size, pages_per_block, pages_per_seq, num_pages, max_seqs, kv_heads, group, lane_chunks):
     bufs_a, bufs_b = scratch[:lane_chunks], scratch[lane_chunks:2 * lane_chunks]
     sems, m_ref, l_ref, acc_ref = scratch[2 * lane_chunks:]
@@ -239,15 +242,21 @@ def _kernel(kv_lens_ref, page_ids_ref, cu_q_lens_ref, num_seqs_ref,  # scalar pr
             # A loop, not unrolled: the query heads of a group share K and V, and the program stays small.
             jax.lax.fori_loop(0, group, one_query_head, 0)
 
-    m_ref[...] = jnp.full(m_ref.shape, -jnp.inf, jnp.float32)
-    l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
+    if has_sinks:  # each query head starts at (max, sum) = (its sink, 1): the sink weighs no V row
+        for hq in range(o_ref.shape[0]):
+            m_ref[hq] = jnp.full(m_ref.shape[1:], sinks_ref[hq], jnp.float32)
+        l_ref[...] = jnp.ones(l_ref.shape, jnp.float32)
+    else:
+        m_ref[...] = jnp.full(m_ref.shape, -jnp.inf, jnp.float32)
+        l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
     acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
 
     walk.run(start, wait, compute, bufs_a, bufs_b, sems.at[0], sems.at[1])
 
     for hq in range(o_ref.shape[0]):
         l = l_ref[hq][:, :1]
-        # l is 0 only for a row that saw no position (0 out); NaN stays NaN (``l > 0`` would zero it)
+        # l is 0 only for a row that saw no position and has no sink (0 out; with a sink its
+        # accumulator is 0); NaN stays NaN (``l > 0`` would zero it)
         out = acc_ref[hq] / jnp.where(l == 0, 1.0, l)
         if v_scale is not None:
             out = out * v_scale
@@ -256,7 +265,7 @@ def _kernel(kv_lens_ref, page_ids_ref, cu_q_lens_ref, num_seqs_ref,  # scalar pr
 
 @tpu_jit(static_argnames=("sm_scale", "sliding_window", "soft_cap", "mask_value", "k_scale", "v_scale",
                           "block_sizes", "interpret"))
-def ragged_paged_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *, sm_scale=1.0,
+def ragged_paged_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, sinks=None, *, sm_scale=1.0,
                            sliding_window=None, soft_cap=None, mask_value=None, k_scale=None, v_scale=None,
                            block_sizes: BlockSizes | None = None, interpret=False):
     """Attention of ``q`` [T, Hq, D] over the paged cache ``kv_pages`` (see the module docstring);
@@ -278,7 +287,7 @@ def ragged_paged_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_se
     kernel = functools.partial(
         _kernel, sm_scale=float(sm_scale), sliding_window=sliding_window, soft_cap=soft_cap,
         mask_value=DEFAULT_MASK_VALUE if mask_value is None else float(mask_value),
-        k_scale=k_scale, v_scale=v_scale, page_size=page_size, pages_per_block=blocks.pages_per_block,
+        k_scale=k_scale, v_scale=v_scale, has_sinks=sinks is not None, page_size=page_size, pages_per_block=blocks.pages_per_block,
         pages_per_seq=pages_per_seq, num_pages=num_pages, max_seqs=max_seqs, kv_heads=kv_heads,
         group=q_heads // kv_heads, lane_chunks=lane_chunks)
     kv_rows = blocks.pages_per_block * page_size * combined
@@ -293,7 +302,7 @@ def ragged_paged_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_se
     out = pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=4,
+            num_scalar_prefetch=5,
             grid=(padded // block_q,),
             in_specs=[io_block, pl.BlockSpec(memory_space=_ANY)],
             out_specs=io_block,
@@ -315,6 +324,7 @@ def ragged_paged_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_se
         page_indices.astype(jnp.int32).reshape(-1),
         ordered_cu_q_lens(cu_q_lens, tokens),
         num_seqs.astype(jnp.int32).reshape(-1)[:1],
+        jnp.zeros((1,), jnp.float32) if sinks is None else sink_logits(jnp, sinks),
         q_heads_first,
         kv_pages.reshape(num_pages, page_size * combined, head_dim),
     )

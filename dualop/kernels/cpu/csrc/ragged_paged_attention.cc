@@ -92,7 +92,16 @@ struct Options {
   bool custom_mask;  // a mask value was given: masked positions below kv_len take it
   float mask_value;
   float v_scale;
+  const float* sinks;  // [q_heads] float32, clipped to +-float32 max (NaN kept), or null: none
 };
+
+// Where a query head's online softmax starts: (max, sum) = (its sink, 1), the sink weighing no V
+// row (paged_attention_math.sink_logits); without sinks (-inf, 0) (`none`: the max a path starts
+// from, -inf or -FLT_MAX).
+DUALOP_INLINE float start_max(const Options& o, int64_t q_head, float none) {
+  return o.sinks ? o.sinks[q_head] : none;
+}
+DUALOP_INLINE float start_sum(const Options& o) { return o.sinks ? 1.0f : 0.0f; }
 
 int64_t clamp64(int64_t v, int64_t lo, int64_t hi) { return v < lo ? lo : (v > hi ? hi : v); }
 
@@ -126,7 +135,7 @@ void run_task(const T* q, const K* kv, const int32_t* pages, T* out, const Shape
   const int64_t d = s.head_dim, group = s.q_heads / s.kv_heads, n = (row1 - row0) * group;
   const int64_t combined = 2 * s.kv_heads;
   std::vector<float> qf(n * d), acc(n * d, 0.0f), kt(d * kBlock, 0.0f), vf(kBlock * d), sc(kBlock), dots(kBlock),
-      m(n, -INFINITY), l(n, 0.0f);
+      m(n), l(n, start_sum(o));
   std::vector<int64_t> pos(n);
   for (int64_t r = row0; r < row1; ++r) {
     for (int64_t g = 0; g < group; ++g) {
@@ -134,6 +143,7 @@ void run_task(const T* q, const K* kv, const int32_t* pages, T* out, const Shape
       const T* src = q + (r * s.q_heads + head * group + g) * d;
       for (int64_t i = 0; i < d; ++i) qf[j * d + i] = to_f32(src[i]);
       pos[j] = kv_len - q_len + (r - q_start);
+      m[j] = start_max(o, head * group + g, -INFINITY);
     }
   }
   const int64_t last = o.custom_mask ? kv_len - 1 : std::min(kv_len - 1, pos[n - 1]);
@@ -167,7 +177,7 @@ void run_task(const T* q, const K* kv, const int32_t* pages, T* out, const Shape
       if (block_max == -INFINITY) continue;  // nothing in this block counts for this query
       float* aj = &acc[j * d];
       if (block_max > m[j]) {
-        const float alpha = exp_f32(m[j] - block_max);  // exp(-inf) = 0 on the first block
+        const float alpha = exp_f32(m[j] - block_max);  // exp(-inf) = 0 on the first block (no sink)
         for (int64_t i = 0; i < d; ++i) aj[i] *= alpha;
         l[j] *= alpha;
         m[j] = block_max;
@@ -547,8 +557,10 @@ void run_task_avx512(const T* q, const T* kv, const int32_t* pages, T* out, cons
         c.max_pos = std::max(c.max_pos, pos);
         c.hi[lane] = static_cast<int32_t>(pos);
         c.lo[lane] = o.window > 0 ? static_cast<int32_t>(std::max<int64_t>(pos - o.window, -1)) : -1;
-        c.m[lane] = -FLT_MAX;
-        c.l[lane] = 0.0f;
+        // the lane's vector: query head h * group + (k + lane % nv) % group; its sum is the
+        // vector's lanes' total, so the sink's 1 goes in one of them
+        c.m[lane] = start_max(o, h * group + (k + (lane & (nv - 1))) % group, -FLT_MAX);
+        c.l[lane] = lane < nv ? start_sum(o) : 0.0f;
       }
       min_pos = std::min(min_pos, c.min_pos);
       max_pos = std::max(max_pos, c.max_pos);
@@ -742,15 +754,18 @@ int run_format(int format, const void* q, const void* kv, const int32_t* lens, c
 // page_size, 2 * kv_heads, head_dim] (K and V heads interleaved) of q's dtype (kv_format 0) or
 // uint8 holding float8_e4m3fn (1) or float8_e5m2 (2) codes; kv_lens int32 [S], page_indices int32
 // [S, pages_per_seq], cu_q_lens int32 [S + 1] (sequences past the shortest of them are not read).
-// scale is sm_scale * k_scale. Returns 0, 1 for an unknown dtype or format, kBadArrays for arrays
-// that disagree.
+// scale is sm_scale * k_scale; sinks: null or float32 [q_heads], each clipped to +-float32 max as
+// paged_attention_math.sink_logits does. Returns 0, 1 for an unknown dtype or format, kBadArrays
+// for arrays that disagree.
 extern "C" int dualop_ragged_paged_attention_kv(const DualopArray* q, const DualopArray* kv_pages,
                                                 const DualopArray* kv_lens, const DualopArray* page_indices,
                                                 const DualopArray* cu_q_lens, int32_t num_seqs, const DualopArray* out,
-                                                float scale, int64_t window, float soft_cap, int custom_mask,
-                                                float mask_value, float v_scale, int kv_format, int threads) {
+                                                const DualopArray* sinks, float scale, int64_t window, float soft_cap,
+                                                int custom_mask, float mask_value, float v_scale, int kv_format,
+                                                int threads) {
   using namespace dualop;
   if (!q || q->ndim != 3 || !is_row_major(q) || !is_dense_like(out, q)) return kBadArrays;
+  if (sinks && (!is_dense(sinks, dtype_code::float32, 1) || sinks->shape[0] != q->shape[1])) return kBadArrays;
   const int32_t kv_dtype = kv_format == kv_formats::kAsQuery ? q->dtype : dtype_code::uint8;
   if (!is_dense(kv_pages, kv_dtype, 4) || kv_pages->shape[3] != q->shape[2]) return kBadArrays;
   if (!is_dense(kv_lens, dtype_code::int32, 1) || !is_dense(page_indices, dtype_code::int32, 2) ||
@@ -760,7 +775,15 @@ extern "C" int dualop_ragged_paged_attention_kv(const DualopArray* q, const Dual
       std::min({page_indices->shape[0], kv_lens->shape[0], std::max<int64_t>(cu_q_lens->shape[0] - 1, 0)});
   const Shape s{q->shape[0],        q->shape[1],        kv_pages->shape[2] / 2,  q->shape[2],
                 kv_pages->shape[0], kv_pages->shape[1], page_indices->shape[1], max_seqs};
-  const Options o{scale, window, soft_cap, custom_mask != 0, mask_value, v_scale};
+  std::vector<float> sink_logits;  // clipped as paged_attention_math.sink_logits (NaN kept)
+  if (sinks) {
+    const auto* given = static_cast<const float*>(sinks->data);
+    sink_logits.assign(given, given + sinks->shape[0]);
+    for (float& v : sink_logits)
+      if (!std::isnan(v)) v = std::clamp(v, -FLT_MAX, FLT_MAX);
+  }
+  const Options o{scale, window, soft_cap, custom_mask != 0, mask_value, v_scale,
+                  sinks ? sink_logits.data() : nullptr};
   const auto* lens = static_cast<const int32_t*>(kv_lens->data);
   const auto* pages = static_cast<const int32_t*>(page_indices->data);
   const auto* cu = static_cast<const int32_t*>(cu_q_lens->data);
@@ -781,6 +804,6 @@ extern "C" int dualop_ragged_paged_attention(const DualopArray* q, const DualopA
                                              const DualopArray* cu_q_lens, int32_t num_seqs, const DualopArray* out,
                                              float scale, int64_t window, float soft_cap, int custom_mask,
                                              float mask_value, float v_scale, int threads) {
-  return dualop_ragged_paged_attention_kv(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, out, scale, window,
-                                          soft_cap, custom_mask, mask_value, v_scale, 0, threads);
+  return dualop_ragged_paged_attention_kv(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, out, nullptr, scale,
+                                          window, soft_cap, custom_mask, mask_value, v_scale, 0, threads);
 }
