@@ -30,12 +30,20 @@ _LISTED_IN_FULL = 16
 
 
 def split_names(flag: str, value: str | None) -> list[str] | None:
-    """A filter flag's comma-separated names; None when the flag was not given (no filter). Given
-    with no name (``--ops ""``, ``--ops ,``) it is a ``ValueError``: a filter that names nothing
+    """A filter flag's comma-separated names; None when the flag was not given (no filter). A comma
+    inside brackets belongs to its name (a case label such as ``ragged_paged_attention[decode,window128]``).
+    Given with no name (``--ops ""``, ``--ops ,``) it is a ``ValueError``: a filter that names nothing
     would select nothing."""
     if value is None:
         return None
-    names = [v.strip() for v in value.split(",") if v.strip()]
+    parts, depth, start = [], 0, 0
+    for i, char in enumerate(value):
+        depth += {"[": 1, "]": -1}.get(char, 0)
+        if char == "," and depth <= 0:
+            parts.append(value[start:i])
+            start, depth = i + 1, 0
+    parts.append(value[start:])
+    names = [v.strip() for v in parts if v.strip()]
     if not names:
         raise ValueError(f"{flag} {value!r} names nothing; give comma-separated names, or leave {flag} out for all")
     return names

@@ -100,7 +100,9 @@ class BenchCase:
     16-bit inputs, rather than its float32 vector peak). written: a written form (``out=``, in
     place: torch only): ``written(args)`` gives the op's ``(positional, keyword)`` arguments from
     the case's inputs, outputs by keyword, and each check runs on copies of the inputs; a
-    ``vllm-kernel`` peer takes the inputs as they are.
+    ``vllm-kernel`` peer takes the inputs as they are. options: keyword options every
+    implementation is called with, bound before any ``jit`` (static, as ``OpCase.options``:
+    attention's ``sliding_window``); the peers take them too.
     """
 
     label: str
@@ -114,6 +116,7 @@ class BenchCase:
     shape_of: Callable[[tuple[int, ...]], tuple[int, ...]] | None = None
     matrix: bool = False
     written: Callable[[tuple], tuple[tuple, dict]] | None = None
+    options: Mapping[str, Any] = dataclasses.field(default_factory=dict, hash=False)
 
     def input_shape(self, size: tuple[int, ...]) -> tuple[int, ...]:
         """The shape this case runs for a bench size (``small``, ``RxC``, ...): the size itself,

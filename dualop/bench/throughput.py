@@ -119,6 +119,11 @@ def check_frontends(names: Iterable[str]) -> list[str]:
 # --- implementations ---------------------------------------------------------------------------
 
 
+def _bound(fn: Callable[..., Any] | None, options: dict[str, Any]) -> Callable[..., Any] | None:
+    """``fn`` with the case's keyword options bound (static: before any ``jit`` sees them)."""
+    return functools.partial(fn, **options) if fn is not None and options else fn
+
+
 def _torch_impls(case: BenchCase, op: Any, wanted: Iterable[str]) -> dict[str, Callable[..., Any]]:
     import torch
 
@@ -130,7 +135,7 @@ def _torch_impls(case: BenchCase, op: Any, wanted: Iterable[str]) -> dict[str, C
 
     def compiled() -> Callable[..., Any]:
         torch._dynamo.reset()  # a fresh compilation per case: no recompile limit, honest warm-up
-        return torch.compile(op.forward_native, dynamic=False)
+        return torch.compile(_bound(op.forward_native, dict(case.options)), dynamic=False)
 
     makers: dict[str, Callable[[], Callable[..., Any] | None]] = {
         "dualop-default": lambda: op,
@@ -141,17 +146,19 @@ def _torch_impls(case: BenchCase, op: Any, wanted: Iterable[str]) -> dict[str, C
         "vllm-kernel": lambda: vllm_peer(case.label, op),
     }
     fns = {name: makers[name]() for name in FRONTEND_IMPLS["torch"] if name in wanted}
-    return {name: fn for name, fn in fns.items() if fn is not None}
+    options = {} if case.written is not None else dict(case.options)
+    return {name: fn if name == "torch-compile" else _bound(fn, options) for name, fn in fns.items() if fn is not None}
 
 
 def _jax_impls(case: BenchCase, op: Any, wanted: Iterable[str]) -> dict[str, Callable[..., Any]]:
     import jax
 
     fns: dict[str, Callable[..., Any]] = {}
+    options = dict(case.options)
     if "dualop-default" in wanted:
-        fns["dualop-default"] = jax.jit(lambda *args: op(*args))
+        fns["dualop-default"] = jax.jit(lambda *args: op(*args, **options))
     if "jax-handwritten" in wanted and case.jax_handwritten is not None:
-        fns["jax-handwritten"] = jax.jit(case.jax_handwritten(op))
+        fns["jax-handwritten"] = jax.jit(_bound(case.jax_handwritten(op), options))
     return fns
 
 
@@ -250,11 +257,11 @@ def _run_case(
         # The reference runs as the frontend runs code: eager for torch, jit for jax (XLA fuses
         # and reassociates under jit, which moves ill-conditioned spots such as gelu's 1 + erf(x)
         # for x < -3 by more than the tolerance table allows between eager and jit).
-        native = op.forward_native
+        native = _bound(op.forward_native, dict(case.options))
         if frontend == "jax":
             import jax
 
-            native = jax.jit(op.forward_native)
+            native = jax.jit(native)
         native_args, native_kwargs = _call_of(case, "torch-eager", _copies(case, args))
         want = finish(native(*native_args, **native_kwargs))
         fns = (_torch_impls if frontend == "torch" else _jax_impls)(case, op, wanted)

@@ -150,7 +150,8 @@ def _paged_decode(op: Any) -> Callable[..., Any]:
     """vLLM's CPU attention (``cpu_attention_with_kv_cache``) on the same cache: its cache (written by
     its ``cpu_attn_reshape_and_cache`` from the same K/V rows) and its scheduler metadata are made on the first call and
     kept, as vLLM makes them once per step for every layer; a call attends into a preallocated
-    output. The op's default ``sm_scale`` (1) and no window or soft cap."""
+    output. The op's default ``sm_scale`` (1), no soft cap, and the case's ``sliding_window``
+    (vLLM's CPU kernel takes the window as the op does: the last ``sliding_window`` positions)."""
     import torch
 
     from vllm import _custom_ops as ops
@@ -158,7 +159,9 @@ def _paged_decode(op: Any) -> Callable[..., Any]:
 
     kept: dict[str, Any] = {}
 
-    def peer(q: Any, kv_pages: Any, kv_lens: Any, page_indices: Any, cu_q_lens: Any, num_seqs: Any) -> Any:
+    def peer(q: Any, kv_pages: Any, kv_lens: Any, page_indices: Any, cu_q_lens: Any, num_seqs: Any,
+             sliding_window: int | None = None) -> Any:
+        window = -1 if sliding_window is None else sliding_window
         if kept.get("pages") is not kv_pages:
             pages, page_size, combined, head_dim = kv_pages.shape
             # vLLM's cache ([blocks, Hkv, 2 * block, D] viewed as K and V halves), written by its own
@@ -171,7 +174,7 @@ def _paged_decode(op: Any) -> Callable[..., Any]:
                                            torch.arange(pages * page_size), isa)
             metadata = ops.cpu_attn_get_scheduler_metadata(
                 num_reqs=int(num_seqs[0]), num_heads=q.shape[1], num_kv_heads=combined // 2, head_dim=head_dim,
-                seq_lens=kv_lens, dtype=q.dtype, query_start_loc=cu_q_lens, causal=True, sliding_window_size=-1,
+                seq_lens=kv_lens, dtype=q.dtype, query_start_loc=cu_q_lens, causal=True, sliding_window_size=window,
                 isa=isa, enable_kv_split=False)
             kept.update(pages=kv_pages, key_cache=key_cache, value_cache=value_cache, metadata=metadata,
                         out=torch.empty_like(q))
@@ -179,7 +182,7 @@ def _paged_decode(op: Any) -> Callable[..., Any]:
         ops.cpu_attention_with_kv_cache(
             query=q, key_cache=kept["key_cache"], value_cache=kept["value_cache"], output=out,
             query_start_loc=cu_q_lens, seq_lens=kv_lens, scale=1.0, causal=True, alibi_slopes=None,
-            sliding_window=-1, block_table=page_indices, softcap=0.0, scheduler_metadata=kept["metadata"],
+            sliding_window=window, block_table=page_indices, softcap=0.0, scheduler_metadata=kept["metadata"],
             s_aux=None)
         return out
 
@@ -218,6 +221,7 @@ VLLM_PEER_CASES: dict[str, Callable[[Any], Callable[..., Any]]] = {
     "silu_and_mul[out]": _silu_and_mul_out,
     "rotary_embedding[in_place]": _rotary_embedding_in_place,
     "ragged_paged_attention[decode]": _paged_decode,
+    "ragged_paged_attention[decode,window128]": _paged_decode,
     "ragged_paged_mla_attention[decode]": _mla_decode,
 }
 

@@ -568,10 +568,12 @@ def _rpa_decode_inputs(shape, rng):
     return (*arrays[:2], *(Pinned(a, "int32") for a in arrays[2:]))
 
 
-def _rpa_decode_cost(op, shape, itemsize) -> KernelCost:
+def _rpa_decode_cost(op, shape, itemsize, window: int | None = None) -> KernelCost:
+    """Each decode row reads its sequence's last ``window`` positions (all of them without one)."""
     num_seqs, kv_len, _ = shape
+    seen = kv_len if window is None else min(window, kv_len)
     num_q_heads, num_kv_heads, head_dim = _rpa_heads(shape)
-    return cost_model.ragged_paged_attention_cost(num_seqs, num_seqs * kv_len, num_seqs * kv_len, num_q_heads,
+    return cost_model.ragged_paged_attention_cost(num_seqs, num_seqs * seen, num_seqs * seen, num_q_heads,
                                                   num_kv_heads, head_dim, itemsize)
 
 
@@ -583,12 +585,15 @@ def _torch_gather_sdpa(op):
     import torch
     import torch.nn.functional as F
 
-    def decode(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs):
+    def decode(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, sliding_window=None):
         num_seqs_, pages_per_seq = page_indices.shape
         _, page_size, combined, head_dim = kv_pages.shape
         kv = kv_pages[page_indices].reshape(num_seqs_, pages_per_seq * page_size, combined, head_dim).float()
         k, v = kv[:, :, 0::2].transpose(1, 2), kv[:, :, 1::2].transpose(1, 2)
-        mask = torch.arange(pages_per_seq * page_size) < kv_lens[:, None]
+        positions = torch.arange(pages_per_seq * page_size)
+        mask = positions < kv_lens[:, None]
+        if sliding_window is not None:  # the decode row sits at kv_len - 1
+            mask &= positions > kv_lens[:, None] - 1 - sliding_window
         out = F.scaled_dot_product_attention(q[:, :, None].float(), k, v, attn_mask=mask[:, None, None], scale=1.0,
                                              enable_gqa=True)  # the op's default sm_scale
         return out[:, :, 0].to(q.dtype)
@@ -601,14 +606,18 @@ def _jax_paged_decode(op):
     import jax
     import jax.numpy as jnp
 
-    def decode(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs):
+    def decode(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, sliding_window=None):
         num_seqs_, pages_per_seq = page_indices.shape
         _, page_size, combined, head_dim = kv_pages.shape
         num_kv_heads, span = combined // 2, pages_per_seq * page_size
         kv = kv_pages[page_indices].reshape(num_seqs_, span, combined, head_dim).astype(jnp.float32)
         qf = q.astype(jnp.float32).reshape(num_seqs_, num_kv_heads, -1, head_dim)
         scores = jnp.einsum("skgd,slkd->skgl", qf, kv[:, :, 0::2])
-        scores = jnp.where((jnp.arange(span) < kv_lens[:, None])[:, None, None], scores, -jnp.inf)
+        positions = jnp.arange(span)
+        seen = positions < kv_lens[:, None]
+        if sliding_window is not None:  # the decode row sits at kv_len - 1
+            seen &= positions > kv_lens[:, None] - 1 - sliding_window
+        scores = jnp.where(seen[:, None, None], scores, -jnp.inf)
         out = jnp.einsum("skgl,slkd->skgd", jax.nn.softmax(scores, axis=-1), kv[:, :, 1::2])
         return out.reshape(q.shape).astype(q.dtype)
 
@@ -632,11 +641,19 @@ def _ragged_paged_attention_inputs(shape: tuple[int, ...], cache_dtype: str | No
 
 
 def bench_cases():
-    """Not run by default: decode over a paged KV cache against gathered pages then SDPA (torch) and
-    a hand-written jax.numpy decode."""
+    """Not run by default: decode over a paged KV cache, without and with a sliding window, against
+    gathered pages then SDPA (torch) and a hand-written jax.numpy decode."""
+    window = 128
     return [BenchCase("ragged_paged_attention[decode]", "ragged_paged_attention", lambda hidden: RaggedPagedAttention(),
                       _rpa_decode_inputs, _rpa_decode_cost, _torch_gather_sdpa, _jax_paged_decode, default=False,
-                      shape_of=_rpa_decode_shape)]
+                      shape_of=_rpa_decode_shape),
+            # the same decode with gpt-oss's 128-token window: the kernels read only the window's
+            # pages, so the time follows the window, not the context (the cost model's bytes too)
+            BenchCase(f"ragged_paged_attention[decode,window{window}]", "ragged_paged_attention",
+                      lambda hidden: RaggedPagedAttention(), _rpa_decode_inputs,
+                      lambda op, shape, itemsize: _rpa_decode_cost(op, shape, itemsize, window), _torch_gather_sdpa,
+                      _jax_paged_decode, default=False, shape_of=_rpa_decode_shape,
+                      options={"sliding_window": window})]
 
 
 def serving():

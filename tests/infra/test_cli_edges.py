@@ -51,6 +51,16 @@ def test_an_unknown_filter_name_is_refused_with_what_it_meant(capsys, argv, flag
     assert "accepted: " in line
 
 
+def test_a_case_label_with_commas_is_one_name():
+    """Commas inside a label's brackets belong to it: only the ones between names split."""
+    from dualop.cli_names import split_names
+
+    label = "ragged_paged_attention[gqa4,window,soft_cap,mask_value,sinks]"
+    assert split_names("--ops", f"rms_norm, {label},silu_and_mul") == ["rms_norm", label, "silu_and_mul"]
+    assert split_names("--ops", "a[x,y],b[z]") == ["a[x,y]", "b[z]"]
+    assert split_names("--ops", "a],b") == ["a]", "b"]  # a stray bracket cannot swallow the rest
+
+
 def test_the_accepted_names_are_listed_or_pointed_to(capsys):
     line = _refused(capsys, ["check", "--frontends", "pytorch", "--no-progress"])
     assert line.endswith("accepted: torch, jax, torch_xla, torchax")
