@@ -378,7 +378,8 @@ REPLACEMENTS: tuple[Replacement, ...] = (
                 build=_quant_fp8_build),
     *(Replacement(f"{_LAYERS}.activation", name, name, _activation_call) for name in (
         "SiluAndMul", "MulAndSilu", "GeluAndMul", "GeluAndMulSparse", "NewGELU", "FastGELU", "QuickGELU",
-        "ReLUSquaredActivation", "SwigluOAIAndMul", "FatreluAndMul")),
+        "ReLUSquaredActivation", "SwigluOAIAndMul", "FatreluAndMul", "SiluAndMulWithClamp", "SwigluStepAndMul",
+        "SituAndMul")),
     *(Replacement(_ROPE, name, name, _rope_call, _rope_table_differs) for name in (
         "RotaryEmbedding", "LinearScalingRotaryEmbedding", "NTKScalingRotaryEmbedding",
         "DynamicNTKScalingRotaryEmbedding", "DynamicNTKAlphaRotaryEmbedding", "YaRNScalingRotaryEmbedding",

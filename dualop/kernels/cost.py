@@ -57,7 +57,7 @@ def rms_norm_cost(rows: int, hidden: int, itemsize: int, has_weight: bool, has_r
 def gated_activation_cost(rows: int, d: int, itemsize: int, spec: GateSpec = GateSpec()) -> KernelCost:
     """``act(gate) * up``: read both halves (2d per row), write d per row."""
     n = rows * d
-    transcendental = spec.activation in ("silu", "gelu", "gelu_tanh", "swigluoai")
+    transcendental = spec.activation not in ("fatrelu",)
     return KernelCost(
         flops=n * (8 if spec.sparsity else 6),
         transcendentals=n if transcendental else 0,

@@ -14,7 +14,7 @@ import dataclasses
 import math
 from statistics import NormalDist
 
-__all__ = ["GateSpec", "gate_and_up", "apply_gate", "ACTIVATIONS"]
+__all__ = ["GateSpec", "gate_and_up", "apply_gate", "ACTIVATIONS", "GATES"]
 
 _SQRT_HALF = 1.0 / math.sqrt(2.0)
 _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
@@ -33,6 +33,9 @@ def gelu_tanh(xp, g):
 
 
 ACTIVATIONS = {"silu": silu, "gelu": gelu, "gelu_tanh": gelu_tanh}
+# Every gate a GateSpec may name: the activations above on the gate half, and the gates with their
+# own treatment of both halves (apply_gate).
+GATES = (*ACTIVATIONS, "fatrelu", "swigluoai", "silu_clamp", "swiglustep", "situ")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,10 +43,15 @@ class GateSpec:
     """One gated activation.
 
     activation: ``silu``, ``gelu``, ``gelu_tanh``, ``fatrelu`` (``where(g > threshold, g, 0)``),
-        ``swigluoai`` (``(clip(up) + 1) * clip(g) * sigmoid(alpha * clip(g))``).
+        ``swigluoai`` (``(clip(up) + 1) * clip(g) * sigmoid(alpha * clip(g))``), ``silu_clamp``
+        (``min(g, limit) * sigmoid(alpha * min(g, limit)) * (clip(up) + beta)``), ``swiglustep``
+        (``min(silu(g), limit) * clip(up)``), ``situ`` (``beta * tanh(g / beta) * sigmoid(g) * up``,
+        ``up`` first softly clipped to ``linear_beta * tanh(up / linear_beta)`` when that is > 0);
+        ``clip`` is to ``[-limit, limit]``.
     act_on: ``first`` (``act(x[..., :d]) * x[..., d:]``) or ``second`` (``x[..., :d] * act(x[..., d:])``).
     interleaved: gate and up alternate along the last dim (gate = ``x[..., 0::2]``) instead of halves.
-    threshold: fatrelu's threshold. alpha, limit: swigluoai's.
+    threshold: fatrelu's threshold. alpha, limit: swigluoai's and silu_clamp's (limit: swiglustep's
+        too). beta: silu_clamp's bias of up, situ's scale. linear_beta: situ's scale of up (0: none).
     sparsity: if > 0, keep only the top (1 - sparsity) of each gate row before the activation
         (gate = relu(g - (mean(g) + std(g) * Phi^-1(sparsity))), std with ddof 0).
     """
@@ -55,12 +63,14 @@ class GateSpec:
     alpha: float = 1.702
     limit: float = 7.0
     sparsity: float = 0.0
+    beta: float = 0.0
+    linear_beta: float = 0.0
     # Phi^-1(sparsity), computed once here: a plain attribute torch.compile can read while it traces
     # the native body (it cannot trace statistics' C inv_cdf).
     std_multiplier: float = dataclasses.field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        if self.activation not in (*ACTIVATIONS, "fatrelu", "swigluoai"):
+        if self.activation not in GATES:
             raise ValueError(f"GateSpec: unknown activation {self.activation!r}")
         if self.act_on not in ("first", "second"):
             raise ValueError(f"GateSpec: act_on must be 'first' or 'second', got {self.act_on!r}")
@@ -97,4 +107,14 @@ def apply_gate(xp, gate, up, spec: GateSpec):
         gate = xp.minimum(gate, spec.limit)
         up = xp.clip(up, -spec.limit, spec.limit)
         return (up + 1.0) * (gate * xp.sigmoid(gate * spec.alpha))
+    if spec.activation == "silu_clamp":
+        gate = xp.minimum(gate, spec.limit)
+        up = xp.clip(up, -spec.limit, spec.limit)
+        return gate * xp.sigmoid(spec.alpha * gate) * (up + spec.beta)
+    if spec.activation == "swiglustep":
+        return xp.minimum(silu(xp, gate), spec.limit) * xp.clip(up, -spec.limit, spec.limit)
+    if spec.activation == "situ":
+        if spec.linear_beta > 0.0:
+            up = spec.linear_beta * xp.tanh(up / spec.linear_beta)
+        return spec.beta * xp.tanh(gate / spec.beta) * xp.sigmoid(gate) * up
     return ACTIVATIONS[spec.activation](xp, gate) * up

@@ -27,7 +27,10 @@ __all__ = [
     "GeluAndMulSparse",
     "MulAndSilu",
     "SiluAndMul",
+    "SiluAndMulWithClamp",
+    "SituAndMul",
     "SwigluOAIAndMul",
+    "SwigluStepAndMul",
 ]
 
 _PALLAS_GATED = KernelRef("dualop.kernels.pallas.gated_activation", "gated_activation")
@@ -177,6 +180,17 @@ class FatreluAndMul(_GatedActivation):
         self.spec = GateSpec("fatrelu", threshold=self.threshold)
 
 
+def _finite(op: str, name: str, value: Any, *, positive: bool = False) -> float:
+    """A constructor's float parameter: a real number, finite (and > 0 where ``positive``)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{op}: {name} must be a float, got {value!r}")
+    if not math.isfinite(value):
+        raise ValueError(f"{op}: {name} must be a finite float, got {value!r}")
+    if positive and not value > 0:
+        raise ValueError(f"{op}: {name} must be positive, got {value!r}")
+    return float(value)
+
+
 @CustomOp.register("swigluoai_and_mul")
 class SwigluOAIAndMul(_GatedActivation):
     """gpt-oss's clamped SwiGLU on interleaved gate/up: ``gate = x[..., 0::2].clamp(max=limit)``,
@@ -184,15 +198,49 @@ class SwigluOAIAndMul(_GatedActivation):
 
     def __init__(self, alpha: float = 1.702, limit: float = 7.0, *, enforce_enable: bool = False) -> None:
         super().__init__(enforce_enable=enforce_enable)
-        for name, value in (("alpha", alpha), ("limit", limit)):
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
-                raise TypeError(f"swigluoai_and_mul: {name} must be a float, got {value!r}")
-            if not math.isfinite(value):
-                raise ValueError(f"swigluoai_and_mul: {name} must be a finite float, got {value!r}")
-        if not limit > 0:
-            raise ValueError(f"swigluoai_and_mul: limit must be positive, got {limit!r}")
-        self.alpha, self.limit = float(alpha), float(limit)
+        self.alpha = _finite("swigluoai_and_mul", "alpha", alpha)
+        self.limit = _finite("swigluoai_and_mul", "limit", limit, positive=True)
         self.spec = GateSpec("swigluoai", interleaved=True, alpha=self.alpha, limit=self.limit)
+
+
+@CustomOp.register("silu_and_mul_with_clamp")
+class SiluAndMulWithClamp(_GatedActivation):
+    """SwiGLU with clamped inputs (some MoE models' shared experts), on gate and up halves:
+    ``gate = x[..., :d].clamp(max=swiglu_limit)``, ``up = x[..., d:].clamp(-swiglu_limit,
+    swiglu_limit)``, ``gate * sigmoid(alpha * gate) * (up + beta)``. ``alpha=1, beta=0`` is
+    ``silu(gate) * up`` on the clamped halves; SwiGLU-OAI-style models pass their alpha and beta 1."""
+
+    def __init__(self, swiglu_limit: float, alpha: float = 1.0, beta: float = 0.0, *,
+                 enforce_enable: bool = False) -> None:
+        super().__init__(enforce_enable=enforce_enable)
+        op = "silu_and_mul_with_clamp"
+        self.swiglu_limit = _finite(op, "swiglu_limit", swiglu_limit, positive=True)
+        self.alpha, self.beta = _finite(op, "alpha", alpha), _finite(op, "beta", beta)
+        self.spec = GateSpec("silu_clamp", alpha=self.alpha, limit=self.swiglu_limit, beta=self.beta)
+
+
+@CustomOp.register("swiglustep_and_mul")
+class SwigluStepAndMul(_GatedActivation):
+    """SwiGLU with a clamped output of the gate (Step models): ``silu(x[..., :d]).clamp(max=limit) *
+    x[..., d:].clamp(-limit, limit)``."""
+
+    def __init__(self, limit: float = 7.0, *, enforce_enable: bool = False) -> None:
+        super().__init__(enforce_enable=enforce_enable)
+        self.limit = _finite("swiglustep_and_mul", "limit", limit, positive=True)
+        self.spec = GateSpec("swiglustep", limit=self.limit)
+
+
+@CustomOp.register("situ_and_mul")
+class SituAndMul(_GatedActivation):
+    """SituGLU (Kimi): ``beta * tanh(gate / beta) * sigmoid(gate) * up`` on gate and up halves; with
+    ``linear_beta``, ``up`` is first softly clipped to ``linear_beta * tanh(up / linear_beta)``."""
+
+    def __init__(self, beta: float = 1.0, linear_beta: float | None = None, *, enforce_enable: bool = False) -> None:
+        super().__init__(enforce_enable=enforce_enable)
+        self.beta = _finite("situ_and_mul", "beta", beta, positive=True)
+        self.linear_beta = None if linear_beta is None else _finite("situ_and_mul", "linear_beta", linear_beta,
+                                                                    positive=True)
+        self.spec = GateSpec("situ", beta=self.beta, linear_beta=self.linear_beta or 0.0)
 
 
 def check_cases():
@@ -208,6 +256,12 @@ def check_cases():
         OpCase("gelu_and_mul_sparse", "gelu_and_mul_sparse[0.5,tanh]", lambda s: GeluAndMulSparse(0.5, "tanh"), x_only(), GATED_SHAPES),
         OpCase("fatrelu_and_mul", "fatrelu_and_mul[0.3]", lambda s: FatreluAndMul(0.3), x_only(), GATED_SHAPES),
         OpCase("swigluoai_and_mul", "swigluoai_and_mul", lambda s: SwigluOAIAndMul(), x_only(4.0), GATED_SHAPES),
+        # inputs of scale 4 reach the clamps (limit 3) and the soft clips
+        OpCase("silu_and_mul_with_clamp", "silu_and_mul_with_clamp[3,1.702,1]",
+               lambda s: SiluAndMulWithClamp(3.0, 1.702, 1.0), x_only(4.0), GATED_SHAPES),
+        OpCase("swiglustep_and_mul", "swiglustep_and_mul[3]", lambda s: SwigluStepAndMul(3.0), x_only(4.0),
+               GATED_SHAPES),
+        OpCase("situ_and_mul", "situ_and_mul[2,3]", lambda s: SituAndMul(2.0, 3.0), x_only(4.0), GATED_SHAPES),
     ]
 
 
@@ -283,7 +337,9 @@ SERVING_GATED_SHAPES = ((8192, 2 * 28672), (16, 2 * 53248))
 
 def serving():
     return {op: Serving(SERVING_GATED_SHAPES) for op in ("silu_and_mul", "mul_and_silu", "gelu_and_mul",
-                                                       "gelu_and_mul_sparse", "fatrelu_and_mul", "swigluoai_and_mul")}
+                                                       "gelu_and_mul_sparse", "fatrelu_and_mul", "swigluoai_and_mul",
+                                                       "silu_and_mul_with_clamp", "swiglustep_and_mul",
+                                                       "situ_and_mul")}
 
 # What the shared test sweeps know about these ops' check cases (``testing.with_notes``: keys are op
 # names or case labels; traits as ``dualop.testing.TRAITS`` defines them).
@@ -294,4 +350,7 @@ CASE_NOTES = {
                                       "native_cells": {("torch", "cpu"): "no activation-sparsity gate"}},
     "fatrelu_and_mul[0.3]": {"native_cells": {("torch", "cpu"): "the C++ CPU kernel has no fatrelu gate"}},
     "swigluoai_and_mul": {"native_cells": {("torch", "cpu"): "the C++ CPU kernel has no swigluoai gate"}},
+    **{label: {"native_cells": {("torch", "cpu"): f"the C++ CPU kernel has no {gate} gate"}} for label, gate in (
+        ("silu_and_mul_with_clamp[3,1.702,1]", "silu_clamp"), ("swiglustep_and_mul[3]", "swiglustep"),
+        ("situ_and_mul[2,3]", "situ"))},
 }

@@ -18,13 +18,30 @@ from dualop.kernels.gate_math import GateSpec
 
 __all__ = ["gated_activation", "ACTIVATION_IDS"]
 
-ACTIVATION_IDS = {"silu": 0, "gelu": 1, "gelu_tanh": 2, "fatrelu": 3, "swigluoai": 4}
+ACTIVATION_IDS = {"silu": 0, "gelu": 1, "gelu_tanh": 2, "fatrelu": 3, "swigluoai": 4, "silu_clamp": 5, "swiglustep": 6,
+                  "situ": 7}
 _BLOCK = 1024
 
 
 @triton.jit
-def _gate(g, u, ACT: tl.constexpr, threshold, alpha, limit):
-    """act(g) * u in float32 for the activation id ACT."""
+def _min_nan(a, b):
+    # NaN propagates as in the native body (torch.clamp / jnp.minimum); Triton's default keeps the other operand
+    return tl.minimum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
+def _clip_nan(a, limit):
+    return _min_nan(tl.maximum(a, -limit, propagate_nan=tl.PropagateNan.ALL), limit)
+
+
+@triton.jit
+def _tanh(z):
+    return 2.0 * tl.sigmoid(2.0 * z) - 1.0  # available on every Triton backend
+
+
+@triton.jit
+def _gate(g, u, ACT: tl.constexpr, threshold, alpha, limit, beta, linear_beta):
+    """act(g) * u in float32 for the activation id ACT (gate_math.apply_gate)."""
     if ACT == 0:
         out = g * tl.sigmoid(g) * u
     elif ACT == 1:
@@ -35,12 +52,19 @@ def _gate(g, u, ACT: tl.constexpr, threshold, alpha, limit):
         out = 0.5 * g * (1.0 + (2.0 * tl.sigmoid(2.0 * inner) - 1.0)) * u
     elif ACT == 3:
         out = tl.where(g > threshold, g, 0.0) * u
-    else:
-        # NaN propagates as in the native body (torch.clamp / jnp.minimum); Triton's default keeps the other operand
-        g = tl.minimum(g, limit, propagate_nan=tl.PropagateNan.ALL)
-        u = tl.minimum(tl.maximum(u, -limit, propagate_nan=tl.PropagateNan.ALL), limit,
-                       propagate_nan=tl.PropagateNan.ALL)
+    elif ACT == 4:  # swigluoai
+        g = _min_nan(g, limit)
+        u = _clip_nan(u, limit)
         out = (u + 1.0) * (g * tl.sigmoid(g * alpha))
+    elif ACT == 5:  # silu_clamp
+        g = _min_nan(g, limit)
+        out = g * tl.sigmoid(alpha * g) * (_clip_nan(u, limit) + beta)
+    elif ACT == 6:  # swiglustep
+        out = _min_nan(g * tl.sigmoid(g), limit) * _clip_nan(u, limit)
+    else:  # situ
+        if linear_beta > 0.0:
+            u = linear_beta * _tanh(u / linear_beta)
+        out = beta * _tanh(g / beta) * tl.sigmoid(g) * u
     return out
 
 
@@ -59,7 +83,7 @@ def _load_pair(x_row, cols, mask, d, ACT_ON_SECOND: tl.constexpr, INTERLEAVED: t
 
 @triton.jit
 def _gated_kernel(
-    x_ptr, out_ptr, x_row_stride, out_row_stride, d, threshold, alpha, limit,
+    x_ptr, out_ptr, x_row_stride, out_row_stride, d, threshold, alpha, limit, beta, linear_beta,
     ACT: tl.constexpr, ACT_ON_SECOND: tl.constexpr, INTERLEAVED: tl.constexpr,
     BLOCK: tl.constexpr, EXACT_BF16: tl.constexpr,
 ):
@@ -67,13 +91,13 @@ def _gated_kernel(
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < d
     g, u = _load_pair(x_ptr + row * x_row_stride, cols, mask, d, ACT_ON_SECOND, INTERLEAVED)
-    y = _gate(g, u, ACT, threshold, alpha, limit)
+    y = _gate(g, u, ACT, threshold, alpha, limit, beta, linear_beta)
     tl.store(out_ptr + row * out_row_stride + cols, cast_out(y, out_ptr, EXACT_BF16), mask=mask)
 
 
 @triton.jit
 def _gated_sparse_kernel(
-    x_ptr, out_ptr, x_row_stride, out_row_stride, d, threshold, alpha, limit, std_multiplier,
+    x_ptr, out_ptr, x_row_stride, out_row_stride, d, threshold, alpha, limit, beta, linear_beta, std_multiplier,
     ACT: tl.constexpr, ACT_ON_SECOND: tl.constexpr, INTERLEAVED: tl.constexpr,
     BLOCK: tl.constexpr, N_CHUNKS: tl.constexpr, EXACT_BF16: tl.constexpr,
 ):
@@ -97,7 +121,8 @@ def _gated_sparse_kernel(
         cols = chunk * BLOCK + tl.arange(0, BLOCK)
         mask = cols < d
         g, u = _load_pair(x_row, cols, mask, d, ACT_ON_SECOND, INTERLEAVED)
-        y = _gate(tl.maximum(g - cutoff, 0.0, propagate_nan=tl.PropagateNan.ALL), u, ACT, threshold, alpha, limit)
+        y = _gate(tl.maximum(g - cutoff, 0.0, propagate_nan=tl.PropagateNan.ALL), u, ACT, threshold, alpha, limit, beta,
+                  linear_beta)
         tl.store(out_ptr + row * out_row_stride + cols, cast_out(y, out_ptr, EXACT_BF16), mask=mask)
 
 
@@ -113,7 +138,8 @@ def gated_activation(x: torch.Tensor, *, spec: GateSpec = GateSpec()) -> torch.T
             ACT=ACTIVATION_IDS[spec.activation], ACT_ON_SECOND=spec.act_on == "second",
             INTERLEAVED=spec.interleaved, BLOCK=block, EXACT_BF16=needs_exact_bf16(x.dtype),
         )
-        scalars = (float(spec.threshold), float(spec.alpha), float(spec.limit))
+        scalars = (float(spec.threshold), float(spec.alpha), float(spec.limit), float(spec.beta),
+                   float(spec.linear_beta))
         if spec.needs_row_statistics:
             _gated_sparse_kernel[(rows,)](
                 x2, out, x2.stride(0), out.stride(0), d, *scalars, float(spec.std_multiplier),
