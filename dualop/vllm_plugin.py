@@ -377,7 +377,8 @@ REPLACEMENTS: tuple[Replacement, ...] = (
     Replacement(f"{_LAYERS}.quantization.input_quant_fp8", "QuantFP8", "QuantFP8", _quant_fp8_call,
                 build=_quant_fp8_build),
     *(Replacement(f"{_LAYERS}.activation", name, name, _activation_call) for name in (
-        "SiluAndMul", "MulAndSilu", "GeluAndMul", "GeluAndMulSparse", "NewGELU", "FastGELU", "QuickGELU",
+        "SiluAndMul", "MulAndSilu", "GeluAndMul", "GeluAndMulSparse", "GELU", "GELUTanh", "NewGELU", "FastGELU",
+        "QuickGELU",
         "ReLUSquaredActivation", "SwigluOAIAndMul", "FatreluAndMul", "SiluAndMulWithClamp", "SwigluStepAndMul",
         "SituAndMul")),
     *(Replacement(_ROPE, name, name, _rope_call, _rope_table_differs) for name in (

@@ -80,6 +80,7 @@ def rms_norm_gated_cost(rows: int, hidden: int, group_size: int, itemsize: int, 
 # Pointwise activation -> (flops, transcendentals) per element, as the kernel body computes it.
 POINTWISE_COUNTS: dict[str, tuple[int, int]] = {
     "gelu_new": (9, 1),
+    "gelu": (5, 1),
     "gelu_fast": (9, 1),
     "quick_gelu": (4, 1),
     "relu2": (2, 0),

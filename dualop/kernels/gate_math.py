@@ -24,8 +24,15 @@ def silu(xp, g):
     return g * xp.sigmoid(g)
 
 
+def erf(xp, z):
+    """``erf(z)`` as float32 rounds it: exactly +-1 from ``|z| >= 4`` (``1 - erf(4)`` is 1.5e-8, under
+    half of float32's spacing below 1). Older XLA's float32 erf stops at +-(1 - 2**-24) there, which
+    ``1 + erf(z)`` (the exact GELU of a large negative x) turns into an error of ``|x| * 3e-8``."""
+    return xp.where(z >= 4.0, 1.0, xp.where(z <= -4.0, -1.0, xp.erf(z)))
+
+
 def gelu(xp, g):
-    return 0.5 * g * (1.0 + xp.erf(g * _SQRT_HALF))
+    return 0.5 * g * (1.0 + erf(xp, g * _SQRT_HALF))
 
 
 def gelu_tanh(xp, g):

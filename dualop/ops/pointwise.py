@@ -1,5 +1,5 @@
-"""Pointwise activation ops (``y = f(x)`` elementwise): NewGELU, FastGELU, QuickGELU, ReLU² and
-xIELU. They share one kernel family per platform (``kernels/pallas/pointwise_activation.py``,
+"""Pointwise activation ops (``y = f(x)`` elementwise): GELU (exact), GELUTanh, NewGELU, FastGELU,
+QuickGELU, ReLU² and xIELU. They share one kernel family per platform (``kernels/pallas/pointwise_activation.py``,
 ``kernels/cuda/pointwise_activation.py``) with the activation as a static parameter.
 
 Every op takes ``x`` of any rank (0 included) in float32, bfloat16 or float16, computes in float32
@@ -17,13 +17,14 @@ from dualop.backends.torch.triton_launch import call_triton
 from dualop.backends.xla.jax_bridge import call_jax_function
 from dualop.custom_op import CustomOp
 from dualop.kernels import cost as cost_model
+from dualop.kernels import gate_math
 from dualop.kernels.cost import KernelCost
 from dualop.kernels.registry import KernelRef
 from dualop.ops._checks import check_array, check_optional_like, dtype_name
 from dualop.platforms import frontend_of
 from dualop.spec import BenchCase, Serving, x_only_inputs
 
-__all__ = ["FastGELU", "NewGELU", "QuickGELU", "ReLUSquaredActivation", "XIELU"]
+__all__ = ["FastGELU", "GELU", "GELUTanh", "NewGELU", "QuickGELU", "ReLUSquaredActivation", "XIELU"]
 
 _PALLAS_POINTWISE = KernelRef("dualop.kernels.pallas.pointwise_activation", "pointwise_activation")
 _TRITON_POINTWISE = KernelRef("dualop.kernels.cuda.pointwise_activation", "pointwise_activation")
@@ -47,7 +48,8 @@ def _relu2(xp, x):
     return r * r
 
 
-_FUNCTIONS = {"gelu_new": _gelu_new, "gelu_fast": _gelu_fast, "quick_gelu": _quick_gelu, "relu2": _relu2}
+_FUNCTIONS = {"gelu_new": _gelu_new, "gelu": gate_math.gelu, "gelu_fast": _gelu_fast, "quick_gelu": _quick_gelu,
+              "relu2": _relu2}
 
 
 def _may_overwrite(torch, xf) -> bool:
@@ -108,6 +110,25 @@ class NewGELU(_PointwiseActivation):
 
     def _torch_cpu(self, torch, xf):
         return torch.nn.functional.gelu(xf, approximate="tanh")  # the same formula, one fused loop
+
+
+@CustomOp.register("gelu")
+class GELU(_PointwiseActivation):
+    """The exact GELU: ``0.5 * x * (1 + erf(x / sqrt(2)))`` (``nn.GELU()``)."""
+
+    activation = "gelu"
+
+    def _torch_cpu(self, torch, xf):
+        # the formula with its temporary reused in place (torch's fused F.gelu gives NaN at +inf,
+        # where the formula gives inf)
+        t = torch.erf(xf * 0.7071067811865476)
+        return t.add_(1.0).mul_(xf).mul_(0.5) if _may_overwrite(torch, xf) else 0.5 * xf * (1.0 + t)
+
+
+@CustomOp.register("gelu_tanh")
+class GELUTanh(NewGELU):
+    """The tanh-approximate GELU (``nn.GELU(approximate="tanh")``, Gemma's ``gelu_pytorch_tanh``):
+    the same function as ``gelu_new``, so the same kernels, under the engine's other name."""
 
 
 @CustomOp.register("gelu_fast")
@@ -275,6 +296,8 @@ def check_cases():
     simple = [
         OpCase(name, name, (lambda s, c=cls: c()), x_spread, _POINTWISE_SHAPES)
         for name, cls in (
+            ("gelu", GELU),
+            ("gelu_tanh", GELUTanh),
             ("gelu_new", NewGELU),
             ("gelu_fast", FastGELU),
             ("quick_gelu", QuickGELU),
@@ -300,6 +323,12 @@ def _torch_gelu_new(op):
     return lambda x: F.gelu(x, approximate="tanh")
 
 
+def _torch_gelu(op):
+    import torch.nn.functional as F
+
+    return lambda x: F.gelu(x)
+
+
 def _torch_relu2(op):
     import torch
     import torch.nn.functional as F
@@ -323,6 +352,8 @@ def _jax_pointwise(body: Callable[[Any, Any], Any]):
 def bench_cases():
     """Not run by default (ask with --ops): against torch's functions and hand-written ``jax.numpy``."""
     return [
+        BenchCase("gelu", "gelu", lambda hidden: GELU(), x_only_inputs, _pointwise_cost("gelu"), _torch_gelu,
+                  _jax_pointwise(lambda jax, x: jax.nn.gelu(x, approximate=False)), default=False),
         BenchCase("gelu_new", "gelu_new", lambda hidden: NewGELU(), x_only_inputs, _pointwise_cost("gelu_new"),
                   _torch_gelu_new, _jax_pointwise(lambda jax, x: jax.nn.gelu(x, approximate=True)), default=False),
         BenchCase("quick_gelu", "quick_gelu", lambda hidden: QuickGELU(), x_only_inputs, _pointwise_cost("quick_gelu"),
@@ -337,11 +368,14 @@ SERVING_POINTWISE_SHAPES = ((8192, 28672), (16, 53248))
 
 
 def serving():
-    return {op: Serving(SERVING_POINTWISE_SHAPES) for op in ("gelu_new", "gelu_fast", "quick_gelu", "relu2", "xielu")}
+    return {op: Serving(SERVING_POINTWISE_SHAPES) for op in ("gelu", "gelu_tanh", "gelu_new", "gelu_fast", "quick_gelu",
+                                                           "relu2", "xielu")}
 
 # What the shared test sweeps know about these ops' check cases (``testing.with_notes``: keys are op
 # names or case labels; traits as ``dualop.testing.TRAITS`` defines them).
 CASE_NOTES = {
+    "gelu": {"traits": {"cancelling"}},
+    "gelu_tanh": {"traits": {"cancelling"}},
     "gelu_new": {"traits": {"cancelling"}},
     "gelu_fast": {"traits": {"cancelling"}},
     "xielu": {"native_cells": {("torch", "cpu"): "torch has no fused xIELU"}},

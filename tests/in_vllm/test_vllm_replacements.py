@@ -103,7 +103,7 @@ CASES = {
         ("gelu_and_mul_sparse", "GeluAndMulSparse", (0.95,)), ("silu_and_mul_with_clamp", "SiluAndMulWithClamp",
                                                                (3.0, 1.702, 1.0)),
         ("swiglustep_and_mul", "SwigluStepAndMul", (3.0,)), ("situ_and_mul", "SituAndMul", (2.0, 3.0)),
-        ("situ_and_mul[no linear_beta]", "SituAndMul", (2.0,)))},
+        ("situ_and_mul[no linear_beta]", "SituAndMul", (2.0,)), ("gelu", "GELU", ()), ("gelu_tanh", "GELUTanh", ()))},
     "mixer2_gated_rms_norm": (_vllm("vllm.model_executor.layers.mamba.mamba_mixer2", "Mixer2RMSNormGated", 64, 2),
                               lambda rng: (_t(rng, 5, 64), _t(rng, 5, 64))),
     "rope[deepseek_yarn]": (_rope({"rope_type": "deepseek_yarn", "rope_theta": 10000.0, "factor": 4.0,

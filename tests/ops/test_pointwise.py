@@ -1,4 +1,4 @@
-"""The pointwise activation family (gelu_new, gelu_fast, quick_gelu, relu2, xielu): every cell's real
+"""The pointwise activation family (gelu, gelu_tanh, gelu_new, gelu_fast, quick_gelu, relu2, xielu): every cell's real
 kernel against forward_native, forward_native against Hugging Face transformers and jax.nn, the
 shared Pallas and Triton kernels directly (several blocks, ragged edges), special values, bad
 input, and jit / vmap / grad through the Pallas path."""
@@ -14,11 +14,12 @@ import torch
 
 from conftest import KERNEL_CELLS, NATIVE_CASES, require_frontend
 from dualop import OpsConfig, check, dispatch_report, override_platform, set_config, testing
-from dualop.ops import XIELU, FastGELU, NewGELU, QuickGELU, ReLUSquaredActivation
+from dualop.ops import GELU, XIELU, FastGELU, GELUTanh, NewGELU, QuickGELU, ReLUSquaredActivation
 from dualop.ops import pointwise as pointwise_mod
 
-OPS = ("gelu_new", "gelu_fast", "quick_gelu", "relu2", "xielu")
-SIMPLE = {"gelu_new": NewGELU, "gelu_fast": FastGELU, "quick_gelu": QuickGELU, "relu2": ReLUSquaredActivation}
+OPS = ("gelu", "gelu_tanh", "gelu_new", "gelu_fast", "quick_gelu", "relu2", "xielu")
+SIMPLE = {"gelu": GELU, "gelu_tanh": GELUTanh, "gelu_new": NewGELU, "gelu_fast": FastGELU, "quick_gelu": QuickGELU,
+          "relu2": ReLUSquaredActivation}
 CASES = list(testing.cases_for(list(OPS)))
 ALPHAS = pointwise_mod._XIELU_CASE_ALPHAS
 
@@ -117,6 +118,8 @@ def _hf_reference(name, x_np):
     """Hugging Face's activation of float32 ``x_np``, as float32 numpy."""
     hf = _hf()
     act = {
+        "gelu": hf.GELUActivation,
+        "gelu_tanh": hf.GELUTanh,
         "gelu_new": hf.NewGELUActivation,
         "gelu_fast": hf.FastGELUActivation,
         "quick_gelu": hf.QuickGELUActivation,
@@ -134,8 +137,8 @@ def test_torch_native_matches_transformers(name):
     x = torch.from_numpy(x_np)
     args = (x, torch.tensor([ALPHAS[0]]), torch.tensor([ALPHAS[1]])) if name == "xielu" else (x,)
     _close(_op(name).forward_native(*args), _hf_reference(name, x_np))
-    assert type(hf.ACT2FN[name]).__name__ == {
-        "gelu_new": "NewGELUActivation", "gelu_fast": "FastGELUActivation", "quick_gelu": "QuickGELUActivation",
+    assert type(hf.ACT2FN[{"gelu_tanh": "gelu_pytorch_tanh"}.get(name, name)]).__name__ == {
+        "gelu": "GELUActivation", "gelu_tanh": "GELUTanh", "gelu_new": "NewGELUActivation", "gelu_fast": "FastGELUActivation", "quick_gelu": "QuickGELUActivation",
         "relu2": "ReLUSquaredActivation", "xielu": "XIELUActivation",
     }[name]
 
@@ -150,6 +153,8 @@ def test_jax_native_matches_transformers_and_jax_nn(name):
     got = _op(name).forward_native(*args)
     _close(got, _hf_reference(name, x_np))
     jax_nn = {
+        "gelu": lambda t: jax.nn.gelu(t, approximate=False),
+        "gelu_tanh": lambda t: jax.nn.gelu(t, approximate=True),
         "gelu_new": lambda t: jax.nn.gelu(t, approximate=True),
         "gelu_fast": lambda t: jax.nn.gelu(t, approximate=True),  # 0.7978845608 is sqrt(2/pi) in float32
         "relu2": lambda t: jnp.square(jax.nn.relu(t)),
@@ -266,8 +271,8 @@ def test_pallas_rejects_a_wrong_parameter_set(interpret):
         pointwise_activation(x, activation="xielu", interpret=interpret)
     with pytest.raises(ValueError, match="'relu2' takes no parameters"):
         pointwise_activation(x, jnp.ones(1), jnp.ones(1), activation="relu2", interpret=interpret)
-    with pytest.raises(ValueError, match="activation 'gelu' is not one of"):
-        pointwise_activation(x, activation="gelu", interpret=interpret)
+    with pytest.raises(ValueError, match="activation 'swish' is not one of"):
+        pointwise_activation(x, activation="swish", interpret=interpret)
 
 
 def test_pallas_cost_estimate():
@@ -499,7 +504,8 @@ def test_triton_several_programs_and_a_ragged_tail(triton_kernel, name, dtype):
     x = torch.from_numpy(pointwise_mod._spread((3, 333), np.random.default_rng(11))).to(getattr(torch, dtype))
     args = _torch_args(name, x)
     statics = {"beta": 0.5, "eps": -1e-6} if name == "xielu" else {}
-    got = triton_kernel.pointwise_activation(*args, activation=name, block=128, **statics)  # 8 programs, 103 in the last
+    got = triton_kernel.pointwise_activation(*args, activation=_op(name).activation, block=128,
+                                             **statics)  # 8 programs, 103 in the last
     assert got.shape == x.shape and got.dtype == x.dtype
     _close(got.float(), _op(name).forward_native(*args).float(), dtype)
 

@@ -101,7 +101,7 @@ def _experts_up_kernel(
             h = tl.maximum(acc_gate, 0.0, propagate_nan=tl.PropagateNan.ALL)  # NaN stays NaN, as the native body
             h = h * h
         else:
-            h = _gate(acc_gate, acc_up, ACT, 0.0, alpha, limit)
+            h = _gate(acc_gate, acc_up, ACT, 0.0, alpha, limit, 0.0, 0.0)
         tl.store(inter_ptr + rows[:, None] * inter_stride + cols[None, :], h,
                  mask=row_ok[:, None] & col_ok[None, :])
 

@@ -16,7 +16,7 @@ from dualop.kernels.cuda.common import cast_out, needs_exact_bf16
 
 __all__ = ["pointwise_activation", "ACTIVATION_IDS"]
 
-ACTIVATION_IDS = {"gelu_new": 0, "gelu_fast": 1, "quick_gelu": 2, "relu2": 3, "xielu": 4}
+ACTIVATION_IDS = {"gelu_new": 0, "gelu_fast": 1, "quick_gelu": 2, "relu2": 3, "xielu": 4, "gelu": 5}
 PARAMETRIC = frozenset({"xielu"})
 _BLOCK = 1024
 
@@ -72,6 +72,8 @@ def _pointwise_kernel(
     elif ACT == 3:  # relu2; where(x < 0) keeps NaN, as maximum(x, 0) does
         r = tl.where(x < 0.0, 0.0, x)
         y = r * r
+    elif ACT == 5:  # gelu (erf)
+        y = 0.5 * x * (1.0 + tl.math.erf(x * 0.7071067811865476))
     else:  # xielu
         a_p = _softplus(tl.load(ap_ptr).to(tl.float32))
         a_n = beta + _softplus(tl.load(an_ptr).to(tl.float32))

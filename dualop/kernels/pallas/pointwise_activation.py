@@ -27,7 +27,9 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from dualop.backends.xla import array_api as xp
 from dualop.kernels import cost as cost_model
+from dualop.kernels import gate_math
 from dualop.kernels.pallas.common import (
     block_budget,
     block_vmem_bytes,
@@ -64,6 +66,10 @@ def _gelu_new(x):
     return 0.5 * x * (1.0 + jnp.tanh(_SQRT_2_OVER_PI * (x + 0.044715 * (x * x * x))))
 
 
+def _gelu(x):
+    return gate_math.gelu(xp, x)
+
+
 def _gelu_fast(x):
     return 0.5 * x * (1.0 + jnp.tanh(0.7978845608 * x * (1.0 + 0.044715 * (x * x))))
 
@@ -86,6 +92,7 @@ def _xielu(x, a_p, a_n, *, beta: float, eps: float):
 
 _FUNCTIONS = {
     "gelu_new": _gelu_new,
+    "gelu": _gelu,
     "gelu_fast": _gelu_fast,
     "quick_gelu": _quick_gelu,
     "relu2": _relu2,
