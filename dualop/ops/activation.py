@@ -166,20 +166,6 @@ class GeluAndMulSparse(_GatedActivation):
         self.spec = GateSpec(act, sparsity=self.activation_sparsity)
 
 
-@CustomOp.register("fatrelu_and_mul")
-class FatreluAndMul(_GatedActivation):
-    """FATReLU gate (MiniCPM): ``where(x1 > threshold, x1, 0) * x[..., d:]`` with ``x1 = x[..., :d]``."""
-
-    def __init__(self, threshold: float = 0.0, *, enforce_enable: bool = False) -> None:
-        super().__init__(enforce_enable=enforce_enable)
-        if isinstance(threshold, bool) or not isinstance(threshold, (int, float)):
-            raise TypeError(f"fatrelu_and_mul: threshold must be a float, got {threshold!r}")
-        if not math.isfinite(threshold):
-            raise ValueError(f"fatrelu_and_mul: threshold must be a finite float, got {threshold!r}")
-        self.threshold = float(threshold)
-        self.spec = GateSpec("fatrelu", threshold=self.threshold)
-
-
 def _finite(op: str, name: str, value: Any, *, positive: bool = False) -> float:
     """A constructor's float parameter: a real number, finite (and > 0 where ``positive``)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
@@ -189,6 +175,16 @@ def _finite(op: str, name: str, value: Any, *, positive: bool = False) -> float:
     if positive and not value > 0:
         raise ValueError(f"{op}: {name} must be positive, got {value!r}")
     return float(value)
+
+
+@CustomOp.register("fatrelu_and_mul")
+class FatreluAndMul(_GatedActivation):
+    """FATReLU gate (MiniCPM): ``where(x1 > threshold, x1, 0) * x[..., d:]`` with ``x1 = x[..., :d]``."""
+
+    def __init__(self, threshold: float = 0.0, *, enforce_enable: bool = False) -> None:
+        super().__init__(enforce_enable=enforce_enable)
+        self.threshold = _finite("fatrelu_and_mul", "threshold", threshold)
+        self.spec = GateSpec("fatrelu", threshold=self.threshold)
 
 
 @CustomOp.register("swigluoai_and_mul")
